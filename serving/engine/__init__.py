@@ -1,0 +1,31 @@
+"""kvrelay's inference engine: paged KV cache, continuous batching, prefix caching, sampling."""
+
+from serving.engine.config import EngineConfig
+from serving.engine.engine import EngineStats, LLMEngine
+from serving.engine.errors import (
+    ContextLengthError,
+    EngineDeadError,
+    EngineError,
+    InvalidRequestError,
+    ModelLoadError,
+)
+from serving.engine.kv_transfer import KVLayout, KVPayload
+from serving.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from serving.engine.params import SamplingParams
+
+__all__ = [
+    "CompletionOutput",
+    "ContextLengthError",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineError",
+    "EngineStats",
+    "InvalidRequestError",
+    "KVLayout",
+    "KVPayload",
+    "LLMEngine",
+    "ModelLoadError",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprob",
+]

@@ -1,0 +1,220 @@
+"""KV block allocation with reference counts and prefix caching.
+
+    free queue (LRU ─▶ MRU):  [b7 b2 b9 | b4(h=..) b1(h=..)]
+                               └ unhashed   └ hashed: still findable by hash until reused
+
+A block is in use while its ref count is > 0. Freed blocks join the free queue; a hashed one
+stays in the prefix cache (findable by hash) until it is taken for new data, which evicts the
+least recently freed first. Blocks holding nothing reusable go to the front so they are reused
+before any cached block. A request's blocks are freed tail first, so a shared prefix outlives
+the suffixes hanging off it.
+
+The block table of a sequence only grows (append-only) while it runs. Counters: prefix-cache
+queries and hits, in tokens. Events (BlockStored / BlockRemoved) say which hashes this engine
+holds, for a router's exact index.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+from serving.engine.block_hash import ROOT_HASH, hash_blocks
+from serving.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from serving.engine.request import Sequence
+
+__all__ = ["Block", "BlockManager"]
+
+logger = logging.getLogger(__name__)
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_count}, hashed={self.block_hash is not None})"
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+        assert num_blocks > 0 and block_size > 0, (num_blocks, block_size)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._events: list[KVEvent] = []
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+
+    # ---- state -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be taken now (free, including evictable cached ones)."""
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def take_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks `seq` needs to hold `num_tokens` tokens in total."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_ids))
+
+    # ---- prefix cache -------------------------------------------------------------------------
+    def update_hashes(self, seq: Sequence) -> None:
+        """Extend `seq.block_hashes` over its full blocks of known tokens."""
+        if not self.enable_prefix_caching:
+            return
+        start = len(seq.block_hashes)
+        if (start + 1) * self.block_size > seq.num_tokens:
+            return
+        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+        seq.block_hashes += hash_blocks(
+            seq.token_ids, self.block_size, seq.extra_keys, start_block=start, parent_hash=parent
+        )
+
+    def lookup_prefix(self, seq: Sequence) -> list[int]:
+        """Ids of cached blocks holding `seq`'s leading tokens (verified), without taking them.
+
+        At least one token is always left to compute, so the step produces logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        self.update_hashes(seq)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for i, block_hash in enumerate(seq.block_hashes[:max_blocks]):
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            if self.blocks[block_id].token_ids != tokens:  # a hash collision: treat as a miss
+                break
+            hits.append(block_id)
+        return hits
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted lookup (failed admissions retry and are not counted twice)."""
+        self.num_prefix_query_tokens += num_tokens
+        self.num_prefix_hit_tokens += num_hit_tokens
+
+    # ---- allocation ---------------------------------------------------------------------------
+    def allocate(self, seq: Sequence, num_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+        """Give `seq` blocks for `num_tokens` tokens in total, first taking `cached_block_ids`
+        (from lookup_prefix, only when seq has no blocks yet). False, with nothing changed,
+        when too few blocks are free.
+        """
+        if cached_block_ids:
+            assert not seq.block_ids, f"{seq}: cached blocks only for a sequence with none"
+        num_new = max(0, -(-num_tokens // self.block_size) - len(seq.block_ids) - len(cached_block_ids))
+        num_cached_free = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
+        if num_new + num_cached_free > len(self._free):
+            return False
+        for block_id in cached_block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+            seq.block_ids.append(block_id)
+        if cached_block_ids:
+            seq.num_committed_blocks = len(cached_block_ids)
+            seq.num_computed_tokens = len(cached_block_ids) * self.block_size
+        for _ in range(num_new):
+            seq.block_ids.append(self._take_free_block())
+        return True
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) == block_id:
+                del self._cached[block.block_hash]
+                self._events.append(BlockRemoved((block.block_hash,)))
+            block.block_hash = None
+            block.token_ids = None
+        block.ref_count = 1
+        return block_id
+
+    def commit(self, seq: Sequence) -> None:
+        """Register `seq`'s newly computed full blocks in the prefix cache (by hash)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        start = seq.num_committed_blocks
+        if num_full <= start:
+            return
+        self.update_hashes(seq)
+        run: list[int] = []  # indices of a contiguous run of newly stored blocks
+        for i in range(start, num_full):
+            block = self.blocks[seq.block_ids[i]]
+            block_hash = seq.block_hashes[i]
+            if block.block_hash is None and block_hash not in self._cached:
+                block.block_hash = block_hash
+                block.token_ids = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+                self._cached[block_hash] = block.block_id
+                run.append(i)
+            elif run:
+                self._emit_stored(seq, run)
+                run = []
+        if run:
+            self._emit_stored(seq, run)
+        seq.num_committed_blocks = num_full
+
+    def _emit_stored(self, seq: Sequence, run: list[int]) -> None:
+        first, last = run[0], run[-1]
+        self._events.append(
+            BlockStored(
+                block_hashes=tuple(seq.block_hashes[first : last + 1]),
+                parent_hash=seq.block_hashes[first - 1] if first else ROOT_HASH,
+                token_ids=tuple(seq.token_ids[first * self.block_size : (last + 1) * self.block_size]),
+                block_size=self.block_size,
+            )
+        )
+
+    def fork(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
+        """Share `parent`'s first `num_blocks` (fully computed) blocks with `child`."""
+        assert not child.block_ids and num_blocks <= parent.num_computed_tokens // self.block_size
+        for block_id in parent.block_ids[:num_blocks]:
+            self.blocks[block_id].ref_count += 1
+            child.block_ids.append(block_id)
+        child.num_computed_tokens = num_blocks * self.block_size
+        child.num_committed_blocks = min(parent.num_committed_blocks, num_blocks)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s references, tail first; blocks at zero become free (hashed ones stay cached)."""
+        for block_id in reversed(seq.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"double free of {block}"
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)  # nothing to keep: reuse first
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_committed_blocks = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use keep their data)."""
+        for block in self.blocks:
+            block.block_hash = None
+            block.token_ids = None
+        self._cached.clear()
+        self._events.append(AllBlocksCleared())
+

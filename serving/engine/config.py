@@ -1,0 +1,54 @@
+"""Engine configuration: one pydantic model, unknown keys rejected."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["EngineConfig", "DTYPES"]
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(
+        "smollm2-135m-instruct",
+        description="Built-in name, a .gguf file, or a local Hugging Face model directory.",
+    )
+    dtype: Literal["bfloat16", "float32", "float16"] = Field(
+        "bfloat16", description="Weights and KV cache dtype; float32 for exact parity checks."
+    )
+    device: str = Field("cpu", description="'cpu' or 'cuda[:N]'.")
+    block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
+    kv_cache_bytes: int | None = Field(
+        None, gt=0, description="KV cache budget in bytes; overrides kv_cache_memory_fraction."
+    )
+    kv_cache_memory_fraction: float = Field(
+        0.1, gt=0.0, le=0.95, description="KV cache budget as a fraction of available memory."
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="Context window; default the model's, capped by the KV capacity."
+    )
+    max_num_seqs: int = Field(128, ge=1, le=4096, description="Sequences running at once.")
+    max_num_batched_tokens: int = Field(
+        512, ge=1, description="Token budget per step (prefill chunks + decodes)."
+    )
+    enable_prefix_caching: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads for this engine; default: torch's choice."
+    )
+    seed: int = Field(0, description="Seed of the sampler's generator for unseeded requests.")
+
+    @model_validator(mode="after")
+    def _check_device(self) -> EngineConfig:
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,473 @@
+"""LLMEngine: the synchronous core. add_request / step / abort, plus KV export and import.
+
+One `step()` = schedule → (write imported KV) → one forward pass → sample → detokenize and check
+stops → free what finished. Everything here runs on one thread; AsyncEngine drives it from a
+background thread for asyncio callers.
+
+A request with `n > 1` is one sequence per choice. Choice 0 computes the prompt; the others wait
+and, once it is done, start from its full prompt blocks (shared by reference count), computing
+only the partial last block themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from serving.engine.block_manager import BlockManager
+from serving.engine.config import EngineConfig
+from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.engine.errors import ContextLengthError, InvalidRequestError
+from serving.engine.kv_cache import KVCache, available_memory_bytes, kv_bytes_per_token
+from serving.engine.kv_events import KVEvent
+from serving.engine.kv_transfer import KVLayout, KVPayload
+from serving.engine.model import LlamaModel
+from serving.engine.model_loader import load_model_spec, load_state_dict, load_tokenizer, resolve_model_dir
+from serving.engine.model_runner import ModelRunner
+from serving.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from serving.engine.params import SamplingParams
+from serving.engine.request import RequestStatus, Sequence
+from serving.engine.sampler import Sampler, SamplingRow
+from serving.engine.scheduler import Scheduler
+from serving.engine.stop_checker import StopChecker
+
+__all__ = ["LLMEngine", "EngineStats"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    num_computed_tokens: int  # every token run through the model
+    num_generated_tokens: int
+    num_held_exports: int
+
+
+@dataclass
+class _SeqState:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    stop_checker: StopChecker
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    seqs: list[_SeqState]
+    num_prompt_tokens: int
+    arrival_time: float
+    waiting_children: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **overrides):
+        config = (config or EngineConfig()).model_copy(update=overrides) if overrides else (config or EngineConfig())
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        dtype = config.torch_dtype
+
+        model_dir = resolve_model_dir(config.model)
+        self.spec = load_model_spec(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        t0 = time.monotonic()
+        self.model = LlamaModel(self.spec, load_state_dict(model_dir), dtype=dtype, device=self.device)
+        logger.info(
+            "loaded %s (%s, %d layers) in %.2fs", config.model, self.spec.architecture,
+            self.spec.num_layers, time.monotonic() - t0,
+        )
+
+        spec = self.spec
+        bytes_per_token = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)
+        budget = config.kv_cache_bytes or int(
+            available_memory_bytes(self.device) * config.kv_cache_memory_fraction
+        )
+        num_blocks = budget // (bytes_per_token * config.block_size)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes={budget} holds no block: one block of {config.block_size} tokens "
+                f"needs {bytes_per_token * config.block_size} bytes"
+            )
+        self.kv_cache = KVCache(
+            num_layers=spec.num_layers, num_blocks=num_blocks, block_size=config.block_size,
+            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype, device=self.device,
+        )
+        capacity = num_blocks * config.block_size
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %d bytes/token, %.1f MiB",
+            num_blocks, config.block_size, capacity, bytes_per_token, self.kv_cache.num_bytes / 2**20,
+        )
+        self.bytes_per_token = bytes_per_token
+        self.max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+        if capacity < self.max_model_len:
+            logger.warning(
+                "KV cache holds %d tokens, less than the context window %d: capping it",
+                capacity, self.max_model_len,
+            )
+            self.max_model_len = capacity
+
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.vocab_size = self.model.lm_head.shape[0]
+        self.sampler = Sampler(self.vocab_size, seed=config.seed)
+        self.eos_token_ids = spec.eos_token_ids
+        self.kv_layout = KVLayout(
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, config.dtype
+        )
+        self._requests: dict[str, _Request] = {}
+        self._held: dict[str, Sequence] = {}  # finished with hold_kv, blocks kept for export
+        self._pending_outputs: list[RequestOutput] = []
+        self.num_computed_tokens = 0
+        self.num_generated_tokens = 0
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        hold_kv: bool = False,
+        kv_payload: KVPayload | None = None,
+        prior_output_token_ids: list[int] | None = None,
+    ) -> int:
+        """Validate and queue a request; returns its prompt length.
+
+        `hold_kv` keeps the KV after the request finishes, for `export_kv` (prefill worker).
+        `kv_payload` imports KV computed elsewhere; `prior_output_token_ids` are tokens already
+        generated there (they count towards max_tokens and are not emitted again).
+        """
+        params = params or SamplingParams()
+        if request_id in self._requests or request_id in self._held:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise InvalidRequestError("prompt", "give a prompt or prompt_token_ids")
+            prompt_token_ids = self.tokenizer(prompt).input_ids
+        prompt_token_ids = list(prompt_token_ids)
+        prior = list(prior_output_token_ids or [])
+        self._validate(prompt_token_ids, prior, params, hold_kv=hold_kv, kv_payload=kv_payload)
+        num_prompt = len(prompt_token_ids)
+        max_tokens = params.max_tokens or (self.max_model_len - num_prompt)
+        extra_keys = (cache_salt,) if cache_salt else ()
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+
+        states: list[_SeqState] = []
+        for index in range(params.n):
+            seq = Sequence(
+                request_id=request_id, index=index, prompt_token_ids=prompt_token_ids,
+                params=params, max_tokens=max_tokens, priority=priority, arrival_time=arrival,
+                extra_keys=extra_keys, hold_kv=hold_kv,
+            )
+            for token_id in prior:
+                seq.append_token(token_id)
+            states.append(
+                _SeqState(
+                    seq,
+                    IncrementalDetokenizer(
+                        self.tokenizer, prompt_token_ids + prior,
+                        skip_special_tokens=params.skip_special_tokens,
+                    ),
+                    StopChecker(params, self.eos_token_ids, max_tokens),
+                )
+            )
+        request = _Request(request_id, states, num_prompt, arrival)
+        first = states[0].seq
+        first.pending_import = kv_payload
+        self.scheduler.add(first)
+        for state in states[1:]:
+            state.seq.status = RequestStatus.WAITING_FOR_PARENT
+            request.waiting_children.append(state.seq)
+        self._requests[request_id] = request
+        return num_prompt
+
+    def _validate(self, prompt, prior, params, *, hold_kv, kv_payload) -> None:
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise InvalidRequestError(
+                "prompt_token_ids", f"token id {bad[0]!r} is not in the vocabulary (0..{self.vocab_size - 1})"
+            )
+        params.validate(vocab_size=self.vocab_size)
+        num_tokens = len(prompt) + len(prior)
+        if num_tokens >= self.max_model_len:
+            raise ContextLengthError(
+                "messages",
+                f"the prompt has {num_tokens} tokens but the context window is {self.max_model_len} "
+                "(shorten the prompt)",
+                num_tokens=num_tokens, limit=self.max_model_len,
+            )
+        if params.max_tokens is not None and len(prompt) + params.max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                "max_tokens",
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context window of {self.max_model_len} tokens (lower max_tokens to at most "
+                f"{self.max_model_len - len(prompt)})",
+                num_tokens=len(prompt) + params.max_tokens, limit=self.max_model_len,
+            )
+        if params.max_tokens is not None and len(prior) >= params.max_tokens:
+            raise InvalidRequestError("max_tokens", f"must exceed the {len(prior)} tokens generated already")
+        if (hold_kv or kv_payload is not None) and params.n != 1:
+            raise InvalidRequestError("n", "KV export/import supports n=1 only")
+        if kv_payload is not None:
+            if kv_payload.layout != self.kv_layout:
+                raise InvalidRequestError(
+                    "kv_payload", f"layout {kv_payload.layout} does not match this engine's {self.kv_layout}"
+                )
+            if kv_payload.token_ids != (prompt + prior)[: kv_payload.num_tokens] or kv_payload.num_tokens >= num_tokens:
+                raise InvalidRequestError(
+                    "kv_payload", "its tokens are not a proper prefix of the prompt and prior outputs"
+                )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; its final output says finish_reason 'abort'."""
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self.block_manager.free(held)
+        request = self._requests.get(request_id)
+        if request is None:
+            return held is not None
+        outputs = []
+        for state in request.seqs:
+            if state.finish_reason is None:
+                state.finish_reason = "abort"
+                state.seq.status = RequestStatus.FINISHED_ABORTED
+                self.scheduler.remove(state.seq)
+                if state.seq.block_ids:
+                    self.block_manager.free(state.seq)
+                outputs.append(CompletionOutput(state.seq.index, "", [], None, "abort"))
+        request.waiting_children.clear()
+        self._pending_outputs.append(self._request_output(request, outputs))
+        del self._requests[request_id]
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._pending_outputs)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        sched = self.scheduler.schedule()
+        for seq in sched.kv_imports:
+            self._write_import(seq)
+        if not sched.scheduled:
+            if self.scheduler.num_unfinished and not sched.preempted:
+                logger.error("nothing schedulable with %d unfinished sequences", self.scheduler.num_unfinished)
+            return outputs
+        step = self.runner.prepare(sched.scheduled)
+        logits = self.runner.execute(step)
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+            self.num_computed_tokens += n
+            self.block_manager.commit(seq)
+        if step.sampling_seqs:
+            sampled = self.sampler(logits, [self._sampling_row(s) for s in step.sampling_seqs])
+            now = time.monotonic()
+            deltas: dict[str, list[CompletionOutput]] = {}
+            for seq, token_id, logprob in zip(step.sampling_seqs, sampled.token_ids, sampled.logprobs):
+                delta = self._append(seq, token_id, logprob, now)
+                deltas.setdefault(seq.request_id, []).append(delta)
+            for request_id, completion_outputs in deltas.items():
+                request = self._requests[request_id]
+                outputs.append(self._request_output(request, completion_outputs))
+                if request.finished:
+                    del self._requests[request_id]
+        return outputs
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        params = seq.params
+        return SamplingRow(
+            params=params,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            eos_token_ids=self.eos_token_ids,
+            seed_key=None if params.seed is None else (params.seed, seq.index, seq.num_output_tokens),
+        )
+
+    def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, now: float) -> CompletionOutput:
+        request = self._requests[seq.request_id]
+        state = request.seqs[seq.index]
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.append_token(token_id)
+        self.num_generated_tokens += 1
+        if seq.index == 0 and request.waiting_children:
+            self._fork_children(seq, request)
+        text = state.detokenizer.step([token_id])
+        result = state.stop_checker.check(token_id, text, seq.num_output_tokens)
+        delta = CompletionOutput(seq.index, result.text, [token_id], [logprob] if logprob else None)
+        if result.finish_reason is None and seq.num_tokens >= self.max_model_len:
+            result.finish_reason = "length"
+        if result.finish_reason is not None:
+            if not isinstance(result.stop_reason, str):
+                # Not cut by a stop string: release what was held back for a possible match.
+                delta.text += state.stop_checker.flush() + state.detokenizer.flush()
+            delta.finish_reason = result.finish_reason
+            delta.stop_reason = result.stop_reason
+            state.finish_reason = result.finish_reason
+            self._finish(seq, RequestStatus(result.finish_reason))
+        return delta
+
+    def _fork_children(self, parent: Sequence, request: _Request) -> None:
+        num_blocks = (request.num_prompt_tokens - 1) // self.block_manager.block_size
+        for child in request.waiting_children:
+            self.block_manager.fork(parent, child, num_blocks)
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.scheduler.add(child)
+        request.waiting_children = []
+
+    def _finish(self, seq: Sequence, status: RequestStatus) -> None:
+        seq.status = status
+        self.scheduler.remove(seq)
+        if seq.hold_kv:
+            self._held[seq.request_id] = seq
+        else:
+            self.block_manager.free(seq)
+
+    def _request_output(self, request: _Request, outputs: list[CompletionOutput]) -> RequestOutput:
+        first = request.seqs[0].seq
+        finished = request.finished
+        return RequestOutput(
+            request_id=request.request_id,
+            outputs=outputs,
+            finished=finished,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=RequestMetrics(
+                arrival_time=request.arrival_time,
+                first_scheduled_time=first.first_scheduled_time,
+                first_token_time=first.first_token_time,
+                finished_time=time.monotonic() if finished else None,
+            ),
+        )
+
+    # ---- KV export / import ------------------------------------------------------------------
+    def export_kv(self, request_id: str, *, release: bool = True) -> KVPayload:
+        """The computed KV of a finished `hold_kv` request, as one contiguous payload."""
+        seq = self._held.get(request_id)
+        if seq is None:
+            raise KeyError(f"no held KV for request {request_id!r} (add it with hold_kv=True)")
+        num_tokens = seq.num_computed_tokens
+        num_blocks = -(-num_tokens // self.block_manager.block_size)
+        kv = self.kv_cache.read_blocks(seq.block_ids[:num_blocks])
+        self.block_manager.update_hashes(seq)
+        full = num_tokens // self.block_manager.block_size
+        payload = KVPayload(
+            request_id=request_id,
+            token_ids=seq.token_ids[:num_tokens],
+            block_hashes=seq.block_hashes[:full],
+            layout=self.kv_layout,
+            kv=kv,
+        )
+        if release:
+            self.release_kv(request_id)
+        return payload
+
+    def release_kv(self, request_id: str) -> bool:
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.block_manager.free(seq)
+        return True
+
+    def _write_import(self, seq: Sequence) -> None:
+        payload = seq.pending_import
+        seq.pending_import = None
+        self.kv_cache.write_blocks(seq.block_ids[: payload.num_blocks], payload.kv)
+        self.block_manager.commit(seq)
+
+    # ---- observability -----------------------------------------------------------------------
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.block_manager.take_events()
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            kv_cache_usage=bm.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_query_tokens=bm.num_prefix_query_tokens,
+            prefix_cache_hit_tokens=bm.num_prefix_hit_tokens,
+            num_computed_tokens=self.num_computed_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+            num_held_exports=len(self._held),
+        )
+
+    # ---- convenience -------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; returns one RequestOutput per prompt with full choices."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            request_id = f"generate-{id(prompts)}-{i}"
+            if isinstance(prompt, str):
+                self.add_request(request_id, prompt, p)
+            else:
+                self.add_request(request_id, params=p, prompt_token_ids=prompt)
+            ids.append(request_id)
+        merged: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                merged[out.request_id] = _merge(merged.get(out.request_id), out)
+        return [merged[i] for i in ids]
+
+
+def _merge(acc: RequestOutput | None, new: RequestOutput) -> RequestOutput:
+    if acc is None:
+        acc = RequestOutput(new.request_id, [], False, new.num_prompt_tokens, new.num_cached_tokens, new.metrics)
+    by_index = {c.index: c for c in acc.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            by_index[c.index] = CompletionOutput(
+                c.index, c.text, list(c.token_ids), list(c.logprobs) if c.logprobs else None,
+                c.finish_reason, c.stop_reason,
+            )
+        else:
+            old.text += c.text
+            old.token_ids += c.token_ids
+            if c.logprobs:
+                old.logprobs = (old.logprobs or []) + c.logprobs
+            old.finish_reason = c.finish_reason or old.finish_reason
+            old.stop_reason = c.stop_reason if c.stop_reason is not None else old.stop_reason
+    acc.outputs = [by_index[i] for i in sorted(by_index)]
+    acc.finished = new.finished
+    acc.metrics = new.metrics
+    acc.num_cached_tokens = new.num_cached_tokens
+    return acc

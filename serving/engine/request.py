@@ -1,0 +1,105 @@
+"""One sequence being generated (one choice of a request), described by counters, not phases.
+
+A sequence holds `token_ids` (prompt + generated) and `num_computed_tokens`, how many of them
+have KV in the cache. The scheduler's only question each step is how many of the
+`num_tokens - num_computed_tokens` pending tokens to compute. A prefill worker is the same
+sequence asked for one token with its KV held for export.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from serving.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from serving.engine.kv_transfer import KVPayload
+
+__all__ = ["RequestStatus", "Sequence"]
+
+_seq_counter = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    WAITING_FOR_PARENT = "waiting_for_parent"  # choice > 0 of an n > 1 request
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int  # choice index within the request
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: never None
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Extra keys mixed into every block hash (adapter id, cache salt).
+    extra_keys: tuple = ()
+    # Keep the KV blocks after finishing, for export (prefill worker).
+    hold_kv: bool = False
+
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hashes of full blocks, in order
+    num_committed_blocks: int = 0  # leading blocks whose KV is computed and registered by hash
+    num_preemptions: int = 0
+    stop_reason: str | int | None = None
+    pending_import: KVPayload | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Lower runs first: priority, then arrival (FCFS), then creation order."""
+        return (self.priority, self.arrival_time, self.seq_id)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id}#{self.index}, {self.status.value}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens}, blocks={len(self.block_ids)})"
+        )
