@@ -1,0 +1,502 @@
+"""Turns one step's logits into next tokens: one row per sequence, each with its own parameters.
+
+Every row goes through the same pipeline, in this order:
+
+    logits [rows, vocab] (any float dtype) -> float32 copy
+      |
+      |-- 1. logprobs     log_softmax of the RAW row: the sampled token's logprob and the
+      |                   `params.logprobs` most likely tokens (OpenAI reports the model's
+      |                   distribution, not the one we sample from)
+      v
+    2. logit_bias         added to the named tokens
+    3. min_tokens         EOS ids and stop_token_ids -> -inf while len(output) < min_tokens
+    4. penalties          repetition over prompt + output (HF: l > 0 ? l / p : l * p), then
+                          presence and frequency over output only
+                          (OpenAI: l -= frequency * count + presence * [count > 0])
+      v
+    5. greedy rows        argmax, ties -> lowest id  (temperature 0, or top_k == 1)
+    6. sampled rows       / temperature -> top_k -> top_p on the renormalised top-k
+                          -> min_p (prob < min_p * max prob) -> one uniform u per row,
+                          inverse CDF over what is left
+
+Random draws. The uniforms are drawn on the CPU in float64, then moved to the logits' device,
+so a draw never depends on the device's RNG. Rows without a `seed_key` share the sampler's
+generator, one batched draw per step. A row with a `seed_key` (seed, choice index, output
+position) draws from a fresh generator seeded by `seed_from_key(seed_key)`, a blake2b mix of
+the three ints: the token at that position is the same alone or in any batch, and in any
+process (on the CPU; a GPU kernel may order tied logits differently).
+
+Cost. A batch of greedy rows with nothing else to do is one argmax over the caller's tensor
+(bf16/fp16 -> fp32 is exact, so no copy). Otherwise there is one float32 copy; bias, masking
+and penalties touch only the listed tokens of the rows that ask for them; only rows with
+top_k or top_p are ordered, and partially where that is exact:
+
+    top_k = k            topk(k): nothing beyond it can survive
+    top_p only           topk(1024); a full sort only for rows whose top 1024 hold < top_p
+    min_p only, or none  no ordering: softmax in vocabulary order
+
+A row's path depends only on its own parameters and logits, so a seeded row meets the same
+candidate order, and the same u the same CDF, whatever batch it sits in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from serving.engine.outputs import TokenLogprob
+from serving.engine.params import SamplingParams
+
+__all__ = [
+    "SamplingRow",
+    "SamplerOutput",
+    "Sampler",
+    "apply_penalties",
+    "top_k_top_p_min_p",
+    "seed_from_key",
+]
+
+# Below this temperature a row is sampled greedily, as in vLLM (_SAMPLING_EPS): dividing by
+# a near-zero temperature overflows float32 and softmax returns NaN.
+_MIN_TEMPERATURE = 1e-5
+# A top_p-only row first looks at its most likely tokens; it is sorted in full only when they
+# hold less than top_p of the mass (a flat distribution or top_p near 1).
+_NUM_TOP_P_CANDIDATES = 1024
+# Columns per block of the two-level CDF (see _inverse_cdf).
+_CDF_BLOCK = 256
+
+
+@dataclass
+class SamplingRow:
+    """One sequence that needs a next token this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]  # repetition_penalty looks at prompt + output
+    output_token_ids: list[int]  # presence/frequency penalties and min_tokens look at output only
+    eos_token_ids: tuple[int, ...] = ()  # masked, with params.stop_token_ids, below min_tokens
+    seed_key: tuple[int, int, int] | None = None  # (seed, choice index, output position)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]  # None where the row's params.logprobs is None
+
+
+class Sampler:
+    """Samples one token per row; see the module docstring for the pipeline."""
+
+    def __init__(self, vocab_size: int, seed: int | None = None):
+        self.vocab_size = vocab_size  # the logits' width, which may exceed the tokenizer's vocab
+        if seed is None:
+            # From torch's default generator, so torch.manual_seed() makes a run reproducible.
+            seed = int(torch.randint(0, 2**63 - 1, (1,)).item())
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (
+            f"logits {tuple(logits.shape)} do not match {len(rows)} rows"
+        )
+        assert logits.shape[1] == self.vocab_size, (
+            f"logits have {logits.shape[1]} columns, the sampler expects {self.vocab_size}"
+        )
+        num_rows = len(rows)
+        if num_rows == 0:
+            return SamplerOutput(token_ids=[], logprobs=[])
+
+        greedy_rows = [i for i, r in enumerate(rows) if _is_greedy(r.params)]
+        bias_rows = [i for i, r in enumerate(rows) if r.params.logit_bias]
+        masked_rows = [i for i, r in enumerate(rows) if _needs_min_tokens_mask(r)]
+        penalty_rows = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+        logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+
+        if len(greedy_rows) == num_rows and not (
+            bias_rows or masked_rows or penalty_rows or logprob_rows
+        ):
+            return SamplerOutput(
+                token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * num_rows
+            )
+
+        x = logits.to(torch.float32, copy=True).contiguous()
+        raw_logprobs = (
+            torch.log_softmax(_take(x, logprob_rows), dim=-1) if logprob_rows else None
+        )
+        if bias_rows:
+            _apply_logit_bias(x, rows, bias_rows)
+        if masked_rows:
+            _apply_min_tokens_mask(x, rows, masked_rows)
+        if penalty_rows:
+            apply_penalties(
+                x,
+                [rows[i].prompt_token_ids for i in penalty_rows],
+                [rows[i].output_token_ids for i in penalty_rows],
+                [rows[i].params.repetition_penalty for i in penalty_rows],
+                [rows[i].params.presence_penalty for i in penalty_rows],
+                [rows[i].params.frequency_penalty for i in penalty_rows],
+                row_ids=penalty_rows,
+            )
+
+        token_ids = torch.empty(num_rows, dtype=torch.long, device=x.device)
+        if greedy_rows:
+            _put(token_ids, greedy_rows, _take(x, greedy_rows).argmax(dim=-1))
+        sampled_rows = [i for i in range(num_rows) if not _is_greedy(rows[i].params)]
+        if sampled_rows:
+            _put(
+                token_ids,
+                sampled_rows,
+                self._sample(_take(x, sampled_rows), [rows[i] for i in sampled_rows]),
+            )
+
+        logprobs: list[TokenLogprob | None] = [None] * num_rows
+        if raw_logprobs is not None:
+            chosen = _take(token_ids, logprob_rows)
+            collected = _collect_logprobs(raw_logprobs, chosen, [rows[i] for i in logprob_rows])
+            for i, lp in zip(logprob_rows, collected):
+                logprobs[i] = lp
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Step 6 on `x`, a private copy of the sampled rows' processed logits."""
+        device = x.device
+        temperatures = [r.params.temperature for r in rows]
+        x.div_(torch.tensor(temperatures, dtype=torch.float32, device=device)[:, None])
+        u = self._uniforms(rows).to(device)
+        out = torch.empty(len(rows), dtype=torch.long, device=device)
+        params = [r.params for r in rows]
+        for group in _filter(
+            x, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params]
+        ):
+            tokens = _inverse_cdf(group.probs, _take(u, group.rows))
+            if group.token_ids is not None:
+                tokens = group.token_ids.gather(1, tokens[:, None]).squeeze(1)
+            _put(out, group.rows, tokens)
+        return out
+
+    def _uniforms(self, rows: list[SamplingRow]) -> torch.Tensor:
+        """One float64 uniform in [0, 1) per row, on the CPU."""
+        u = torch.empty(len(rows), dtype=torch.float64)
+        unseeded = [i for i, r in enumerate(rows) if r.seed_key is None]
+        if unseeded:
+            u[unseeded] = torch.rand(len(unseeded), generator=self._generator, dtype=torch.float64)
+        for i, r in enumerate(rows):
+            if r.seed_key is not None:
+                g = torch.Generator().manual_seed(seed_from_key(r.seed_key))
+                u[i] = torch.rand(1, generator=g, dtype=torch.float64)[0]
+        return u
+
+
+def seed_from_key(seed_key: tuple[int, int, int]) -> int:
+    """A stable 63-bit seed for (seed, choice index, output position), the same in any process.
+
+    Python's hash() is salted per process, hence blake2b over fixed-width encodings.
+    """
+    data = b"".join(int(v).to_bytes(16, "little", signed=True) for v in seed_key)
+    digest = hashlib.blake2b(data, digest_size=8, person=b"kvrelay.sampler").digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    repetition_penalties: Sequence[float],
+    presence_penalties: Sequence[float],
+    frequency_penalties: Sequence[float],
+    *,
+    row_ids: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Step 4, in place on contiguous float32 `logits` [rows, vocab]; returns `logits`.
+
+    Entry j of each list belongs to logits row `row_ids[j]` (default: row j). Repetition
+    (HF): every token in prompt + output has its logit divided by p when positive, multiplied
+    by p otherwise. Then OpenAI's presence and frequency, over output tokens only:
+    l -= frequency * count + presence. Only the listed tokens are read and written.
+    """
+    assert logits.is_contiguous(), "apply_penalties writes through a flat view"
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    flat = logits.view(-1)
+    rows = list(range(len(output_token_ids))) if row_ids is None else list(row_ids)
+
+    def by_row(values: Sequence[float], neutral: float) -> torch.Tensor:
+        t = torch.full((num_rows,), neutral, dtype=torch.float32)
+        t[rows] = torch.tensor(values, dtype=torch.float32)
+        return t.to(device)
+
+    if any(p != 1.0 for p in repetition_penalties):
+        active = [j for j, p in enumerate(repetition_penalties) if p != 1.0]
+        seen = [prompt_token_ids[j] for j in active] + [output_token_ids[j] for j in active]
+        index = _flat_index(seen, [rows[j] for j in active] * 2, vocab_size, device)
+        if index is not None:
+            p = by_row(repetition_penalties, 1.0)[index // vocab_size]
+            values = flat[index]
+            # A repeated token writes the same value each time, so duplicates need no dedup.
+            flat[index] = torch.where(values > 0, values / p, values * p)
+
+    if any(p != 0.0 for p in presence_penalties) or any(p != 0.0 for p in frequency_penalties):
+        index = _flat_index(output_token_ids, rows, vocab_size, device)
+        if index is not None:
+            # Indices are offset by row, so unique() counts per (row, token).
+            tokens, counts = torch.unique(index, return_counts=True)
+            row = tokens // vocab_size
+            penalty = by_row(frequency_penalties, 0.0)[row] * counts + by_row(
+                presence_penalties, 0.0
+            )[row]
+            flat[tokens] -= penalty
+    return logits
+
+
+def top_k_top_p_min_p(
+    logits: torch.Tensor,
+    top_k: Sequence[int],
+    top_p: Sequence[float],
+    min_p: Sequence[float],
+) -> torch.Tensor:
+    """Step 6's filters on temperature-scaled float32 `logits` [rows, vocab].
+
+    Returns probabilities [rows, vocab] in vocabulary order, dropped tokens at 0, not
+    renormalised. Disabled values: top_k 0 (or >= vocab), top_p 1, min_p 0.
+
+    - top_k keeps the k highest logits.
+    - top_p keeps the smallest prefix of the renormalised top-k whose mass reaches top_p:
+      a token survives when the mass strictly before it is < top_p; the top token always does.
+    - min_p drops tokens with prob < min_p * max prob (a ratio: renormalising cannot change it).
+    """
+    probs = torch.zeros_like(logits)
+    for group in _filter(logits, top_k, top_p, min_p):
+        rows = torch.tensor(group.rows, device=logits.device)
+        if group.token_ids is None:
+            probs[rows] = group.probs
+        else:
+            probs[rows] = probs[rows].scatter(1, group.token_ids, group.probs)
+    return probs
+
+
+@dataclass
+class _Candidates:
+    """Rows that share a filter path, with what survives of their distributions."""
+
+    rows: list[int]  # rows of the filtered batch
+    probs: torch.Tensor  # [len(rows), width], unnormalised, dropped tokens at 0
+    token_ids: torch.Tensor | None  # [len(rows), width]; None: column j is token j
+
+
+def _filter(
+    x: torch.Tensor,
+    top_k: Sequence[int],
+    top_p: Sequence[float],
+    min_p: Sequence[float],
+    *,
+    num_top_p_candidates: int = _NUM_TOP_P_CANDIDATES,
+) -> list[_Candidates]:
+    """Group rows by filter path (see the module docstring) and filter each group."""
+    vocab_size = x.shape[1]
+    groups: dict[tuple[str, int], list[int]] = {}
+    for i in range(x.shape[0]):
+        if 0 < top_k[i] < vocab_size:
+            key = ("top_k", top_k[i])
+        elif top_p[i] < 1.0:
+            key = ("top_p", min(vocab_size, num_top_p_candidates))
+        else:
+            key = ("vocab", vocab_size)
+        groups.setdefault(key, []).append(i)
+
+    result: list[_Candidates] = []
+    too_narrow: list[int] = []
+    for (kind, width), idx in groups.items():
+        sub = _take(x, idx)
+        if kind == "vocab":
+            probs = torch.softmax(sub, dim=-1)
+            _apply_min_p(probs, probs.amax(dim=-1, keepdim=True), [min_p[i] for i in idx])
+            result.append(_Candidates(idx, probs, None))
+            continue
+        if width < vocab_size:
+            values, token_ids = sub.topk(width, dim=-1)
+        else:
+            # stable: tied logits keep id order.
+            values, token_ids = sub.sort(dim=-1, descending=True, stable=True)
+        # top_k renormalises over the k kept; a top_p-only row needs its full-vocab mass.
+        log_norm = torch.logsumexp(values if kind == "top_k" else sub, dim=-1, keepdim=True)
+        probs = torch.exp(values - log_norm)
+        cum = probs.cumsum(dim=-1)
+        thresholds = torch.tensor(
+            # A disabled row gets an infinite threshold: a float32 cumsum can reach 1.0 before
+            # the tail and would cut tokens with tiny but nonzero probability.
+            [top_p[i] if top_p[i] < 1.0 else math.inf for i in idx],
+            dtype=torch.float32,
+            device=x.device,
+        )[:, None]
+        if kind == "top_p" and width < vocab_size:
+            # The candidates are enough where the first token past them would be cut anyway.
+            enough = (cum[:, -1:] >= thresholds).squeeze(1).tolist()
+            if not all(enough):
+                too_narrow.extend(i for i, ok in zip(idx, enough) if not ok)
+                keep = [j for j, ok in enumerate(enough) if ok]
+                idx = [idx[j] for j in keep]
+                if not idx:
+                    continue
+                keep_t = torch.tensor(keep, device=x.device)
+                probs, token_ids = probs[keep_t], token_ids[keep_t]
+                cum, thresholds = cum[keep_t], thresholds[keep_t]
+        beyond_p = (cum - probs) >= thresholds
+        beyond_p[:, 0] = False
+        probs.masked_fill_(beyond_p, 0.0)
+        _apply_min_p(probs, probs[:, :1], [min_p[i] for i in idx])
+        result.append(_Candidates(idx, probs, token_ids))
+
+    if too_narrow:
+        for group in _filter(
+            _take(x, too_narrow),
+            [0] * len(too_narrow),
+            [top_p[i] for i in too_narrow],
+            [min_p[i] for i in too_narrow],
+            num_top_p_candidates=vocab_size,
+        ):
+            group.rows = [too_narrow[j] for j in group.rows]
+            result.append(group)
+    return result
+
+
+def _apply_min_p(probs: torch.Tensor, max_probs: torch.Tensor, min_p: list[float]) -> None:
+    if any(p > 0.0 for p in min_p):
+        ratios = torch.tensor(min_p, dtype=torch.float32, device=probs.device)[:, None]
+        probs.masked_fill_(probs < ratios * max_probs, 0.0)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Column per row where the float64 uniform `u` falls in the unnormalised `probs`.
+
+    A float32 running sum over a whole vocabulary stops growing once it nears 1: tokens below
+    half an ulp (~3e-8) are absorbed, ~1e-3 of the mass in typical LLM tails. A float64 scan
+    costs ~10x a float32 one on the CPU, so wide rows use two levels: float32 sums within
+    blocks of _CDF_BLOCK columns, float64 across blocks. Each token's share is then exact to
+    float32 precision relative to its block, not to the whole row.
+
+    A zero-probability column is never returned: the search finds the first running sum
+    strictly above the target, and the target stays below the total.
+    """
+    num_rows, width = probs.shape
+    if width <= _CDF_BLOCK:
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        total = cdf[:, -1:]
+        target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+    num_blocks = -(-width // _CDF_BLOCK)
+    if width % _CDF_BLOCK:
+        probs = F.pad(probs, (0, num_blocks * _CDF_BLOCK - width))
+    within = probs.reshape(num_rows, num_blocks, _CDF_BLOCK).cumsum(dim=-1)
+    block_sums = within[:, :, -1]
+    block_cdf = block_sums.double().cumsum(dim=-1)
+    total = block_cdf[:, -1:]
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    block = torch.searchsorted(block_cdf, target, right=True)  # [rows, 1]; its sum is > 0
+    start = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    block_sum = block_sums.gather(1, block)
+    offset = torch.minimum(
+        (target - start).float(), torch.nextafter(block_sum, torch.zeros_like(block_sum))
+    )
+    row_cdf = within[torch.arange(num_rows, device=probs.device), block.squeeze(1)]
+    column = torch.searchsorted(row_cdf, offset, right=True)
+    return (block * _CDF_BLOCK + column).squeeze(1)
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    return params.is_greedy or params.temperature < _MIN_TEMPERATURE
+
+
+def _needs_min_tokens_mask(row: SamplingRow) -> bool:
+    return len(row.output_token_ids) < row.params.min_tokens and bool(
+        row.eos_token_ids or row.params.stop_token_ids
+    )
+
+
+def _take(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    """t[idx] along dim 0; `t` itself when idx is every row (callers pass sorted indices)."""
+    if len(idx) == t.shape[0]:
+        return t
+    return t[torch.tensor(idx, device=t.device)]
+
+
+def _put(t: torch.Tensor, idx: list[int], values: torch.Tensor) -> None:
+    if len(idx) == t.shape[0]:
+        if values is not t:
+            t.copy_(values)
+        return
+    t[torch.tensor(idx, device=t.device)] = values
+
+
+def _apply_logit_bias(x: torch.Tensor, rows: list[SamplingRow], row_idx: list[int]) -> None:
+    r_idx: list[int] = []
+    c_idx: list[int] = []
+    values: list[float] = []
+    for i in row_idx:
+        bias = rows[i].params.logit_bias or {}
+        r_idx.extend([i] * len(bias))
+        c_idx.extend(bias.keys())
+        values.extend(bias.values())
+    device = x.device
+    x.index_put_(
+        (torch.tensor(r_idx, device=device), torch.tensor(c_idx, device=device)),
+        torch.tensor(values, dtype=torch.float32, device=device),
+        accumulate=True,
+    )
+
+
+def _apply_min_tokens_mask(x: torch.Tensor, rows: list[SamplingRow], row_idx: list[int]) -> None:
+    r_idx: list[int] = []
+    c_idx: list[int] = []
+    for i in row_idx:
+        banned = set(rows[i].eos_token_ids) | set(rows[i].params.stop_token_ids)
+        r_idx.extend([i] * len(banned))
+        c_idx.extend(banned)
+    device = x.device
+    x[torch.tensor(r_idx, device=device), torch.tensor(c_idx, device=device)] = -math.inf
+
+
+def _flat_index(
+    token_lists: Sequence[Sequence[int]],
+    rows: Sequence[int],
+    vocab_size: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """row * vocab + token for every token of every list (list j belongs to rows[j])."""
+    lengths = [len(ids) for ids in token_lists]
+    total = sum(lengths)
+    if total == 0:
+        return None
+    # np.fromiter reads Python ints ~10x faster than torch.tensor(list).
+    tokens = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=total)
+    assert 0 <= tokens.min() and tokens.max() < vocab_size, (
+        f"token ids must be in [0, {vocab_size}), got {tokens.min()}..{tokens.max()}"
+    )
+    offsets = np.repeat(np.asarray(rows, dtype=np.int64) * vocab_size, lengths)
+    return torch.from_numpy(tokens + offsets).to(device)
+
+
+def _collect_logprobs(
+    raw_logprobs: torch.Tensor, chosen: torch.Tensor, rows: list[SamplingRow]
+) -> list[TokenLogprob]:
+    """Step 1's output: the sampled token's raw logprob and the top `params.logprobs`."""
+    chosen_logprobs = raw_logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
+    chosen_ids = chosen.tolist()
+    num_top = [r.params.logprobs or 0 for r in rows]
+    max_top = min(max(num_top), raw_logprobs.shape[1])
+    top_values: list[list[float]] = [[] for _ in rows]
+    top_ids: list[list[int]] = [[] for _ in rows]
+    if max_top > 0:
+        values, ids = raw_logprobs.topk(max_top, dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    result = []
+    for j, k in enumerate(num_top):
+        # topk does not order ties; sort the k pairs so equal logprobs list lower ids first.
+        top = sorted(zip(top_ids[j][:k], top_values[j][:k]), key=lambda t: (-t[1], t[0]))
+        result.append(TokenLogprob(token_id=chosen_ids[j], logprob=chosen_logprobs[j], top=top))
+    return result

@@ -1,0 +1,133 @@
+"""Greedy token-for-token parity with transformers, and last-position logits within 1e-3 (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serving.engine import EngineConfig, LLMEngine, ModelLoadError, SamplingParams
+from tests.conftest import build_tiny_model
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity to a child in two sentences.",
+    "List three prime numbers greater than 100.",
+    "def fibonacci(n):",
+    "Translate 'good morning' into Spanish, French and German.",
+    "Why is the sky blue?",
+    "Give me a recipe for pancakes.",
+    "写一首关于月亮的短诗。",
+    "Summarise the plot of Romeo and Juliet 🎭 in one paragraph.",
+    "What is 17 * 23? Show your work.",
+]
+
+
+def hf_greedy(model, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Plain transformers greedy decoding with its KV cache, never stopping at EOS."""
+    from transformers import DynamicCache
+
+    past = DynamicCache(config=model.config)
+    ids = torch.tensor([prompt_ids])
+    out: list[int] = []
+    first_logits = None
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            logits = model(input_ids=ids, past_key_values=past, use_cache=True).logits[0, -1]
+            if first_logits is None:
+                first_logits = logits.float()
+            token = int(logits.argmax())
+            out.append(token)
+            ids = torch.tensor([[token]])
+    return out, first_logits
+
+
+def engine_greedy(engine: LLMEngine, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+
+
+def engine_first_logits(engine: LLMEngine, prompt_ids: list[int]) -> torch.Tensor:
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0)
+    engine.add_request("logits-probe", params=params, prompt_token_ids=prompt_ids)
+    sched = engine.scheduler.schedule()
+    step = engine.runner.prepare(sched.scheduled)
+    logits = engine.runner.execute(step)[0]
+    engine.abort_request("logits-probe")
+    engine.step()
+    return logits
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
+    return list(ids["input_ids"] if not isinstance(ids, list) else ids)
+
+
+@pytest.mark.slow
+def test_default_model_greedy_parity_fp32(default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    engine = LLMEngine(EngineConfig(dtype="float32", kv_cache_bytes=256 * 2**20))
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    prompts = [chat_ids(engine.tokenizer, p) for p in PROMPTS]
+    ours = engine_greedy(engine, prompts, 64)
+    for prompt, got in zip(prompts, ours):
+        expected, hf_logits = hf_greedy(hf, prompt, 64)
+        assert got == expected, engine.tokenizer.decode(prompt)
+    # last-position logits of the prompt
+    for prompt in prompts[:3]:
+        _, hf_logits = hf_greedy(hf, prompt, 1)
+        diff = (engine_first_logits(engine, prompt) - hf_logits).abs().max().item()
+        assert diff < 1e-3
+
+
+TINY_VARIANTS = {
+    "llama-gqa-untied": dict(num_heads=4, num_kv_heads=2),
+    "llama-mha-tied": dict(num_heads=4, num_kv_heads=4, tie_word_embeddings=True),
+    "llama-mqa": dict(num_heads=4, num_kv_heads=1),
+    "llama-rope-linear": dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+    "llama-rope-llama3": dict(
+        rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 256,
+        }
+    ),
+    "qwen2-bias": dict(architecture="qwen2", num_heads=4, num_kv_heads=2),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
+def test_tiny_models_greedy_and_logits_parity(variant, tmp_path, default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = build_tiny_model(tmp_path / variant, default_model_dir, **TINY_VARIANTS[variant])
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_bytes=8 * 2**20))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 37, 300)]
+    ours = engine_greedy(engine, prompts, 64)
+    for prompt, got in zip(prompts, ours):
+        expected, hf_logits = hf_greedy(hf, prompt, 64)
+        assert got == expected
+        diff = (engine_first_logits(engine, prompt) - hf_logits).abs().max().item()
+        assert diff < 1e-3
+
+
+def test_unknown_architecture_is_named(tmp_path, tiny_model_dir):
+    import json
+    import shutil
+
+    model_dir = tmp_path / "gpt"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM"):
+        LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_bytes=2**20))
+
+
+def test_missing_model_says_what_is_accepted():
+    with pytest.raises(ModelLoadError, match="neither a built-in name"):
+        LLMEngine(EngineConfig(model="/nonexistent/model", kv_cache_bytes=2**20))

@@ -1,0 +1,374 @@
+"""Sampler: greedy, bias, min_tokens, penalties, filters, seeded draws, statistics, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from serving.engine.params import SamplingParams
+from serving.engine.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_penalties,
+    seed_from_key,
+    top_k_top_p_min_p,
+)
+
+
+def make_row(
+    prompt: tuple[int, ...] = (),
+    output: tuple[int, ...] = (),
+    eos: tuple[int, ...] = (),
+    seed_key: tuple[int, int, int] | None = None,
+    **params: object,
+) -> SamplingRow:
+    return SamplingRow(
+        params=SamplingParams(**params),
+        prompt_token_ids=list(prompt),
+        output_token_ids=list(output),
+        eos_token_ids=eos,
+        seed_key=seed_key,
+    )
+
+
+def random_logits(num_rows: int, vocab_size: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_rows, vocab_size, generator=g) * 3.0
+
+
+# --- greedy ---------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax_with_ties_to_lowest_id() -> None:
+    logits = torch.tensor(
+        [
+            [0.0, 1.0, 5.0, 2.0, -1.0],
+            [3.0, 1.0, 4.0, 1.0, 4.0],  # tie between 2 and 4
+            [-9.0, -8.0, -7.0, -6.0, -5.0],
+        ]
+    )
+    before = logits.clone()
+    out = Sampler(5, seed=0)(logits, [make_row(temperature=0.0) for _ in range(3)])
+    assert out.token_ids == [2, 2, 4]
+    assert out.logprobs == [None, None, None]
+    assert torch.equal(logits, before)
+
+
+def test_greedy_accepts_bfloat16() -> None:
+    logits = torch.tensor([[0.5, 2.0, 1.0], [3.0, -1.0, 3.5]], dtype=torch.bfloat16)
+    rows = [make_row(temperature=0.0), make_row(temperature=0.0, presence_penalty=0.1)]
+    assert Sampler(3, seed=0)(logits, rows).token_ids == [1, 2]
+
+
+def test_top_k_1_equals_greedy() -> None:
+    logits = random_logits(32, 1000, seed=1)
+    sampler = Sampler(1000, seed=0)
+    greedy = sampler(logits, [make_row(temperature=0.0) for _ in range(32)]).token_ids
+    top1 = sampler(logits, [make_row(temperature=0.7, top_k=1) for _ in range(32)]).token_ids
+    assert top1 == greedy == logits.argmax(dim=-1).tolist()
+
+
+def test_empty_batch() -> None:
+    out = Sampler(4, seed=0)(torch.empty(0, 4), [])
+    assert out.token_ids == [] and out.logprobs == []
+
+
+# --- logit_bias and min_tokens -------------------------------------------------------------
+
+
+def test_logit_bias_moves_the_argmax_exactly() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]] * 4)
+    rows = [
+        make_row(temperature=0.0, logit_bias={0: 3.5}),  # 3.5 > 3.0
+        make_row(temperature=0.0, logit_bias={0: 2.5}),  # 2.5 < 3.0
+        make_row(temperature=0.0, logit_bias={1: 2.0}),  # 3.0 == 3.0: tie -> lower id
+        make_row(temperature=0.0, logit_bias={3: -100.0, 2: -0.5}),  # 1.5 > 1.0
+    ]
+    assert Sampler(4, seed=0)(logits, rows).token_ids == [0, 3, 1, 2]
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_min_tokens_masks_eos_and_stop_ids_until_reached(ignore_eos: bool) -> None:
+    # eos 3 is the argmax, stop id 2 second, token 1 third.
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]] * 4)
+    common = {"temperature": 0.0, "stop_token_ids": [2], "ignore_eos": ignore_eos}
+    rows = [
+        make_row(output=(), eos=(3,), min_tokens=2, **common),
+        make_row(output=(5,), eos=(3,), min_tokens=2, **common),
+        make_row(output=(5, 5), eos=(3,), min_tokens=2, **common),
+        make_row(output=(), eos=(3,), min_tokens=0, **common),
+    ]
+    assert Sampler(4, seed=0)(logits, rows).token_ids == [1, 1, 3, 3]
+
+
+# --- penalties -----------------------------------------------------------------------------
+
+
+def test_apply_penalties_exact_values() -> None:
+    logits = torch.tensor(
+        [
+            [2.0, -1.0, 0.5, -0.5, 1.0, 0.0],
+            [2.0, -1.0, 0.5, -0.5, 1.0, 0.0],
+            [2.0, -1.0, 0.5, -0.5, 1.0, 0.0],
+        ]
+    )
+    apply_penalties(
+        logits,
+        prompt_token_ids=[[0, 1], [1, 4], [0, 1]],
+        output_token_ids=[[2, 2, 3, 0], [], [5]],
+        repetition_penalties=[2.0, 4.0, 1.0],
+        presence_penalties=[0.5, 0.5, 0.0],
+        frequency_penalties=[0.25, 0.0, 0.0],
+    )
+    # Row 0: seen {0,1,2,3}: 2/2=1, -1*2=-2, 0.5/2=0.25, -0.5*2=-1; then presence+frequency on
+    # output counts {2:2, 3:1, 0:1}: 0 -> 1-0.5-0.25, 2 -> 0.25-0.5-0.5, 3 -> -1-0.5-0.25.
+    # Row 1: repetition only on prompt tokens 1 and 4; presence has no output to act on.
+    # Row 2: nothing to do.
+    expected = torch.tensor(
+        [
+            [0.25, -2.0, -0.75, -1.75, 1.0, 0.0],
+            [2.0, -4.0, 0.5, -0.5, 0.25, 0.0],
+            [2.0, -1.0, 0.5, -0.5, 1.0, 0.0],
+        ]
+    )
+    assert torch.equal(logits, expected)
+
+
+@pytest.mark.parametrize(
+    ("num_repeats", "expected"),
+    [(3, 0), (4, 0), (5, 1)],  # 3 - 0.25 n vs 2.0: 2.25 > 2, 2.0 == 2 (tie -> 0), 1.75 < 2
+)
+def test_frequency_penalty_flips_greedy_choice_exactly(num_repeats: int, expected: int) -> None:
+    logits = torch.tensor([[3.0, 2.0]])
+    row = make_row(output=(0,) * num_repeats, temperature=0.0, frequency_penalty=0.25)
+    assert Sampler(2, seed=0)(logits, [row]).token_ids == [expected]
+
+
+def test_repetition_penalty_covers_prompt_presence_only_output() -> None:
+    logits = torch.tensor([[3.0, 2.0]] * 2)
+    rows = [
+        make_row(prompt=(0,), temperature=0.0, repetition_penalty=2.0),  # 1.5 < 2
+        make_row(prompt=(0,), temperature=0.0, presence_penalty=2.0),  # prompt: no presence
+    ]
+    assert Sampler(2, seed=0)(logits, rows).token_ids == [1, 0]
+
+
+def test_bias_is_applied_before_penalties() -> None:
+    # Token 0: (1 + 1) / 2 = 1.0 < 1.25 when bias comes first; 1 / 2 + 1 = 1.5 if it did not.
+    logits = torch.tensor([[1.0, 1.25]])
+    row = make_row(output=(0,), temperature=0.0, logit_bias={0: 1.0}, repetition_penalty=2.0)
+    assert Sampler(2, seed=0)(logits, [row]).token_ids == [1]
+
+
+# --- top_k / top_p / min_p -----------------------------------------------------------------
+
+# Token:        0     1     2     3     4
+_PROBS = [0.05, 0.40, 0.10, 0.30, 0.15]  # sorted: 1 (.40), 3 (.30), 4 (.15), 2 (.10), 0 (.05)
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "min_p", "kept"),
+    [
+        (0, 1.0, 0.0, {0, 1, 2, 3, 4}),
+        (2, 1.0, 0.0, {1, 3}),
+        (5, 1.0, 0.0, {0, 1, 2, 3, 4}),
+        (0, 0.75, 0.0, {1, 3, 4}),  # mass before token 4 is 0.70 < 0.75, before 2 is 0.85
+        (0, 0.65, 0.0, {1, 3}),  # mass before 4 is 0.70 >= 0.65
+        (0, 0.3, 0.0, {1}),  # the top token always stays
+        (0, 1.0, 0.3, {1, 3, 4}),  # threshold 0.12
+        (0, 1.0, 0.5, {1, 3}),  # threshold 0.20
+        # top_p on the renormalised top-3 (.4, .3, .15)/.85: mass before 4 is .824 >= .8.
+        # Without renormalising it would be 0.70 and token 4 would stay.
+        (3, 0.8, 0.0, {1, 3}),
+        (4, 0.95, 0.3, {1, 3, 4}),
+    ],
+)
+def test_filters_keep_exactly_the_expected_tokens(
+    top_k: int, top_p: float, min_p: float, kept: set[int]
+) -> None:
+    # Filter a batch with a disabled row next to it, to check rows do not leak into each other.
+    logits = torch.tensor([_PROBS, _PROBS]).log()
+    probs = top_k_top_p_min_p(logits, [top_k, 0], [top_p, 1.0], [min_p, 0.0])
+    assert set(torch.nonzero(probs[0]).flatten().tolist()) == kept
+    assert torch.all(probs[1] > 0)
+
+
+def test_sampler_never_draws_filtered_tokens() -> None:
+    logits = torch.tensor([_PROBS] * 512).log()
+    rows = [make_row(top_k=3, top_p=0.8) for _ in range(512)]
+    assert set(Sampler(5, seed=3)(logits, rows).token_ids) == {1, 3}
+
+
+# --- seeded draws --------------------------------------------------------------------------
+
+
+def test_seed_from_key_is_stable_across_processes() -> None:
+    # Pinned values: a change here breaks reproducibility of every seeded request.
+    assert seed_from_key((1, 0, 0)) == 8100385689227368309
+    assert seed_from_key((0, 0, 0)) == 8709664987758080849
+    assert seed_from_key((-(2**63), 127, 10**6)) < 2**63
+
+
+def test_seeded_row_same_alone_and_in_a_mixed_batch() -> None:
+    vocab_size = 1000
+    target = random_logits(1, vocab_size, seed=10)
+    for position in range(8):
+        for params in ({"temperature": 1.0}, {"temperature": 0.9, "top_p": 0.95, "top_k": 50}):
+            row = make_row(seed_key=(42, 1, position), seed=42, **params)
+            alone = Sampler(vocab_size, seed=0)(target, [row]).token_ids[0]
+
+            others = [
+                make_row(temperature=1.0),
+                make_row(temperature=0.0),
+                make_row(seed_key=(7, 0, position), seed=7, top_p=0.5),
+                make_row(temperature=0.7, top_k=20, output=(1, 2, 3), frequency_penalty=0.5),
+                make_row(seed_key=(42, 0, position), seed=42, logprobs=3),
+                make_row(min_p=0.1, logit_bias={5: 2.0}),
+                make_row(prompt=(4, 5), repetition_penalty=1.3),
+                make_row(temperature=1.5, top_p=0.9),
+            ] * 2
+            batch_rows = others[:9] + [row] + others[9:]
+            batch = torch.cat([random_logits(9, vocab_size, 11), target, random_logits(7, vocab_size, 12)])
+            in_batch = Sampler(vocab_size, seed=position)(batch, batch_rows).token_ids[9]
+            assert in_batch == alone
+
+
+def test_seeded_rows_differ_across_positions() -> None:
+    # Flat distribution over 1000 tokens: 200 positions give ~181 distinct tokens on average
+    # (1000 * (1 - 0.999**200)); > 150 would fail only if positions shared draws.
+    vocab_size = 1000
+    rows = [make_row(seed_key=(5, 0, pos), seed=5) for pos in range(200)]
+    tokens = Sampler(vocab_size, seed=0)(torch.zeros(200, vocab_size), rows).token_ids
+    assert len(set(tokens)) > 150
+    # Same key twice in one batch: same token.
+    twice = [make_row(seed_key=(5, 0, 17), seed=5)] * 2
+    assert Sampler(vocab_size, seed=1)(torch.zeros(2, vocab_size), twice).token_ids == [tokens[17]] * 2
+
+
+def test_unseeded_rows_reproducible_with_sampler_seed() -> None:
+    logits = random_logits(16, 100, seed=2)
+    rows = [make_row() for _ in range(16)]
+    first = [Sampler(100, seed=9)(logits, rows).token_ids for _ in range(2)]
+    assert first[0] == first[1]
+    s = Sampler(100, seed=9)
+    assert s(logits, rows).token_ids != s(logits, rows).token_ids  # the generator advances
+
+
+# --- statistics ----------------------------------------------------------------------------
+
+# Toy distribution, tokens in a shuffled vocab order. Ranked: 4 (.35), 0 (.25), 5 (.20),
+# 2 (.10), 1 (.06), 3 (.04).
+_TOY_PROBS = [0.25, 0.06, 0.10, 0.04, 0.35, 0.20]
+
+
+def _expected_toy_distribution() -> dict[int, float]:
+    """temperature 0.8, top_k 4, top_p 0.9, computed without torch.
+
+    p ** (1 / 0.8) for the ranked top 4: .26921, .17678, .13375, .05623 (sum .63597);
+    renormalised .42330, .27797, .21031, .08842; the mass before the 4th is .91158 >= 0.9, so
+    the 4th (token 2) goes. Renormalised again: 4 -> .46436, 0 -> .30493, 5 -> .23071.
+    """
+    ranked = sorted(range(6), key=lambda t: -_TOY_PROBS[t])[:4]
+    scaled = {t: _TOY_PROBS[t] ** (1 / 0.8) for t in ranked}
+    total = sum(scaled.values())
+    kept, mass = [], 0.0
+    for t in ranked:
+        if mass >= 0.9:
+            break
+        kept.append(t)
+        mass += scaled[t] / total
+    kept_total = sum(scaled[t] for t in kept)
+    return {t: scaled[t] / kept_total for t in kept}
+
+
+def test_sampled_frequencies_match_filtered_distribution() -> None:
+    expected = _expected_toy_distribution()
+    assert sorted(expected) == [0, 4, 5]
+    assert [expected[t] for t in (4, 0, 5)] == pytest.approx([0.46436, 0.30493, 0.23071], abs=1e-5)
+
+    num_batches, batch_size = 10, 2000
+    num_samples = num_batches * batch_size
+    logits = torch.tensor([_TOY_PROBS] * batch_size).log()
+    rows = [make_row(temperature=0.8, top_k=4, top_p=0.9) for _ in range(batch_size)]
+    sampler = Sampler(6, seed=1234)
+    counts = [0] * 6
+    for _ in range(num_batches):
+        for token in sampler(logits, rows).token_ids:
+            counts[token] += 1
+    _assert_matches(counts, expected, num_samples)
+
+
+def test_seeded_draws_follow_the_distribution() -> None:
+    # Seeded rows use one generator per key; across positions they must still be unbiased.
+    expected = _expected_toy_distribution()
+    num_samples = 5000
+    logits = torch.tensor([_TOY_PROBS] * num_samples).log()
+    rows = [
+        make_row(seed_key=(99, 0, pos), seed=99, temperature=0.8, top_k=4, top_p=0.9)
+        for pos in range(num_samples)
+    ]
+    counts = [0] * 6
+    for token in Sampler(6, seed=0)(logits, rows).token_ids:
+        counts[token] += 1
+    _assert_matches(counts, expected, num_samples)
+
+
+def _assert_matches(counts: list[int], expected: dict[int, float], num_samples: int) -> None:
+    for token in range(6):
+        p = expected.get(token, 0.0)
+        if p == 0.0:
+            assert counts[token] == 0, f"filtered token {token} was drawn {counts[token]} times"
+            continue
+        # Tolerance: 4 standard errors of a binomial proportion (a false alarm about once in
+        # 16,000 runs per token; the seeds are fixed, so in practice never) plus 0.002 slack.
+        freq = counts[token] / num_samples
+        tolerance = 4 * math.sqrt(p * (1 - p) / num_samples) + 0.002
+        assert abs(freq - p) <= tolerance, f"token {token}: {freq:.4f} vs {p:.4f} ± {tolerance:.4f}"
+    # Pearson chi-square with 2 degrees of freedom: P(X > 20) = e**-10, about 4.5e-5.
+    chi2 = sum((counts[t] - num_samples * p) ** 2 / (num_samples * p) for t, p in expected.items())
+    assert chi2 < 20.0
+
+
+# --- logprobs ------------------------------------------------------------------------------
+
+
+def test_logprobs_come_from_the_raw_logits() -> None:
+    logits = random_logits(4, 50, seed=4)
+    lowest = int(logits[1].argmin())
+    rows = [
+        make_row(logprobs=5, temperature=0.7, presence_penalty=1.0, output=(1, 2)),
+        # Forced to the least likely token: its logprob is reported though it is not in the top 5.
+        make_row(logprobs=5, temperature=0.0, logit_bias={lowest: 100.0}),
+        make_row(logprobs=0, temperature=0.0),
+        make_row(logprobs=None),
+    ]
+    out = Sampler(50, seed=0)(logits, rows)
+    raw = torch.log_softmax(logits, dim=-1)
+
+    assert out.token_ids[1] == lowest
+    assert out.token_ids[2] == int(logits[2].argmax())
+    assert out.logprobs[3] is None
+    for i, k in ((0, 5), (1, 5), (2, 0)):
+        lp = out.logprobs[i]
+        assert lp is not None
+        assert lp.token_id == out.token_ids[i]
+        assert lp.logprob == pytest.approx(raw[i, lp.token_id].item(), abs=1e-6)
+        assert len(lp.top) == k
+        top_values, top_ids = raw[i].topk(k)
+        assert [t for t, _ in lp.top] == top_ids.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top_values.tolist(), abs=1e-6)
+        assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:]))
+    assert lowest not in [t for t, _ in out.logprobs[1].top]
+
+
+def test_logprobs_from_bfloat16_are_float32_log_softmax() -> None:
+    logits = random_logits(2, 30, seed=5).to(torch.bfloat16)
+    out = Sampler(30, seed=0)(logits, [make_row(logprobs=3, temperature=0.0)] * 2)
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    for i in range(2):
+        lp = out.logprobs[i]
+        assert lp is not None
+        assert lp.logprob == pytest.approx(raw[i].max().item(), abs=1e-6)
+        assert [t for t, _ in lp.top] == raw[i].topk(3).indices.tolist()
