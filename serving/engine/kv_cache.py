@@ -50,9 +50,8 @@ class KVCache:
         self.data = torch.zeros(
             num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
         )
-        flat = self.data.view(num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim)
-        # Per-layer flat views: slot = block * block_size + offset.
-        self.layers = [(flat[i, 0], flat[i, 1]) for i in range(num_layers)]
+        # Per-layer (K, V), each [num_blocks, block_size, kv_heads, head_dim].
+        self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
 
     @property
     def num_bytes(self) -> int:

@@ -141,8 +141,8 @@ class LlamaModel:
             q = qk[:, : spec.num_heads]
             k = qk[:, spec.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, spec.num_kv_heads, spec.head_dim)
-            k_cache.index_copy_(0, meta.slot_mapping, k)
-            v_cache.index_copy_(0, meta.slot_mapping, v)
+            k_cache.view(-1, spec.num_kv_heads, spec.head_dim).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, spec.num_kv_heads, spec.head_dim).index_copy_(0, meta.slot_mapping, v)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
             h = h + F.linear(attn, layer.o_w, layer.o_b)
             x = self._rms_norm(h, layer.post_norm)

@@ -68,27 +68,27 @@ class ModelRunner:
                 decode_tables.append(table)
                 decode_lens.append(end)
             else:
-                ctx = _slots(table, bs, end)
+                num_blocks = -(-end // bs)
+                block_ids = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)
                 mask = None
                 if start > 0:
                     # query i (position start + i) sees keys 0 .. start + i
-                    mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start)
-                prefills.append(PrefillChunk(q_start, n, ctx.to(self.device), _to(mask, self.device)))
+                    mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start).to(self.device)
+                prefills.append(PrefillChunk(q_start, n, end, block_ids, mask))
 
-        decode_slots = decode_mask = None
+        decode_tables_t = decode_mask = None
         if decode_tables:
             max_blocks = max(len(t) for t in decode_tables)
-            tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables])
-            max_len = max(decode_lens)
-            slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(decode_tables), -1)
-            decode_slots = slots[:, :max_len].to(self.device)
-            mask = torch.arange(max_len)[None, :] < torch.tensor(decode_lens)[:, None]
+            decode_tables_t = torch.tensor(
+                [t + [0] * (max_blocks - len(t)) for t in decode_tables], device=self.device
+            )
+            mask = torch.arange(max_blocks * bs)[None, :] < torch.tensor(decode_lens)[:, None]
             decode_mask = mask[:, None, None, :].to(self.device)
 
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
             num_decode_tokens=len(decode_tables),
-            decode_slots=decode_slots,
+            decode_block_tables=decode_tables_t,
             decode_mask=decode_mask,
             prefills=prefills,
         )
@@ -100,13 +100,3 @@ class ModelRunner:
         )
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows))
-
-
-def _slots(table: list[int], block_size: int, num_tokens: int) -> torch.Tensor:
-    """Slot ids of a sequence's first `num_tokens` tokens."""
-    blocks = torch.tensor(table, dtype=torch.long)
-    return (blocks[:, None] * block_size + torch.arange(block_size)).view(-1)[:num_tokens]
-
-
-def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if t is None else t.to(device)

@@ -31,12 +31,12 @@ Use, with an `IncrementalDetokenizer` per sequence:
     delta = detokenizer.step([token_id])
     result = checker.check(token_id, delta, num_output_tokens)
     stream(result.text)
-    if result.finish_reason is not None and not isinstance(result.stop_reason, str):
-        stream(detokenizer.flush())   # eos / stop token / length: the unfinished-char tail
-    # on abort: stream(checker.flush()) then stream(detokenizer.flush())
+    if finished and not isinstance(result.stop_reason, str):   # not cut by a stop string
+        stream(checker.flush() + detokenizer.flush())
 
 At a finish from `check()` the result's text already includes everything held back, so
-`flush()` returns "" then; it matters for finishes decided elsewhere (abort).
+`checker.flush()` returns "" then; it matters for finishes decided by the caller (abort, the
+context window is full). `detokenizer.flush()` adds an unfinished character's U+FFFD.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ class StopChecker:
         self._released_chunks: list[str] = []
         self._held = ""
         self._finish_reason: str | None = None
+        self._is_flushed = False
 
     @property
     def text(self) -> str:
@@ -91,13 +92,15 @@ class StopChecker:
 
     @property
     def finish_reason(self) -> str | None:
+        """The finish `check()` decided; None while running or when finished elsewhere."""
         return self._finish_reason
 
     def check(self, new_token_id: int, new_text: str, num_output_tokens: int) -> StopResult:
         """Account for one new token (`num_output_tokens` counts it) and its text delta."""
-        if self._finish_reason is not None:
+        if self._finish_reason is not None or self._is_flushed:
             raise RuntimeError(
-                f"StopChecker.check() after the sequence finished ({self._finish_reason!r})"
+                "StopChecker.check() after the sequence finished "
+                f"({self._finish_reason or 'flushed'})"
             )
         can_stop = num_output_tokens >= self._min_tokens
 
@@ -125,9 +128,8 @@ class StopChecker:
         return StopResult(None, None, delta)
 
     def flush(self) -> str:
-        """At a finish decided elsewhere (abort): release the held-back text."""
-        if self._finish_reason is None:
-            self._finish_reason = "abort"
+        """At a finish decided elsewhere (abort, context full): release the held-back text."""
+        self._is_flushed = True
         delta, self._held = self._held, ""
         self._release(delta)
         return delta

@@ -288,7 +288,8 @@ def test_byte_fallback_fuzz_random_ids(byte_fallback_tokenizer, skip_special_tok
     rng = random.Random(5)
     for _ in range(30):
         # Special ids (0..2) between byte tokens: skipping them joins byte runs.
-        ids = [rng.randrange(len(tok)) if rng.random() < 0.6 else rng.randrange(3) for _ in range(60)]
+        ids = [rng.randrange(len(tok)) if rng.random() < 0.6 else rng.randrange(3)
+               for _ in range(60)]  # fmt: skip
         detok = IncrementalDetokenizer(tok, [], skip_special_tokens=skip_special_tokens)
         for k, token_id in enumerate(ids, start=1):
             detok.step([token_id])
