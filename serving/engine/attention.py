@@ -1,16 +1,15 @@
 """Paged attention on flat K/V slot arrays, in plain PyTorch.
 
-The cache of one layer is `[num_blocks, block_size, kv_heads, head_dim]`; a token's slot in its
-flat view is `block_id * block_size + offset`. New K/V are written by slot; contexts are read by
-whole blocks (a block is one contiguous run of memory, so gathering blocks rather than slots
-moves the same bytes in far fewer, larger copies). A step's tokens are laid out as
+The cache of one layer is `[num_blocks, kv_heads, block_size, head_dim]`: one head's rows of a
+block are contiguous. A token lives at (block_id, offset) = divmod(slot, block_size). A step's
+tokens are laid out as
 
     [ decode tokens (one per sequence) | prefill chunk 0 | prefill chunk 1 | ... ]
 
-Decodes are batched into one SDPA call over their gathered, right-padded contexts; each
-prefill chunk gets its own call with a causal mask shifted by the tokens already cached.
-Grouped-query attention never repeats K/V: the `group` query heads that share a KV head are
-folded into the query-length axis, `[kv_heads, group * q_len, head_dim]`.
+Decodes go to the native kernel (csrc/paged_attention.cpp), which reads K/V through the block
+tables without copying them; without it (or on CUDA) they are gathered by whole blocks and
+batched into one SDPA call with a padding mask. Each prefill chunk gets its own SDPA call over
+its gathered context, with a causal mask shifted by the tokens already cached.
 """
 
 from __future__ import annotations
@@ -19,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from serving.engine.cpu_kernels import native_kernels
 
 __all__ = ["PrefillChunk", "AttentionMetadata", "paged_attention"]
 
@@ -36,30 +37,33 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor | None  # [B, max_blocks] padded with block 0
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_block_tables: torch.Tensor | None  # [B, max_blocks] int64, padded with block 0
+    decode_context_lens: torch.Tensor | None  # [B] int64
     prefills: list[PrefillChunk]
 
 
 def paged_attention(
     q: torch.Tensor,  # [T, heads, d]
-    k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, d] (already holds this step's K/V)
+    k_cache: torch.Tensor,  # [blocks, kv_heads, block_size, d] (already holds this step's K/V)
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, heads * d]
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     out = q.new_empty(num_tokens, num_heads * head_dim)
 
     b = meta.num_decode_tokens
     if b:
-        qd = q[:b].view(b, num_kv_heads, group, head_dim)
-        k = _gather(k_cache, meta.decode_block_tables)  # [B, kvh, L, d]
-        v = _gather(v_cache, meta.decode_block_tables)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
-        out[:b] = o.reshape(b, num_heads * head_dim)
+        kernels = native_kernels() if q.device.type == "cpu" else None
+        if kernels is not None:
+            o = kernels.paged_decode_attention(
+                q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+            )
+            out[:b] = o.view(b, num_heads * head_dim)
+        else:
+            out[:b] = _decode_attention_torch(q[:b], k_cache, v_cache, meta, scale)
 
     for chunk in meta.prefills:
         n = chunk.q_len
@@ -79,9 +83,23 @@ def paged_attention(
     return out
 
 
+def _decode_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    b, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    tables = meta.decode_block_tables
+    k = _gather(k_cache, tables)
+    v = _gather(v_cache, tables)
+    positions = torch.arange(k.shape[2], device=q.device)
+    mask = (positions[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+    # GQA without repeating K/V: the query heads sharing a KV head become query rows.
+    qd = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
+    return o.reshape(b, num_heads * head_dim)
+
+
 def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """[B, max_blocks] block ids -> [B, kv_heads, max_blocks * block_size, d]."""
+    """[B, max_blocks] block ids -> [B, kv_heads, max_blocks * block_size, d] (a copy)."""
     b, n = tables.shape
-    _, block_size, kv_heads, d = cache.shape
-    blocks = cache.index_select(0, tables.reshape(-1))
-    return blocks.view(b, n * block_size, kv_heads, d).transpose(1, 2)
+    _, kv_heads, block_size, d = cache.shape
+    blocks = cache.index_select(0, tables.reshape(-1)).view(b, n, kv_heads, block_size, d)
+    return blocks.transpose(1, 2).reshape(b, kv_heads, n * block_size, d)

@@ -1,9 +1,10 @@
 """The paged KV cache: one tensor holding every layer's K and V blocks.
 
-    data[layer, 0 = K | 1 = V, block, offset, kv_head, head_dim]
+    data[layer, 0 = K | 1 = V, block, kv_head, offset, head_dim]
 
 One tensor (rather than one per layer) lets a request's blocks for all layers be exported as
-one contiguous payload with a single gather, and imported with a single scatter.
+one contiguous payload with a single gather, and imported with a single scatter. Within a block
+each KV head's rows are contiguous, which is what the decode kernel streams through.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.data = torch.zeros(
-            num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+            num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device
         )
-        # Per-layer (K, V), each [num_blocks, block_size, kv_heads, head_dim].
+        # Per-layer (K, V), each [num_blocks, kv_heads, block_size, head_dim].
         self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
 
     @property
@@ -58,7 +59,7 @@ class KVCache:
         return self.data.numel() * self.data.element_size()
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[layers, 2, len(block_ids), block_size, kv_heads, head_dim], contiguous (a copy)."""
+        """[layers, 2, len(block_ids), kv_heads, block_size, head_dim], contiguous (a copy)."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
         return self.data.index_select(2, index)
 

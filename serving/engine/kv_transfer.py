@@ -1,6 +1,6 @@
 """KV export and import: a request's computed KV as one compact, contiguous payload.
 
-    payload.kv: [layers, 2 (K|V), num_blocks, block_size, kv_heads, head_dim]
+    payload.kv: [layers, 2 (K|V), num_blocks, kv_heads, block_size, head_dim]
 
 The payload holds the blocks covering `token_ids` (the last one may be partial) plus their
 chained hashes, so the importing engine can verify the tokens, skip blocks it already caches,

@@ -133,6 +133,9 @@ class LlamaModel:
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, d]
         sin = self.sin[positions].unsqueeze(1)
         qk_heads = spec.num_heads + spec.num_kv_heads
+        block_size = kv_caches[0][0].shape[2]
+        write_blocks = meta.slot_mapping // block_size
+        write_offsets = meta.slot_mapping % block_size
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = self._rms_norm(h, layer.input_norm)
             qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
@@ -141,8 +144,8 @@ class LlamaModel:
             q = qk[:, : spec.num_heads]
             k = qk[:, spec.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, spec.num_kv_heads, spec.head_dim)
-            k_cache.view(-1, spec.num_kv_heads, spec.head_dim).index_copy_(0, meta.slot_mapping, k)
-            v_cache.view(-1, spec.num_kv_heads, spec.head_dim).index_copy_(0, meta.slot_mapping, v)
+            k_cache[write_blocks, :, write_offsets] = k
+            v_cache[write_blocks, :, write_offsets] = v
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
             h = h + F.linear(attn, layer.o_w, layer.o_b)
             x = self._rms_norm(h, layer.post_norm)

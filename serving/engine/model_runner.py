@@ -76,20 +76,19 @@ class ModelRunner:
                     mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start).to(self.device)
                 prefills.append(PrefillChunk(q_start, n, end, block_ids, mask))
 
-        decode_tables_t = decode_mask = None
+        decode_tables_t = decode_lens_t = None
         if decode_tables:
             max_blocks = max(len(t) for t in decode_tables)
             decode_tables_t = torch.tensor(
-                [t + [0] * (max_blocks - len(t)) for t in decode_tables], device=self.device
+                [t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long, device=self.device
             )
-            mask = torch.arange(max_blocks * bs)[None, :] < torch.tensor(decode_lens)[:, None]
-            decode_mask = mask[:, None, None, :].to(self.device)
+            decode_lens_t = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
 
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
             num_decode_tokens=len(decode_tables),
             decode_block_tables=decode_tables_t,
-            decode_mask=decode_mask,
+            decode_context_lens=decode_lens_t,
             prefills=prefills,
         )
         hidden = self.model.forward(

@@ -255,7 +255,7 @@ def test_export_import_continues_identically(tiny_model_dir, seeded):
     assert prefill.stats().num_held_exports == 1
     payload = prefill.export_kv("x")
     assert payload.num_tokens == 75 and payload.kv.is_contiguous()
-    assert payload.kv.shape == (2, 2, 5, 16, 2, 16)
+    assert payload.kv.shape == (2, 2, 5, 2, 16, 16)
     assert prefill.stats().num_free_blocks == prefill.stats().num_blocks
 
     decode.add_request(

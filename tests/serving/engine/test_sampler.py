@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,6 +12,7 @@ from serving.engine.params import SamplingParams
 from serving.engine.sampler import (
     Sampler,
     SamplingRow,
+    _inverse_cdf,
     apply_penalties,
     seed_from_key,
     top_k_top_p_min_p,
@@ -38,6 +40,12 @@ def random_logits(num_rows: int, vocab_size: int, seed: int) -> torch.Tensor:
     return torch.randn(num_rows, vocab_size, generator=g) * 3.0
 
 
+def inverse_cdf(probs: torch.Tensor, us: list[float]) -> list[int]:
+    """The sampler's inverse-CDF search for one probability row and several uniforms."""
+    batch = probs.expand(len(us), -1).contiguous()
+    return _inverse_cdf(batch, torch.tensor(us, dtype=torch.float64)).tolist()
+
+
 # --- greedy ---------------------------------------------------------------------------------
 
 
@@ -60,6 +68,12 @@ def test_greedy_accepts_bfloat16() -> None:
     logits = torch.tensor([[0.5, 2.0, 1.0], [3.0, -1.0, 3.5]], dtype=torch.bfloat16)
     rows = [make_row(temperature=0.0), make_row(temperature=0.0, presence_penalty=0.1)]
     assert Sampler(3, seed=0)(logits, rows).token_ids == [1, 2]
+
+
+def test_temperature_below_epsilon_is_greedy() -> None:
+    logits = random_logits(8, 300, seed=8)
+    rows = [make_row(temperature=1e-7) for _ in range(8)]
+    assert Sampler(300, seed=0)(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
 
 
 def test_top_k_1_equals_greedy() -> None:
@@ -155,6 +169,33 @@ def test_repetition_penalty_covers_prompt_presence_only_output() -> None:
     assert Sampler(2, seed=0)(logits, rows).token_ids == [1, 0]
 
 
+def test_penalties_touch_only_their_rows() -> None:
+    logits = torch.tensor([[3.0, 2.0]] * 3)
+    rows = [
+        make_row(output=(0,) * 5, temperature=0.0),
+        make_row(output=(0,) * 5, temperature=0.0, frequency_penalty=0.25),  # 1.75 < 2
+        make_row(output=(0,) * 5, temperature=0.0),
+    ]
+    assert Sampler(2, seed=0)(logits, rows).token_ids == [0, 1, 0]
+
+    grid = torch.zeros(3, 4)
+    apply_penalties(grid, [[]], [[1, 1, 3]], [1.0], [0.5], [1.0], row_ids=[2])
+    assert grid.tolist() == [[0.0] * 4, [0.0] * 4, [0.0, -2.5, 0.0, -1.5]]
+
+
+def test_caller_logits_are_left_untouched() -> None:
+    logits = random_logits(4, 50, seed=9)
+    before = logits.clone()
+    rows = [
+        make_row(output=(1, 2), repetition_penalty=1.5, presence_penalty=1.0, top_p=0.9),
+        make_row(temperature=0.5, logit_bias={3: 5.0}, min_tokens=3, eos=(0,)),
+        make_row(),
+        make_row(temperature=0.0, logprobs=2),
+    ]
+    Sampler(50, seed=0)(logits, rows)
+    assert torch.equal(logits, before)
+
+
 def test_bias_is_applied_before_penalties() -> None:
     # Token 0: (1 + 1) / 2 = 1.0 < 1.25 when bias comes first; 1 / 2 + 1 = 1.5 if it did not.
     logits = torch.tensor([[1.0, 1.25]])
@@ -195,6 +236,77 @@ def test_filters_keep_exactly_the_expected_tokens(
     assert torch.all(probs[1] > 0)
 
 
+def _reference_kept(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
+    """The filters in float64 numpy, over a stable sort (ties: lower id first)."""
+    logits = row.double().numpy()
+    order = np.argsort(-logits, kind="stable")
+    if top_k > 0:
+        order = order[:top_k]
+    weights = np.exp(logits[order] - logits[order[0]])
+    probs = weights / weights.sum()
+    mass_before = np.cumsum(probs) - probs
+    keep = (mass_before < top_p) & (probs >= min_p * probs[0])
+    keep[0] = True
+    return set(order[keep].tolist())
+
+
+@pytest.mark.parametrize(
+    ("scale", "top_k", "top_p", "min_p", "num_kept"),
+    [
+        (1.5, 0, 0.9, 0.0, (5, 26)),  # nucleus within the first 256 candidates
+        (0.8, 0, 0.9, 0.0, (583, 794)),  # needs the 4096 candidates
+        (0.5, 0, 0.9, 0.01, (200, 2128)),  # same, with min_p cutting into it
+        (1.5, 0, 0.5, 0.05, (1, 2)),
+        (1.0, 40, 0.95, 0.0, (20, 40)),  # top_p on the renormalised top 40
+        (1.0, 300, 1.0, 0.0, (300, 300)),
+        (1.0, 0, 1.0, 0.02, (1, 5000)),  # min_p only: no ordering at all
+    ],
+)
+def test_filters_match_reference_on_a_wide_vocab(
+    scale: float, top_k: int, top_p: float, min_p: float, num_kept: tuple[int, int]
+) -> None:
+    logits = random_logits(3, 5000, seed=6) * scale
+    probs = top_k_top_p_min_p(logits, [top_k] * 3, [top_p] * 3, [min_p] * 3)
+    for r in range(3):
+        expected = _reference_kept(logits[r], top_k, top_p, min_p)
+        assert num_kept[0] <= len(expected) <= num_kept[1]  # the path the case is meant for
+        assert set(torch.nonzero(probs[r]).flatten().tolist()) == expected
+
+
+def test_top_p_falls_back_to_a_full_sort_when_candidates_hold_too_little() -> None:
+    # 4500 tokens at 0.75/4500 each, then 1500 tied tokens at 0.25/1500 each: the top 4096
+    # hold 0.68 < top_p, so the row is sorted in full. The mass before low token m is
+    # 0.75 + m/6000, below 0.8 + half a low token's share for m <= 300; ties keep id order.
+    logits = torch.tensor([[math.log(0.75 / 4500)] * 4500 + [math.log(0.25 / 1500)] * 1500])
+    probs = top_k_top_p_min_p(logits, [0], [0.8 + 0.5 / 6000], [0.0])
+    assert torch.nonzero(probs[0]).flatten().tolist() == list(range(4801))
+
+
+def test_inverse_cdf_is_exact_at_boundaries_and_skips_zeros() -> None:
+    probs = torch.zeros(1, 600)  # 10 blocks of 64, the last one padded
+    probs[0, 1], probs[0, 300], probs[0, 599] = 0.25, 0.5, 0.25
+    us = [0.0, 0.2499, 0.25, 0.5, 0.75, 1.0 - 2**-53]
+    assert inverse_cdf(probs, us) == [1, 1, 300, 300, 599, 599]
+
+
+def test_inverse_cdf_resolves_single_tail_tokens() -> None:
+    # Token 0 at 0.5 and 1323 tokens at 2**-30. A float32 running sum moves in steps of
+    # 2**-24 = 64 tail tokens past 0.5, so a one-level float32 search can miss by up to 64
+    # columns; the two-level search is off by at most one token (token 0's block sum rounds
+    # to float32 by one tail token's share).
+    width, eps = 1324, 2.0**-30
+    probs = torch.full((1, width), eps)
+    probs[0, 0] = 0.5
+    # 1 - 2.4e-6 lands on a tail token in token 0's own block (exact column ~32).
+    us = [0.3, 1 - 2.4e-6, 1 - 2e-6, 1 - 1e-6, 1 - 5e-7, 1 - 1e-7, 1 - 3e-9]
+    total = 0.5 + (width - 1) * eps
+    exact = [0 if u * total < 0.5 else int((u * total - 0.5) / eps) + 1 for u in us]
+    columns = inverse_cdf(probs, us)
+    assert columns[0] == 0
+    for got, want in zip(columns[1:], exact[1:]):
+        assert abs(got - want) <= 1, (got, want)
+
+
 def test_sampler_never_draws_filtered_tokens() -> None:
     logits = torch.tensor([_PROBS] * 512).log()
     rows = [make_row(top_k=3, top_p=0.8) for _ in range(512)]
@@ -230,9 +342,29 @@ def test_seeded_row_same_alone_and_in_a_mixed_batch() -> None:
                 make_row(temperature=1.5, top_p=0.9),
             ] * 2
             batch_rows = others[:9] + [row] + others[9:]
-            batch = torch.cat([random_logits(9, vocab_size, 11), target, random_logits(7, vocab_size, 12)])
+            batch = torch.cat(
+                [random_logits(9, vocab_size, 11), target, random_logits(7, vocab_size, 12)]
+            )
             in_batch = Sampler(vocab_size, seed=position)(batch, batch_rows).token_ids[9]
             assert in_batch == alone
+
+
+def test_seeded_row_same_alone_and_in_a_batch_with_bfloat16_ties() -> None:
+    # bf16 logits repeat values often, so candidate order among ties matters.
+    vocab_size = 2000
+    batch = random_logits(12, vocab_size, seed=13).to(torch.bfloat16)
+    assert batch[5].unique().numel() <= vocab_size // 2
+    for position in range(6):
+        row = make_row(seed_key=(3, 0, position), seed=3, top_k=50, top_p=0.9)
+        alone = Sampler(vocab_size, seed=0)(batch[5:6], [row]).token_ids[0]
+        others = [
+            make_row(top_k=50),
+            make_row(top_k=64, top_p=0.8),
+            make_row(top_p=0.9, seed_key=(3, 1, position), seed=3),
+            make_row(temperature=0.0, logprobs=1),
+        ]
+        batch_rows = (others * 3)[:5] + [row] + (others * 3)[5:11]
+        assert Sampler(vocab_size, seed=1)(batch, batch_rows).token_ids[5] == alone
 
 
 def test_seeded_rows_differ_across_positions() -> None:
@@ -244,7 +376,8 @@ def test_seeded_rows_differ_across_positions() -> None:
     assert len(set(tokens)) > 150
     # Same key twice in one batch: same token.
     twice = [make_row(seed_key=(5, 0, 17), seed=5)] * 2
-    assert Sampler(vocab_size, seed=1)(torch.zeros(2, vocab_size), twice).token_ids == [tokens[17]] * 2
+    again = Sampler(vocab_size, seed=1)(torch.zeros(2, vocab_size), twice).token_ids
+    assert again == [tokens[17]] * 2
 
 
 def test_unseeded_rows_reproducible_with_sampler_seed() -> None:
@@ -325,7 +458,7 @@ def _assert_matches(counts: list[int], expected: dict[int, float], num_samples: 
         # 16,000 runs per token; the seeds are fixed, so in practice never) plus 0.002 slack.
         freq = counts[token] / num_samples
         tolerance = 4 * math.sqrt(p * (1 - p) / num_samples) + 0.002
-        assert abs(freq - p) <= tolerance, f"token {token}: {freq:.4f} vs {p:.4f} ± {tolerance:.4f}"
+        assert abs(freq - p) <= tolerance, f"token {token}: {freq:.4f} vs {p:.4f} ± {tolerance}"
     # Pearson chi-square with 2 degrees of freedom: P(X > 20) = e**-10, about 4.5e-5.
     chi2 = sum((counts[t] - num_samples * p) ** 2 / (num_samples * p) for t, p in expected.items())
     assert chi2 < 20.0

