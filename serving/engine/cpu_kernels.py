@@ -1,7 +1,8 @@
 """Native CPU kernels, compiled on first use with the system C++ compiler and cached.
 
-`paged_decode_attention` reads K/V straight from the paged cache through block tables (see
-csrc/paged_attention.cpp). Compilation happens once per torch version into
+`paged_decode_attention` reads K/V straight from the paged cache through block tables;
+`add_rms_norm`, `rope_cache_write` and `silu_mul` fuse the per-layer glue of a step, which is most
+of a small batch's time on CPU when each is several PyTorch ops (see csrc/kernels.cpp). Compilation happens once per torch version into
 `$KVRELAY_CACHE_DIR/torch_extensions`; without a compiler the engine falls back to the pure
 PyTorch path (same results, slower) and says so once in the log.
 """
@@ -41,9 +42,9 @@ def native_kernels():
 
                 build_dir = cache_dir() / "torch_extensions" / f"torch-{torch.__version__}"
                 build_dir.mkdir(parents=True, exist_ok=True)
-                source = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+                source = Path(__file__).parent / "csrc" / "kernels.cpp"
                 _module = load(
-                    name="kvrelay_paged_attention",
+                    name="kvrelay_kernels",
                     sources=[str(source)],
                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],

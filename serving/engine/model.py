@@ -5,8 +5,10 @@
           ─▶ RMSNorm ─▶ lm_head (only at the positions that sample)
 
 Weights are plain tensors (no nn.Module): fewer Python layers per op, which is most of the
-cost of a small-batch decode step on CPU. Numerics follow transformers' LlamaForCausalLM so that
-fp32 runs match it token for token: RMSNorm in fp32, RoPE tables in fp32 cast to the model dtype.
+cost of a small-batch decode step on CPU. On CPU the glue between the matrix products (residual
+add + RMSNorm, RoPE + cache write, SiLU·up) runs as fused native kernels (cpu_kernels.py); the
+plain PyTorch path computes the same thing elsewhere. Numerics follow transformers'
+LlamaForCausalLM, rounding step for step, so fp32 runs match it token for token.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from serving.engine.attention import AttentionMetadata, paged_attention
+from serving.engine.cpu_kernels import native_kernels
 from serving.engine.errors import ModelLoadError
 from serving.engine.model_loader import ModelSpec
 
@@ -112,9 +115,7 @@ class LlamaModel:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
-        # bf16: normalise in fp32 like transformers, then scale in the model dtype.
+        # transformers' LlamaRMSNorm: normalise in fp32, round to the model dtype, then scale.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
         return weight * x32.to(x.dtype)
@@ -127,6 +128,30 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
+        kernels = native_kernels() if self.device.type == "cpu" else None
+        if kernels is None:
+            return self._forward_torch(input_ids, positions, kv_caches, meta)
+        spec = self.spec
+        eps = spec.rms_norm_eps
+        num_tokens = input_ids.shape[0]
+        h = F.embedding(input_ids, self.embed)
+        cos = self.cos.index_select(0, positions)
+        sin = self.sin.index_select(0, positions)
+        delta = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = kernels.add_rms_norm(h, delta, layer.input_norm, eps)  # h += delta
+            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+            kernels.rope_cache_write(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, spec.num_heads)
+            q = qkv[:, : self.q_size].view(num_tokens, spec.num_heads, spec.head_dim)
+            attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
+            delta = F.linear(attn, layer.o_w, layer.o_b)
+            x = kernels.add_rms_norm(h, delta, layer.post_norm, eps)
+            act = kernels.silu_mul(F.linear(x, layer.gate_up_w, layer.gate_up_b))
+            delta = F.linear(act, layer.down_w, layer.down_b)
+        return kernels.add_rms_norm(h, delta, self.norm, eps)
+
+    def _forward_torch(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        """The same computation in plain PyTorch ops (CUDA, or no C++ compiler)."""
         spec = self.spec
         num_tokens = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)
@@ -149,8 +174,7 @@ class LlamaModel:
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
             h = h + F.linear(attn, layer.o_w, layer.o_b)
             x = self._rms_norm(h, layer.post_norm)
-            gate_up = F.linear(x, layer.gate_up_w, layer.gate_up_b)
-            gate, up = gate_up.chunk(2, dim=-1)
+            gate, up = F.linear(x, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, layer.down_w, layer.down_b)
         return self._rms_norm(h, self.norm)
 

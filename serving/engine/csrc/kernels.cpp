@@ -1,0 +1,269 @@
+// kvrelay's CPU kernels: the per-layer glue of a decode step fused into single passes, and
+// decode attention straight from the paged KV cache.
+// Layout of each cache: [blocks, kv_heads, block_size, head_dim].
+//
+// paged_decode_attention:
+// One query token per sequence. For each (sequence, kv head) the `group` query heads that share
+// the KV head are scored against the sequence's context, read block by block through its block
+// table: no gathered copy of K/V is ever made, and each K/V row is read once for all its query
+// heads. Scores and accumulation are fp32 whatever the cache dtype.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+inline void from_float(T* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// Cache layout: [blocks, kv_heads, block_size, D], so one head's rows of a block are contiguous.
+template <typename T, int D>
+void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+                   const int64_t* lens, T* out, int64_t num_seqs, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim_rt, int64_t block_size,
+                   int64_t max_blocks, float scale) {
+  const int64_t head_dim = D > 0 ? D : head_dim_rt;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t head_stride = block_size * head_dim;
+  const int64_t block_stride = num_kv_heads * head_stride;
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
+    std::vector<float> rowf(block_size * head_dim);
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t b = work / num_kv_heads, h = work % num_kv_heads;
+      const int64_t len = lens[b];
+      const int64_t* table = tables + b * max_blocks;
+      for (int64_t j = 0; j < group; ++j)
+        for (int64_t e = 0; e < head_dim; ++e)
+          qf[j * head_dim + e] = to_float(q[(b * num_heads + h * group + j) * head_dim + e]) * scale;
+      scores.assign(group * len, 0.f);
+      const int64_t num_blocks = (len + block_size - 1) / block_size;
+      for (int64_t blk = 0; blk < num_blocks; ++blk) {
+        const T* base = k_cache + table[blk] * block_stride + h * head_stride;
+        const int64_t rows = std::min(block_size, len - blk * block_size);
+        const int64_t n = rows * head_dim;
+        for (int64_t i = 0; i < n; ++i) rowf[i] = to_float(base[i]);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* kf = rowf.data() + r * head_dim;
+          for (int64_t j = 0; j < group; ++j) {
+            const float* qj = qf.data() + j * head_dim;
+            float s = 0.f;
+            for (int64_t e = 0; e < head_dim; ++e) s += qj[e] * kf[e];
+            scores[j * len + blk * block_size + r] = s;
+          }
+        }
+      }
+      for (int64_t j = 0; j < group; ++j) {
+        float* sj = scores.data() + j * len;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t l = 0; l < len; ++l) m = std::max(m, sj[l]);
+        float sum = 0.f;
+        for (int64_t l = 0; l < len; ++l) { sj[l] = std::exp(sj[l] - m); sum += sj[l]; }
+        const float inv = 1.f / sum;
+        for (int64_t l = 0; l < len; ++l) sj[l] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t blk = 0; blk < num_blocks; ++blk) {
+        const T* base = v_cache + table[blk] * block_stride + h * head_stride;
+        const int64_t rows = std::min(block_size, len - blk * block_size);
+        const int64_t n = rows * head_dim;
+        for (int64_t i = 0; i < n; ++i) rowf[i] = to_float(base[i]);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* vf = rowf.data() + r * head_dim;
+          for (int64_t j = 0; j < group; ++j) {
+            const float p = scores[j * len + blk * block_size + r];
+            float* aj = acc.data() + j * head_dim;
+            for (int64_t e = 0; e < head_dim; ++e) aj[e] += p * vf[e];
+          }
+        }
+      }
+      for (int64_t j = 0; j < group; ++j)
+        from_float(out + (b * num_heads + h * group + j) * head_dim, acc.data() + j * head_dim, head_dim);
+    }
+  });
+}
+
+}  // namespace
+
+// q: [B, heads, d]; k_cache, v_cache: [blocks, kv_heads, block_size, d];
+// block_tables: [B, max_blocks] int64; context_lens: [B] int64. Returns [B, heads, d].
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens,
+                                     double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [B, heads, d], cache [blocks, kvh, bs, d]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "head_dim mismatch");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
+              "block_tables and context_lens must be int64");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  auto out = torch::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(),
+                                  "paged_decode_attention", [&] {
+    const int64_t d = q.size(2);
+    auto run = [&](auto kernel) {
+      kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+             block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+             out.data_ptr<scalar_t>(), q.size(0), q.size(1), k_cache.size(1), d, k_cache.size(2),
+             block_tables.size(1), static_cast<float>(scale));
+    };
+    if (d == 64) run(decode_kernel<scalar_t, 64>);
+    else if (d == 128) run(decode_kernel<scalar_t, 128>);
+    else run(decode_kernel<scalar_t, 0>);
+  });
+  return out;
+}
+
+namespace {
+
+template <typename T>
+inline T round_to(float x) { return static_cast<T>(x); }
+
+// h += delta (rounded to T, like torch's add), then out = weight * T(h * rsqrt(mean(h^2) + eps)):
+// the rounding steps of transformers' LlamaRMSNorm, so results match it in every dtype.
+template <typename T>
+void add_rms_norm_kernel(T* h, const T* delta, const T* weight, T* out, int64_t rows, int64_t dim,
+                         float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> hf(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      T* hr = h + r * dim;
+      float sum = 0.f;
+      for (int64_t i = 0; i < dim; ++i) {
+        float v = to_float(hr[i]);
+        if (delta != nullptr) {
+          hr[i] = round_to<T>(v + to_float(delta[r * dim + i]));
+          v = to_float(hr[i]);
+        }
+        hf[i] = v;
+        sum += v * v;
+      }
+      const float inv = 1.f / std::sqrt(sum / dim + eps);
+      T* o = out + r * dim;
+      for (int64_t i = 0; i < dim; ++i)
+        o[i] = round_to<T>(to_float(weight[i]) * to_float(round_to<T>(hf[i] * inv)));
+    }
+  });
+}
+
+// RoPE (rotate-half form) on the q and k heads of a fused qkv row, in place, then k and v are
+// written to the paged caches at each token's slot.
+template <typename T>
+void rope_cache_write_kernel(T* qkv, const T* cos, const T* sin, T* k_cache, T* v_cache,
+                             const int64_t* slots, int64_t tokens, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
+  const int64_t half = head_dim / 2;
+  const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
+  at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(head_dim);
+    for (int64_t t = begin; t < end; ++t) {
+      T* r = qkv + t * row;
+      const T* c = cos + t * head_dim;
+      const T* s = sin + t * head_dim;
+      for (int64_t hd = 0; hd < num_heads + num_kv_heads; ++hd) {
+        T* x = r + hd * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) xf[i] = to_float(x[i]);
+        for (int64_t i = 0; i < half; ++i) {
+          // each product rounded to T before the sum, as x * cos + rotate_half(x) * sin does
+          x[i] = round_to<T>(to_float(round_to<T>(xf[i] * to_float(c[i]))) +
+                             to_float(round_to<T>(-xf[i + half] * to_float(s[i]))));
+          x[i + half] = round_to<T>(to_float(round_to<T>(xf[i + half] * to_float(c[i + half]))) +
+                                    to_float(round_to<T>(xf[i] * to_float(s[i + half]))));
+        }
+      }
+      const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+      for (int64_t hd = 0; hd < num_kv_heads; ++hd) {
+        const int64_t dst = ((block * num_kv_heads + hd) * block_size + offset) * head_dim;
+        const T* k = r + (num_heads + hd) * head_dim;
+        const T* v = r + (num_heads + num_kv_heads + hd) * head_dim;
+        std::memcpy(k_cache + dst, k, head_dim * sizeof(T));
+        std::memcpy(v_cache + dst, v, head_dim * sizeof(T));
+      }
+    }
+  });
+}
+
+// out = silu(gate) * up for a fused [rows, 2 * dim] gate|up tensor, rounding like torch does.
+template <typename T>
+void silu_mul_kernel(const T* gate_up, T* out, int64_t rows, int64_t dim) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate_up + r * 2 * dim;
+      const T* u = g + dim;
+      T* o = out + r * dim;
+      for (int64_t i = 0; i < dim; ++i) {
+        const float x = to_float(g[i]);
+        const T act = round_to<T>(x / (1.f + std::exp(-x)));
+        o[i] = round_to<T>(to_float(act) * to_float(u[i]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// h: [T, dim] updated in place with delta (optional); returns the normalised rows.
+torch::Tensor add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Tensor weight,
+                           double eps) {
+  TORCH_CHECK(h.is_contiguous() && h.dim() == 2, "h must be contiguous [T, dim]");
+  auto out = torch::empty_like(h);
+  torch::Tensor d = delta.has_value() ? delta->contiguous() : torch::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, h.scalar_type(),
+                                  "add_rms_norm", [&] {
+    add_rms_norm_kernel<scalar_t>(h.data_ptr<scalar_t>(), d.defined() ? d.data_ptr<scalar_t>() : nullptr,
+                                  weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), h.size(0),
+                                  h.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// qkv: [T, (heads + 2 kv_heads) * d], roped in place; cos/sin: [T, d]; slots: [T] int64.
+void rope_cache_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                      torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads) {
+  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
+  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2), d = k_cache.size(3);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, qkv.scalar_type(),
+                                  "rope_cache_write", [&] {
+    rope_cache_write_kernel<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(),
+                                      sin.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                                      v_cache.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
+                                      qkv.size(0), num_heads, num_kv_heads, d, block_size);
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.dim() == 2, "gate_up must be contiguous [T, 2I]");
+  const int64_t dim = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), dim}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, gate_up.scalar_type(),
+                                  "silu_mul", [&] {
+    silu_mul_kernel<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.size(0), dim);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache");
+  m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm");
+  m.def("rope_cache_write", &rope_cache_write, "RoPE on q/k in place + K/V cache write");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
+}
