@@ -308,3 +308,14 @@ def test_prompt_longer_than_context_names_both_numbers(tiny_model_dir):
         eng.add_request("oov", params=GREEDY, prompt_token_ids=[5, 49152])
     with pytest.raises(InvalidRequestError, match="must not be empty"):
         eng.add_request("empty", params=GREEDY, prompt_token_ids=[])
+
+
+def test_pytorch_path_matches_native_kernels(tiny_model_dir, monkeypatch, alone_outputs):
+    """The plain PyTorch forward (CUDA, or no C++ compiler) gives the same greedy tokens."""
+    import serving.engine.attention as attention
+    import serving.engine.model as model
+
+    monkeypatch.setattr(model, "native_kernels", lambda: None)
+    monkeypatch.setattr(attention, "native_kernels", lambda: None)
+    plain = make_engine(tiny_model_dir, max_num_batched_tokens=64)
+    assert tokens_of(plain.generate(random_prompts(MIXED_LENGTHS), GREEDY)) == alone_outputs
