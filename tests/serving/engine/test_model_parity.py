@@ -131,3 +131,18 @@ def test_unknown_architecture_is_named(tmp_path, tiny_model_dir):
 def test_missing_model_says_what_is_accepted():
     with pytest.raises(ModelLoadError, match="neither a built-in name"):
         LLMEngine(EngineConfig(model="/nonexistent/model", kv_cache_bytes=2**20))
+
+
+@pytest.mark.slow
+def test_gguf_file_path_is_converted_once_and_cached(tmp_path, monkeypatch, default_model_dir):
+    from serving.engine.model_loader import _builtin_gguf, resolve_model_dir
+
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))
+    gguf = _builtin_gguf("smollm2-135m-instruct")
+    converted = resolve_model_dir(str(gguf))
+    assert converted.parent == tmp_path / "models" and (converted / "model.safetensors").is_file()
+    assert resolve_model_dir(str(gguf)) == converted  # second call: the cache, no conversion
+    engine = LLMEngine(EngineConfig(model=str(gguf), dtype="float32", kv_cache_bytes=32 * 2**20))
+    reference = LLMEngine(EngineConfig(model=str(default_model_dir), dtype="float32", kv_cache_bytes=32 * 2**20))
+    prompt = chat_ids(engine.tokenizer, PROMPTS[0])
+    assert engine_greedy(engine, [prompt], 16) == engine_greedy(reference, [prompt], 16)

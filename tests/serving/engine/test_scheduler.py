@@ -1,0 +1,74 @@
+"""Scheduler decisions on hand-built sequences (no model): budgets, chunking, preemption order."""
+
+from __future__ import annotations
+
+from serving.engine.block_manager import BlockManager
+from serving.engine.params import SamplingParams
+from serving.engine.request import RequestStatus, Sequence
+from serving.engine.scheduler import Scheduler
+
+
+def seq(name: str, num_tokens: int, *, arrival: float, priority: int = 0) -> Sequence:
+    return Sequence(name, 0, list(range(1, num_tokens + 1)), SamplingParams(), max_tokens=100,
+                    arrival_time=arrival, priority=priority)
+
+
+def run_step(sched: Scheduler) -> dict[str, int]:
+    """Schedule one step and pretend the model ran it (every finished prompt samples a token)."""
+    out = sched.schedule()
+    for s, n in out.scheduled:
+        s.num_computed_tokens += n
+        if s.num_computed_tokens == s.num_tokens:
+            s.append_token(7)
+    return {s.request_id: n for s, n in out.scheduled}
+
+
+def test_token_budget_chunks_prefill_and_mixes_decodes():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    sched.add(seq("a", 6, arrival=0))
+    sched.add(seq("b", 9, arrival=1))
+    assert run_step(sched) == {"a": 6, "b": 4}  # b gets the rest of the budget as a chunk
+    assert run_step(sched) == {"a": 1, "b": 5}  # a decodes, b finishes its prompt
+    assert run_step(sched) == {"a": 1, "b": 1}
+
+
+def test_max_num_seqs_limits_admission():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(3):
+        sched.add(seq(f"r{i}", 3, arrival=i))
+    assert run_step(sched) == {"r0": 3, "r1": 3}
+    assert [s.request_id for s in sched.waiting] == ["r2"]
+
+
+def test_preemption_takes_the_newest_and_requeues_it_first_in_line():
+    bm = BlockManager(4, 4)  # 16 token slots
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    old, new = seq("old", 7, arrival=0), seq("new", 7, arrival=1)
+    sched.add(old)
+    sched.add(new)
+    assert run_step(sched) == {"old": 7, "new": 7}  # 2 + 2 blocks: the cache is full
+    assert run_step(sched) == {"old": 1, "new": 1}  # the 8th tokens still fit
+    # old needs a third block for its 9th token: the newest running sequence gives its blocks up
+    out = sched.schedule()
+    assert [s.request_id for s in out.preempted] == ["new"]
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("old", 1)]
+    assert new.status == RequestStatus.PREEMPTED and new.block_ids == [] and new.num_computed_tokens == 0
+    assert new.output_token_ids == [7, 7]  # generated tokens survive and are recomputed
+    assert sched.waiting == [new]
+    assert bm.num_free_blocks == 1
+
+
+def test_priority_orders_the_waiting_queue_then_arrival():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=1, max_num_batched_tokens=100)
+    sched.add(seq("late-urgent", 2, arrival=5, priority=-1))
+    sched.add(seq("early", 2, arrival=1))
+    sched.add(seq("earliest", 2, arrival=0))
+    assert [s.request_id for s in sched.waiting] == ["late-urgent", "earliest", "early"]
+
+
+def test_no_admission_when_blocks_run_out_and_nothing_is_lost():
+    sched = Scheduler(BlockManager(2, 4), max_num_seqs=8, max_num_batched_tokens=100)
+    sched.add(seq("a", 8, arrival=0))
+    sched.add(seq("b", 4, arrival=1))
+    assert run_step(sched) == {"a": 8}
+    assert [s.request_id for s in sched.waiting] == ["b"]
