@@ -70,3 +70,12 @@ def build_tiny_model(
 def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     """A 2-layer GQA Llama with untied embeddings."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
