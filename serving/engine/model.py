@@ -28,6 +28,9 @@ __all__ = ["LlamaModel"]
 
 logger = logging.getLogger(__name__)
 
+# Up to this many rows, bf16 matrix products use the native GEMV (memory-bound regime).
+SMALL_M = 8
+
 
 @dataclass
 class _Layer:
@@ -137,17 +140,21 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)
         cos = self.cos.index_select(0, positions)
         sin = self.sin.index_select(0, positions)
+        # A few rows (decoding a small batch) stream the weights through our GEMV instead.
+        linear = F.linear
+        if self.dtype == torch.bfloat16 and num_tokens <= SMALL_M:
+            linear = kernels.small_m_linear
         delta = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = kernels.add_rms_norm(h, delta, layer.input_norm, eps)  # h += delta
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+            qkv = linear(x, layer.qkv_w, layer.qkv_b)
             kernels.rope_cache_write(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, spec.num_heads)
             q = qkv[:, : self.q_size].view(num_tokens, spec.num_heads, spec.head_dim)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
-            delta = F.linear(attn, layer.o_w, layer.o_b)
+            delta = linear(attn, layer.o_w, layer.o_b)
             x = kernels.add_rms_norm(h, delta, layer.post_norm, eps)
-            act = kernels.silu_mul(F.linear(x, layer.gate_up_w, layer.gate_up_b))
-            delta = F.linear(act, layer.down_w, layer.down_b)
+            act = kernels.silu_mul(linear(x, layer.gate_up_w, layer.gate_up_b))
+            delta = linear(act, layer.down_w, layer.down_b)
         return kernels.add_rms_norm(h, delta, self.norm, eps)
 
     def _forward_torch(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
@@ -180,6 +187,9 @@ class LlamaModel:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
+        kernels = native_kernels() if self.device.type == "cpu" else None
+        if kernels is not None and self.dtype == torch.bfloat16 and 0 < hidden.shape[0] <= SMALL_M:
+            return kernels.small_m_linear(hidden, self.lm_head, None).float()
         return F.linear(hidden, self.lm_head).float()
 
 
