@@ -7,7 +7,7 @@ import random
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from serving.engine.detokenizer import IncrementalDetokenizer
 
@@ -27,15 +27,6 @@ TEXTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    try:
-        from serving.engine.model_loader import resolve_model_dir
-
-        path = resolve_model_dir("smollm2-135m-instruct")
-    except ImportError:
-        path = "/tmp/smol"
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 @pytest.fixture(scope="module")

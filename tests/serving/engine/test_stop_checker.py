@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from transformers import AutoTokenizer
 
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.params import SamplingParams
@@ -15,15 +14,6 @@ EOS = 2  # <|im_end|> of SmolLM2
 TEXT_TOKEN = 100  # any id that is neither eos nor a stop token
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    try:
-        from serving.engine.model_loader import resolve_model_dir
-
-        path = resolve_model_dir("smollm2-135m-instruct")
-    except ImportError:
-        path = "/tmp/smol"
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def make_checker(*, max_tokens: int = 100, eos: tuple[int, ...] = (EOS,), **params) -> StopChecker:
