@@ -15,6 +15,7 @@
 #include <cstring>
 #include <limits>
 #include <algorithm>
+#include <type_traits>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -51,6 +52,36 @@ inline void from_float(T* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
+#if defined(__AVX512BF16__)
+// Lane r of the result = the sum of v[r]'s 16 lanes: a transpose-and-add tree (~45 ops for 16
+// sums) instead of 16 separate horizontal reductions.
+inline __m512 reduce16(const __m512* v) {
+  __m512 y[8], z[4];
+  for (int i = 0; i < 8; ++i)
+    y[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(y[2 * i]), b = _mm512_castps_pd(y[2 * i + 1]);
+    z[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x44), _mm512_shuffle_f32x4(z[0], z[1], 0xEE));
+  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(z[2], z[3], 0x44), _mm512_shuffle_f32x4(z[2], z[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, 0x88), _mm512_shuffle_f32x4(u0, u1, 0xDD));
+}
+
+// Scores of one query head against a full 16-row bf16 K block: q . k for each row, with
+// AVX512-BF16 dot products (bf16 x bf16 products are exact in fp32).
+inline void score_block_bf16(const uint16_t* q, const uint16_t* k, int64_t head_dim, float scale, float* out) {
+  __m512 acc[16];
+  for (int r = 0; r < 16; ++r) {
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t c = 0; c < head_dim; c += 32)
+      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q + c), (__m512bh)_mm512_loadu_si512(k + r * head_dim + c));
+    acc[r] = a;
+  }
+  _mm512_storeu_ps(out, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
+}
+#endif
+
 // Cache layout: [blocks, kv_heads, block_size, D], so one head's rows of a block are contiguous.
 template <typename T, int D>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
@@ -73,7 +104,24 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
           qf[j * head_dim + e] = to_float(q[(b * num_heads + h * group + j) * head_dim + e]) * scale;
       scores.assign(group * len, 0.f);
       const int64_t num_blocks = (len + block_size - 1) / block_size;
-      for (int64_t blk = 0; blk < num_blocks; ++blk) {
+      int64_t blk = 0;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (block_size == 16 && head_dim % 32 == 0) {
+          const uint16_t* qb = reinterpret_cast<const uint16_t*>(q) + (b * num_heads + h * group) * head_dim;
+          float tile[16];
+          for (; blk < num_blocks; ++blk) {
+            const uint16_t* kb = reinterpret_cast<const uint16_t*>(k_cache + table[blk] * block_stride + h * head_stride);
+            const int64_t rows = std::min(block_size, len - blk * block_size);
+            for (int64_t j = 0; j < group; ++j) {
+              score_block_bf16(qb + j * head_dim, kb, head_dim, scale, tile);
+              std::memcpy(scores.data() + j * len + blk * block_size, tile, rows * sizeof(float));
+            }
+          }
+        }
+      }
+#endif
+      for (; blk < num_blocks; ++blk) {
         const T* base = k_cache + table[blk] * block_stride + h * head_stride;
         const int64_t rows = std::min(block_size, len - blk * block_size);
         const int64_t n = rows * head_dim;
@@ -97,20 +145,24 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
         const float inv = 1.f / sum;
         for (int64_t l = 0; l < len; ++l) sj[l] *= inv;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t blk = 0; blk < num_blocks; ++blk) {
-        const T* base = v_cache + table[blk] * block_stride + h * head_stride;
-        const int64_t rows = std::min(block_size, len - blk * block_size);
-        const int64_t n = rows * head_dim;
-        for (int64_t i = 0; i < n; ++i) rowf[i] = to_float(base[i]);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* vf = rowf.data() + r * head_dim;
-          for (int64_t j = 0; j < group; ++j) {
-            const float p = scores[j * len + blk * block_size + r];
-            float* aj = acc.data() + j * head_dim;
-            for (int64_t e = 0; e < head_dim; ++e) aj[e] += p * vf[e];
+      // One query head at a time, so its accumulator row stays in registers (D is a constant
+      // for the common head sizes); the V rows it re-reads are in cache by the second head.
+      for (int64_t j = 0; j < group; ++j) {
+        float aj[D > 0 ? D : 1];
+        float* accj = D > 0 ? aj : acc.data() + j * head_dim;
+        for (int64_t e = 0; e < head_dim; ++e) accj[e] = 0.f;
+        const float* pj = scores.data() + j * len;
+        for (int64_t blk = 0; blk < num_blocks; ++blk) {
+          const T* base = v_cache + table[blk] * block_stride + h * head_stride;
+          const int64_t rows = std::min(block_size, len - blk * block_size);
+          for (int64_t r = 0; r < rows; ++r) {
+            const float p = pj[blk * block_size + r];
+            const T* vrow = base + r * head_dim;
+            for (int64_t e = 0; e < head_dim; ++e) accj[e] += p * to_float(vrow[e]);
           }
         }
+        if (D > 0)
+          for (int64_t e = 0; e < head_dim; ++e) acc[j * head_dim + e] = accj[e];
       }
       for (int64_t j = 0; j < group; ++j)
         from_float(out + (b * num_heads + h * group + j) * head_dim, acc.data() + j * head_dim, head_dim);

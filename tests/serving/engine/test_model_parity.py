@@ -146,3 +146,26 @@ def test_gguf_file_path_is_converted_once_and_cached(tmp_path, monkeypatch, defa
     reference = LLMEngine(EngineConfig(model=str(default_model_dir), dtype="float32", kv_cache_bytes=32 * 2**20))
     prompt = chat_ids(engine.tokenizer, PROMPTS[0])
     assert engine_greedy(engine, [prompt], 16) == engine_greedy(reference, [prompt], 16)
+
+
+@pytest.mark.slow
+def test_default_model_bf16_answers_and_tracks_fp32(default_model_dir):
+    """bf16 runs the native bf16 kernels (GEMV, decode attention): its greedy answer is right
+    and its first-step logits stay within bf16 error of fp32's."""
+    bf16 = LLMEngine(EngineConfig(dtype="bfloat16", kv_cache_bytes=64 * 2**20))
+    fp32 = LLMEngine(EngineConfig(dtype="float32", kv_cache_bytes=64 * 2**20))
+    prompt = chat_ids(bf16.tokenizer, PROMPTS[0])
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    (out,) = bf16.generate([prompt], params)
+    assert out.outputs[0].text == "The capital of France is Paris."
+    # decode steps (one token, batch of 1 and of 4) exercise the decode kernel and the GEMV
+    batch = [prompt, chat_ids(bf16.tokenizer, PROMPTS[1]), chat_ids(bf16.tokenizer, PROMPTS[6]), prompt[:20]]
+    lp_bf16 = [o.outputs[0].logprobs for o in bf16.generate(batch, SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True))]
+    lp_fp32 = [o.outputs[0].logprobs for o in fp32.generate(batch, SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True))]
+    for a, b in zip(lp_bf16, lp_fp32):
+        assert a[0].token_id == b[0].token_id
+        # while the tokens agree, the chosen token's logprob agrees to bf16 accuracy
+        for x, y in zip(a, b):
+            if x.token_id != y.token_id:
+                break
+            assert abs(x.logprob - y.logprob) < 0.15
