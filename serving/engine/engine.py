@@ -132,7 +132,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.runner = ModelRunner(self.model, self.kv_cache)
-        self.vocab_size = self.model.lm_head.shape[0]
+        self.vocab_size = self.model.vocab_size
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
         self.eos_token_ids = spec.eos_token_ids
         self.kv_layout = KVLayout(

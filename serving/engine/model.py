@@ -32,18 +32,43 @@ logger = logging.getLogger(__name__)
 SMALL_M = 8
 
 
+class _Linear:
+    """y = x W^T + b, by whichever CPU routine is fastest for the number of rows.
+
+    A few rows (decoding a small batch) is memory-bound: the native bf16 GEMV streams W once.
+    More rows are compute-bound: oneDNN with W pre-packed in its blocked layout (bf16 on CPU)
+    runs ~1.3x faster at 64 rows than with the plain layout, with identical results.
+    """
+
+    __slots__ = ("weight", "bias", "packed")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, pack: bool):
+        self.weight = weight
+        self.bias = bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64) if pack else None
+
+    def __call__(self, x: torch.Tensor, kernels=None) -> torch.Tensor:
+        rows = x.shape[0]
+        if kernels is not None and 0 < rows <= SMALL_M and self.packed is not None:
+            return kernels.small_m_linear(x, self.weight, self.bias)
+        if self.packed is not None and rows > 0:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def num_bytes(self) -> int:
+        b = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.weight.numel() * self.weight.element_size() + b
+
+
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv_w: torch.Tensor
-    qkv_b: torch.Tensor | None
-    o_w: torch.Tensor
-    o_b: torch.Tensor | None
+    qkv: _Linear
+    o: _Linear
     post_norm: torch.Tensor
-    gate_up_w: torch.Tensor
-    gate_up_b: torch.Tensor | None
-    down_w: torch.Tensor
-    down_b: torch.Tensor | None
+    gate_up: _Linear
+    down: _Linear
 
 
 class LlamaModel:
@@ -75,6 +100,11 @@ class LlamaModel:
                 return None
             return torch.cat(list(tensors)).contiguous()
 
+        # Pre-packed oneDNN weights pay off for bf16 on CPU (see _Linear); elsewhere plain ones.
+        pack = (
+            device.type == "cpu" and dtype == torch.bfloat16
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and native_kernels() is not None
+        )
         self.embed = take("model.embed_tokens.weight")
         self.layers: list[_Layer] = []
         for i in range(spec.num_layers):
@@ -83,39 +113,51 @@ class LlamaModel:
             self.layers.append(
                 _Layer(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv_w=cat(
-                        take(p + "self_attn.q_proj.weight"),
-                        take(p + "self_attn.k_proj.weight"),
-                        take(p + "self_attn.v_proj.weight"),
+                    qkv=_Linear(
+                        cat(
+                            take(p + "self_attn.q_proj.weight"),
+                            take(p + "self_attn.k_proj.weight"),
+                            take(p + "self_attn.v_proj.weight"),
+                        ),
+                        cat(
+                            take(p + "self_attn.q_proj.bias", attn_bias),
+                            take(p + "self_attn.k_proj.bias", attn_bias),
+                            take(p + "self_attn.v_proj.bias", attn_bias),
+                        ),
+                        pack=pack,
                     ),
-                    qkv_b=cat(
-                        take(p + "self_attn.q_proj.bias", attn_bias),
-                        take(p + "self_attn.k_proj.bias", attn_bias),
-                        take(p + "self_attn.v_proj.bias", attn_bias),
-                    ),
-                    o_w=take(p + "self_attn.o_proj.weight"),
-                    o_b=take(p + "self_attn.o_proj.bias", False),
+                    o=_Linear(take(p + "self_attn.o_proj.weight"), take(p + "self_attn.o_proj.bias", False), pack=pack),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up_w=cat(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")),
-                    gate_up_b=cat(
-                        take(p + "mlp.gate_proj.bias", spec.mlp_bias),
-                        take(p + "mlp.up_proj.bias", spec.mlp_bias),
+                    gate_up=_Linear(
+                        cat(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")),
+                        cat(
+                            take(p + "mlp.gate_proj.bias", spec.mlp_bias),
+                            take(p + "mlp.up_proj.bias", spec.mlp_bias),
+                        ),
+                        pack=pack,
                     ),
-                    down_w=take(p + "mlp.down_proj.weight"),
-                    down_b=take(p + "mlp.down_proj.bias", spec.mlp_bias),
+                    down=_Linear(take(p + "mlp.down_proj.weight"), take(p + "mlp.down_proj.bias", spec.mlp_bias), pack=pack),
                 )
             )
         self.norm = take("model.norm.weight")
         lm_head = take("lm_head.weight", required=not spec.tie_word_embeddings)
-        self.lm_head = self.embed if lm_head is None else lm_head
+        self.lm_head = _Linear(self.embed if lm_head is None else lm_head, None, pack=pack)
         self.cos, self.sin = _rope_tables(spec, device, dtype)
 
     @property
     def num_weight_bytes(self) -> int:
-        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        """Bytes of weights one decode step reads (the embedding table only once, if tied)."""
+        total = sum(t.numel() * t.element_size() for t in (self.embed, self.norm))
+        if self.lm_head.weight is not self.embed:
+            total += self.lm_head.num_bytes
         for layer in self.layers:
-            tensors += [t for t in vars(layer).values() if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+            total += layer.input_norm.numel() * layer.input_norm.element_size() * 2
+            total += sum(lin.num_bytes for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        return total
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers' LlamaRMSNorm: normalise in fp32, round to the model dtype, then scale.
@@ -140,21 +182,17 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)
         cos = self.cos.index_select(0, positions)
         sin = self.sin.index_select(0, positions)
-        # A few rows (decoding a small batch) stream the weights through our GEMV instead.
-        linear = F.linear
-        if self.dtype == torch.bfloat16 and num_tokens <= SMALL_M:
-            linear = kernels.small_m_linear
         delta = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = kernels.add_rms_norm(h, delta, layer.input_norm, eps)  # h += delta
-            qkv = linear(x, layer.qkv_w, layer.qkv_b)
+            qkv = layer.qkv(x, kernels)
             kernels.rope_cache_write(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, spec.num_heads)
             q = qkv[:, : self.q_size].view(num_tokens, spec.num_heads, spec.head_dim)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
-            delta = linear(attn, layer.o_w, layer.o_b)
+            delta = layer.o(attn, kernels)
             x = kernels.add_rms_norm(h, delta, layer.post_norm, eps)
-            act = kernels.silu_mul(linear(x, layer.gate_up_w, layer.gate_up_b))
-            delta = linear(act, layer.down_w, layer.down_b)
+            act = kernels.silu_mul(layer.gate_up(x, kernels))
+            delta = layer.down(act, kernels)
         return kernels.add_rms_norm(h, delta, self.norm, eps)
 
     def _forward_torch(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
@@ -170,7 +208,7 @@ class LlamaModel:
         write_offsets = meta.slot_mapping % block_size
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = self._rms_norm(h, layer.input_norm)
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+            qkv = layer.qkv(x)
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, qk_heads, spec.head_dim)
             qk = _apply_rope(qk, cos, sin)
             q = qk[:, : spec.num_heads]
@@ -179,18 +217,16 @@ class LlamaModel:
             k_cache[write_blocks, :, write_offsets] = k
             v_cache[write_blocks, :, write_offsets] = v
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
-            h = h + F.linear(attn, layer.o_w, layer.o_b)
+            h = h + layer.o(attn)
             x = self._rms_norm(h, layer.post_norm)
-            gate, up = F.linear(x, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down_w, layer.down_b)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
         return self._rms_norm(h, self.norm)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         kernels = native_kernels() if self.device.type == "cpu" else None
-        if kernels is not None and self.dtype == torch.bfloat16 and 0 < hidden.shape[0] <= SMALL_M:
-            return kernels.small_m_linear(hidden, self.lm_head, None).float()
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden, kernels).float()
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
