@@ -126,8 +126,9 @@ class AsyncEngine:
         engine = self.engine
         try:
             while True:
-                # Block only when idle; otherwise take what has arrived and step.
-                if not engine.has_unfinished_requests():
+                # Block when idle, or stalled (waiting on blocks that only a command can free);
+                # otherwise take what has arrived and step.
+                if not engine.has_unfinished_requests() or engine.is_stalled:
                     if not self._handle(self._inbox.get()):
                         return
                 while True:

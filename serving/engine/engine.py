@@ -143,6 +143,7 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self.num_computed_tokens = 0
         self.num_generated_tokens = 0
+        self.is_stalled = False  # the last step could schedule nothing (see step)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -279,9 +280,10 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         for seq in sched.kv_imports:
             self._write_import(seq)
+        self.is_stalled = not sched.scheduled and not sched.preempted
         if not sched.scheduled:
-            if self.scheduler.num_unfinished and not sched.preempted:
-                logger.error("nothing schedulable with %d unfinished sequences", self.scheduler.num_unfinished)
+            # Only possible while held exports pin the blocks a waiting request needs: nothing
+            # changes until one is exported, released or aborted.
             return outputs
         step = self.runner.prepare(sched.scheduled)
         logits = self.runner.execute(step)

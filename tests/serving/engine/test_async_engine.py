@@ -98,3 +98,33 @@ def test_dead_step_loop_fails_streams_and_new_requests(async_engine):
     assert not async_engine.is_alive
     with pytest.raises(EngineDeadError):
         asyncio.run(main())
+
+
+def test_held_exports_stall_without_spinning_and_release_resumes(tiny_model_dir):
+    """A request waiting for blocks pinned by an unclaimed export waits on the inbox (no busy
+    loop), and runs as soon as the export is released."""
+    # 12 blocks of 16 tokens; the held export pins 10 of them, the next request needs 4.
+    engine = AsyncEngine(
+        EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=12 * 16 * 512)
+    )
+    try:
+        async def main():
+            hold = SamplingParams(temperature=0.0, max_tokens=1)
+            async for _ in engine.generate("held", params=hold, prompt_token_ids=list(range(10, 170)), hold_kv=True):
+                pass
+            steps = []
+            real_step = engine.engine.step
+            engine.engine.step = lambda: steps.append(1) or real_step()
+            waiter = asyncio.ensure_future(collect(engine, "next", list(range(200, 250))))
+            await asyncio.sleep(0.3)
+            stalled = engine.engine.is_stalled and not waiter.done()
+            steps_while_stalled = len(steps)
+            await engine.release_kv("held")
+            return stalled, steps_while_stalled, await asyncio.wait_for(waiter, 30)
+
+        stalled, steps_while_stalled, tokens = asyncio.run(main())
+        assert stalled
+        assert steps_while_stalled == 1  # one step found nothing to run; then it waited
+        assert len(tokens) == 12
+    finally:
+        engine.shutdown()
