@@ -2,15 +2,20 @@
 
 `paged_decode_attention` reads K/V straight from the paged cache through block tables;
 `add_rms_norm`, `rope_cache_write` and `silu_mul` fuse the per-layer glue of a step, which is most
-of a small batch's time on CPU when each is several PyTorch ops (see csrc/kernels.cpp). Compilation happens once per torch version into
-`$KVRELAY_CACHE_DIR/torch_extensions`; without a compiler the engine falls back to the pure
-PyTorch path (same results, slower) and says so once in the log.
+of a small batch's time on CPU when each is several PyTorch ops; `small_m_linear` is a bf16 GEMV
+for small batches (see csrc/kernels.cpp).
+
+The build uses `-march=native`, so it is cached per torch version and CPU instruction-set
+family, in `$KVRELAY_CACHE_DIR/torch_extensions`. Without a compiler the engine falls back to
+the plain PyTorch path (same results, slower) and says so once in the log.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import threading
 from pathlib import Path
 
@@ -27,6 +32,16 @@ _module = None
 _failed = False
 
 
+def _cpu_key() -> str:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+
+
 def native_kernels():
     """The compiled extension module, or None when it cannot be built here."""
     global _module, _failed
@@ -40,7 +55,8 @@ def native_kernels():
             try:
                 from torch.utils.cpp_extension import load
 
-                build_dir = cache_dir() / "torch_extensions" / f"torch-{torch.__version__}"
+                # -march=native: a build is only valid on CPUs with the same instruction sets.
+                build_dir = cache_dir() / "torch_extensions" / f"torch-{torch.__version__}-{_cpu_key()}"
                 build_dir.mkdir(parents=True, exist_ok=True)
                 source = Path(__file__).parent / "csrc" / "kernels.cpp"
                 _module = load(
