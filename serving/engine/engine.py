@@ -20,19 +20,20 @@ import torch
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
-from serving.engine.errors import ContextLengthError, InvalidRequestError
+from serving.engine.errors import InvalidRequestError
 from serving.engine.kv_cache import KVCache, available_memory_bytes, kv_bytes_per_token
 from serving.engine.kv_events import KVEvent
 from serving.engine.kv_transfer import KVLayout, KVPayload
 from serving.engine.model import LlamaModel
 from serving.engine.model_loader import load_model_spec, load_state_dict, load_tokenizer, resolve_model_dir
 from serving.engine.model_runner import ModelRunner
-from serving.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from serving.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob, merge_outputs
 from serving.engine.params import SamplingParams
 from serving.engine.request import RequestStatus, Sequence
 from serving.engine.sampler import Sampler, SamplingRow
 from serving.engine.scheduler import Scheduler
 from serving.engine.stop_checker import StopChecker
+from serving.engine.validation import validate_request
 
 __all__ = ["LLMEngine", "EngineStats"]
 
@@ -175,7 +176,10 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer(prompt).input_ids
         prompt_token_ids = list(prompt_token_ids)
         prior = list(prior_output_token_ids or [])
-        self._validate(prompt_token_ids, prior, params, hold_kv=hold_kv, kv_payload=kv_payload)
+        validate_request(
+            prompt_token_ids, prior, params, hold_kv=hold_kv, kv_payload=kv_payload,
+            vocab_size=self.vocab_size, max_model_len=self.max_model_len, kv_layout=self.kv_layout,
+        )
         num_prompt = len(prompt_token_ids)
         max_tokens = params.max_tokens or (self.max_model_len - num_prompt)
         extra_keys = (cache_salt,) if cache_salt else ()
@@ -209,45 +213,6 @@ class LLMEngine:
             request.waiting_children.append(state.seq)
         self._requests[request_id] = request
         return num_prompt
-
-    def _validate(self, prompt, prior, params, *, hold_kv, kv_payload) -> None:
-        if not prompt:
-            raise InvalidRequestError("prompt", "must not be empty")
-        bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise InvalidRequestError(
-                "prompt_token_ids", f"token id {bad[0]!r} is not in the vocabulary (0..{self.vocab_size - 1})"
-            )
-        params.validate(vocab_size=self.vocab_size)
-        num_tokens = len(prompt) + len(prior)
-        if num_tokens >= self.max_model_len:
-            raise ContextLengthError(
-                "messages",
-                f"the prompt has {num_tokens} tokens but the context window is {self.max_model_len} "
-                "(shorten the prompt)",
-                num_tokens=num_tokens, limit=self.max_model_len,
-            )
-        if params.max_tokens is not None and len(prompt) + params.max_tokens > self.max_model_len:
-            raise ContextLengthError(
-                "max_tokens",
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context window of {self.max_model_len} tokens (lower max_tokens to at most "
-                f"{self.max_model_len - len(prompt)})",
-                num_tokens=len(prompt) + params.max_tokens, limit=self.max_model_len,
-            )
-        if params.max_tokens is not None and len(prior) >= params.max_tokens:
-            raise InvalidRequestError("max_tokens", f"must exceed the {len(prior)} tokens generated already")
-        if (hold_kv or kv_payload is not None) and params.n != 1:
-            raise InvalidRequestError("n", "KV export/import supports n=1 only")
-        if kv_payload is not None:
-            if kv_payload.layout != self.kv_layout:
-                raise InvalidRequestError(
-                    "kv_payload", f"layout {kv_payload.layout} does not match this engine's {self.kv_layout}"
-                )
-            if kv_payload.token_ids != (prompt + prior)[: kv_payload.num_tokens] or kv_payload.num_tokens >= num_tokens:
-                raise InvalidRequestError(
-                    "kv_payload", "its tokens are not a proper prefix of the prompt and prior outputs"
-                )
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; its final output says finish_reason 'abort'."""
@@ -446,30 +411,5 @@ class LLMEngine:
         merged: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():
             for out in self.step():
-                merged[out.request_id] = _merge(merged.get(out.request_id), out)
+                merged[out.request_id] = merge_outputs(merged.get(out.request_id), out)
         return [merged[i] for i in ids]
-
-
-def _merge(acc: RequestOutput | None, new: RequestOutput) -> RequestOutput:
-    if acc is None:
-        acc = RequestOutput(new.request_id, [], False, new.num_prompt_tokens, new.num_cached_tokens, new.metrics)
-    by_index = {c.index: c for c in acc.outputs}
-    for c in new.outputs:
-        old = by_index.get(c.index)
-        if old is None:
-            by_index[c.index] = CompletionOutput(
-                c.index, c.text, list(c.token_ids), list(c.logprobs) if c.logprobs else None,
-                c.finish_reason, c.stop_reason,
-            )
-        else:
-            old.text += c.text
-            old.token_ids += c.token_ids
-            if c.logprobs:
-                old.logprobs = (old.logprobs or []) + c.logprobs
-            old.finish_reason = c.finish_reason or old.finish_reason
-            old.stop_reason = c.stop_reason if c.stop_reason is not None else old.stop_reason
-    acc.outputs = [by_index[i] for i in sorted(by_index)]
-    acc.finished = new.finished
-    acc.metrics = new.metrics
-    acc.num_cached_tokens = new.num_cached_tokens
-    return acc

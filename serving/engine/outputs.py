@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["TokenLogprob", "CompletionOutput", "RequestOutput", "RequestMetrics"]
+__all__ = ["TokenLogprob", "CompletionOutput", "RequestOutput", "RequestMetrics", "merge_outputs"]
 
 
 @dataclass
@@ -50,3 +50,29 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     metrics: RequestMetrics | None = None
+
+
+def merge_outputs(acc: RequestOutput | None, new: RequestOutput) -> RequestOutput:
+    """Fold a step's deltas into an accumulated output (a copy on first use)."""
+    if acc is None:
+        acc = RequestOutput(new.request_id, [], False, new.num_prompt_tokens, new.num_cached_tokens, new.metrics)
+    by_index = {c.index: c for c in acc.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            by_index[c.index] = CompletionOutput(
+                c.index, c.text, list(c.token_ids), list(c.logprobs) if c.logprobs else None,
+                c.finish_reason, c.stop_reason,
+            )
+        else:
+            old.text += c.text
+            old.token_ids += c.token_ids
+            if c.logprobs:
+                old.logprobs = (old.logprobs or []) + c.logprobs
+            old.finish_reason = c.finish_reason or old.finish_reason
+            old.stop_reason = c.stop_reason if c.stop_reason is not None else old.stop_reason
+    acc.outputs = [by_index[i] for i in sorted(by_index)]
+    acc.finished = new.finished
+    acc.metrics = new.metrics
+    acc.num_cached_tokens = new.num_cached_tokens
+    return acc
