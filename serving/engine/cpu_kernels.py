@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
 from pathlib import Path
 
@@ -54,6 +55,12 @@ def native_kernels():
         if _module is None and not _failed:
             try:
                 from torch.utils.cpp_extension import load
+
+                # The `ninja` wheel installs next to this interpreter, which need not be on PATH
+                # (a venv used without activating it).
+                bin_dir = os.path.dirname(sys.executable)
+                if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+                    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
                 # -march=native: a build is only valid on CPUs with the same instruction sets.
                 build_dir = cache_dir() / "torch_extensions" / f"torch-{torch.__version__}-{_cpu_key()}"
