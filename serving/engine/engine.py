@@ -77,8 +77,8 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **overrides):
-        config = (config or EngineConfig()).model_copy(update=overrides) if overrides else (config or EngineConfig())
+    def __init__(self, config: EngineConfig | None = None):
+        config = config or EngineConfig()
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
