@@ -289,13 +289,13 @@ class LLMEngine:
         self.num_generated_tokens += 1
         if seq.index == 0 and request.waiting_children:
             self._fork_children(seq, request)
-        text = state.detokenizer.step([token_id])
+        text = state.detokenizer.step([token_id]) if seq.params.detokenize else ""
         result = state.stop_checker.check(token_id, text, seq.num_output_tokens)
         delta = CompletionOutput(seq.index, result.text, [token_id], [logprob] if logprob else None)
         if result.finish_reason is None and seq.num_tokens >= self.max_model_len:
             result.finish_reason = "length"
         if result.finish_reason is not None:
-            if not isinstance(result.stop_reason, str):
+            if not isinstance(result.stop_reason, str) and seq.params.detokenize:
                 # Not cut by a stop string: release what was held back for a possible match.
                 delta.text += state.stop_checker.flush() + state.detokenizer.flush()
             delta.finish_reason = result.finish_reason

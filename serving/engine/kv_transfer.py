@@ -10,6 +10,7 @@ as never having moved.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,5 +61,12 @@ class KVPayload:
 
 def _rebuild(request_id, token_ids, block_hashes, layout, raw: np.ndarray, shape) -> KVPayload:
     dtype = getattr(torch, layout.dtype)
-    kv = torch.from_numpy(raw).view(dtype).view(shape) if raw.size else torch.empty(shape, dtype=dtype)
+    if not raw.size:
+        kv = torch.empty(shape, dtype=dtype)
+    else:
+        with warnings.catch_warnings():
+            # Out of Ray's object store the buffer is a read-only shared-memory mapping. Viewing
+            # it without a copy is the point; the importer only reads it (into its own blocks).
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            kv = torch.from_numpy(raw).view(dtype).view(shape)
     return KVPayload(request_id, list(token_ids), list(block_hashes), layout, kv)

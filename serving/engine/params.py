@@ -39,6 +39,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # False: return token ids only (text "" in every output), for callers that detokenize
+    # themselves (the ingress). Stop strings then are the caller's job too.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

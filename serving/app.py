@@ -1,0 +1,55 @@
+"""`build_app`: the Serve application for a ServeConfig.
+
+    serve run serving.app:build_app config=deploy/local.yaml [mode=colocated decode.num_replicas=2]
+    kvrelay serve --config deploy/local.yaml
+
+`args` (from `serve run` / a Serve config file's `args:`) may name a YAML file under `config`
+and override fields with dotted keys; `KVRELAY_*` environment variables apply last.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from serving.config import PoolConfig, ServeConfig, load_config
+from serving.deployments import DecodeWorker, OpenAIIngress, PrefillWorker, Worker
+
+__all__ = ["build_app", "config_from_args"]
+
+
+def config_from_args(args: dict[str, Any] | None) -> ServeConfig:
+    args = dict(args or {})
+    path = args.pop("config", None)
+    return load_config(path, overrides=args)
+
+
+def build_app(args: dict[str, Any] | ServeConfig | None = None) -> Application:
+    config = args if isinstance(args, ServeConfig) else config_from_args(args)
+    data = config.model_dump(mode="json")
+    ingress = OpenAIIngress.options(
+        num_replicas=config.ingress.num_replicas,
+        max_ongoing_requests=config.ingress.max_ongoing_requests,
+        ray_actor_options={"num_cpus": config.ingress.num_cpus},
+    )
+    if config.mode == "colocated":
+        worker = _pool(Worker, config.worker).bind(data)
+        return ingress.bind(data, None, worker)
+    prefill = _pool(PrefillWorker, config.prefill).bind(data)
+    decode = _pool(DecodeWorker, config.decode).bind(data)
+    return ingress.bind(data, prefill, decode)
+
+
+def _pool(deployment, pool: PoolConfig):
+    actor_options: dict[str, Any] = {"num_cpus": pool.num_cpus}
+    if pool.num_gpus:
+        actor_options["num_gpus"] = pool.num_gpus
+    if pool.resources:
+        actor_options["resources"] = dict(pool.resources)
+    return deployment.options(
+        num_replicas=pool.num_replicas,
+        max_ongoing_requests=pool.max_ongoing_requests,
+        max_queued_requests=pool.max_queued_requests,
+        ray_actor_options=actor_options,
+    )

@@ -1,0 +1,244 @@
+"""The app's configuration: one pydantic model, loaded from YAML plus `KVRELAY_*` env overrides.
+
+    model / dtype / KV budget ─▶ every worker's EngineConfig (engine_config(pool))
+    mode, min_remote_prefill_tokens ─▶ how the ingress routes a request
+    prefill / decode / worker pools ─▶ Serve deployments (replicas, CPUs, torch threads)
+    http, api_keys, kv_transfer ─▶ the proxy, the ingress, the KVTransfer actors
+
+Env overrides name a field path with `__` between levels, after the `KVRELAY_` prefix:
+`KVRELAY_MODE=colocated`, `KVRELAY_HTTP__PORT=8001`, `KVRELAY_DECODE__NUM_REPLICAS=2`,
+`KVRELAY_API_KEYS=key1,key2`. Values are parsed as YAML scalars (so `2`, `true`, `[a, b]`).
+Unknown keys, in the file or the environment, are errors that name the key and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from serving.engine.config import EngineConfig
+
+__all__ = [
+    "ServeConfig",
+    "PoolConfig",
+    "IngressConfig",
+    "HTTPConfig",
+    "KVTransferConfig",
+    "ConfigError",
+    "load_config",
+    "ENV_PREFIX",
+]
+
+ENV_PREFIX = "KVRELAY_"
+# KVRELAY_* variables that are not config fields.
+_NON_CONFIG_ENV = {"KVRELAY_CACHE_DIR", "KVRELAY_DISABLE_NATIVE", "KVRELAY_CONFIG"}
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the source, field, value and fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PoolConfig(_Strict):
+    """One worker pool (a Serve deployment wrapping engines)."""
+
+    num_replicas: int = Field(1, ge=1, le=256, description="Replicas in this pool.")
+    num_cpus: float = Field(
+        0.5, gt=0, le=256,
+        description="Ray logical CPUs reserved per replica (fractional values let several "
+        "replicas share a small machine).",
+    )
+    num_gpus: float = Field(0, ge=0, le=16, description="GPUs per replica (CUDA engines).")
+    num_threads: int = Field(
+        1, ge=1, le=512,
+        description="torch threads per replica. Keep the sum over replicas at or below the "
+        "machine's cores: oversubscribed OpenMP threads spin against each other.",
+    )
+    max_ongoing_requests: int = Field(
+        128, ge=1, description="Requests a replica works on at once (Serve's max_ongoing_requests)."
+    )
+    max_queued_requests: int = Field(
+        256, ge=-1,
+        description="Requests waiting for a replica beyond max_ongoing_requests before the API "
+        "answers 429 (-1: unbounded).",
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Extra Ray resources per replica (node roles)."
+    )
+
+
+class IngressConfig(_Strict):
+    num_replicas: int = Field(1, ge=1, le=64, description="OpenAIIngress replicas.")
+    num_cpus: float = Field(0.1, gt=0, le=64, description="Ray logical CPUs per ingress replica.")
+    max_ongoing_requests: int = Field(1024, ge=1, description="Concurrent requests per ingress replica.")
+
+
+class HTTPConfig(_Strict):
+    host: str = Field("127.0.0.1", description="Address the Serve HTTP proxy binds.")
+    port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI API.")
+
+
+class KVTransferConfig(_Strict):
+    lease_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="Exported KV not claimed by a decode worker within this time is freed.",
+    )
+    timeout_s: float = Field(
+        10.0, gt=0, le=600,
+        description="A decode worker waiting longer than this for a KV import recomputes the "
+        "prompt instead.",
+    )
+
+
+class ServeConfig(_Strict):
+    # ---- model and engine --------------------------------------------------------------------
+    model: str = Field(
+        "smollm2-135m-instruct",
+        description="Built-in name, a .gguf file, or a local Hugging Face model directory.",
+    )
+    served_model_name: str | None = Field(
+        None, min_length=1, description="The name clients pass as `model`; default: `model`."
+    )
+    dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="Weights and KV dtype.")
+    device: str = Field("cpu", description="'cpu' or 'cuda[:N]'.")
+    kv_cache_bytes: int | None = Field(None, gt=0, description="KV cache bytes per replica.")
+    kv_cache_memory_fraction: float = Field(
+        0.05, gt=0.0, le=0.95, description="KV budget per replica as a fraction of free memory."
+    )
+    max_model_len: int | None = Field(None, ge=16, description="Context window cap in tokens.")
+    block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
+    max_num_seqs: int = Field(128, ge=1, le=4096, description="Sequences per engine step.")
+    max_num_batched_tokens: int = Field(512, ge=1, description="Token budget per engine step.")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV of shared prefixes.")
+    seed: int = Field(0, description="Sampler seed for requests without `seed`.")
+
+    # ---- topology ----------------------------------------------------------------------------
+    mode: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated",
+        description="disaggregated: PrefillWorker + DecodeWorker pools with KV transfer; "
+        "colocated: one Worker pool does both.",
+    )
+    min_remote_prefill_tokens: int = Field(
+        0, ge=0,
+        description="Prompts with fewer uncached tokens than this are prefilled on the decode "
+        "worker itself (disaggregated mode).",
+    )
+    prefill: PoolConfig = Field(default_factory=PoolConfig, description="PrefillWorker pool.")
+    decode: PoolConfig = Field(default_factory=PoolConfig, description="DecodeWorker pool.")
+    worker: PoolConfig = Field(default_factory=PoolConfig, description="Worker pool (colocated mode).")
+    ingress: IngressConfig = Field(default_factory=IngressConfig, description="OpenAIIngress.")
+    kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig, description="KV hand-off.")
+
+    # ---- serving -----------------------------------------------------------------------------
+    app_name: str = Field("kvrelay", pattern=r"^[A-Za-z0-9_-]+$", description="Serve application name.")
+    http: HTTPConfig = Field(default_factory=HTTPConfig, description="The API's address.")
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="Accepted `Authorization: Bearer` keys; empty: no authentication.",
+    )
+    max_request_body_bytes: int = Field(
+        8 * 2**20, ge=1024, description="Larger request bodies are refused with 413."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ServeConfig:
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if any(not key for key in self.api_keys):
+            raise ValueError("api_keys must not contain empty strings")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def engine_config(self, pool: PoolConfig) -> EngineConfig:
+        return EngineConfig(
+            model=self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
+            kv_cache_bytes=self.kv_cache_bytes, kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_caching=self.enable_prefix_caching, num_threads=pool.num_threads,
+            seed=self.seed,
+        )
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    *,
+    overrides: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> ServeConfig:
+    """File (optional) < `overrides` (nested dict) < `KVRELAY_*` environment variables."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read the config file ({exc.strerror})") from exc
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of fields, got {type(loaded).__name__}")
+        data = loaded or {}
+    for key, value in (overrides or {}).items():
+        _set_path(data, key.split("."), value)
+    env_used = []
+    for name, raw in sorted((os.environ if env is None else env).items()):
+        if not name.startswith(ENV_PREFIX) or name in _NON_CONFIG_ENV:
+            continue
+        field_path = [part.lower() for part in name[len(ENV_PREFIX):].split("__")]
+        _set_path(data, field_path, _parse_env_value(field_path, raw))
+        env_used.append(name)
+    try:
+        return ServeConfig.model_validate(data)
+    except ValidationError as exc:
+        where = source + (f" (with env {', '.join(env_used)})" if env_used else "")
+        raise ConfigError(format_validation_error(exc, where, env_prefix=ENV_PREFIX)) from exc
+
+
+def format_validation_error(exc: ValidationError, where: str, *, env_prefix: str | None = None) -> str:
+    lines = [f"{where}: invalid configuration"]
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            hint = "unknown key; remove it or fix its spelling"
+            if env_prefix:
+                hint += f" (env: {env_prefix}{field.upper().replace('.', '__')})"
+        else:
+            hint = err["msg"]
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) else f" = {value!r}"
+        lines.append(f"  {field}{shown}: {hint}")
+    return "\n".join(lines)
+
+
+def _set_path(data: dict, parts: list[str], value: Any) -> None:
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def _parse_env_value(field_path: list[str], raw: str) -> Any:
+    if field_path == ["api_keys"] and not raw.lstrip().startswith("["):
+        return [key.strip() for key in raw.split(",") if key.strip()]
+    try:
+        return yaml.safe_load(raw) if raw.strip() else raw
+    except yaml.YAMLError:
+        return raw

@@ -1,0 +1,87 @@
+"""The Serve deployments: OpenAIIngress, PrefillWorker, DecodeWorker and (colocated) Worker.
+
+Each is a thin shell: the ingress wraps OpenAIServer (serving/openai_api.py) around a Frontend
+and a ServeBackend; the workers wrap EngineWorker (serving/worker.py). Their options (replicas,
+CPUs, queue limits) are set by `serving.app.build_app` from the ServeConfig.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from serving.config import ServeConfig
+from serving.frontend import Frontend, ModelInfo, WorkerRequest
+from serving.kv_transfer_actor import KVHandle
+
+__all__ = ["OpenAIIngress", "PrefillWorker", "DecodeWorker", "Worker"]
+
+logger = logging.getLogger(__name__)
+
+
+class _WorkerDeployment:
+    role = "worker"
+
+    def __init__(self, config: dict):
+        from serving.worker import EngineWorker
+
+        cfg = ServeConfig.model_validate(config)
+        pool = {"prefill": cfg.prefill, "decode": cfg.decode}.get(self.role, cfg.worker)
+        self.worker = EngineWorker(self.role, cfg.engine_config(pool), cfg.kv_transfer, cfg.app_name)
+
+    def model_info(self) -> ModelInfo:
+        return self.worker.model_info()
+
+    def stats(self) -> dict:
+        return self.worker.stats()
+
+    def check_health(self) -> None:
+        self.worker.check_health()
+
+    async def generate(
+        self, request: WorkerRequest, kv: KVHandle | None = None, prior_output_token_ids: list[int] | None = None
+    ) -> AsyncIterator:
+        async for out in self.worker.generate(request, kv, prior_output_token_ids):
+            yield out
+
+    def __del__(self):
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            worker.shutdown()
+
+
+@serve.deployment(name="PrefillWorker")
+class PrefillWorker(_WorkerDeployment):
+    role = "prefill"
+
+    async def prefill(self, request: WorkerRequest):
+        return await self.worker.prefill(request)
+
+
+@serve.deployment(name="DecodeWorker")
+class DecodeWorker(_WorkerDeployment):
+    role = "decode"
+
+
+@serve.deployment(name="Worker")
+class Worker(_WorkerDeployment):
+    role = "worker"
+
+
+@serve.deployment(name="OpenAIIngress")
+@serve.ingress()
+class OpenAIIngress:
+    def __init__(self, config: dict, prefill, decode):
+        from serving.engine.model_loader import load_tokenizer, resolve_model_dir
+        from serving.openai_api import OpenAIServer
+        from serving.serve_backend import ServeBackend
+
+        cfg = ServeConfig.model_validate(config)
+        tokenizer = load_tokenizer(resolve_model_dir(cfg.model))
+        self.backend = ServeBackend(cfg, prefill=prefill, decode=decode)
+        self.server = OpenAIServer(Frontend(tokenizer, self.backend, cfg.model_name), cfg)
+
+    def __serve_build_asgi_app__(self):
+        return self.server.build_app()

@@ -1,0 +1,407 @@
+"""The OpenAI-compatible HTTP API: routes, response shapes, SSE, and the error mapping.
+
+    POST /v1/chat/completions   chat.completion / chat.completion.chunk (SSE)
+    POST /v1/completions        text_completion (SSE when stream)
+    GET  /v1/models             the served model
+    GET  /health                200 when every pool has a live replica, else 503
+
+Bodies are parsed here, not by FastAPI, so every failure has OpenAI's error shape:
+malformed JSON is a 422 with a `detail` list as FastAPI would give; a field of the wrong type or
+out of range is a 400 whose `param` names it. A streaming request is answered with an HTTP error
+status if it fails before its first token; after that, failures arrive as an SSE `error` event
+followed by `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from serving.config import ServeConfig
+from serving.engine.outputs import TokenLogprob
+from serving.errors import APIError, AuthenticationError, ModelNotFoundError, to_api_error
+from serving.frontend import ChoiceDelta, Frontend, Usage
+from serving.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
+
+__all__ = ["OpenAIServer"]
+
+logger = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class OpenAIServer:
+    def __init__(self, frontend: Frontend, config: ServeConfig):
+        self.frontend = frontend
+        self.config = config
+        self.model_name = config.model_name
+        self._api_keys = frozenset(config.api_keys)
+        self._created = int(time.time())
+
+    # ---- the ASGI app ------------------------------------------------------------------------
+    def build_app(self) -> FastAPI:
+        app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(APIError)
+        async def _api_error(request: Request, exc: APIError):
+            return _error_response(exc)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            return await self._guard(request, self.chat_completions)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await self._guard(request, self.completions)
+
+        @app.get("/v1/models")
+        async def models(request: Request):
+            self._authenticate(request)
+            return {"object": "list", "data": [self._model_card()]}
+
+        @app.get("/v1/models/{model:path}")
+        async def model(model: str, request: Request):
+            self._authenticate(request)
+            self._check_model(model)
+            return self._model_card()
+
+        @app.get("/health")
+        async def health():
+            try:
+                pools = await self.frontend.backend.health()
+            except Exception as exc:
+                return _error_response(to_api_error(exc))
+            return {"status": "ok", "pools": pools}
+
+        return app
+
+    async def _guard(self, request: Request, handler) -> Response:
+        try:
+            self._authenticate(request)
+            body = await _read_json(request, self.config.max_request_body_bytes)
+            return await handler(body)
+        except Exception as exc:
+            error = to_api_error(exc)
+            if error.status >= 500:
+                logger.exception("request failed: %s", error.message)
+            return _error_response(error)
+
+    def _authenticate(self, request: Request) -> None:
+        if not self._api_keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise AuthenticationError("Missing API key: send 'Authorization: Bearer <key>'.")
+        if key.strip() not in self._api_keys:
+            raise AuthenticationError("Incorrect API key provided.")
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFoundError(model, [self.model_name])
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "kvrelay"}
+
+    # ---- chat --------------------------------------------------------------------------------
+    async def chat_completions(self, body: dict) -> Response:
+        request = _parse(ChatCompletionRequest, body)
+        self._check_model(request.model)
+        params = sampling_params(request)
+        prompt_ids = self.frontend.encode_chat(
+            request.messages, add_generation_prompt=request.add_generation_prompt,
+            chat_template_kwargs=request.chat_template_kwargs,
+        )
+        await self.frontend.validate(prompt_ids, params)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        usage = Usage()
+        deltas = self.frontend.generate(
+            request_id, prompt_ids, params, usage, priority=request.priority, cache_salt=request.cache_salt,
+        )
+        base = {"id": request_id, "created": created, "model": self.model_name, "system_fingerprint": None}
+        want_logprobs = params.logprobs is not None
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            first = await _first(deltas)
+            return _sse(self._chat_chunks(base, first, deltas, params.n, usage, include_usage, want_logprobs), deltas)
+
+        texts = [""] * params.n
+        finish: list[str | None] = [None] * params.n
+        logprobs: list[list] = [[] for _ in range(params.n)]
+        async for delta in deltas:
+            texts[delta.index] += delta.text
+            finish[delta.index] = delta.finish_reason or finish[delta.index]
+            if want_logprobs and delta.logprobs:
+                logprobs[delta.index] += self._chat_logprobs(delta.logprobs)
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": texts[i], "refusal": None},
+                "logprobs": {"content": logprobs[i]} if want_logprobs else None,
+                "finish_reason": finish[i],
+            }
+            for i in range(params.n)
+        ]
+        return JSONResponse({**base, "object": "chat.completion", "choices": choices, "usage": usage.to_dict()})
+
+    async def _chat_chunks(
+        self, base: dict, first: ChoiceDelta | None, deltas: AsyncIterator[ChoiceDelta], n: int,
+        usage: Usage, include_usage: bool, want_logprobs: bool,
+    ) -> AsyncIterator[dict]:
+        base = {**base, "object": "chat.completion.chunk"}
+        extra = {"usage": None} if include_usage else {}
+        for i in range(n):
+            yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra}
+        async for delta in _chain(first, deltas):
+            choice: dict[str, Any] = {"index": delta.index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}
+            if delta.text:
+                choice["delta"] = {"content": delta.text}
+            if want_logprobs and delta.logprobs:
+                choice["logprobs"] = {"content": self._chat_logprobs(delta.logprobs)}
+            if not delta.text and delta.finish_reason is None and choice["logprobs"] is None:
+                continue  # held back by the detokenizer or a possible stop string
+            yield {**base, "choices": [choice], **extra}
+        if include_usage:
+            yield {**base, "choices": [], "usage": usage.to_dict()}
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprob]) -> list[dict]:
+        entries = []
+        for lp in logprobs:
+            entry = self._token_entry(lp.token_id, lp.logprob)
+            entry["top_logprobs"] = [self._token_entry(t, v) for t, v in lp.top]
+            entries.append(entry)
+        return entries
+
+    def _token_entry(self, token_id: int, logprob: float) -> dict:
+        text = self.frontend.token_text(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+    # ---- completions -------------------------------------------------------------------------
+    async def completions(self, body: dict) -> Response:
+        request = _parse(CompletionRequest, body)
+        self._check_model(request.model)
+        params = sampling_params(request)
+        prompts = _split_prompts(request.prompt)
+        if request.echo and request.stream:
+            raise APIError(400, "echo is not supported with stream", param="echo")
+        prompt_ids = [self.frontend.encode_prompt(p) for p in prompts]
+        for ids in prompt_ids:
+            await self.frontend.validate(ids, params)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        usages = [Usage() for _ in prompts]
+        streams = [
+            self.frontend.generate(
+                f"{request_id}-{i}", ids, params, usages[i], priority=request.priority,
+                cache_salt=request.cache_salt, index_offset=i * params.n,
+            )
+            for i, ids in enumerate(prompt_ids)
+        ]
+        deltas = streams[0] if len(streams) == 1 else _merge(streams)
+        base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name, "system_fingerprint": None}
+        num_choices = params.n * len(prompts)
+        want_logprobs = params.logprobs is not None
+
+        def total_usage() -> dict:
+            total = Usage()
+            for u in usages:
+                total.add(u)
+            return total.to_dict()
+
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            first = await _first(deltas)
+
+            async def chunks():
+                extra = {"usage": None} if include_usage else {}
+                offsets = [0] * num_choices
+                async for delta in _chain(first, deltas):
+                    if not delta.text and delta.finish_reason is None:
+                        continue
+                    lp = None
+                    if want_logprobs and delta.logprobs:
+                        lp = self._completion_logprobs(delta.logprobs, offsets[delta.index])
+                    offsets[delta.index] += len(delta.text)
+                    yield {**base, "choices": [{"index": delta.index, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason}], **extra}
+                if include_usage:
+                    yield {**base, "choices": [], "usage": total_usage()}
+
+            return _sse(chunks(), deltas)
+
+        texts = [""] * num_choices
+        finish: list[str | None] = [None] * num_choices
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(num_choices)]
+        if request.echo:
+            for i, ids in enumerate(prompt_ids):
+                for j in range(params.n):
+                    texts[i * params.n + j] = prompts[i] if isinstance(prompts[i], str) else self.frontend.tokenizer.decode(ids)
+        async for delta in deltas:
+            texts[delta.index] += delta.text
+            finish[delta.index] = delta.finish_reason or finish[delta.index]
+            if delta.logprobs:
+                logprobs[delta.index] += delta.logprobs
+        choices = [
+            {
+                "index": i,
+                "text": texts[i],
+                "logprobs": self._completion_logprobs(logprobs[i], 0) if want_logprobs else None,
+                "finish_reason": finish[i],
+            }
+            for i in range(num_choices)
+        ]
+        return JSONResponse({**base, "choices": choices, "usage": total_usage()})
+
+    def _completion_logprobs(self, logprobs: list[TokenLogprob], offset: int) -> dict:
+        tokens, token_logprobs, top, text_offset = [], [], [], []
+        for lp in logprobs:
+            text = self.frontend.token_text(lp.token_id)
+            tokens.append(text)
+            token_logprobs.append(_finite(lp.logprob))
+            top.append({self.frontend.token_text(t): _finite(v) for t, v in lp.top})
+            text_offset.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+async def _read_json(request: Request, max_bytes: int) -> dict:
+    raw = await request.body()
+    if len(raw) > max_bytes:
+        raise APIError(413, f"The request body has {len(raw)} bytes; the limit is {max_bytes}.", code="request_too_large")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        error = APIError(422, f"The request body is not valid JSON: {exc}", code="invalid_json")
+        error.detail = [{"type": "json_invalid", "loc": ["body", getattr(exc, "pos", 0)], "msg": "JSON decode error", "input": {}, "ctx": {"error": str(exc)}}]
+        raise error from exc
+    if not isinstance(body, dict):
+        raise APIError(422, f"The request body must be a JSON object, got {type(body).__name__}.", code="invalid_json")
+    return body
+
+
+def _parse(model, body: dict):
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = _param_name(err["loc"])
+        value = err.get("input")
+        shown = "" if isinstance(value, (dict, list)) or err["type"] == "missing" else f" (got {value!r})"
+        error = APIError(400, f"{param}: {err['msg']}{shown}", param=param, code="invalid_value")
+        raise error from exc
+
+
+def _param_name(loc: tuple) -> str:
+    # pydantic adds the union member's type to the path (`content.str`); keep only the fields.
+    name = ""
+    for part in loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif part in ("str", "list[TextPart]", "list[str]", "list[int]", "list[list[int]]", "int", "float", "bool", "function-after", "literal"):
+            continue
+        else:
+            name += ("." if name else "") + str(part)
+    return name or "body"
+
+
+def _split_prompts(prompt) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    body = error.body()
+    detail = getattr(error, "detail", None)
+    if detail is not None:
+        body["detail"] = detail
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+def _finite(value: float) -> float:
+    return max(value, -9999.0)  # -inf is not valid JSON; OpenAI reports -9999.0
+
+
+async def _first(deltas: AsyncIterator[ChoiceDelta]) -> ChoiceDelta | None:
+    """The first delta, so failures before any token become an HTTP status, not an SSE event."""
+    try:
+        return await anext(deltas)
+    except StopAsyncIteration:
+        return None
+    except BaseException:
+        await deltas.aclose()
+        raise
+
+
+async def _chain(first: ChoiceDelta | None, rest: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
+    if first is not None:
+        yield first
+        async for delta in rest:
+            yield delta
+
+
+async def _merge(streams: list[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[ChoiceDelta]:
+    """Interleave several prompts' deltas as they come; closing it closes them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream):
+        try:
+            async for item in stream:
+                await queue.put(item)
+            await queue.put(done)
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()
+
+
+def _sse(chunks: AsyncIterator[dict], deltas: AsyncIterator[ChoiceDelta]) -> StreamingResponse:
+    """`deltas` is closed explicitly: a disconnect can cancel us while `chunks` waits at a yield,
+    and closing it would not reach the generator it iterates over."""
+
+    async def body():
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            error = to_api_error(exc)
+            logger.warning("stream failed after its first token: %s", error.message)
+            yield f"data: {json.dumps(error.body())}\n\n"
+        finally:
+            await chunks.aclose()
+            await deltas.aclose()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=_SSE_HEADERS)

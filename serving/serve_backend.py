@@ -1,0 +1,181 @@
+"""ServeBackend: the ingress's path to the worker pools, through Serve deployment handles.
+
+    disaggregated:  prefill.prefill(req) ──first token──▶ yield (the client sees it now)
+                                         └─KVHandle──▶ decode.generate(req, kv, prior=[first])
+                                                        ──tokens──▶ yield ...
+    colocated, n > 1, or fewer prompt tokens than min_remote_prefill_tokens:
+                    decode.generate(req)  (the pool's engine prefills and decodes)
+
+Failures, each with one outcome:
+- a pool's queues are full (Serve's BackPressureError)        → QueueFullError (429)
+- a pool has no running replica (controller status)           → NoWorkerError (503)
+- the decode replica dies mid-stream (n = 1)                  → resumed once on a replica from the
+  tokens streamed so far (its prompt is recomputed); if that fails too, the error is raised and
+  the client gets an SSE error event
+- the client goes away                                        → the open handle call is
+  cancelled (the replica's engine aborts and frees blocks) and unclaimed KV is released
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from typing import Any
+
+import ray
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
+
+from serving import kv_transfer_actor
+from serving.config import ServeConfig
+from serving.engine.outputs import RequestOutput
+from serving.errors import NoWorkerError, QueueFullError, WorkerError
+from serving.frontend import ModelInfo, WorkerRequest
+from serving.kv_transfer_actor import KVHandle
+
+__all__ = ["ServeBackend"]
+
+logger = logging.getLogger(__name__)
+
+_ACTOR_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, DeploymentUnavailableError)
+
+
+def _serve_status() -> dict[str, dict[str, int]]:
+    """Deployment name → replica states, from the Serve controller (blocking; call in a thread)."""
+    from ray import serve
+
+    status = serve.status()
+    return {
+        name: dict(deployment.replica_states)
+        for app in status.applications.values()
+        for name, deployment in app.deployments.items()
+    }
+
+
+class ServeBackend:
+    def __init__(
+        self,
+        config: ServeConfig,
+        *,
+        prefill=None,
+        decode,
+        status_fn: Callable[[], dict[str, dict[str, int]]] = _serve_status,
+        status_ttl_s: float = 1.0,
+    ):
+        self.config = config
+        self.prefill = prefill  # None in colocated mode
+        self.decode = decode
+        self._pools = {"prefill": prefill, "decode": decode} if prefill is not None else {"worker": decode}
+        self._status_fn = status_fn
+        self._status_ttl_s = status_ttl_s
+        self._status: dict[str, dict[str, int]] | None = None
+        self._status_time = 0.0
+        self._status_lock = asyncio.Lock()
+        self.num_resumed = 0
+
+    # ---- Backend protocol --------------------------------------------------------------------
+    async def model_info(self) -> ModelInfo:
+        infos = [await self._call(handle.model_info.remote(), pool) for pool, handle in self._pools.items()]
+        limit = min(info.max_model_len for info in infos)
+        return replace(infos[0], max_model_len=limit)
+
+    async def health(self) -> dict[str, Any]:
+        return {pool: await self._check_alive(pool, handle) for pool, handle in self._pools.items()}
+
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
+        prompt_len = len(request.prompt_token_ids)
+        local = (
+            self.prefill is None
+            or request.params.n > 1
+            or prompt_len < self.config.min_remote_prefill_tokens
+        )
+        if local:
+            async for out in self._decode(request, None, []):
+                yield out
+            return
+
+        await self._check_alive("prefill", self.prefill)
+        result = await self._call(self.prefill.prefill.remote(request), "prefill")
+        if isinstance(result, WorkerError):
+            raise result.to_exception()
+        kv = result.kv
+        claimed = False
+        try:
+            yield result.output  # first token, before the KV moves
+            if result.output.finished:
+                return
+            prior = list(result.output.outputs[0].token_ids)
+            async for out in self._decode(request, kv, prior):
+                claimed = True
+                yield out
+            claimed = True
+        finally:
+            if kv is not None and not claimed:
+                # Aborted before the decode worker took it: do not hold it until the lease ends.
+                actor = ray.get_actor(kv.actor_name, namespace=kv_transfer_actor.NAMESPACE)
+                actor.release.remote(kv.request_id)
+
+    # ---- internals ---------------------------------------------------------------------------
+    async def _decode(self, request: WorkerRequest, kv: KVHandle | None, prior: list[int]) -> AsyncIterator[RequestOutput]:
+        pool = "decode" if self.prefill is not None else "worker"
+        await self._check_alive(pool, self.decode)
+        generated: list[int] = []
+        attempts = 2 if request.params.n == 1 else 1
+        for attempt in range(attempts):
+            stream = self.decode.options(stream=True).generate.remote(request, kv, prior + generated)
+            try:
+                async for item in stream:
+                    if isinstance(item, WorkerError):
+                        raise item.to_exception()
+                    if request.params.n == 1:
+                        generated += item.outputs[0].token_ids if item.outputs else []
+                    yield item
+                return
+            except BackPressureError as exc:
+                raise QueueFullError(pool) from exc
+            except _ACTOR_ERRORS as exc:
+                if attempt + 1 == attempts:
+                    raise NoWorkerError(pool, f"the replica serving this request died ({type(exc).__name__})") from exc
+                logger.warning("%s replica died mid-stream for %s; resuming from %d tokens", pool, request.request_id, len(prior) + len(generated))
+                self.num_resumed += 1
+                kv = None  # the KV was claimed by the dead replica; recompute from the tokens
+            finally:
+                stream.cancel()
+
+    async def _call(self, response, pool: str):
+        try:
+            return await response
+        except BackPressureError as exc:
+            raise QueueFullError(pool) from exc
+        except _ACTOR_ERRORS as exc:
+            raise NoWorkerError(pool, type(exc).__name__) from exc
+        except (asyncio.CancelledError, RequestCancelledError):
+            response.cancel()
+            raise
+
+    async def _check_alive(self, pool: str, handle) -> dict[str, int]:
+        status = await self._replica_states()
+        states = status.get(handle.deployment_name)
+        if states is None:
+            return {}  # unknown to the controller (e.g. tests with stub handles): do not block
+        if states.get("RUNNING", 0) == 0:
+            detail = ", ".join(f"{n} {s.lower()}" for s, n in sorted(states.items())) or "no replicas"
+            raise NoWorkerError(pool, detail)
+        return states
+
+    async def _replica_states(self) -> dict[str, dict[str, int]]:
+        now = time.monotonic()
+        if self._status is not None and now - self._status_time < self._status_ttl_s:
+            return self._status
+        async with self._status_lock:
+            if self._status is None or time.monotonic() - self._status_time >= self._status_ttl_s:
+                try:
+                    self._status = await asyncio.to_thread(self._status_fn)
+                except Exception as exc:  # noqa: BLE001 - the controller being slow must not fail requests
+                    logger.warning("could not read Serve status (%s); assuming pools are up", exc)
+                    self._status = self._status or {}
+                self._status_time = time.monotonic()
+        return self._status
+

@@ -1,0 +1,191 @@
+"""EngineWorker: what a PrefillWorker, DecodeWorker or colocated Worker replica does.
+
+A prefill worker is the same engine asked for one token and a KV export:
+
+    prefill(request)   add_request(max_tokens=1, hold_kv=True) → first token
+                       → export_kv → ray.put → offer(ref, lease) to this node's KVTransfer
+                       → PrefillResult(first token output, KVHandle)
+
+    generate(request, kv, prior)
+                       claim(kv) from its KVTransfer actor (bounded by kv_transfer.timeout_s)
+                       → add_request(kv_payload=..., prior_output_token_ids=prior) → stream outputs
+                       claim failed or timed out → add_request(prior_output_token_ids=prior):
+                       the prompt is recomputed here, with the same tokens (counted)
+
+Errors travel back as `WorkerError` values; the ingress maps them to HTTP statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field, replace
+
+import ray
+
+from serving import kv_transfer_actor
+from serving.config import KVTransferConfig
+from serving.engine.async_engine import AsyncEngine
+from serving.engine.config import EngineConfig
+from serving.engine.errors import EngineError
+from serving.engine.kv_transfer import KVPayload
+from serving.engine.outputs import RequestOutput
+from serving.errors import WorkerError
+from serving.frontend import ModelInfo, WorkerRequest
+from serving.kv_transfer_actor import KVHandle
+
+__all__ = ["EngineWorker", "PrefillResult", "WorkerCounters"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillResult:
+    output: RequestOutput  # the first token; `finished` when the request needs no decode
+    kv: KVHandle | None  # None when finished
+
+
+@dataclass
+class WorkerCounters:
+    num_prefills: int = 0
+    num_kv_exports: int = 0
+    kv_export_bytes: int = 0
+    num_kv_imports: int = 0
+    kv_import_bytes: int = 0
+    kv_import_seconds: float = 0.0
+    num_kv_fallbacks: int = 0  # imports that failed or timed out: the prompt was recomputed
+    fallback_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class EngineWorker:
+    def __init__(self, role: str, engine_config: EngineConfig, kv_transfer: KVTransferConfig, app_name: str):
+        self.role = role
+        self.app_name = app_name
+        self.kv_transfer = kv_transfer
+        self.engine = AsyncEngine(engine_config)
+        self.counters = WorkerCounters()
+        self._kv_actors: dict[str, object] = {}
+        self._local_actor = None
+        self._node_id: str | None = None
+
+    # ---- queries -----------------------------------------------------------------------------
+    def model_info(self) -> ModelInfo:
+        engine = self.engine.engine
+        return ModelInfo(
+            vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
+            eos_token_ids=tuple(engine.eos_token_ids), block_size=engine.config.block_size,
+        )
+
+    def stats(self) -> dict:
+        return {"role": self.role, **asdict(self.engine.stats()), **asdict(self.counters)}
+
+    def check_health(self) -> None:
+        if not self.engine.is_alive:
+            raise RuntimeError(f"the {self.role} engine's step loop has stopped")
+
+    # ---- prefill side ------------------------------------------------------------------------
+    async def prefill(self, request: WorkerRequest) -> PrefillResult | WorkerError:
+        params = request.params
+        one = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), n=1)
+        last: RequestOutput | None = None
+        exported = False
+        try:
+            async for out in self.engine.generate(
+                request.request_id, prompt_token_ids=request.prompt_token_ids, params=one,
+                priority=request.priority, cache_salt=request.cache_salt, hold_kv=True,
+            ):
+                last = out
+            self.counters.num_prefills += 1
+            completion = last.outputs[0]
+            if completion.finish_reason == "abort":
+                return PrefillResult(last, None)
+            is_done = completion.finish_reason == "stop" or params.max_tokens == 1
+            if is_done:
+                await self.engine.release_kv(request.request_id)
+                return PrefillResult(last, None)
+            payload = await self.engine.export_kv(request.request_id)
+            exported = True
+            handle = await self._offer(payload)
+            completion.finish_reason = None
+            completion.stop_reason = None
+            last.finished = False
+            return PrefillResult(last, handle)
+        except EngineError as exc:
+            return WorkerError.from_exception(exc)
+        finally:
+            if not exported:
+                await self.engine.release_kv(request.request_id)  # no-op unless KV is still held
+
+    async def _offer(self, payload: KVPayload) -> KVHandle:
+        actor = self._node_actor()
+        ref = await asyncio.to_thread(ray.put, payload)
+        await actor.offer.remote(payload.request_id, [ref], payload.num_bytes, self.kv_transfer.lease_s)
+        self.counters.num_kv_exports += 1
+        self.counters.kv_export_bytes += payload.num_bytes
+        return KVHandle(
+            payload.request_id, kv_transfer_actor.actor_name(self.app_name, self._node_id),
+            self._node_id, payload.num_tokens, payload.num_bytes,
+        )
+
+    def _node_actor(self):
+        if self._local_actor is None:
+            self._node_id = ray.get_runtime_context().get_node_id()
+            self._local_actor = kv_transfer_actor.get_or_create(self.app_name, self._node_id)
+        return self._local_actor
+
+    # ---- decode side -------------------------------------------------------------------------
+    async def generate(
+        self, request: WorkerRequest, kv: KVHandle | None = None, prior_output_token_ids: list[int] | None = None,
+    ) -> AsyncIterator[RequestOutput | WorkerError]:
+        payload = await self._claim(kv) if kv is not None else None
+        try:
+            async for out in self.engine.generate(
+                request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
+                priority=request.priority, cache_salt=request.cache_salt, kv_payload=payload,
+                prior_output_token_ids=prior_output_token_ids,
+            ):
+                payload = None  # imported (or never needed); let the shared-memory view go
+                yield out
+        except EngineError as exc:
+            yield WorkerError.from_exception(exc)
+
+    async def _claim(self, kv: KVHandle) -> KVPayload | None:
+        start = time.monotonic()
+        actor = None
+        try:
+            actor = self._kv_actor(kv.actor_name)
+            refs = await asyncio.wait_for(actor.claim.remote(kv.request_id), self.kv_transfer.timeout_s)
+            if refs is None:
+                return self._fallback(kv, "expired")
+            remaining = max(0.0, self.kv_transfer.timeout_s - (time.monotonic() - start))
+            payload = await asyncio.wait_for(refs[0], remaining)
+        except TimeoutError:
+            if actor is not None:
+                actor.release.remote(kv.request_id)  # do not leave it held until the lease ends
+            return self._fallback(kv, "timeout")
+        except (ray.exceptions.RayError, ValueError) as exc:  # actor or object lost
+            logger.warning("KV import of %s failed (%s)", kv.request_id, exc)
+            return self._fallback(kv, "error")
+        self.counters.num_kv_imports += 1
+        self.counters.kv_import_bytes += payload.num_bytes
+        self.counters.kv_import_seconds += time.monotonic() - start
+        return payload
+
+    def _fallback(self, kv: KVHandle, reason: str) -> None:
+        self.counters.num_kv_fallbacks += 1
+        self.counters.fallback_reasons[reason] = self.counters.fallback_reasons.get(reason, 0) + 1
+        logger.warning("KV of %s not imported (%s): recomputing its %d tokens", kv.request_id, reason, kv.num_tokens)
+        return None
+
+    def _kv_actor(self, name: str):
+        actor = self._kv_actors.get(name)
+        if actor is None:
+            actor = ray.get_actor(name, namespace=kv_transfer_actor.NAMESPACE)
+            self._kv_actors[name] = actor
+        return actor
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self.engine.shutdown()
