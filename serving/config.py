@@ -28,6 +28,7 @@ __all__ = [
     "IngressConfig",
     "HTTPConfig",
     "KVTransferConfig",
+    "RayConfig",
     "ConfigError",
     "load_config",
     "ENV_PREFIX",
@@ -85,6 +86,17 @@ class HTTPConfig(_Strict):
     port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI API.")
 
 
+class RayConfig(_Strict):
+    address: str | None = Field(
+        None, description="Join this Ray cluster ('auto', 'ray://...'); default: start a local one."
+    )
+    num_cpus: int | None = Field(
+        None, ge=1, description="Logical CPUs of a local Ray; default: enough for every replica."
+    )
+    dashboard_host: str = Field("127.0.0.1", description="Address of the local Ray dashboard.")
+    dashboard_port: int = Field(8265, ge=1, le=65535, description="Port of the local Ray dashboard.")
+
+
 class KVTransferConfig(_Strict):
     lease_s: float = Field(
         30.0, gt=0, le=3600,
@@ -139,6 +151,7 @@ class ServeConfig(_Strict):
     # ---- serving -----------------------------------------------------------------------------
     app_name: str = Field("kvrelay", pattern=r"^[A-Za-z0-9_-]+$", description="Serve application name.")
     http: HTTPConfig = Field(default_factory=HTTPConfig, description="The API's address.")
+    ray: RayConfig = Field(default_factory=RayConfig, description="The Ray cluster `kvrelay serve` uses.")
     api_keys: list[str] = Field(
         default_factory=list,
         description="Accepted `Authorization: Bearer` keys; empty: no authentication.",

@@ -123,7 +123,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, ContextLengthError):
         return APIError(400, exc.message, param=exc.param, code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, exc.message, param=exc.param, code="invalid_value")
+        return APIError(400, f"{exc.param}: {exc.message}", param=exc.param, code="invalid_value")
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"The engine stopped: {exc}", type="service_unavailable_error", code="engine_dead")
     if isinstance(exc, EngineError):

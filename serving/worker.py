@@ -34,6 +34,7 @@ from serving.engine.kv_transfer import KVPayload
 from serving.engine.outputs import RequestOutput
 from serving.errors import WorkerError
 from serving.frontend import ModelInfo, WorkerRequest
+from serving.local_backend import model_info
 from serving.kv_transfer_actor import KVHandle
 
 __all__ = ["EngineWorker", "PrefillResult", "WorkerCounters"]
@@ -72,11 +73,7 @@ class EngineWorker:
 
     # ---- queries -----------------------------------------------------------------------------
     def model_info(self) -> ModelInfo:
-        engine = self.engine.engine
-        return ModelInfo(
-            vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
-            eos_token_ids=tuple(engine.eos_token_ids), block_size=engine.config.block_size,
-        )
+        return model_info(self.engine)
 
     def stats(self) -> dict:
         return {"role": self.role, **asdict(self.engine.stats()), **asdict(self.counters)}

@@ -1,0 +1,109 @@
+"""`kvrelay serve`: start (or join) Ray, deploy the app, print where it is, run until stopped.
+
+Stops exactly what it started: the app, its KVTransfer actors, and Ray itself only if this
+process started it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import socket
+import threading
+import time
+
+from serving.config import ServeConfig
+
+__all__ = ["serve_forever", "start", "stop", "required_cpus"]
+
+logger = logging.getLogger(__name__)
+
+
+def required_cpus(config: ServeConfig) -> float:
+    pools = [config.worker] if config.mode == "colocated" else [config.prefill, config.decode]
+    workers = sum(p.num_cpus * p.num_replicas for p in pools)
+    return workers + config.ingress.num_cpus * config.ingress.num_replicas
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise SystemExit(
+                f"kvrelay: {host}:{port} is already in use ({exc.strerror}). Is kvrelay already "
+                f"running? Stop it, or pick another port with KVRELAY_HTTP__PORT=... or http.port "
+                "in the config file."
+            ) from None
+
+
+def start(config: ServeConfig) -> bool:
+    """Deploy the app and wait until it runs; returns whether this call started Ray."""
+    import ray
+    from ray import serve
+
+    from serving.app import build_app
+
+    started_ray = False
+    if not ray.is_initialized():
+        if config.ray.address:
+            ray.init(address=config.ray.address, logging_level=logging.WARNING)
+        else:
+            _check_port_free(config.http.host, config.http.port)
+            num_cpus = config.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(required_cpus(config)))
+            ray.init(
+                num_cpus=num_cpus, include_dashboard=True, dashboard_host=config.ray.dashboard_host,
+                dashboard_port=config.ray.dashboard_port, logging_level=logging.WARNING,
+            )
+            started_ray = True
+    serve.start(http_options={"host": config.http.host, "port": config.http.port})
+    serve.run(build_app(config), name=config.app_name, route_prefix="/", blocking=False)
+    return started_ray
+
+
+def stop(config: ServeConfig, *, stop_ray: bool) -> None:
+    import ray
+    from ray import serve
+
+    from serving import kv_transfer_actor
+
+    try:
+        serve.delete(config.app_name)
+        kv_transfer_actor.kill_all(config.app_name)
+        if stop_ray:
+            serve.shutdown()
+    finally:
+        if stop_ray:
+            ray.shutdown()
+
+
+def serve_forever(config: ServeConfig) -> int:
+    import ray
+
+    t0 = time.monotonic()
+    print(f"kvrelay: starting {config.mode} serving of {config.model} ...", flush=True)
+    started_ray = start(config)
+    host = "127.0.0.1" if config.http.host in ("0.0.0.0", "::") else config.http.host
+    dashboard = ray.get_runtime_context().dashboard_url if hasattr(ray.get_runtime_context(), "dashboard_url") else None
+    dashboard = dashboard or f"{config.ray.dashboard_host}:{config.ray.dashboard_port}"
+    if not dashboard.startswith("http"):
+        dashboard = "http://" + dashboard
+    print(
+        f"kvrelay: ready in {time.monotonic() - t0:.1f}s\n"
+        f"  OpenAI API      http://{host}:{config.http.port}/v1   (model: {config.model_name})\n"
+        f"  health          http://{host}:{config.http.port}/health\n"
+        f"  Ray dashboard   {dashboard}\n"
+        f"  try:  kvrelay chat \"Hello!\" --url http://{host}:{config.http.port}\n"
+        "Press Ctrl-C to stop.",
+        flush=True,
+    )
+    stopped = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopped.set())
+    stopped.wait()
+    print("kvrelay: stopping ...", flush=True)
+    stop(config, stop_ray=started_ray)
+    return 0
