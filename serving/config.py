@@ -217,7 +217,10 @@ def load_config(
     try:
         return ServeConfig.model_validate(data)
     except ValidationError as exc:
-        where = source + (f" (with env {', '.join(env_used)})" if env_used else "")
+        extras = ([f"overrides {', '.join(sorted(overrides))}"] if overrides else []) + (
+            [f"env {', '.join(env_used)}"] if env_used else []
+        )
+        where = source + (f" (with {'; '.join(extras)})" if extras else "")
         raise ConfigError(format_validation_error(exc, where, env_prefix=ENV_PREFIX)) from exc
 
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from serving.engine.detokenizer import IncrementalDetokenizer
-from serving.engine.errors import InvalidRequestError
+from serving.engine.errors import ContextLengthError, InvalidRequestError
 from serving.engine.outputs import RequestOutput, TokenLogprob
 from serving.engine.params import SamplingParams
 from serving.engine.stop_checker import StopChecker
@@ -160,12 +161,23 @@ class Frontend:
             return self.tokenizer(prompt).input_ids
         return list(prompt)
 
-    async def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    async def validate(self, prompt_ids: list[int], params: SamplingParams, *, prompt_param: str = "messages") -> None:
+        """`prompt_param` is the request field the prompt came from, named in errors about it
+        (the engine knows only token ids: it says "messages" or "prompt_token_ids")."""
         info = await self.model_info()
-        validate_request(
-            prompt_ids, [], params, hold_kv=False, kv_payload=None, vocab_size=info.vocab_size,
-            max_model_len=info.max_model_len, kv_layout=None,
-        )
+        try:
+            validate_request(
+                prompt_ids, [], params, hold_kv=False, kv_payload=None, vocab_size=info.vocab_size,
+                max_model_len=info.max_model_len, kv_layout=None,
+            )
+        except ContextLengthError as exc:
+            if exc.param != "messages" or prompt_param == "messages":
+                raise
+            raise ContextLengthError(prompt_param, exc.message, num_tokens=exc.num_tokens, limit=exc.limit) from None
+        except InvalidRequestError as exc:
+            if exc.param not in ("prompt", "prompt_token_ids") or exc.param == prompt_param:
+                raise
+            raise InvalidRequestError(prompt_param, exc.message) from None
 
     # ---- generation --------------------------------------------------------------------------
     async def generate(
@@ -231,3 +243,28 @@ class Frontend:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes. A token holding part of a character decodes to U+FFFD, whose
+        UTF-8 (EF BF BD) is not its bytes; OpenAI's `bytes` exists to join such tokens."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if _BYTE_FALLBACK_PIECE.fullmatch(piece):  # SentencePiece: <0xF0>
+            return bytes([int(piece[3:5], 16)])
+        if all(c in _BYTE_LEVEL_CHARS for c in piece):  # byte-level BPE: one character per byte
+            return bytes(_BYTE_LEVEL_CHARS[c] for c in piece)
+        return text.encode("utf-8")
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: printable bytes stand for themselves, the other
+    bytes are written as chr(256 + k) in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + k): b for k, b in enumerate(others)}
+
+
+_BYTE_LEVEL_CHARS = _byte_level_chars()
+_BYTE_FALLBACK_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")

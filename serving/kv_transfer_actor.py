@@ -139,16 +139,12 @@ def get_or_create(app_name: str, node_id: str):
 
 def kill_all(app_name: str) -> int:
     """Stop every KVTransfer actor of an app (they are detached: shutting Serve down leaves them)."""
-    from ray.util.state import list_actors
-
     killed = 0
-    prefix = f"KVTransfer:{app_name}:"
-    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=10000):
-        name = actor.name or ""
-        if name.startswith(prefix):
-            try:
-                ray.kill(ray.get_actor(name, namespace=NAMESPACE))
-                killed += 1
-            except ValueError:
-                pass
+    for node in ray.nodes():
+        try:
+            actor = ray.get_actor(actor_name(app_name, node["NodeID"]), namespace=NAMESPACE)
+        except ValueError:
+            continue  # none on this node
+        ray.kill(actor)
+        killed += 1
     return killed

@@ -7,6 +7,7 @@ in-process reference the serving-overhead benchmark compares the Serve path agai
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from serving.engine.async_engine import AsyncEngine
@@ -27,11 +28,13 @@ class LocalBackend:
     async def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
         if not self.engine.is_alive:
             raise NoWorkerError("engine", "its step loop has stopped")
-        async for out in self.engine.generate(
+        # Closed explicitly, not left to garbage collection: closing it is what aborts the request.
+        async with aclosing(self.engine.generate(
             request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
             priority=request.priority, cache_salt=request.cache_salt,
-        ):
-            yield out
+        )) as outputs:
+            async for out in outputs:
+                yield out
 
     async def health(self) -> dict[str, Any]:
         if not self.engine.is_alive:

@@ -184,7 +184,7 @@ class OpenAIServer:
 
     def _token_entry(self, token_id: int, logprob: float) -> dict:
         text = self.frontend.token_text(token_id)
-        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(self.frontend.token_bytes(token_id))}
 
     # ---- completions -------------------------------------------------------------------------
     async def completions(self, body: dict) -> Response:
@@ -196,7 +196,7 @@ class OpenAIServer:
             raise APIError(400, "echo is not supported with stream", param="echo")
         prompt_ids = [self.frontend.encode_prompt(p) for p in prompts]
         for ids in prompt_ids:
-            await self.frontend.validate(ids, params)
+            await self.frontend.validate(ids, params, prompt_param="prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         usages = [Usage() for _ in prompts]
@@ -381,6 +381,9 @@ async def _merge(streams: list[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[Cho
     finally:
         for task in tasks:
             task.cancel()
+        # A pump still inside its stream owns it (aclose() from here raises "already running");
+        # cancelling the pump ends the stream, which aborts its request.
+        await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
             await stream.aclose()
 

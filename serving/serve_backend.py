@@ -125,6 +125,7 @@ class ServeBackend:
         attempts = 2 if request.params.n == 1 else 1
         for attempt in range(attempts):
             stream = self.decode.options(stream=True).generate.remote(request, kv, prior + generated)
+            is_open = True  # the handle call has not ended on its own: cancel it when we leave
             try:
                 async for item in stream:
                     if isinstance(item, WorkerError):
@@ -132,17 +133,21 @@ class ServeBackend:
                     if request.params.n == 1:
                         generated += item.outputs[0].token_ids if item.outputs else []
                     yield item
+                is_open = False
                 return
             except BackPressureError as exc:
+                is_open = False
                 raise QueueFullError(pool) from exc
             except _ACTOR_ERRORS as exc:
+                is_open = False
                 if attempt + 1 == attempts:
                     raise NoWorkerError(pool, f"the replica serving this request died ({type(exc).__name__})") from exc
                 logger.warning("%s replica died mid-stream for %s; resuming from %d tokens", pool, request.request_id, len(prior) + len(generated))
                 self.num_resumed += 1
                 kv = None  # the KV was claimed by the dead replica; recompute from the tokens
             finally:
-                stream.cancel()
+                if is_open:
+                    _cancel(stream)
 
     async def _call(self, response, pool: str):
         try:
@@ -152,7 +157,7 @@ class ServeBackend:
         except _ACTOR_ERRORS as exc:
             raise NoWorkerError(pool, type(exc).__name__) from exc
         except (asyncio.CancelledError, RequestCancelledError):
-            response.cancel()
+            _cancel(response)
             raise
 
     async def _check_alive(self, pool: str, handle) -> dict[str, int]:
@@ -179,3 +184,11 @@ class ServeBackend:
                 self._status_time = time.monotonic()
         return self._status
 
+
+def _cancel(response) -> None:
+    """Cancel a handle call we are abandoning (the replica aborts it and frees its blocks).
+    Best effort: a call that already failed re-raises its error from cancel()."""
+    try:
+        response.cancel()
+    except Exception as exc:  # noqa: BLE001 - it ended on its own; nothing left to cancel
+        logger.debug("cancel of %s: %s", response, exc)

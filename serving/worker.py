@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
@@ -76,7 +77,10 @@ class EngineWorker:
         return model_info(self.engine)
 
     def stats(self) -> dict:
-        return {"role": self.role, **asdict(self.engine.stats()), **asdict(self.counters)}
+        return {
+            "role": self.role, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+            **asdict(self.engine.stats()), **asdict(self.counters),
+        }
 
     def check_health(self) -> None:
         if not self.engine.is_alive:

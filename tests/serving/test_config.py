@@ -1,0 +1,101 @@
+"""ServeConfig loading: file < overrides < env, and errors that name the source, field and fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from serving.config import ConfigError, ServeConfig, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "kvrelay.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_without_file():
+    config = load_config(env={})
+    assert config == ServeConfig()
+    assert config.mode == "disaggregated"
+    assert config.model_name == "smollm2-135m-instruct"
+    assert config.kv_transfer.lease_s == 30.0
+
+
+def test_file_then_overrides_then_env(tmp_path):
+    path = write(tmp_path, "mode: colocated\nhttp:\n  port: 9000\ndecode:\n  num_replicas: 2\n")
+    config = load_config(path, overrides={"http.port": 9001}, env={"KVRELAY_DECODE__NUM_REPLICAS": "3"})
+    assert config.mode == "colocated"
+    assert config.http.port == 9001
+    assert config.decode.num_replicas == 3
+    assert config.prefill.num_replicas == 1
+
+
+def test_env_api_keys_comma_list_and_non_config_vars_ignored():
+    config = load_config(env={"KVRELAY_API_KEYS": "k1, k2", "KVRELAY_CACHE_DIR": "/tmp/x", "OTHER": "1"})
+    assert config.api_keys == ["k1", "k2"]
+
+
+def test_unknown_key_in_file_is_named_with_the_file(tmp_path):
+    path = write(tmp_path, "mode: colocated\ndecode:\n  num_replica: 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    message = str(info.value)
+    assert message.startswith(f"{path}: invalid configuration")
+    assert "decode.num_replica = 2: unknown key; remove it or fix its spelling" in message
+
+
+def test_unknown_env_key_is_named_with_the_variable():
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"KVRELAY_MODEL_NAME": "x"})
+    assert "(with env KVRELAY_MODEL_NAME)" in str(info.value)
+    assert "model_name = 'x': unknown key" in str(info.value)
+
+
+def test_bad_value_names_field_value_and_range(tmp_path):
+    path = write(tmp_path, "kv_transfer:\n  lease_s: -1\nprefill:\n  num_threads: 0\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    message = str(info.value)
+    assert "kv_transfer.lease_s = -1: Input should be greater than 0" in message
+    assert "prefill.num_threads = 0: Input should be greater than or equal to 1" in message
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "mode: [unclosed\n"), env={})
+    with pytest.raises(ConfigError, match="the top level must be a mapping"):
+        load_config(write(tmp_path, "- a\n- b\n"), env={})
+    with pytest.raises(ConfigError, match="cannot read the config file"):
+        load_config(tmp_path / "missing.yaml", env={})
+
+
+def test_engine_config_per_pool():
+    config = ServeConfig(kv_cache_bytes=2**26, dtype="float32", decode={"num_threads": 2})
+    engine = config.engine_config(config.decode)
+    assert (engine.kv_cache_bytes, engine.dtype, engine.num_threads) == (2**26, "float32", 2)
+    assert config.engine_config(config.prefill).num_threads == 1
+
+
+def test_shipped_configs_load():
+    local = load_config(REPO / "deploy/local.yaml", env={})
+    assert (local.mode, local.http.port, local.kv_cache_bytes) == ("disaggregated", 8000, 256 * 2**20)
+    serve_file = yaml.safe_load((REPO / "deploy/serve.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(serve_file)
+    app = schema.applications[0]
+    assert app.import_path == "serving.app:build_app"
+    assert load_config(REPO / app.args["config"], env={}) == local
+
+
+def test_build_app_from_serve_args():
+    from serving.app import build_app, config_from_args
+
+    config = config_from_args({"config": str(REPO / "deploy/local.yaml"), "mode": "colocated"})
+    assert config.mode == "colocated"
+    app = build_app({"config": str(REPO / "deploy/local.yaml")})
+    assert type(app).__name__ == "Application"

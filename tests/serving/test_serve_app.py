@@ -1,0 +1,391 @@
+"""The app on a local Ray: disaggregated and colocated, real clients, and every failure outcome.
+
+One Ray (with its dashboard, for the state API) and one Serve instance for the module, with four
+apps on one HTTP port under different route prefixes:
+
+    /disagg   prefill + decode pools, KV through the KVTransfer actor
+    /coloc    one Worker pool
+    /faults   disaggregated, KV lease 1 s and a KV-claim timeout so short every import times out
+    /queue    colocated, one ongoing + one queued request per replica (for 429)
+
+All use a tiny random model in float32, so greedy outputs are compared token for token with the
+engine run in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+from serving.config import ServeConfig
+from serving.engine.config import EngineConfig
+from serving.engine.engine import LLMEngine
+from serving.engine.params import SamplingParams
+from serving.frontend import Frontend, WorkerRequest
+from serving.protocol import ChatMessage
+
+pytestmark = pytest.mark.integration
+
+KV_BYTES = 16 * 2**20
+MAX_TOKENS = 24
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def app_config(model_dir, name: str, **overrides) -> ServeConfig:
+    small = {"num_cpus": 0.1, "num_threads": 1}
+    base = dict(
+        model=str(model_dir), served_model_name="tiny", dtype="float32", kv_cache_bytes=KV_BYTES,
+        app_name=name, prefill=small, decode=small, worker=small, ingress={"num_cpus": 0.05},
+    )
+    base.update(overrides)
+    return ServeConfig.model_validate(base)
+
+
+def wait_until(predicate, *, timeout_s: float = 60.0, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s (last value {value!r})")
+        time.sleep(interval_s)
+
+
+@pytest.fixture(scope="module")
+def serve_instance(tmp_path_factory, tiny_model_dir):
+    import ray
+    from ray import serve
+
+    from serving.app import build_app
+
+    ray.init(
+        num_cpus=8, include_dashboard=True, dashboard_port=free_port(), logging_level="WARNING",
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+    )
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    configs = {
+        "disagg": app_config(tiny_model_dir, "disagg"),
+        "coloc": app_config(tiny_model_dir, "coloc", mode="colocated"),
+        "faults": app_config(tiny_model_dir, "faults", kv_transfer={"lease_s": 1.0, "timeout_s": 1e-9}),
+        "queue": app_config(
+            tiny_model_dir, "queue", mode="colocated",
+            worker={"num_cpus": 0.1, "num_threads": 1, "max_ongoing_requests": 1, "max_queued_requests": 1},
+        ),
+    }
+    for name, config in configs.items():
+        serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+    yield {"url": f"http://127.0.0.1:{port}", "configs": configs}
+    from serving import kv_transfer_actor
+
+    for name in configs:
+        kv_transfer_actor.kill_all(name)
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """The engine in this process, and the chat template applied the way the ingress does."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=KV_BYTES))
+    frontend = Frontend(engine.tokenizer, backend=None, model_name="tiny")
+
+    def greedy(content: str, max_tokens: int = MAX_TOKENS, **params) -> tuple[list[int], str]:
+        ids = frontend.encode_chat([ChatMessage(role="user", content=content)])
+        out = engine.generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens, **params))[0]
+        return out.outputs[0].token_ids, out.outputs[0].text
+
+    return greedy
+
+
+def handle(app: str, deployment: str):
+    from ray import serve
+
+    return serve.get_deployment_handle(deployment, app_name=app)
+
+
+def stats(app: str, deployment: str) -> dict:
+    return handle(app, deployment).stats.remote().result(timeout_s=30)
+
+
+def kv_actor_stats(app: str) -> dict:
+    import ray
+
+    from serving import kv_transfer_actor
+
+    node_id = ray.get_runtime_context().get_node_id()
+    actor = ray.get_actor(kv_transfer_actor.actor_name(app, node_id), namespace=kv_transfer_actor.NAMESPACE)
+    return ray.get(actor.stats.remote(), timeout=30)
+
+
+def sse_events(lines) -> list:
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# ---- real clients ----------------------------------------------------------------------------
+@pytest.mark.parametrize("app", ["disagg", "coloc"])
+def test_openai_sdk_greedy_equals_engine(serve_instance, reference, app):
+    client = openai.OpenAI(base_url=f"{serve_instance['url']}/{app}/v1", api_key="unused", max_retries=0)
+    prompt = "Tell me about the ocean."
+    token_ids, text = reference(prompt)
+
+    response = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=MAX_TOKENS,
+    )
+    assert response.choices[0].message.content == text
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == len(token_ids) == MAX_TOKENS
+
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=MAX_TOKENS,
+        stream=True, stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_httpx_completions_and_models(serve_instance, reference):
+    url = serve_instance["url"] + "/disagg"
+    with httpx.Client(base_url=url, timeout=60) as client:
+        assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+        assert client.get("/health").json() == {"status": "ok", "pools": {"prefill": {"RUNNING": 1}, "decode": {"RUNNING": 1}}}
+        response = client.post("/v1/completions", json={"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
+        body = response.json()
+        assert response.status_code == 200, body
+        assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 8
+        missing = client.post("/v1/chat/completions", json={"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_disaggregated_equals_colocated_with_stop_string(serve_instance, reference):
+    """The stop string spans the prefill→decode hand-off: the ingress owns the text."""
+    _, text = reference("Write a poem.")
+    stop = text[1:6]  # starts inside the first token's text, ends in decode's tokens
+    results = {}
+    for app in ("disagg", "coloc"):
+        with httpx.Client(base_url=serve_instance["url"] + f"/{app}", timeout=60) as client:
+            body = client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Write a poem."}], "temperature": 0,
+                "max_tokens": MAX_TOKENS, "stop": [stop],
+            }).json()
+        results[app] = (body["choices"][0]["message"]["content"], body["choices"][0]["finish_reason"])
+    assert results["disagg"] == results["coloc"] == (text[: text.index(stop)], "stop")
+
+
+def test_kv_crosses_through_the_transfer_actor(serve_instance, reference):
+    before = stats("disagg", "DecodeWorker")
+    actor_before = kv_actor_stats("disagg")
+    _, text = reference("What is a KV cache?")
+    with httpx.Client(base_url=serve_instance["url"] + "/disagg", timeout=60) as client:
+        body = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "What is a KV cache?"}], "temperature": 0, "max_tokens": MAX_TOKENS,
+        }).json()
+    assert body["choices"][0]["message"]["content"] == text
+    after = stats("disagg", "DecodeWorker")
+    assert after["num_kv_imports"] == before["num_kv_imports"] + 1
+    assert after["num_kv_fallbacks"] == before["num_kv_fallbacks"]
+    actor_after = kv_actor_stats("disagg")
+    assert actor_after["num_claimed"] == actor_before["num_claimed"] + 1
+    assert actor_after["num_held"] == 0
+
+
+# ---- failure outcomes ------------------------------------------------------------------------
+def test_kv_claim_timeout_recomputes_with_the_same_output(serve_instance, reference):
+    before = stats("faults", "DecodeWorker")
+    _, text = reference("Explain transfer timeouts.")
+    with httpx.Client(base_url=serve_instance["url"] + "/faults", timeout=60) as client:
+        body = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Explain transfer timeouts."}], "temperature": 0, "max_tokens": MAX_TOKENS,
+        }).json()
+    assert body["choices"][0]["message"]["content"] == text
+    after = stats("faults", "DecodeWorker")
+    assert after["num_kv_fallbacks"] == before["num_kv_fallbacks"] + 1
+    assert after["fallback_reasons"].get("timeout", 0) == before["fallback_reasons"].get("timeout", 0) + 1
+    assert after["num_kv_imports"] == before["num_kv_imports"]
+    # The timed-out worker released the KV instead of leaving it to the lease.
+    wait_until(lambda: kv_actor_stats("faults")["num_held"] == 0, timeout_s=10)
+
+
+def test_kv_lost_before_claim_recomputes(serve_instance, tiny_model_dir, reference):
+    """The KV is gone (released) when the decode worker claims it: it recomputes, same tokens."""
+    import ray
+
+    from serving.engine.model_loader import load_tokenizer
+
+    token_ids, _ = reference("Lost KV.")
+
+    frontend = Frontend(load_tokenizer(tiny_model_dir), None, "tiny")
+    ids = frontend.encode_chat([ChatMessage(role="user", content="Lost KV.")])
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False)
+    request = WorkerRequest("lost-kv-1", ids, params)
+    result = handle("disagg", "PrefillWorker").prefill.remote(request).result(timeout_s=30)
+    assert result.kv is not None and result.kv.num_tokens == len(ids)
+    from serving import kv_transfer_actor
+
+    actor = ray.get_actor(result.kv.actor_name, namespace=kv_transfer_actor.NAMESPACE)
+    assert ray.get(actor.release.remote("lost-kv-1")) is True
+
+    before = stats("disagg", "DecodeWorker")
+    first = result.output.outputs[0].token_ids
+    gen = handle("disagg", "DecodeWorker").options(stream=True).generate.remote(request, result.kv, first)
+    rest = [t for out in gen for t in out.outputs[0].token_ids]
+    assert first + rest == token_ids
+    after = stats("disagg", "DecodeWorker")
+    assert after["fallback_reasons"].get("expired", 0) == before["fallback_reasons"].get("expired", 0) + 1
+
+
+def test_unclaimed_kv_is_freed_when_its_lease_ends(serve_instance, tiny_model_dir):
+    from serving.engine.model_loader import load_tokenizer
+
+    frontend = Frontend(load_tokenizer(tiny_model_dir), None, "tiny")
+    ids = frontend.encode_chat([ChatMessage(role="user", content="Nobody claims this KV.")])
+    before = kv_actor_stats("faults")
+    request = WorkerRequest("lease-1", ids, SamplingParams(temperature=0, max_tokens=8, detokenize=False))
+    result = handle("faults", "PrefillWorker").prefill.remote(request).result(timeout_s=30)
+    assert result.kv is not None
+    held = kv_actor_stats("faults")
+    assert held["num_held"] == before["num_held"] + 1
+    assert held["bytes_held"] == result.kv.num_bytes
+    after = wait_until(lambda: (s := kv_actor_stats("faults"))["num_held"] == 0 and s, timeout_s=15)
+    assert after["num_expired"] == before["num_expired"] + 1
+    assert after["bytes_held"] == 0
+
+
+def test_client_disconnect_frees_every_block(serve_instance):
+    baseline = {d: stats("disagg", d)["num_free_blocks"] for d in ("PrefillWorker", "DecodeWorker")}
+    url = serve_instance["url"] + "/disagg"
+    with httpx.Client(base_url=url, timeout=60) as client:
+        with client.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Talk for a long time."}], "temperature": 0,
+            "max_tokens": 2000, "ignore_eos": True, "stream": True,
+        }) as response:
+            assert response.status_code == 200
+            seen = 0
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                if seen == 4:
+                    break  # leave: the connection closes mid-stream
+
+    def settled():
+        current = {d: stats("disagg", d) for d in baseline}
+        return all(
+            s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_blocks"] == baseline[d]
+            for d, s in current.items()
+        ) and current
+
+    current = wait_until(settled, timeout_s=30)
+    assert current["DecodeWorker"]["num_generated_tokens"] < 2000
+    assert kv_actor_stats("disagg")["num_held"] == 0
+
+
+def test_bad_request_does_not_disturb_the_batch(serve_instance, reference, tiny_model_dir):
+    """A worker-level bad request (token id outside the vocabulary) among good streams."""
+    prompts = ["First question?", "Second question?", "Third question?"]
+    expected = [reference(p)[1] for p in prompts]
+
+    async def good(client, prompt):
+        response = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": MAX_TOKENS,
+        })
+        return response.json()["choices"][0]["message"]["content"]
+
+    async def bad():
+        request = WorkerRequest("bad-1", [1, 2, 10**9], SamplingParams(temperature=0, max_tokens=4, detokenize=False))
+        gen = handle("disagg", "DecodeWorker").options(stream=True).generate.remote(request, None, [])
+        return [item async for item in gen]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=serve_instance["url"] + "/disagg", timeout=60) as client:
+            return await asyncio.gather(*(good(client, p) for p in prompts), bad())
+
+    *texts, bad_items = asyncio.run(run())
+    assert texts == expected
+    assert len(bad_items) == 1
+    assert bad_items[0].kind == "invalid" and bad_items[0].param == "prompt_token_ids"
+    assert "not in the vocabulary" in bad_items[0].message
+
+
+def test_queue_full_answers_429_with_retry_after(serve_instance):
+    body = {"messages": [{"role": "user", "content": "Keep going."}], "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    async def one(client):
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return response.status_code, response.headers.get("retry-after"), response.json()
+            async for _ in response.aiter_lines():
+                pass
+            return 200, None, None
+
+    async def run():
+        async with httpx.AsyncClient(base_url=serve_instance["url"] + "/queue", timeout=120) as client:
+            return await asyncio.gather(*(one(client) for _ in range(4)))
+
+    results = asyncio.run(run())
+    rejected = [r for r in results if r[0] == 429]
+    assert rejected, results
+    assert all(r[1] == "1" and r[2]["error"]["code"] == "queue_full" for r in rejected)
+    assert any(r[0] == 200 for r in results)
+
+
+def test_decode_replica_dies_mid_stream_never_hangs(serve_instance, reference):
+    """Kill the decode replica's process mid-stream: the request resumes on the restarted
+    replica with the same greedy tokens, or ends with an SSE error event and [DONE]."""
+    prompt = "A long story, please."
+    _, text = reference(prompt, max_tokens=200, ignore_eos=True)
+    pid = stats("faults", "DecodeWorker")["pid"]
+    url = serve_instance["url"] + "/faults"
+    events = []
+    with httpx.Client(base_url=url, timeout=httpx.Timeout(120)) as client:
+        with client.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 200,
+            "ignore_eos": True, "stream": True,
+        }) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events += sse_events([line])
+                if len(events) == 5:
+                    os.kill(pid, signal.SIGKILL)
+    assert events[-1] == "[DONE]"
+    payloads = events[:-1]
+    errors = [e for e in payloads if "error" in e]
+    if errors:
+        assert len(errors) == 1 and payloads[-1] is errors[0]
+        assert errors[0]["error"]["code"] == "no_worker"
+    else:
+        streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in payloads)
+        assert streamed == text
+        assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+    # The pool recovers: a new replica serves the next request.
+    def replaced():
+        try:
+            return stats("faults", "DecodeWorker")["pid"] != pid
+        except Exception:  # noqa: BLE001 - the replica is still restarting
+            return False
+
+    wait_until(replaced, timeout_s=120, interval_s=1)
