@@ -226,25 +226,26 @@ class OpenAIServer:
                 extra = {"usage": None} if include_usage else {}
                 offsets = [0] * num_choices
                 async for delta in _chain(first, deltas):
-                    if not delta.text and delta.finish_reason is None:
-                        continue
                     lp = None
                     if want_logprobs and delta.logprobs:
                         lp = self._completion_logprobs(delta.logprobs, offsets[delta.index])
-                    offsets[delta.index] += len(delta.text)
+                        offsets[delta.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                    if not delta.text and delta.finish_reason is None and lp is None:
+                        continue  # held back by the detokenizer or a possible stop string
                     yield {**base, "choices": [{"index": delta.index, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason}], **extra}
                 if include_usage:
                     yield {**base, "choices": [], "usage": total_usage()}
 
             return _sse(chunks(), deltas)
 
-        texts = [""] * num_choices
-        finish: list[str | None] = [None] * num_choices
-        logprobs: list[list[TokenLogprob]] = [[] for _ in range(num_choices)]
+        echoed = [""] * num_choices
         if request.echo:
             for i, ids in enumerate(prompt_ids):
                 for j in range(params.n):
-                    texts[i * params.n + j] = prompts[i] if isinstance(prompts[i], str) else self.frontend.tokenizer.decode(ids)
+                    echoed[i * params.n + j] = prompts[i] if isinstance(prompts[i], str) else self.frontend.tokenizer.decode(ids)
+        texts = list(echoed)
+        finish: list[str | None] = [None] * num_choices
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(num_choices)]
         async for delta in deltas:
             texts[delta.index] += delta.text
             finish[delta.index] = delta.finish_reason or finish[delta.index]
@@ -254,7 +255,7 @@ class OpenAIServer:
             {
                 "index": i,
                 "text": texts[i],
-                "logprobs": self._completion_logprobs(logprobs[i], 0) if want_logprobs else None,
+                "logprobs": self._completion_logprobs(logprobs[i], len(echoed[i])) if want_logprobs else None,
                 "finish_reason": finish[i],
             }
             for i in range(num_choices)
