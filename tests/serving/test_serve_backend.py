@@ -84,3 +84,115 @@ def test_unreadable_status_does_not_fail_requests():
 
     b = ServeBackend(ServeConfig(), prefill=StubHandle("PrefillWorker"), decode=StubHandle("DecodeWorker"), status_fn=broken)
     assert asyncio.run(b.health()) == {"prefill": {}, "decode": {}}
+
+
+# ---- routing between the pools, with recording stub handles ------------------------------------
+class _Call:
+    def __init__(self, value):
+        self._value = value
+
+    def __await__(self):
+        async def value():
+            return self._value
+
+        return value().__await__()
+
+    def cancel(self):
+        pass
+
+
+class _Stream:
+    def __init__(self, items):
+        self._items = list(items)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self._items:
+            raise StopAsyncIteration
+        return self._items.pop(0)
+
+    def cancel(self):
+        pass
+
+
+class _Method:
+    def __init__(self, owner, name):
+        self.owner, self.name = owner, name
+
+    def remote(self, *args):
+        self.owner.calls.append((self.name, args))
+        return self.owner.reply(self.name, args)
+
+
+class RecordingHandle(StubHandle):
+    def __init__(self, deployment_name, reply):
+        super().__init__(deployment_name)
+        self.calls = []
+        self.reply = reply
+
+    def options(self, **_):
+        return self
+
+    def __getattr__(self, name):
+        return _Method(self, name)
+
+
+def _output(token_ids, finish_reason=None):
+    from serving.engine.outputs import CompletionOutput, RequestOutput
+
+    return RequestOutput("r", [CompletionOutput(0, "", token_ids, None, finish_reason)], finish_reason is not None, 3, 0)
+
+
+def pools(first_finish=None):
+    from serving.kv_transfer_actor import KVHandle
+    from serving.worker import PrefillResult
+
+    kv = None if first_finish else KVHandle("r", "KVTransfer:x:n", "n", 3, 100)
+    prefill = RecordingHandle("PrefillWorker", lambda name, args: _Call(PrefillResult(_output([7], first_finish), kv)))
+    decode = RecordingHandle("DecodeWorker", lambda name, args: _Stream([_output([8]), _output([9], "length")]))
+    config = ServeConfig(min_remote_prefill_tokens=4)
+    status = {"PrefillWorker": {"RUNNING": 1}, "DecodeWorker": {"RUNNING": 1}}
+    return ServeBackend(config, prefill=prefill, decode=decode, status_fn=lambda: status), prefill, decode, kv
+
+
+async def collect(iterator):
+    return [out.outputs[0].token_ids for out in [item async for item in iterator]]
+
+
+def test_long_prompt_prefills_remotely_and_hands_the_kv_to_decode():
+    backend_, prefill, decode, kv = pools()
+    request = WorkerRequest("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3))
+    assert asyncio.run(collect(backend_.generate(request))) == [[7], [8], [9]]
+    assert prefill.calls == [("prefill", (request,))]
+    assert decode.calls == [("generate", (request, kv, [7]))]
+
+
+def test_short_prompt_and_n_above_one_stay_on_the_decode_worker():
+    backend_, prefill, decode, _ = pools()
+    short = WorkerRequest("r", [1, 2, 3], SamplingParams(max_tokens=3))
+    assert asyncio.run(collect(backend_.generate(short))) == [[8], [9]]
+    several = WorkerRequest("r2", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=3, n=2))
+    asyncio.run(collect(backend_.generate(several)))
+    assert prefill.calls == []
+    assert decode.calls == [("generate", (short, None, [])), ("generate", (several, None, []))]
+
+
+def test_request_finished_by_prefill_never_reaches_decode():
+    backend_, prefill, decode, _ = pools(first_finish="stop")
+    request = WorkerRequest("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3))
+    assert asyncio.run(collect(backend_.generate(request))) == [[7]]
+    assert len(prefill.calls) == 1 and decode.calls == []
+
+
+def test_worker_error_value_becomes_the_engine_exception():
+    from serving.engine.errors import ContextLengthError
+    from serving.errors import WorkerError
+
+    backend_, prefill, _, _ = pools()
+    prefill.reply = lambda name, args: _Call(WorkerError("context_length", "too long", "messages", 9000, 8192))
+    request = WorkerRequest("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3))
+    with pytest.raises(ContextLengthError) as info:
+        asyncio.run(collect(backend_.generate(request)))
+    assert (info.value.param, info.value.num_tokens, info.value.limit) == ("messages", 9000, 8192)
