@@ -193,7 +193,7 @@ class OpenAIServer:
         params = sampling_params(request)
         prompts = _split_prompts(request.prompt)
         if request.echo and request.stream:
-            raise APIError(400, "echo is not supported with stream", param="echo")
+            raise APIError(400, "echo: is not supported with stream", param="echo", code="invalid_value")
         prompt_ids = [self.frontend.encode_prompt(p) for p in prompts]
         for ids in prompt_ids:
             await self.frontend.validate(ids, params, prompt_param="prompt")
@@ -319,7 +319,7 @@ def _split_prompts(prompt) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise APIError(400, "prompt must not be empty", param="prompt")
+        raise APIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     return list(prompt)

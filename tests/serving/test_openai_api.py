@@ -726,10 +726,10 @@ async def test_invalid_chat_requests_are_400s_naming_the_field(stack, body, mess
     ("body", "message", "param", "code"),
     [
         ({"prompt": FOX, "suffix": "!"}, "suffix: is not supported by this server", "suffix", "invalid_value"),
-        ({"prompt": FOX, "echo": True, "stream": True}, "echo is not supported with stream", "echo", None),
+        ({"prompt": FOX, "echo": True, "stream": True}, "echo: is not supported with stream", "echo", "invalid_value"),
         ({"prompt": FOX, "logprobs": 21}, "logprobs: must be <= 20, got 21", "logprobs", "invalid_value"),
         ({"prompt": ""}, "prompt: must not be empty", "prompt", "invalid_value"),
-        ({"prompt": []}, "prompt must not be empty", "prompt", None),
+        ({"prompt": []}, "prompt: must not be empty", "prompt", "invalid_value"),
         ({"prompt": [5, 49152]}, "prompt: token id 49152 is not in the vocabulary (0..49151)", "prompt", "invalid_value"),
     ],
 )
