@@ -3,12 +3,16 @@
     PrefillWorker (node A)                 KVTransfer (node A)               DecodeWorker (node A|B)
     engine.export_kv ─▶ ray.put(payload) ──────────────▶ offer(id, [ref], lease)
                     ◀──────── KVHandle(id, actor name, bytes) ───────────── (via the ingress)
-                                                 claim(id) ◀────────────────  get_actor(name)
+                                                 claim(id, wait) ◀──────────  get_actor(name)
                                                  [ref] ─────────────────────▶ await ref
                                                                              same node: plasma
                                                                              mmap, zero copy;
                                                                              other node: Ray
                                                                              object transfer
+
+The prefill worker returns the first token before it exports: the offer usually lands while the
+ingress is already calling the decode worker, so a claim waits (bounded) for its offer. A release
+that comes first (the client left) leaves a tombstone that drops the late offer.
 
 The payload lives in Ray's object store. The prefill replica that put it owns it (Ray 2.56
 removed `ray.put(_owner=...)`), so if that replica dies before the claim, the object is lost and
@@ -57,36 +61,60 @@ class KVTransfer:
         self.app_name = app_name
         self.node_id = node_id
         self._held: dict[str, tuple[list[ray.ObjectRef], int, float]] = {}  # id -> refs, bytes, deadline
+        # Ids released or expired before (or without) their offer, so a late offer is dropped
+        # at once and a late claim learns why: id -> (reason, forget-after deadline).
+        self._gone: dict[str, tuple[str, float]] = {}
+        self._waiters: dict[str, asyncio.Event] = {}  # claims that arrived before their offer
         self._expiry_task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self.num_offered = 0
         self.num_claimed = 0
         self.num_released = 0
         self.num_expired = 0
-        self.num_missed = 0  # claims for ids not (or no longer) held
+        self.num_missed = 0  # claims that got nothing (timeout, released, expired)
         self.bytes_offered = 0
 
-    async def offer(self, request_id: str, refs: list[ray.ObjectRef], num_bytes: int, lease_s: float) -> None:
-        if self._expiry_task is None:
-            self._wakeup = asyncio.Event()
-            self._expiry_task = asyncio.create_task(self._expire_loop())
-        self._held[request_id] = (refs, num_bytes, time.monotonic() + lease_s)
+    async def offer(self, request_id: str, refs: list[ray.ObjectRef], num_bytes: int, lease_s: float) -> bool:
+        """Hold a payload for `lease_s`; False (and dropped) if its request was released already."""
+        self._ensure_expiry_loop()
         self.num_offered += 1
         self.bytes_offered += num_bytes
+        if request_id in self._gone:
+            self.num_released += 1
+            return False
+        self._held[request_id] = (refs, num_bytes, time.monotonic() + lease_s)
+        self._wake(request_id)
         self._wakeup.set()
+        return True
 
-    async def claim(self, request_id: str) -> list[ray.ObjectRef] | None:
-        """Hand over the payload's reference (once); None when expired, released or unknown."""
+    async def claim(self, request_id: str, wait_s: float = 0.0) -> list[ray.ObjectRef] | str:
+        """Hand over the payload's reference (once), waiting up to `wait_s` for its offer (the
+        prefill worker offers after it has returned the first token). Otherwise the reason:
+        "timeout", "released", "expired"."""
         entry = self._held.pop(request_id, None)
+        if entry is None and request_id not in self._gone and wait_s > 0:
+            event = self._waiters.setdefault(request_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), wait_s)
+            except TimeoutError:
+                pass
+            finally:
+                self._waiters.pop(request_id, None)
+            entry = self._held.pop(request_id, None)
         if entry is None:
             self.num_missed += 1
-            return None
+            return self._gone.get(request_id, ("timeout", 0.0))[0]
         self.num_claimed += 1
         return entry[0]
 
-    async def release(self, request_id: str) -> bool:
-        """Drop a payload nobody will claim (the request was aborted)."""
-        if self._held.pop(request_id, None) is None:
+    async def release(self, request_id: str, lease_s: float = 60.0) -> bool:
+        """Drop a payload nobody will claim (the request was aborted or its claim timed out),
+        now or when it is offered. True if it was held."""
+        self._ensure_expiry_loop()
+        entry = self._held.pop(request_id, None)
+        self._gone[request_id] = ("released", time.monotonic() + lease_s)
+        self._wake(request_id)
+        if entry is None:
             return False
         self.num_released += 1
         return True
@@ -104,19 +132,33 @@ class KVTransfer:
             "bytes_offered": self.bytes_offered,
         }
 
+    def _wake(self, request_id: str) -> None:
+        event = self._waiters.get(request_id)
+        if event is not None:
+            event.set()
+
+    def _ensure_expiry_loop(self) -> None:
+        if self._expiry_task is None:
+            self._wakeup = asyncio.Event()
+            self._expiry_task = asyncio.create_task(self._expire_loop())
+
     async def _expire_loop(self) -> None:
         while True:
             now = time.monotonic()
             for request_id, (_, num_bytes, deadline) in list(self._held.items()):
                 if deadline <= now:
                     del self._held[request_id]
+                    self._gone[request_id] = ("expired", now + 60.0)
                     self.num_expired += 1
                     logger.warning(
                         "KV of %s (%d bytes) was not claimed within its lease; freed", request_id, num_bytes
                     )
-            next_deadline = min((entry[2] for entry in self._held.values()), default=None)
+            for request_id, (_, forget_at) in list(self._gone.items()):
+                if forget_at <= now:
+                    del self._gone[request_id]
+            deadlines = [entry[2] for entry in self._held.values()] + [entry[1] for entry in self._gone.values()]
             self._wakeup.clear()
-            timeout = None if next_deadline is None else max(0.0, next_deadline - time.monotonic())
+            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
             try:
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
             except TimeoutError:

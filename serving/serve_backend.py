@@ -73,6 +73,7 @@ class ServeBackend:
         self._status: dict[str, dict[str, int]] | None = None
         self._status_time = 0.0
         self._status_lock = asyncio.Lock()
+        self._refresh_task: asyncio.Task | None = None
         self.num_resumed = 0
 
     # ---- Backend protocol --------------------------------------------------------------------
@@ -171,18 +172,25 @@ class ServeBackend:
         return states
 
     async def _replica_states(self) -> dict[str, dict[str, int]]:
-        now = time.monotonic()
-        if self._status is not None and now - self._status_time < self._status_ttl_s:
-            return self._status
-        async with self._status_lock:
-            if self._status is None or time.monotonic() - self._status_time >= self._status_ttl_s:
-                try:
-                    self._status = await asyncio.to_thread(self._status_fn)
-                except Exception as exc:  # noqa: BLE001 - the controller being slow must not fail requests
-                    logger.warning("could not read Serve status (%s); assuming pools are up", exc)
-                    self._status = self._status or {}
-                self._status_time = time.monotonic()
+        """The controller's view, refreshed in the background once older than the TTL: a request
+        waits for the controller (~17 ms) only when there is no view yet."""
+        if self._status is None:
+            async with self._status_lock:
+                if self._status is None:
+                    await self._refresh_status()
+        elif time.monotonic() - self._status_time >= self._status_ttl_s and (
+            self._refresh_task is None or self._refresh_task.done()
+        ):
+            self._refresh_task = asyncio.create_task(self._refresh_status())
         return self._status
+
+    async def _refresh_status(self) -> None:
+        try:
+            self._status = await asyncio.to_thread(self._status_fn)
+        except Exception as exc:  # noqa: BLE001 - the controller being slow must not fail requests
+            logger.warning("could not read Serve status (%s); assuming pools are up", exc)
+            self._status = self._status or {}
+        self._status_time = time.monotonic()
 
 
 def _cancel(response) -> None:

@@ -3,11 +3,13 @@
 A prefill worker is the same engine asked for one token and a KV export:
 
     prefill(request)   add_request(max_tokens=1, hold_kv=True) → first token
-                       → export_kv → ray.put → offer(ref, lease) to this node's KVTransfer
-                       → PrefillResult(first token output, KVHandle)
+                       → PrefillResult(first token output, KVHandle)      (returned now)
+                       then, in the background: export_kv → ray.put → offer(ref, lease) to this
+                       node's KVTransfer actor
 
     generate(request, kv, prior)
-                       claim(kv) from its KVTransfer actor (bounded by kv_transfer.timeout_s)
+                       claim(kv) from its KVTransfer actor, which waits for the offer (bounded
+                       by kv_transfer.timeout_s)
                        → add_request(kv_payload=..., prior_output_token_ids=prior) → stream outputs
                        claim failed or timed out → add_request(prior_output_token_ids=prior):
                        the prompt is recomputed here, with the same tokens (counted)
@@ -69,6 +71,7 @@ class EngineWorker:
         self.engine = AsyncEngine(engine_config)
         self.counters = WorkerCounters()
         self._kv_actors: dict[str, object] = {}
+        self._offers: set[asyncio.Task] = set()  # background exports, referenced until done
         self._local_actor = None
         self._node_id: str | None = None
 
@@ -91,7 +94,7 @@ class EngineWorker:
         params = request.params
         one = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), n=1)
         last: RequestOutput | None = None
-        exported = False
+        handed_off = False
         try:
             async for out in self.engine.generate(
                 request.request_id, prompt_token_ids=request.prompt_token_ids, params=one,
@@ -102,13 +105,20 @@ class EngineWorker:
             completion = last.outputs[0]
             if completion.finish_reason == "abort":
                 return PrefillResult(last, None)
-            is_done = completion.finish_reason == "stop" or params.max_tokens == 1
-            if is_done:
-                await self.engine.release_kv(request.request_id)
+            if completion.finish_reason == "stop" or params.max_tokens == 1:
                 return PrefillResult(last, None)
-            payload = await self.engine.export_kv(request.request_id)
-            exported = True
-            handle = await self._offer(payload)
+            self._node_actor()
+            num_tokens = len(request.prompt_token_ids)
+            handle = KVHandle(
+                request.request_id, kv_transfer_actor.actor_name(self.app_name, self._node_id),
+                self._node_id, num_tokens, self._payload_bytes(num_tokens),
+            )
+            # The first token goes back now; the export and the offer follow in the background
+            # (the decode worker's claim waits for the offer), so TTFT does not pay for them.
+            task = asyncio.create_task(self._export_and_offer(request.request_id))
+            self._offers.add(task)
+            task.add_done_callback(self._offers.discard)
+            handed_off = True
             completion.finish_reason = None
             completion.stop_reason = None
             last.finished = False
@@ -116,19 +126,26 @@ class EngineWorker:
         except EngineError as exc:
             return WorkerError.from_exception(exc)
         finally:
-            if not exported:
+            if not handed_off:
                 await self.engine.release_kv(request.request_id)  # no-op unless KV is still held
 
-    async def _offer(self, payload: KVPayload) -> KVHandle:
-        actor = self._node_actor()
-        ref = await asyncio.to_thread(ray.put, payload)
-        await actor.offer.remote(payload.request_id, [ref], payload.num_bytes, self.kv_transfer.lease_s)
+    def _payload_bytes(self, num_tokens: int) -> int:
+        layout = self.engine.engine.kv_layout
+        num_blocks = -(-num_tokens // layout.block_size)
+        element_bytes = self.engine.engine.kv_cache.data.element_size()
+        return 2 * layout.num_layers * num_blocks * layout.num_kv_heads * layout.block_size * layout.head_dim * element_bytes
+
+    async def _export_and_offer(self, request_id: str) -> None:
+        try:
+            payload = await self.engine.export_kv(request_id)
+            ref = await asyncio.to_thread(ray.put, payload)
+            await self._node_actor().offer.remote(request_id, [ref], payload.num_bytes, self.kv_transfer.lease_s)
+        except Exception:  # noqa: BLE001 - the decode worker's claim times out and it recomputes
+            logger.exception("exporting the KV of %s failed", request_id)
+            await self.engine.release_kv(request_id)
+            return
         self.counters.num_kv_exports += 1
         self.counters.kv_export_bytes += payload.num_bytes
-        return KVHandle(
-            payload.request_id, kv_transfer_actor.actor_name(self.app_name, self._node_id),
-            self._node_id, payload.num_tokens, payload.num_bytes,
-        )
 
     def _node_actor(self):
         if self._local_actor is None:
@@ -154,13 +171,17 @@ class EngineWorker:
 
     async def _claim(self, kv: KVHandle) -> KVPayload | None:
         start = time.monotonic()
+        timeout_s = self.kv_transfer.timeout_s
         actor = None
         try:
             actor = self._kv_actor(kv.actor_name)
-            refs = await asyncio.wait_for(actor.claim.remote(kv.request_id), self.kv_transfer.timeout_s)
-            if refs is None:
-                return self._fallback(kv, "expired")
-            remaining = max(0.0, self.kv_transfer.timeout_s - (time.monotonic() - start))
+            # The actor waits for the offer up to timeout_s; the margin covers the round trip.
+            refs = await asyncio.wait_for(actor.claim.remote(kv.request_id, timeout_s), timeout_s + 5.0)
+            if isinstance(refs, str):
+                if refs == "timeout":
+                    actor.release.remote(kv.request_id)  # drop the offer when it comes
+                return self._fallback(kv, refs)
+            remaining = max(0.0, timeout_s - (time.monotonic() - start))
             payload = await asyncio.wait_for(refs[0], remaining)
         except TimeoutError:
             if actor is not None:
