@@ -412,9 +412,13 @@ def _local_ray():
     if ray.is_initialized():
         raise SystemExit("kvrelay bench serve-overhead starts its own Ray: run it in a fresh process")
     temp_dir = tempfile.mkdtemp(prefix="kvrelay-bench-")
+    from serving.config import ServeConfig
+    from serving.launcher import ray_init_kwargs
+
     ray.init(
         address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
         logging_level=logging.WARNING, _temp_dir=temp_dir,
+        **ray_init_kwargs(ServeConfig()),  # the object store `kvrelay serve` gives a local Ray
     )
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # no per-deploy INFO lines here
     is_ok = False

@@ -95,6 +95,16 @@ class RayConfig(_Strict):
     )
     dashboard_host: str = Field("127.0.0.1", description="Address of the local Ray dashboard.")
     dashboard_port: int = Field(8265, ge=1, le=65535, description="Port of the local Ray dashboard.")
+    object_store_bytes: int | None = Field(
+        2 * 2**30, ge=2**27,
+        description="Shared-memory object store of a local Ray (carries KV between workers); "
+        "null: Ray's default (30% of memory).",
+    )
+    preallocate_object_store: bool = Field(
+        True,
+        description="Touch the object store's pages at start so KV puts do not page-fault "
+        "(measured: ray.put of 22.5 MiB 11.7 -> 7.9 ms, get + copy 11.1 -> 3.7 ms).",
+    )
 
 
 class KVTransferConfig(_Strict):

@@ -16,7 +16,7 @@ import time
 
 from serving.config import ServeConfig
 
-__all__ = ["serve_forever", "start", "stop", "required_cpus"]
+__all__ = ["serve_forever", "start", "stop", "required_cpus", "ray_init_kwargs"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +25,13 @@ def required_cpus(config: ServeConfig) -> float:
     pools = [config.worker] if config.mode == "colocated" else [config.prefill, config.decode]
     workers = sum(p.num_cpus * p.num_replicas for p in pools)
     return workers + config.ingress.num_cpus * config.ingress.num_replicas
+
+
+def ray_init_kwargs(config: ServeConfig) -> dict:
+    """Object-store settings for a Ray this process starts (the raylet reads the env at start)."""
+    if config.ray.preallocate_object_store:
+        os.environ["RAY_preallocate_plasma_memory"] = "1"
+    return {"object_store_memory": config.ray.object_store_bytes} if config.ray.object_store_bytes else {}
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -57,6 +64,7 @@ def start(config: ServeConfig) -> bool:
             ray.init(
                 num_cpus=num_cpus, include_dashboard=True, dashboard_host=config.ray.dashboard_host,
                 dashboard_port=config.ray.dashboard_port, logging_level=logging.WARNING,
+                **ray_init_kwargs(config),
             )
             started_ray = True
     serve.start(http_options={"host": config.http.host, "port": config.http.port})
