@@ -39,6 +39,8 @@ __all__ = ["LLMEngine", "EngineStats"]
 
 logger = logging.getLogger(__name__)
 
+_MIN_RATE_TOKENS = 32  # steps with fewer prefill tokens say more about overhead than about rate
+
 
 @dataclass
 class EngineStats:
@@ -53,6 +55,8 @@ class EngineStats:
     num_computed_tokens: int  # every token run through the model
     num_generated_tokens: int
     num_held_exports: int
+    num_queued_prefill_tokens: int = 0  # prompt tokens of waiting and running sequences not yet computed
+    prefill_tokens_per_s: float = 0.0  # measured over recent steps that ran prefill (EMA); 0 before any
 
 
 @dataclass
@@ -145,6 +149,7 @@ class LLMEngine:
         self.num_computed_tokens = 0
         self.num_generated_tokens = 0
         self.is_stalled = False  # the last step could schedule nothing (see step)
+        self.prefill_tokens_per_s = 0.0
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -250,8 +255,17 @@ class LLMEngine:
             # Only possible while held exports pin the blocks a waiting request needs: nothing
             # changes until one is exported, released or aborted.
             return outputs
+        num_prefill_tokens = sum(
+            n for seq, n in sched.scheduled if seq.num_computed_tokens < seq.num_prompt_tokens
+        )
+        started = time.perf_counter()
         step = self.runner.prepare(sched.scheduled)
         logits = self.runner.execute(step)
+        if num_prefill_tokens >= _MIN_RATE_TOKENS:
+            rate = num_prefill_tokens / max(time.perf_counter() - started, 1e-6)
+            self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else (
+                0.8 * self.prefill_tokens_per_s + 0.2 * rate
+            )
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
             self.num_computed_tokens += n
@@ -390,6 +404,11 @@ class LLMEngine:
             num_computed_tokens=self.num_computed_tokens,
             num_generated_tokens=self.num_generated_tokens,
             num_held_exports=len(self._held),
+            num_queued_prefill_tokens=sum(
+                max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+                for seq in (*self.scheduler.waiting, *self.scheduler.running)
+            ),
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
         )
 
     # ---- convenience -------------------------------------------------------------------------
