@@ -13,7 +13,10 @@ from typing import Any
 
 from ray.serve import Application
 
-from serving.config import PoolConfig, ServeConfig, load_config
+from ray.serve.config import RequestRouterConfig
+
+from router.request_router import KVAwareRequestRouter, PrefixAwareRequestRouter
+from serving.config import PoolConfig, RoutingConfig, ServeConfig, load_config
 from serving.deployments import DecodeWorker, OpenAIIngress, PrefillWorker, Worker
 
 __all__ = ["build_app", "config_from_args", "REPLICA_ENV"]
@@ -43,15 +46,27 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> Application:
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.ingress.num_cpus, "runtime_env": {"env_vars": REPLICA_ENV}},
     )
+    routing = config.routing
+    prefill_router = _router(PrefixAwareRequestRouter, routing.prefill_policy, routing.prefill_params, routing)
     if config.mode == "colocated":
-        worker = _pool(Worker, config.worker).bind(data)
+        worker = _pool(Worker, config.worker, prefill_router).bind(data)
         return ingress.bind(data, None, worker)
-    prefill = _pool(PrefillWorker, config.prefill).bind(data)
-    decode = _pool(DecodeWorker, config.decode).bind(data)
+    prefill = _pool(PrefillWorker, config.prefill, prefill_router).bind(data)
+    decode_router = _router(KVAwareRequestRouter, routing.decode_policy, routing.decode_params, routing)
+    decode = _pool(DecodeWorker, config.decode, decode_router).bind(data)
     return ingress.bind(data, prefill, decode)
 
 
-def _pool(deployment, pool: PoolConfig):
+def _router(cls, policy: str, params: dict, routing: RoutingConfig) -> RequestRouterConfig:
+    return RequestRouterConfig(
+        request_router_class=cls,
+        request_router_kwargs={"policy": policy, **params},
+        request_routing_stats_period_s=routing.stats_period_s,
+        request_routing_stats_timeout_s=max(5.0, 4 * routing.stats_period_s),
+    )
+
+
+def _pool(deployment, pool: PoolConfig, router_config: RequestRouterConfig):
     actor_options: dict[str, Any] = {"num_cpus": pool.num_cpus, "runtime_env": {"env_vars": REPLICA_ENV}}
     if pool.num_gpus:
         actor_options["num_gpus"] = pool.num_gpus
@@ -62,4 +77,5 @@ def _pool(deployment, pool: PoolConfig):
         max_ongoing_requests=pool.max_ongoing_requests,
         max_queued_requests=pool.max_queued_requests,
         ray_actor_options=actor_options,
+        request_router_config=router_config,
     )

@@ -29,6 +29,7 @@ __all__ = [
     "HTTPConfig",
     "KVTransferConfig",
     "RayConfig",
+    "RoutingConfig",
     "ConfigError",
     "load_config",
     "ENV_PREFIX",
@@ -107,6 +108,40 @@ class RayConfig(_Strict):
     )
 
 
+class RoutingConfig(_Strict):
+    """Which replica of a pool gets each request (router/policies.py documents the policies)."""
+
+    prefill_policy: Literal["prefix_cost", "pow2", "round_robin"] = Field(
+        "prefix_cost", description="Policy of the prefill pool (and the colocated Worker pool)."
+    )
+    prefill_params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Parameters of the prefill policy, e.g. {max_imbalance_tokens: 8192, "
+        "session_affinity: true}.",
+    )
+    decode_policy: Literal["least_kv", "pow2", "round_robin"] = Field("least_kv", description="Policy of the decode pool.")
+    decode_params: dict[str, Any] = Field(default_factory=dict, description="Parameters of the decode policy.")
+    stats_period_s: float = Field(
+        0.5, gt=0, le=60,
+        description="How often replicas report routing stats (cached block hashes, queued prefill "
+        "tokens) to the routers.",
+    )
+
+    @model_validator(mode="after")
+    def _check_params(self) -> RoutingConfig:
+        from router.policies import build_policy
+
+        for field_name, policy, params in (
+            ("prefill_params", self.prefill_policy, self.prefill_params),
+            ("decode_params", self.decode_policy, self.decode_params),
+        ):
+            try:
+                build_policy(policy, **params)
+            except ValueError as exc:
+                raise ValueError(f"{field_name}: {exc}") from None
+        return self
+
+
 class KVTransferConfig(_Strict):
     lease_s: float = Field(
         30.0, gt=0, le=3600,
@@ -157,6 +192,7 @@ class ServeConfig(_Strict):
     worker: PoolConfig = Field(default_factory=PoolConfig, description="Worker pool (colocated mode).")
     ingress: IngressConfig = Field(default_factory=IngressConfig, description="OpenAIIngress.")
     kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig, description="KV hand-off.")
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="Request routing per pool.")
 
     # ---- serving -----------------------------------------------------------------------------
     app_name: str = Field("kvrelay", pattern=r"^[A-Za-z0-9_-]+$", description="Serve application name.")

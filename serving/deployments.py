@@ -40,6 +40,9 @@ class _WorkerDeployment:
     def check_health(self) -> None:
         self.worker.check_health()
 
+    def record_routing_stats(self) -> dict:
+        return self.worker.routing_stats()
+
     async def generate(
         self, request: WorkerRequest, kv: KVHandle | None = None, prior_output_token_ids: list[int] | None = None
     ) -> AsyncIterator:

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from serving.engine.block_hash import hash_blocks
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.errors import ContextLengthError, InvalidRequestError
 from serving.engine.outputs import RequestOutput, TokenLogprob
@@ -57,6 +58,11 @@ class WorkerRequest:
     priority: int = 0
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.time)  # wall clock, comparable across nodes
+    # Routing: the prompt's chained block hashes, computed once at the ingress with the engines'
+    # block size and extra keys (router/index.py), and the session-affinity key (`user`).
+    block_hashes: list[int] = field(default_factory=list)
+    block_size: int = 16
+    session: str | None = None
 
 
 class Backend(Protocol):
@@ -190,12 +196,18 @@ class Frontend:
         priority: int = 0,
         cache_salt: str | None = None,
         index_offset: int = 0,
+        session: str | None = None,
     ) -> AsyncIterator[ChoiceDelta]:
         """Validate, run and detokenize one prompt; `usage` is filled in as tokens arrive."""
         await self.validate(prompt_ids, params)
         usage.prompt_tokens += len(prompt_ids)
         worker_params = replace(params, stop=[], include_stop_str_in_output=False, detokenize=False)
-        request = WorkerRequest(request_id, prompt_ids, worker_params, priority, cache_salt)
+        info = await self.model_info()
+        request = WorkerRequest(
+            request_id, prompt_ids, worker_params, priority, cache_salt,
+            block_hashes=hash_blocks(prompt_ids, info.block_size, (cache_salt,) if cache_salt else ()),
+            block_size=info.block_size, session=session,
+        )
         choices = [_Choice(self.tokenizer, prompt_ids, params) for _ in range(params.n)]
         stream = self.backend.generate(request)
         num_cached: int | None = None  # from the first output: where the prompt was computed

@@ -126,7 +126,7 @@ class OpenAIServer:
         created = int(time.time())
         usage = Usage()
         deltas = self.frontend.generate(
-            request_id, prompt_ids, params, usage, priority=request.priority, cache_salt=request.cache_salt,
+            request_id, prompt_ids, params, usage, priority=request.priority, cache_salt=request.cache_salt, session=request.user,
         )
         base = {"id": request_id, "created": created, "model": self.model_name, "system_fingerprint": None}
         want_logprobs = params.logprobs is not None
@@ -203,7 +203,7 @@ class OpenAIServer:
         streams = [
             self.frontend.generate(
                 f"{request_id}-{i}", ids, params, usages[i], priority=request.priority,
-                cache_salt=request.cache_salt, index_offset=i * params.n,
+                cache_salt=request.cache_salt, index_offset=i * params.n, session=request.user,
             )
             for i, ids in enumerate(prompt_ids)
         ]

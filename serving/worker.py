@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
@@ -38,6 +39,7 @@ from serving.engine.outputs import RequestOutput
 from serving.errors import WorkerError
 from serving.frontend import ModelInfo, WorkerRequest
 from serving.local_backend import model_info
+from router.index import CachedBlockSet
 from serving.kv_transfer_actor import KVHandle
 
 __all__ = ["EngineWorker", "PrefillResult", "WorkerCounters"]
@@ -72,6 +74,11 @@ class EngineWorker:
         self.counters = WorkerCounters()
         self._kv_actors: dict[str, object] = {}
         self._offers: set[asyncio.Task] = set()  # background exports, referenced until done
+        # The exact set of block hashes this engine holds, for the routers (router/index.py).
+        self._cached_blocks = CachedBlockSet()
+        self._cached_blocks_lock = threading.Lock()  # written on the engine thread
+        self._epoch = time.time_ns()  # orders this engine's snapshots after a restarted one's
+        self.engine.subscribe_kv_events(self._on_kv_events)
         self._local_actor = None
         self._node_id: str | None = None
 
@@ -84,6 +91,30 @@ class EngineWorker:
             "role": self.role, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
             **asdict(self.engine.stats()), **asdict(self.counters),
         }
+
+    def routing_stats(self) -> dict:
+        """What the routers need (router/request_router.py): a versioned snapshot of the cached
+        block hashes, and the load figures of the cost model."""
+        with self._cached_blocks_lock:
+            snapshot = self._cached_blocks.snapshot()
+        stats = self.engine.stats()
+        return {
+            **snapshot,
+            "epoch": self._epoch,
+            "time": time.time(),
+            "block_size": self.engine.engine.config.block_size,
+            "num_queued_prefill_tokens": stats.num_queued_prefill_tokens,
+            "prefill_tokens_per_s": stats.prefill_tokens_per_s,
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "num_free_blocks": stats.num_free_blocks,
+            "num_blocks": stats.num_blocks,
+            "kv_cache_usage": stats.kv_cache_usage,
+        }
+
+    def _on_kv_events(self, events) -> None:
+        with self._cached_blocks_lock:
+            self._cached_blocks.apply(events)
 
     def check_health(self) -> None:
         if not self.engine.is_alive:

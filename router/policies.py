@@ -1,0 +1,237 @@
+"""Routing policies: which replica gets a request. Pure objects, testable without Ray.
+
+PrefixCostPolicy (name "prefix_cost", the prefill pool)
+    For each candidate replica r, the estimated time to first token is
+
+        ttft(r) = (uncached(r) + queued(r)) / rate(r) + wait(r)
+
+    uncached(r)  prompt tokens not covered by r's cached prefix (exact index, router/index.py)
+    queued(r)    prefill tokens r still has to compute (its last stats plus what this router
+                 sent it since)
+    rate(r)      r's measured prefill tokens/s (default_prefill_tokens_per_s until measured)
+    wait(r)      extra queueing delay r reports (0 unless known)
+
+    The cheapest wins. Candidates within `tie_tolerance` of the cheapest are ties, broken by
+    power of two choices on queued tokens (two random ties, the less loaded one), so equal
+    replicas share load instead of the first one taking everything.
+
+    Imbalance guards keep a popular prefix from piling onto one replica while others idle:
+    if the chosen replica's queued tokens exceed the least-loaded candidate's by more than
+    `max_imbalance_tokens` (absolute), or exceed `max_imbalance_ratio` x the pool's mean queued
+    tokens while also leading the least-loaded by more than `min_imbalance_tokens` (relative;
+    the floor keeps tiny queues from tripping it), the least-loaded candidate is taken instead
+    (its cost then includes recomputing the prefix, the price of not piling up).
+
+    Session affinity (optional): requests with the same session key (the `user` field) prefer
+    the replica rendezvous hashing assigns that key, while its cost stays within
+    `affinity_slack_s` of the cheapest.
+
+LeastKVPolicy (name "least_kv", the decode pool)
+    Among replicas with enough free KV blocks for the import, the lowest KV utilization, then
+    the fewest running sequences; if none has room, the one with the most free blocks.
+
+RoundRobinPolicy, PowerOfTwoPolicy: the baselines the routing benchmark compares against.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import random
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from router.index import PrefixIndex
+
+__all__ = [
+    "ReplicaLoad",
+    "RouteRequest",
+    "Decision",
+    "PrefixCostPolicy",
+    "LeastKVPolicy",
+    "RoundRobinPolicy",
+    "PowerOfTwoPolicy",
+    "build_policy",
+    "POLICIES",
+]
+
+
+@dataclass
+class ReplicaLoad:
+    """What a policy knows of one replica (from its routing stats, plus local accounting)."""
+
+    replica_id: Hashable
+    queued_prefill_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0  # 0: not measured yet
+    queue_wait_s: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    kv_usage: float = 0.0
+
+
+@dataclass
+class RouteRequest:
+    request_id: str
+    num_prompt_tokens: int
+    block_hashes: Sequence[int] = ()
+    block_size: int = 16
+    session: str | None = None
+
+    @property
+    def num_blocks_needed(self) -> int:
+        return -(-(self.num_prompt_tokens + 1) // self.block_size)
+
+
+@dataclass
+class Decision:
+    ranked: list[Hashable]  # best first
+    reason: str  # for metrics: prefix_hit | least_cost | tie_break | imbalance_guard | session_affinity | ...
+    estimated_ttft_s: dict[Hashable, float] = field(default_factory=dict)
+    num_matched_tokens: int = 0
+
+    @property
+    def chosen(self) -> Hashable:
+        return self.ranked[0]
+
+
+class PrefixCostPolicy:
+    name = "prefix_cost"
+
+    def __init__(
+        self,
+        *,
+        default_prefill_tokens_per_s: float = 2000.0,
+        tie_tolerance: float = 0.05,
+        max_imbalance_tokens: int = 16384,
+        max_imbalance_ratio: float = 2.0,
+        min_imbalance_tokens: int = 512,
+        session_affinity: bool = False,
+        affinity_slack_s: float = 0.05,
+        seed: int | None = None,
+    ):
+        if default_prefill_tokens_per_s <= 0:
+            raise ValueError(f"default_prefill_tokens_per_s must be > 0, got {default_prefill_tokens_per_s}")
+        if not 0 <= tie_tolerance < 1:
+            raise ValueError(f"tie_tolerance must be in [0, 1), got {tie_tolerance}")
+        if max_imbalance_tokens < 0:
+            raise ValueError(f"max_imbalance_tokens must be >= 0, got {max_imbalance_tokens}")
+        if max_imbalance_ratio < 1:
+            raise ValueError(f"max_imbalance_ratio must be >= 1, got {max_imbalance_ratio}")
+        if min_imbalance_tokens < 0:
+            raise ValueError(f"min_imbalance_tokens must be >= 0, got {min_imbalance_tokens}")
+        self.default_prefill_tokens_per_s = default_prefill_tokens_per_s
+        self.tie_tolerance = tie_tolerance
+        self.max_imbalance_tokens = max_imbalance_tokens
+        self.max_imbalance_ratio = max_imbalance_ratio
+        self.min_imbalance_tokens = min_imbalance_tokens
+        self.session_affinity = session_affinity
+        self.affinity_slack_s = affinity_slack_s
+        self._rng = random.Random(seed)
+
+    def choose(self, request: RouteRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex) -> Decision:
+        assert loads, "choose() needs at least one candidate"
+        matched = {
+            load.replica_id: index.num_matched_blocks(load.replica_id, request.block_hashes) * request.block_size
+            for load in loads
+        }
+        costs = {load.replica_id: self._ttft_s(request, load, matched[load.replica_id]) for load in loads}
+        by_cost = sorted(loads, key=lambda load: (costs[load.replica_id], load.queued_prefill_tokens))
+        best = by_cost[0]
+        reason = "prefix_hit" if matched[best.replica_id] > 0 else "least_cost"
+
+        ties = [load for load in by_cost if costs[load.replica_id] <= costs[best.replica_id] * (1 + self.tie_tolerance) + 1e-9]
+        if len(ties) > 1:
+            pair = self._rng.sample(ties, 2)
+            best = min(pair, key=lambda load: (load.queued_prefill_tokens, costs[load.replica_id]))
+            reason = "tie_break" if matched[best.replica_id] == 0 else reason
+
+        least = min(loads, key=lambda load: (load.queued_prefill_tokens, costs[load.replica_id]))
+        mean_queued = sum(load.queued_prefill_tokens for load in loads) / len(loads)
+        lead = best.queued_prefill_tokens - least.queued_prefill_tokens
+        if best is not least and (
+            lead > self.max_imbalance_tokens
+            or (lead > self.min_imbalance_tokens and best.queued_prefill_tokens > self.max_imbalance_ratio * mean_queued)
+        ):
+            best, reason = least, "imbalance_guard"
+
+        if self.session_affinity and request.session:
+            preferred = _rendezvous(request.session, [load.replica_id for load in loads])
+            if preferred != best.replica_id and costs[preferred] <= costs[best.replica_id] + self.affinity_slack_s:
+                best = next(load for load in loads if load.replica_id == preferred)
+                reason = "session_affinity"
+
+        ranked = [best.replica_id] + [load.replica_id for load in by_cost if load is not best]
+        return Decision(ranked, reason, costs, matched[best.replica_id])
+
+    def _ttft_s(self, request: RouteRequest, load: ReplicaLoad, num_matched_tokens: int) -> float:
+        rate = load.prefill_tokens_per_s or self.default_prefill_tokens_per_s
+        uncached = max(1, request.num_prompt_tokens - num_matched_tokens)
+        return (uncached + load.queued_prefill_tokens) / rate + load.queue_wait_s
+
+
+class LeastKVPolicy:
+    name = "least_kv"
+
+    def choose(self, request: RouteRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex | None = None) -> Decision:
+        assert loads, "choose() needs at least one candidate"
+        fits = [load for load in loads if load.num_free_blocks >= request.num_blocks_needed]
+        if fits:
+            ranked = sorted(fits, key=lambda load: (load.kv_usage, load.num_running + load.num_waiting))
+            rest = sorted((load for load in loads if load not in fits), key=lambda load: -load.num_free_blocks)
+            return Decision([load.replica_id for load in ranked + rest], "least_kv")
+        ranked = sorted(loads, key=lambda load: -load.num_free_blocks)
+        return Decision([load.replica_id for load in ranked], "no_room")
+
+
+class RoundRobinPolicy:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def choose(self, request: RouteRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex | None = None) -> Decision:
+        ids = sorted((load.replica_id for load in loads), key=str)
+        start = next(self._counter) % len(ids)
+        return Decision(ids[start:] + ids[:start], "round_robin")
+
+
+class PowerOfTwoPolicy:
+    name = "pow2"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, request: RouteRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex | None = None) -> Decision:
+        pair = self._rng.sample(list(loads), min(2, len(loads)))
+        best = min(pair, key=lambda load: load.queued_prefill_tokens + load.num_running + load.num_waiting)
+        rest = [load.replica_id for load in loads if load is not best]
+        return Decision([best.replica_id] + rest, "pow2")
+
+
+POLICIES = {
+    cls.name: cls for cls in (PrefixCostPolicy, LeastKVPolicy, RoundRobinPolicy, PowerOfTwoPolicy)
+}
+
+
+def build_policy(name: str, **params):
+    """A policy by its name, with its documented parameters (unknown ones are errors)."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    try:
+        return cls(**params)
+    except TypeError as exc:
+        raise ValueError(f"routing policy {name!r}: {exc}") from exc
+
+
+def _rendezvous(key: str, replicas: Sequence[Hashable]) -> Hashable:
+    """Highest-random-weight hashing: stable under replicas joining or leaving."""
+    def weight(replica: Hashable) -> int:
+        digest = hashlib.blake2b(f"{key}\x00{replica}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+
+    return max(replicas, key=weight)

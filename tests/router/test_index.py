@@ -1,0 +1,88 @@
+"""The exact prefix index: engine events to a worker-side set, snapshots to the router's index."""
+
+from __future__ import annotations
+
+from router.index import CachedBlockSet, PrefixIndex, decode_hashes, encode_hashes
+from serving.engine.block_hash import hash_blocks
+from serving.engine.block_manager import BlockManager
+from serving.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from serving.engine.request import Sequence
+from serving.engine.params import SamplingParams
+
+
+def stored(*hashes):
+    return BlockStored(tuple(hashes), 0, tuple(range(16 * len(hashes))), 16)
+
+
+def test_cached_block_set_replays_events_and_versions():
+    blocks = CachedBlockSet()
+    blocks.apply([stored(1, 2, 3)])
+    blocks.apply([BlockRemoved((2,)), stored(4)])
+    assert blocks.hashes == {1, 3, 4} and blocks.version == 2
+    blocks.apply([])
+    assert blocks.version == 2  # nothing happened: same snapshot
+    blocks.apply([AllBlocksCleared(), stored(9)])
+    assert blocks.hashes == {9} and blocks.version == 3
+    snapshot = blocks.snapshot()
+    assert snapshot["kv_version"] == 3 and decode_hashes(snapshot["kv_hashes"]) == {9}
+
+
+def test_hashes_round_trip_as_uint64_bytes():
+    hashes = {0, 1, 2**64 - 1, 1234567890123456789}
+    assert len(encode_hashes(hashes)) == 8 * len(hashes)
+    assert decode_hashes(encode_hashes(hashes)) == hashes
+
+
+def test_index_matches_the_longest_cached_prefix_only():
+    index = PrefixIndex()
+    index.update("a", 1, {10, 11, 13})
+    assert index.num_matched_blocks("a", [10, 11, 12, 13]) == 2  # block 13 is useless after a miss
+    assert index.num_matched_blocks("a", [12, 10]) == 0
+    assert index.num_matched_blocks("unknown", [10]) == 0
+
+
+def test_late_and_duplicate_snapshots_are_ignored():
+    index = PrefixIndex()
+    assert index.update("a", 5, {1, 2})
+    assert not index.update("a", 5, {7})  # duplicate
+    assert not index.update("a", 4, {8})  # late
+    assert index.num_matched_blocks("a", [1, 2]) == 2
+    assert index.update("a", 1, {8}, epoch=2)  # a restarted engine counts again from 1
+    assert index.num_matched_blocks("a", [1]) == 0 and index.num_matched_blocks("a", [8]) == 1
+
+
+def test_dead_and_removed_replicas_are_dropped():
+    index = PrefixIndex()
+    index.update("a", 1, {1})
+    index.update("b", 1, {1})
+    index.update("c", 1, {1})
+    index.remove("a")
+    index.retain(["b"])
+    assert index.replicas == ["b"]
+    assert index.num_matched_blocks("c", [1]) == 0
+
+
+def test_note_routed_is_replaced_by_the_next_snapshot():
+    index = PrefixIndex()
+    index.update("a", 1, set())
+    index.note_routed("a", [5, 6])
+    assert index.num_matched_blocks("a", [5, 6, 7]) == 2
+    index.update("a", 2, {5})  # the engine had evicted block 6 meanwhile
+    assert index.num_matched_blocks("a", [5, 6]) == 1
+
+
+def test_block_manager_events_rebuild_its_exact_cache():
+    """End to end with the engine's own block manager and hash: the set equals what is cached."""
+    manager = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    blocks = CachedBlockSet()
+    prompts = [list(range(100, 108)), list(range(200, 208)), list(range(300, 308))]
+    for i, prompt in enumerate(prompts):
+        seq = Sequence(request_id=f"r{i}", index=0, prompt_token_ids=prompt, params=SamplingParams(), max_tokens=1,
+                       priority=0, arrival_time=0.0)
+        manager.allocate(seq, len(prompt))
+        seq.num_computed_tokens = len(prompt)
+        manager.commit(seq)
+        manager.free(seq)
+        blocks.apply(manager.take_events())
+    # 4 blocks of capacity: the first prompt's two blocks were evicted for the third.
+    assert blocks.hashes == set(hash_blocks(prompts[1], 4)) | set(hash_blocks(prompts[2], 4))

@@ -1,0 +1,136 @@
+"""Routing policies on crafted states: exact choices and reasons."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from router.index import PrefixIndex
+from router.policies import (
+    LeastKVPolicy,
+    PowerOfTwoPolicy,
+    PrefixCostPolicy,
+    ReplicaLoad,
+    RoundRobinPolicy,
+    RouteRequest,
+    build_policy,
+)
+
+PREFIX = [101, 102, 103, 104]  # 4 blocks of 16 tokens
+REQUEST = RouteRequest("r", num_prompt_tokens=80, block_hashes=PREFIX + [105], block_size=16)
+
+
+def loads(**queued) -> list[ReplicaLoad]:
+    return [ReplicaLoad(name, queued_prefill_tokens=q, prefill_tokens_per_s=1000.0) for name, q in queued.items()]
+
+
+def index_with(**held) -> PrefixIndex:
+    index = PrefixIndex()
+    for name, hashes in held.items():
+        index.update(name, 1, set(hashes))
+    return index
+
+
+def test_prefix_holder_wins_when_load_is_equal():
+    decision = PrefixCostPolicy(seed=0).choose(REQUEST, loads(a=0, b=0, c=0), index_with(b=PREFIX))
+    assert decision.chosen == "b" and decision.reason == "prefix_hit"
+    assert decision.num_matched_tokens == 64
+    assert decision.estimated_ttft_s == {"a": 0.08, "b": 0.016, "c": 0.08}
+
+
+def test_queued_work_outweighs_a_small_hit():
+    # b holds 1 block (16 tokens) but has 500 tokens queued: a is cheaper (80 vs 564 tokens).
+    decision = PrefixCostPolicy(seed=0).choose(REQUEST, loads(a=0, b=500), index_with(b=PREFIX[:1]))
+    assert decision.chosen == "a" and decision.reason == "least_cost"
+    assert decision.ranked == ["a", "b"]
+
+
+def test_measured_rate_counts():
+    # b holds the prefix but prefills 10x slower: 16 tokens at 100/s = 0.16 s > 80 at 1000/s.
+    state = [ReplicaLoad("a", prefill_tokens_per_s=1000.0), ReplicaLoad("b", prefill_tokens_per_s=100.0)]
+    assert PrefixCostPolicy(seed=0).choose(REQUEST, state, index_with(b=PREFIX)).chosen == "a"
+
+
+def test_unmeasured_rate_uses_the_default():
+    state = [ReplicaLoad("a"), ReplicaLoad("b", queued_prefill_tokens=100)]
+    decision = PrefixCostPolicy(default_prefill_tokens_per_s=400.0, seed=0).choose(REQUEST, state, PrefixIndex())
+    assert decision.estimated_ttft_s == {"a": 0.2, "b": 0.45}
+
+
+def test_absolute_imbalance_guard_moves_a_popular_prefix():
+    # b holds the prefix: 16 uncached + 50 queued = 66 tokens beats a's 80, and b leads a by 50.
+    policy = PrefixCostPolicy(max_imbalance_tokens=100, max_imbalance_ratio=100.0, seed=0)
+    decision = policy.choose(REQUEST, loads(a=0, b=50), index_with(b=PREFIX))
+    assert decision.chosen == "b" and decision.reason == "prefix_hit"  # lead 50 <= 100
+    policy = PrefixCostPolicy(max_imbalance_tokens=40, max_imbalance_ratio=100.0, seed=0)
+    decision = policy.choose(REQUEST, loads(a=0, b=50), index_with(b=PREFIX))
+    assert decision.chosen == "a" and decision.reason == "imbalance_guard"
+
+
+def test_relative_imbalance_guard():
+    # c holds a 20-block (320-token) prefix: by cost alone it wins (80 + 300 < 400 + 0).
+    prefix = list(range(1000, 1020))
+    request = RouteRequest("r", num_prompt_tokens=400, block_hashes=prefix, block_size=16)
+    state = loads(a=0, b=0, c=300)
+    index = index_with(c=prefix)
+    lenient = PrefixCostPolicy(max_imbalance_tokens=10**9, max_imbalance_ratio=1.5, min_imbalance_tokens=1000, seed=0)
+    assert lenient.choose(request, state, index).chosen == "c"  # lead 300 <= the 1000 floor
+    strict = PrefixCostPolicy(max_imbalance_tokens=10**9, max_imbalance_ratio=1.5, min_imbalance_tokens=100, seed=0)
+    decision = strict.choose(request, state, index)  # 300 > 1.5 x mean 100, lead 300 > 100
+    assert decision.reason == "imbalance_guard" and decision.chosen in {"a", "b"}
+
+
+def test_ties_are_broken_by_load_not_by_order():
+    policy = PrefixCostPolicy(tie_tolerance=0.5, seed=1)
+    # a and b within 50% of each other; the pair is always {a, b} -> the less loaded one.
+    state = [ReplicaLoad("a", queued_prefill_tokens=30, prefill_tokens_per_s=1000.0),
+             ReplicaLoad("b", queued_prefill_tokens=10, prefill_tokens_per_s=1000.0)]
+    choices = Counter(policy.choose(REQUEST, state, PrefixIndex()).chosen for _ in range(20))
+    assert choices == Counter({"b": 20})
+    equal = loads(a=0, b=0, c=0, d=0)
+    policy = PrefixCostPolicy(seed=3)
+    spread = Counter(policy.choose(REQUEST, equal, PrefixIndex()).chosen for _ in range(400))
+    assert set(spread) == {"a", "b", "c", "d"} and min(spread.values()) > 60
+
+
+def test_session_affinity_within_slack():
+    policy = PrefixCostPolicy(session_affinity=True, affinity_slack_s=0.01, seed=0)
+    session_request = RouteRequest("r", 80, PREFIX, 16, session="user-42")
+    state = loads(a=0, b=0, c=0)
+    preferred = policy.choose(session_request, state, PrefixIndex()).chosen
+    for _ in range(10):  # stable
+        assert policy.choose(session_request, state, PrefixIndex()).chosen == preferred
+    # Beyond the slack the cheaper replica wins.
+    busy = [ReplicaLoad(r, queued_prefill_tokens=1000 if r == preferred else 0, prefill_tokens_per_s=1000.0) for r in "abc"]
+    assert policy.choose(session_request, busy, PrefixIndex()).chosen != preferred
+
+
+def test_decode_policy_prefers_low_kv_usage_with_room():
+    request = RouteRequest("r", num_prompt_tokens=100, block_size=16)  # needs 7 blocks
+    state = [
+        ReplicaLoad("full", num_free_blocks=5, kv_usage=0.1),
+        ReplicaLoad("busy", num_free_blocks=50, kv_usage=0.6, num_running=3),
+        ReplicaLoad("idle", num_free_blocks=50, kv_usage=0.6, num_running=1),
+        ReplicaLoad("low", num_free_blocks=40, kv_usage=0.2, num_running=9),
+    ]
+    decision = LeastKVPolicy().choose(request, state)
+    assert decision.ranked == ["low", "idle", "busy", "full"] and decision.reason == "least_kv"
+    none_fit = [ReplicaLoad("x", num_free_blocks=2), ReplicaLoad("y", num_free_blocks=6)]
+    decision = LeastKVPolicy().choose(request, none_fit)
+    assert decision.ranked == ["y", "x"] and decision.reason == "no_room"
+
+
+def test_baselines_and_build_policy():
+    rr = RoundRobinPolicy()
+    state = loads(a=0, b=0, c=0)
+    assert [rr.choose(REQUEST, state).chosen for _ in range(4)] == ["a", "b", "c", "a"]
+    pow2 = PowerOfTwoPolicy(seed=0)
+    assert pow2.choose(REQUEST, loads(a=5, b=0)).chosen == "b"
+    assert isinstance(build_policy("prefix_cost", max_imbalance_tokens=10), PrefixCostPolicy)
+    with pytest.raises(ValueError, match="unknown routing policy 'nope'"):
+        build_policy("nope")
+    with pytest.raises(ValueError, match="routing policy 'prefix_cost'.*unexpected keyword argument 'bogus'"):
+        build_policy("prefix_cost", bogus=1)
+    with pytest.raises(ValueError, match="max_imbalance_ratio must be >= 1, got 0.5"):
+        build_policy("prefix_cost", max_imbalance_ratio=0.5)
