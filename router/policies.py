@@ -8,7 +8,8 @@ PrefixCostPolicy (name "prefix_cost", the prefill pool)
     uncached(r)  prompt tokens not covered by r's cached prefix (exact index, router/index.py)
     queued(r)    prefill tokens r still has to compute (its last stats plus what this router
                  sent it since)
-    rate(r)      r's measured prefill tokens/s (default_prefill_tokens_per_s until measured)
+    rate(r)      r's measured prefill tokens/s; until measured, the mean of the candidates that
+                 are (replicas of a pool are alike), or default_prefill_tokens_per_s if none is
     wait(r)      extra queueing delay r reports (0 unless known)
 
     The cheapest wins. Candidates within `tie_tolerance` of the cheapest are ties, broken by
@@ -137,7 +138,9 @@ class PrefixCostPolicy:
             load.replica_id: index.num_matched_blocks(load.replica_id, request.block_hashes) * request.block_size
             for load in loads
         }
-        costs = {load.replica_id: self._ttft_s(request, load, matched[load.replica_id]) for load in loads}
+        measured = [load.prefill_tokens_per_s for load in loads if load.prefill_tokens_per_s > 0]
+        pool_rate = sum(measured) / len(measured) if measured else self.default_prefill_tokens_per_s
+        costs = {load.replica_id: self._ttft_s(request, load, matched[load.replica_id], pool_rate) for load in loads}
         by_cost = sorted(loads, key=lambda load: (costs[load.replica_id], load.queued_prefill_tokens))
         best = by_cost[0]
         reason = "prefix_hit" if matched[best.replica_id] > 0 else "least_cost"
@@ -166,8 +169,8 @@ class PrefixCostPolicy:
         ranked = [best.replica_id] + [load.replica_id for load in by_cost if load is not best]
         return Decision(ranked, reason, costs, matched[best.replica_id])
 
-    def _ttft_s(self, request: RouteRequest, load: ReplicaLoad, num_matched_tokens: int) -> float:
-        rate = load.prefill_tokens_per_s or self.default_prefill_tokens_per_s
+    def _ttft_s(self, request: RouteRequest, load: ReplicaLoad, num_matched_tokens: int, pool_rate: float) -> float:
+        rate = load.prefill_tokens_per_s or pool_rate
         uncached = max(1, request.num_prompt_tokens - num_matched_tokens)
         return (uncached + load.queued_prefill_tokens) / rate + load.queue_wait_s
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from serving.config import ServeConfig
+from serving.errors import WorkerError
 from serving.frontend import Frontend, ModelInfo, WorkerRequest
 from serving.kv_transfer_actor import KVHandle
 
@@ -54,13 +55,21 @@ class _WorkerDeployment:
         if worker is not None:
             worker.shutdown()
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve calls this every window_s / 5 and pushes the values to the controller, where the
+        pool's autoscaling policy (router/autoscaling.py) reads them."""
+        return self.worker.autoscaling_stats()
+
 
 @serve.deployment(name="PrefillWorker")
 class PrefillWorker(_WorkerDeployment):
     role = "prefill"
 
     async def prefill(self, request: WorkerRequest):
-        return await self.worker.prefill(request)
+        result = await self.worker.prefill(request)
+        if not isinstance(result, WorkerError):
+            result.replica = serve.get_replica_context().replica_id.unique_id
+        return result
 
 
 @serve.deployment(name="DecodeWorker")

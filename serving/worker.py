@@ -39,6 +39,7 @@ from serving.engine.outputs import RequestOutput
 from serving.errors import WorkerError
 from serving.frontend import ModelInfo, WorkerRequest
 from serving.local_backend import model_info
+from serving.worker_metrics import RequestLatencies, autoscaling_stats
 from router.index import CachedBlockSet
 from serving.kv_transfer_actor import KVHandle
 
@@ -51,6 +52,7 @@ logger = logging.getLogger(__name__)
 class PrefillResult:
     output: RequestOutput  # the first token; `finished` when the request needs no decode
     kv: KVHandle | None  # None when finished
+    replica: str = ""  # which prefill replica computed it (Serve's replica id)
 
 
 @dataclass
@@ -72,6 +74,7 @@ class EngineWorker:
         self.kv_transfer = kv_transfer
         self.engine = AsyncEngine(engine_config)
         self.counters = WorkerCounters()
+        self.latencies = RequestLatencies()  # TTFT/TPOT windows, for autoscaling
         self._kv_actors: dict[str, object] = {}
         self._offers: set[asyncio.Task] = set()  # background exports, referenced until done
         # The exact set of block hashes this engine holds, for the routers (router/index.py).
@@ -116,6 +119,10 @@ class EngineWorker:
         with self._cached_blocks_lock:
             self._cached_blocks.apply(events)
 
+    def autoscaling_stats(self) -> dict[str, float]:
+        """What the pool's autoscaling policy reads (router/autoscaling.py); never blocks."""
+        return autoscaling_stats(self.engine.stats(), self.latencies)
+
     def check_health(self) -> None:
         if not self.engine.is_alive:
             raise RuntimeError(f"the {self.role} engine's step loop has stopped")
@@ -126,11 +133,13 @@ class EngineWorker:
         one = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), n=1)
         last: RequestOutput | None = None
         handed_off = False
+        tracker = self.latencies.track()
         try:
             async for out in self.engine.generate(
                 request.request_id, prompt_token_ids=request.prompt_token_ids, params=one,
                 priority=request.priority, cache_salt=request.cache_salt, hold_kv=True,
             ):
+                tracker.observe(out)
                 last = out
             self.counters.num_prefills += 1
             completion = last.outputs[0]
@@ -189,6 +198,7 @@ class EngineWorker:
         self, request: WorkerRequest, kv: KVHandle | None = None, prior_output_token_ids: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput | WorkerError]:
         payload = await self._claim(kv) if kv is not None else None
+        tracker = self.latencies.track(continues=bool(prior_output_token_ids))
         try:
             async for out in self.engine.generate(
                 request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
@@ -196,6 +206,7 @@ class EngineWorker:
                 prior_output_token_ids=prior_output_token_ids,
             ):
                 payload = None  # imported (or never needed); let the shared-memory view go
+                tracker.observe(out)
                 yield out
         except EngineError as exc:
             yield WorkerError.from_exception(exc)

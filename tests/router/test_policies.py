@@ -52,10 +52,13 @@ def test_measured_rate_counts():
     assert PrefixCostPolicy(seed=0).choose(REQUEST, state, index_with(b=PREFIX)).chosen == "a"
 
 
-def test_unmeasured_rate_uses_the_default():
+def test_unmeasured_rate_uses_the_pool_mean_then_the_default():
     state = [ReplicaLoad("a"), ReplicaLoad("b", queued_prefill_tokens=100)]
     decision = PrefixCostPolicy(default_prefill_tokens_per_s=400.0, seed=0).choose(REQUEST, state, PrefixIndex())
     assert decision.estimated_ttft_s == {"a": 0.2, "b": 0.45}
+    state = [ReplicaLoad("a"), ReplicaLoad("b", prefill_tokens_per_s=800.0), ReplicaLoad("c", prefill_tokens_per_s=1600.0)]
+    decision = PrefixCostPolicy(default_prefill_tokens_per_s=1.0, seed=0).choose(REQUEST, state, PrefixIndex())
+    assert decision.estimated_ttft_s == {"a": 80 / 1200, "b": 0.1, "c": 0.05}
 
 
 def test_absolute_imbalance_guard_moves_a_popular_prefix():
