@@ -15,6 +15,8 @@ from ray.serve import Application
 
 from ray.serve.config import RequestRouterConfig
 
+from router.autoscaling import serve_autoscaling_config
+from router.policy_config import load_policy
 from router.request_router import KVAwareRequestRouter, PrefixAwareRequestRouter
 from serving.config import PoolConfig, RoutingConfig, ServeConfig, load_config
 from serving.deployments import DecodeWorker, OpenAIIngress, PrefillWorker, Worker
@@ -46,14 +48,16 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> Application:
         max_ongoing_requests=config.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.ingress.num_cpus, "runtime_env": {"env_vars": REPLICA_ENV}},
     )
+    policy = load_policy(config.autoscaling_policy) if config.autoscaling_policy else None
+    scaling = {pool: serve_autoscaling_config(pool, policy) if policy else None for pool in ("prefill", "decode", "worker")}
     routing = config.routing
     prefill_router = _router(PrefixAwareRequestRouter, routing.prefill_policy, routing.prefill_params, routing)
     if config.mode == "colocated":
-        worker = _pool(Worker, config.worker, prefill_router).bind(data)
+        worker = _pool(Worker, config.worker, prefill_router, scaling["worker"]).bind(data)
         return ingress.bind(data, None, worker)
-    prefill = _pool(PrefillWorker, config.prefill, prefill_router).bind(data)
+    prefill = _pool(PrefillWorker, config.prefill, prefill_router, scaling["prefill"]).bind(data)
     decode_router = _router(KVAwareRequestRouter, routing.decode_policy, routing.decode_params, routing)
-    decode = _pool(DecodeWorker, config.decode, decode_router).bind(data)
+    decode = _pool(DecodeWorker, config.decode, decode_router, scaling["decode"]).bind(data)
     return ingress.bind(data, prefill, decode)
 
 
@@ -66,14 +70,16 @@ def _router(cls, policy: str, params: dict, routing: RoutingConfig) -> RequestRo
     )
 
 
-def _pool(deployment, pool: PoolConfig, router_config: RequestRouterConfig):
+def _pool(deployment, pool: PoolConfig, router_config: RequestRouterConfig, autoscaling: dict | None = None):
     actor_options: dict[str, Any] = {"num_cpus": pool.num_cpus, "runtime_env": {"env_vars": REPLICA_ENV}}
     if pool.num_gpus:
         actor_options["num_gpus"] = pool.num_gpus
     if pool.resources:
         actor_options["resources"] = dict(pool.resources)
+    # With an autoscaling policy, Serve starts min_replicas and the policy moves the count.
+    replicas = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": pool.num_replicas}
     return deployment.options(
-        num_replicas=pool.num_replicas,
+        **replicas,
         max_ongoing_requests=pool.max_ongoing_requests,
         max_queued_requests=pool.max_queued_requests,
         ray_actor_options=actor_options,

@@ -51,7 +51,11 @@ class _Strict(BaseModel):
 class PoolConfig(_Strict):
     """One worker pool (a Serve deployment wrapping engines)."""
 
-    num_replicas: int = Field(1, ge=1, le=256, description="Replicas in this pool.")
+    num_replicas: int = Field(
+        1, ge=1, le=256,
+        description="Replicas in this pool; unused when the autoscaling policy has a section for "
+        "the pool (its min_replicas/max_replicas apply instead).",
+    )
     num_cpus: float = Field(
         0.5, gt=0, le=256,
         description="Ray logical CPUs reserved per replica (fractional values let several "
@@ -190,6 +194,12 @@ class ServeConfig(_Strict):
     prefill: PoolConfig = Field(default_factory=PoolConfig, description="PrefillWorker pool.")
     decode: PoolConfig = Field(default_factory=PoolConfig, description="DecodeWorker pool.")
     worker: PoolConfig = Field(default_factory=PoolConfig, description="Worker pool (colocated mode).")
+    autoscaling_policy: str | None = Field(
+        None, min_length=1,
+        description="Autoscaling policy YAML (deploy/autoscaling/*.yaml, router/policy_config.py), "
+        "relative to the config file when given there; the pools it has sections for scale on their "
+        "own signals, the others keep num_replicas. null: fixed replicas.",
+    )
     ingress: IngressConfig = Field(default_factory=IngressConfig, description="OpenAIIngress.")
     kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig, description="KV hand-off.")
     routing: RoutingConfig = Field(default_factory=RoutingConfig, description="Request routing per pool.")
@@ -251,6 +261,10 @@ def load_config(
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of fields, got {type(loaded).__name__}")
         data = loaded or {}
+        policy = data.get("autoscaling_policy")
+        if isinstance(policy, str) and policy and not Path(policy).is_absolute():
+            # Relative to the config file, so a config and its policy move together.
+            data["autoscaling_policy"] = str(Path(path).parent / policy)
     for key, value in (overrides or {}).items():
         _set_path(data, key.split("."), value)
     env_used = []
