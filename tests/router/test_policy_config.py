@@ -224,3 +224,31 @@ def test_policy_simulate_errors_exit_2(tmp_path, capsys):
     assert capsys.readouterr().err == (
         f"kvrelay policy: {trace}: no queued_prefill_tokens column (the policy needs it; columns: time_s, num_seqs)\n"
     )
+
+
+# ---- wiring into the app ---------------------------------------------------------------------
+def test_config_path_is_relative_to_the_config_file_and_only_named_pools_autoscale(tmp_path):
+    from serving.app import build_app
+    from serving.config import load_config
+
+    (tmp_path / "policies").mkdir()
+    write(tmp_path / "policies", "p.yaml", SMALL)
+    config = load_config(write(tmp_path, "c.yaml", "autoscaling_policy: policies/p.yaml\ndecode: {num_replicas: 2}\n"), env={})
+    assert config.autoscaling_policy == str(tmp_path / "policies" / "p.yaml")
+    prefill, decode = (a._bound_deployment._deployment_config for a in build_app(config)._bound_deployment.init_args[1:])
+    scaling = prefill.autoscaling_config
+    assert (scaling.min_replicas, scaling.initial_replicas, scaling.max_replicas) == (1, 1, 3)
+    assert (scaling.upscale_delay_s, scaling.downscale_delay_s, scaling.metrics_interval_s) == (0.0, 0.0, 5.0)
+    assert scaling.policy.policy_function == "router.autoscaling:prefill_policy"
+    assert scaling.policy.policy_kwargs["pool"]["targets"]["queued_prefill_tokens_per_replica"] == 1000
+    assert (decode.autoscaling_config, decode.num_replicas) == (None, 2)
+
+
+def test_serve_refuses_a_bad_policy_before_starting_ray(tmp_path, capsys):
+    write(tmp_path, "p.yaml", "prefill: {max_replicas: 2, max_step: 99}\n")
+    config = write(tmp_path, "c.yaml", "autoscaling_policy: p.yaml\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert capsys.readouterr().err == (
+        f"kvrelay serve: {tmp_path / 'p.yaml'}: invalid autoscaling policy\n"
+        "  prefill.max_step = 99: Input should be less than or equal to 64 (allowed: >= 1 and <= 64)\n"
+    )
