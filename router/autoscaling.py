@@ -29,9 +29,10 @@ the replicas needed for the per-replica average to sit at its target, if load sp
 
 Every hold that is not a delay or cooldown in progress restarts both delay clocks, and every
 scaling action restarts them too, so a scale-down always waits downscale_delay_s after the last
-action. The band is the hysteresis: after scaling to n, demand has to fall below (n - 1) x
-threshold before the pool shrinks, so input oscillating around a target moves the pool at most
-once, and a spike shorter than upscale_delay_s not at all.
+action. The band is the hysteresis: after scaling to n, demand has to fall to (n - 1) x
+threshold or below, and stay there for downscale_delay_s, before the pool shrinks. So load that
+oscillates faster than the delays takes the pool up to the count that covers its peaks and leaves
+it there (it never flaps), and a spike shorter than upscale_delay_s moves nothing.
 """
 
 from __future__ import annotations
