@@ -1,0 +1,58 @@
+"""RouterState: stats feed the index and the loads, routed tokens count until stats cover them."""
+
+from __future__ import annotations
+
+from router.index import encode_hashes
+from router.policies import PrefixCostPolicy, RouteRequest
+from router.routing_state import InflightTokens, RouterState, load_from_stats
+
+PREFIX = [11, 12, 13, 14]  # 4 blocks of 16 tokens
+
+
+def stats(time_s: float, queued: int = 0, hashes=(), version: int = 1) -> dict:
+    return {
+        "kv_version": version, "kv_hashes": encode_hashes(hashes), "time": time_s,
+        "num_queued_prefill_tokens": queued, "prefill_tokens_per_s": 1000.0, "num_running": 1,
+    }
+
+
+def test_load_from_stats_defaults_and_fields():
+    assert load_from_stats("a", None).queued_prefill_tokens == 0
+    load = load_from_stats("a", {**stats(0.0, queued=7), "num_free_blocks": 3, "kv_cache_usage": 0.5})
+    assert (load.queued_prefill_tokens, load.prefill_tokens_per_s, load.num_running) == (7, 1000.0, 1)
+    assert (load.num_free_blocks, load.kv_usage) == (3, 0.5)
+
+
+def test_inflight_tokens_until_stats_cover_them_or_the_horizon():
+    inflight = InflightTokens(horizon_s=10.0)
+    inflight.add("a", 1.0, 100)
+    inflight.add("a", 2.0, 50)
+    assert inflight.unreported("a", stats_time=0.5, now=2.0) == 150
+    assert inflight.unreported("a", stats_time=1.0, now=2.0) == 50  # stats at 1.0 include the first
+    assert inflight.unreported("a", stats_time=1.0, now=12.5) == 0  # older than the horizon
+    assert inflight.unreported("b", stats_time=0.0, now=0.0) == 0
+
+
+def test_route_follows_the_snapshot_then_counts_what_it_sent():
+    state = RouterState(PrefixCostPolicy(seed=0))
+    request = RouteRequest("r1", num_prompt_tokens=80, block_hashes=PREFIX + [15], block_size=16)
+    candidates = [("a", stats(0.0)), ("b", stats(0.0, hashes=PREFIX))]
+    decision = state.route(request, candidates, now=1.0)
+    assert decision.chosen == "b" and decision.num_matched_tokens == 64
+    # b now carries the 16 uncached tokens it was sent after its stats, and the request's hashes.
+    assert state.load("b", stats(0.0, hashes=PREFIX), now=1.5).queued_prefill_tokens == 16
+    assert state.index.num_matched_blocks("b", PREFIX + [15]) == 5
+    # Newer stats cover the request: its tokens are no longer added; the snapshot replaces the guess.
+    assert state.load("b", stats(2.0, queued=3, hashes=PREFIX, version=2), now=2.5).queued_prefill_tokens == 3
+    assert state.index.num_matched_blocks("b", PREFIX + [15]) == 4
+    assert state.decisions == {"prefix_hit": 1}
+
+
+def test_route_forgets_replicas_that_left():
+    state = RouterState(PrefixCostPolicy(seed=0))
+    request = RouteRequest("r", num_prompt_tokens=80, block_hashes=PREFIX, block_size=16)
+    state.route(request, [("a", stats(0.0, hashes=PREFIX)), ("b", stats(0.0))], now=1.0)
+    state.route(request, [("b", stats(0.0))], now=1.0)
+    assert state.index.replicas == ["b"]
+    state.remove("b")
+    assert state.index.replicas == []
