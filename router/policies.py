@@ -32,6 +32,16 @@ LeastKVPolicy (name "least_kv", the decode pool)
     the fewest running sequences; if none has room, the one with the most free blocks.
 
 RoundRobinPolicy, PowerOfTwoPolicy: the baselines the routing benchmark compares against.
+
+CharPrefixTreePolicy (name "char_prefix_tree"): the third baseline, in the manner of Ray Serve
+    LLM's PrefixCacheAffinityRouter: an approximate character prefix tree of the texts sent to each
+    replica (router/char_prefix_tree.py). If the replicas' queue lengths (running + waiting
+    requests) differ by more than `imbalanced_threshold`, power of two choices. Otherwise the
+    replicas owning the longest match if it covers at least `match_rate_threshold` of the text,
+    else the replicas with the fewest characters in the tree; of those the shortest queue.
+    Defaults are Ray's (0.1, no imbalance threshold). It does not know what the engines evicted.
+    The text is `RouteRequest.text`, or the token ids one character per token when that is None
+    (the workers' requests carry no text).
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ import random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+from router.char_prefix_tree import CharPrefixTree, token_text
 from router.index import PrefixIndex
 
 __all__ = [
@@ -53,6 +64,7 @@ __all__ = [
     "LeastKVPolicy",
     "RoundRobinPolicy",
     "PowerOfTwoPolicy",
+    "CharPrefixTreePolicy",
     "build_policy",
     "POLICIES",
 ]
@@ -80,6 +92,8 @@ class RouteRequest:
     block_hashes: Sequence[int] = ()
     block_size: int = 16
     session: str | None = None
+    token_ids: Sequence[int] = ()  # the prompt, for policies that match text (char_prefix_tree)
+    text: str | None = None  # the prompt's text if known; else such policies use token_text(token_ids)
 
     @property
     def num_blocks_needed(self) -> int:
@@ -214,8 +228,48 @@ class PowerOfTwoPolicy:
         return Decision([best.replica_id] + rest, "pow2")
 
 
+class CharPrefixTreePolicy:
+    name = "char_prefix_tree"
+
+    def __init__(
+        self, *, match_rate_threshold: float = 0.1, imbalanced_threshold: float = math.inf, seed: int | None = None,
+    ) -> None:
+        if not 0 <= match_rate_threshold <= 1:
+            raise ValueError(f"match_rate_threshold must be in [0, 1], got {match_rate_threshold}")
+        if imbalanced_threshold < 0:
+            raise ValueError(f"imbalanced_threshold must be >= 0, got {imbalanced_threshold}")
+        self.match_rate_threshold = match_rate_threshold
+        self.imbalanced_threshold = imbalanced_threshold
+        self.tree = CharPrefixTree()
+        self._rng = random.Random(seed)
+        self._pow2 = PowerOfTwoPolicy(seed=self._rng.randrange(2**32))
+
+    def choose(self, request: RouteRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex | None = None) -> Decision:
+        assert loads, "choose() needs at least one candidate"
+        text = request.text if request.text is not None else token_text(request.token_ids)
+        queue = {load.replica_id: load.num_running + load.num_waiting for load in loads}
+        for load in loads:
+            self.tree.add_tenant(load.replica_id)
+        if max(queue.values()) - min(queue.values()) > self.imbalanced_threshold:
+            best, reason = self._pow2.choose(request, loads).chosen, "imbalanced"
+        else:
+            ids = [load.replica_id for load in loads]
+            num_matched, owners = self.tree.match(text, ids)
+            if text and owners and num_matched / len(text) >= self.match_rate_threshold:
+                group, reason = owners, "prefix_match"
+            else:
+                group, reason = self.tree.smallest_tenants(ids), "smallest_tenant"
+            shortest = min(queue[replica_id] for replica_id in group)
+            best = self._rng.choice([replica_id for replica_id in group if queue[replica_id] == shortest])
+        self.tree.insert(text, best)
+        rest = sorted((load.replica_id for load in loads if load.replica_id != best), key=lambda r: queue[r])
+        # num_matched_tokens stays 0: the tree knows characters sent, not blocks cached.
+        return Decision([best] + rest, reason)
+
+
 POLICIES = {
-    cls.name: cls for cls in (PrefixCostPolicy, LeastKVPolicy, RoundRobinPolicy, PowerOfTwoPolicy)
+    cls.name: cls
+    for cls in (PrefixCostPolicy, LeastKVPolicy, RoundRobinPolicy, PowerOfTwoPolicy, CharPrefixTreePolicy)
 }
 
 

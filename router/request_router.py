@@ -47,6 +47,7 @@ def route_request_from_args(pending_request: PendingRequest | None) -> RouteRequ
         block_hashes=getattr(request, "block_hashes", None) or (),
         block_size=getattr(request, "block_size", 16),
         session=getattr(request, "session", None),
+        token_ids=token_ids,
     )
 
 

@@ -115,8 +115,10 @@ class RayConfig(_Strict):
 class RoutingConfig(_Strict):
     """Which replica of a pool gets each request (router/policies.py documents the policies)."""
 
-    prefill_policy: Literal["prefix_cost", "pow2", "round_robin"] = Field(
-        "prefix_cost", description="Policy of the prefill pool (and the colocated Worker pool)."
+    prefill_policy: Literal["prefix_cost", "pow2", "round_robin", "char_prefix_tree"] = Field(
+        "prefix_cost",
+        description="Policy of the prefill pool (and the colocated Worker pool); pow2, round_robin "
+        "and char_prefix_tree are the baselines of `kvrelay bench routing`.",
     )
     prefill_params: dict[str, Any] = Field(
         default_factory=dict,
