@@ -22,8 +22,17 @@ logger = logging.getLogger(__name__)
 
 
 def required_cpus(config: ServeConfig) -> float:
-    pools = [config.worker] if config.mode == "colocated" else [config.prefill, config.decode]
-    workers = sum(p.num_cpus * p.num_replicas for p in pools)
+    """Ray logical CPUs for every replica the app may run (autoscaled pools at their maximum)."""
+    from router.policy_config import load_policy
+
+    policy = load_policy(config.autoscaling_policy) if config.autoscaling_policy else None
+    names = ["worker"] if config.mode == "colocated" else ["prefill", "decode"]
+    workers = 0.0
+    for name in names:
+        pool = getattr(config, name)
+        pool_policy = getattr(policy, name, None) if policy is not None else None
+        replicas = pool_policy.max_replicas if pool_policy is not None else pool.num_replicas
+        workers += pool.num_cpus * replicas
     return workers + config.ingress.num_cpus * config.ingress.num_replicas
 
 

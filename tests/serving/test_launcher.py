@@ -1,0 +1,28 @@
+"""`kvrelay serve`'s local Ray sizing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from serving.config import ServeConfig, load_config
+from serving.launcher import ray_init_kwargs, required_cpus
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_required_cpus_counts_fixed_pools_and_autoscaled_maxima():
+    assert required_cpus(ServeConfig()) == 0.5 + 0.5 + 0.1
+    assert required_cpus(ServeConfig(mode="colocated", worker={"num_cpus": 1, "num_replicas": 2})) == 2.1
+    cluster = load_config(REPO / "deploy/local.yaml", overrides={"autoscaling_policy": str(REPO / "deploy/autoscaling/cluster.yaml")}, env={})
+    assert required_cpus(cluster) == 0.5 * 8 + 0.5 * 8 + 0.1
+
+
+def test_object_store_settings(monkeypatch):
+    monkeypatch.delenv("RAY_preallocate_plasma_memory", raising=False)
+    assert ray_init_kwargs(ServeConfig()) == {"object_store_memory": 2 * 2**30}
+    import os
+
+    assert os.environ["RAY_preallocate_plasma_memory"] == "1"
+    monkeypatch.delenv("RAY_preallocate_plasma_memory")
+    assert ray_init_kwargs(ServeConfig(ray={"object_store_bytes": None, "preallocate_object_store": False})) == {}
+    assert "RAY_preallocate_plasma_memory" not in os.environ
