@@ -85,7 +85,8 @@ def test_relative_imbalance_guard():
 
 
 def test_ties_are_broken_by_load_not_by_order():
-    policy = PrefixCostPolicy(tie_tolerance=0.5, seed=1)
+    # The load bound off: repeating one request would otherwise spread it by its own history.
+    policy = PrefixCostPolicy(tie_tolerance=0.5, max_load_ratio=None, seed=1)
     # a and b within 50% of each other; the pair is always {a, b} -> the less loaded one.
     state = [ReplicaLoad("a", queued_prefill_tokens=30, prefill_tokens_per_s=1000.0),
              ReplicaLoad("b", queued_prefill_tokens=10, prefill_tokens_per_s=1000.0)]
@@ -98,7 +99,7 @@ def test_ties_are_broken_by_load_not_by_order():
 
 
 def test_session_affinity_within_slack():
-    policy = PrefixCostPolicy(session_affinity=True, affinity_slack_s=0.01, seed=0)
+    policy = PrefixCostPolicy(session_affinity=True, affinity_slack_s=0.01, max_load_ratio=None, seed=0)
     session_request = RouteRequest("r", 80, PREFIX, 16, session="user-42")
     state = loads(a=0, b=0, c=0)
     preferred = policy.choose(session_request, state, PrefixIndex()).chosen
@@ -107,6 +108,26 @@ def test_session_affinity_within_slack():
     # Beyond the slack the cheaper replica wins.
     busy = [ReplicaLoad(r, queued_prefill_tokens=1000 if r == preferred else 0, prefill_tokens_per_s=1000.0) for r in "abc"]
     assert policy.choose(session_request, busy, PrefixIndex()).chosen != preferred
+
+
+def test_load_bound_sheds_a_prefix_holder_with_too_much_recent_work():
+    # a holds the prefix (16 uncached tokens, the cheapest) but was sent 1000 tokens lately.
+    policy = PrefixCostPolicy(max_load_ratio=1.25, load_window_per_replica=64, seed=0)
+    policy.routed_tokens = {"a": 1000.0, "b": 200.0, "c": 200.0}
+    decision = policy.choose(REQUEST, loads(a=0, b=0, c=5), index_with(a=PREFIX))
+    # bound = 1.25 x (1400 + 16) / 3 = 590: a's 1016 is over it; b (80 tokens, 0.08 s) beats c (0.085 s).
+    assert (decision.chosen, decision.reason, decision.ranked) == ("b", "load_bound", ["b", "a", "c"])
+    decay = 1 - 1 / (64 * 3)
+    assert policy.routed_tokens == pytest.approx({"a": 1000 * decay, "b": 200 * decay + 80, "c": 200 * decay})
+    # Within the bound the holder keeps its prefix: 316 <= 1.25 x (900 + 16) / 3 = 381.7.
+    policy.routed_tokens = {"a": 300.0, "b": 300.0, "c": 300.0}
+    decision = policy.choose(REQUEST, loads(a=0, b=0, c=5), index_with(a=PREFIX))
+    assert (decision.chosen, decision.reason) == ("a", "prefix_hit")
+    # No history yet: one prompt outweighs the mean everywhere, so nobody is excluded.
+    fresh = PrefixCostPolicy(seed=0).choose(REQUEST, loads(a=0, b=0), index_with(a=PREFIX))
+    assert (fresh.chosen, fresh.reason) == ("a", "prefix_hit")
+    with pytest.raises(ValueError, match="max_load_ratio must be >= 1"):
+        PrefixCostPolicy(max_load_ratio=0.5)
 
 
 def test_decode_policy_prefers_low_kv_usage_with_room():
