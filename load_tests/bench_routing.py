@@ -1,0 +1,341 @@
+"""`kvrelay bench routing`: prefix hit rate, TTFT and load balance of the prefill pool's routing
+policy against three baselines, on a shared-prefix workload.
+
+    policies   prefix_cost (ours, router/policies.py), round_robin, pow2 (power of two choices),
+               char_prefix_tree (an approximate character prefix tree in the manner of Ray Serve
+               LLM's PrefixCacheAffinityRouter)
+    workload   G prefix groups x prefix_len tokens, a fresh suffix_len-token suffix per request,
+               Poisson arrivals, uniform popularity unless --zipf (load_tests/routing_workload.py)
+    rate       --request-rate, or --load x the pool's capacity for prompts that hit nothing
+               (replicas / cold prefill time from the cost model): 0.5 by default
+    metrics    prefix hit rate (cached / prompt tokens), TTFT p50/p95 (arrival -> first token),
+               max/mean load (load = prompt tokens a replica computed; load_tests/routing_metrics.py)
+
+--simulate runs the policies' own code (router/routing_state.py, as the deployed router runs it)
+against simulated replicas (load_tests/routing_sim.py): 16 replicas with 256 KV blocks (4096
+tokens) each, then 8, 32 and 64 with groups, requests and rate scaled alike; the service time
+comes from timing the real engine here (load_tests/routing_calibration.py) unless
+--rate-tokens-per-s (plus --overhead-ms) or --calibration FILE gives it. The headline (summary) is
+the 16-replica run. Without --simulate it starts a local Ray with 2 PrefillWorker replicas (one
+torch thread each) and sends a smaller workload through a Serve handle, once per policy
+(load_tests/routing_real.py), and simulates the same workload on 2 replicas beside it.
+
+Targets (printed as pass/miss, not enforced), ours against the oracle hit rate (the best the
+replicas' cache capacity allows; routing_sim.py defines it) and against pow2:
+hit rate >= 0.95 of the oracle, TTFT p50 >= 3x lower than pow2, max/mean load <= 1.3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from load_tests.bench_engine import Target, machine_info
+from load_tests.routing_metrics import PolicyRun
+from load_tests.routing_sim import CostModel, SimConfig, oracle_hit_tokens, simulate
+from load_tests.routing_workload import Workload, WorkloadSpec, make_workload
+
+__all__ = [
+    "BenchParams", "SIM_FULL", "SIM_QUICK", "REAL_FULL", "REAL_QUICK", "POLICIES", "TARGETS",
+    "policy_figures", "summarize", "format_table", "params_from_args", "run", "run_from_args",
+]
+
+POLICIES = ("prefix_cost", "round_robin", "pow2", "char_prefix_tree")
+LABELS = {"prefix_cost": "ours (prefix_cost)"}
+
+
+@dataclass(frozen=True)
+class BenchParams:
+    simulate: bool = True
+    num_groups: int = 16
+    prefix_len: int = 1024
+    suffix_len: int = 64
+    num_requests: int = 4000
+    load: float = 0.5
+    request_rate: float | None = None  # requests/s; overrides load
+    zipf: float = 0.0
+    num_replicas: int = 16
+    sweep: tuple[int, ...] = (8, 32, 64)  # further replica counts (simulation only)
+    kv_cache_tokens: int = 4096  # per replica
+    block_size: int = 16
+    stats_period_s: float = 0.5
+    num_routers: int = 1
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "bfloat16"
+    rate_tokens_per_s: float | None = None  # skip calibration: this rate ...
+    overhead_ms: float = 0.0  # ... and this per-prefill overhead
+    calibration: str | None = None  # or the calibration of an earlier report
+    calibration_repeats: int = 3
+    seed: int = 0
+    quick: bool = False
+
+
+SIM_FULL = BenchParams()
+SIM_QUICK = dataclasses.replace(SIM_FULL, num_requests=800, sweep=(), calibration_repeats=1, quick=True)
+REAL_FULL = dataclasses.replace(
+    SIM_FULL, simulate=False, num_groups=8, prefix_len=512, suffix_len=32, num_requests=60, num_replicas=2,
+    sweep=(), kv_cache_tokens=2560,
+)
+REAL_QUICK = dataclasses.replace(REAL_FULL, num_groups=4, num_requests=24, calibration_repeats=1, quick=True)
+
+TARGETS = (
+    Target("hit_rate_fraction_of_oracle", "prefix hit rate / oracle's", ">=", 0.95),
+    Target("ttft_p50_speedup_vs_pow2", "TTFT p50: pow2 / ours", ">=", 3.0, "x"),
+    Target("max_over_mean_load", "max / mean load (ours)", "<=", 1.3),
+)
+
+
+# ---- figures (pure) --------------------------------------------------------------------------
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return None if num is None or not den else num / den
+
+
+def policy_figures(runs: dict[str, PolicyRun], oracle_hit_rate: float) -> dict[str, dict]:
+    """Per policy: its run's figures plus the summary's three, as if it were ours."""
+    pow2_p50 = runs["pow2"].ttft_ms(50) if "pow2" in runs else None
+    return {
+        name: {
+            **run.to_json(),
+            "hit_rate_fraction_of_oracle": _ratio(run.hit_rate, oracle_hit_rate),
+            "ttft_p50_speedup_vs_pow2": _ratio(pow2_p50, run.ttft_ms(50)),
+        }
+        for name, run in runs.items()
+    }
+
+
+def summarize(figures: dict[str, dict], oracle_hit_rate: float, source: str) -> dict:
+    ours = figures["prefix_cost"]
+    summary = {
+        "hit_rate_fraction_of_oracle": ours["hit_rate_fraction_of_oracle"],
+        "ttft_p50_speedup_vs_pow2": ours["ttft_p50_speedup_vs_pow2"],
+        "max_over_mean_load": ours["max_over_mean_load"],
+        "hit_rate": ours["hit_rate"],
+        "oracle_hit_rate": oracle_hit_rate,
+        "ttft_ms_p50": ours["ttft_ms_p50"],
+        "ttft_ms_p95": ours["ttft_ms_p95"],
+        "source": source,
+        "load_definition": "prompt tokens computed (not served from the prefix cache) per replica",
+    }
+    summary["targets"] = {t.key: {"target": t.text, "met": t.met(summary[t.key])} for t in TARGETS}
+    return summary
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else f"{value:{spec}}"
+
+
+def _policy_rows(figures: dict[str, dict], prefix: str = "") -> list[str]:
+    lines = []
+    for name, f in figures.items():
+        lines.append(
+            f"{prefix}{LABELS.get(name, name):<20}{f['hit_rate']:>9.3f}{_fmt(f['hit_rate_fraction_of_oracle'], '.3f'):>9}"
+            f"{_fmt(f['ttft_ms_p50'], '.0f'):>10}{_fmt(f['ttft_ms_p95'], '.0f'):>10}"
+            f"{_fmt(f['max_over_mean_load'], '.2f'):>10}{_fmt(f['ttft_p50_speedup_vs_pow2'], '.1f'):>9}"
+        )
+    return lines
+
+
+HEADER = f"{'policy':<20}{'hit rate':>9}{'/oracle':>9}{'p50 ms':>10}{'p95 ms':>10}{'max/mean':>10}{'vs pow2':>9}"
+
+
+def format_table(p: BenchParams, headline: dict, summary: dict, sweep: dict[int, dict] | None = None,
+                 *, simulated: dict | None = None) -> str:
+    """headline/sweep/simulated: {"spec", "oracle_hit_rate", "num_blocks", "figures"}."""
+    spec: WorkloadSpec = headline["spec"]
+    skew = f"zipf {spec.zipf_s:g}" if spec.zipf_s else "uniform"
+    where = "simulated" if p.simulate else "real"
+    lines = [
+        f"workload: {spec.num_groups} prefixes x {spec.prefix_len} tokens + {spec.suffix_len}-token suffixes, "
+        f"{spec.num_requests} requests, Poisson {spec.request_rate_per_s:.2f}/s, {skew} popularity",
+        f"{where}: {headline['num_replicas']} replicas x {headline['num_blocks']} KV blocks of {spec.block_size}; "
+        f"oracle hit rate {headline['oracle_hit_rate']:.3f}; TTFT = arrival -> first token; "
+        "load = tokens computed per replica",
+        "", HEADER, *_policy_rows(headline["figures"]),
+    ]
+    if simulated:
+        lines += ["", f"the same workload simulated on {simulated['num_replicas']} replicas "
+                  f"(oracle {simulated['oracle_hit_rate']:.3f}):", *_policy_rows(simulated["figures"])]
+    for n, part in (sweep or {}).items():
+        s = part["spec"]
+        lines += ["", f"{n} replicas ({s.num_groups} prefixes, {s.num_requests} requests, "
+                  f"{s.request_rate_per_s:.2f}/s; oracle {part['oracle_hit_rate']:.3f}):", *_policy_rows(part["figures"])]
+    lines += ["", f"{'summary (ours, ' + summary['source'] + ')':<44}{'value':>8}{'target':>10}{'result':>8}"]
+    for t in TARGETS:
+        verdict = {True: "pass", False: "miss", None: "n/a"}[summary["targets"][t.key]["met"]]
+        lines.append(f"{t.label:<44}{_fmt(summary[t.key], '.3f'):>8}{t.text:>10}{verdict:>8}")
+    return "\n".join(lines)
+
+
+# ---- runs ------------------------------------------------------------------------------------
+_T0 = time.monotonic()
+
+
+def _progress(message: str) -> None:
+    print(f"[bench {time.monotonic() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def _cost_model(p: BenchParams) -> tuple[CostModel, dict]:
+    """The cost model and how it was obtained (for the report's config)."""
+    if p.rate_tokens_per_s is not None:
+        cost = CostModel(p.overhead_ms / 1e3, p.rate_tokens_per_s)
+        return cost, {"source": "--rate-tokens-per-s", **dataclasses.asdict(cost)}
+    from load_tests.routing_calibration import Calibration, calibrate
+
+    if p.calibration is not None:
+        data = json.loads(Path(p.calibration).read_text())
+        calibration = Calibration.from_json(data["config"]["calibration"] if "config" in data else data)
+        return calibration.cost_model(), {"source": str(p.calibration), **calibration.to_json()}
+    calibration = calibrate(
+        p.model, dtype=p.dtype, prefix_len=p.prefix_len, suffix_len=p.suffix_len, repeats=p.calibration_repeats,
+        seed=p.seed, progress=_progress,
+    )
+    return calibration.cost_model(), {"source": "measured", **calibration.to_json()}
+
+
+def _spec(p: BenchParams, cost: CostModel, num_replicas: int) -> WorkloadSpec:
+    """The workload for `num_replicas`: groups, requests and rate scaled from p.num_replicas."""
+    scale = num_replicas / p.num_replicas
+    prompt_len = p.prefix_len + p.suffix_len
+    rate = p.request_rate if p.request_rate is not None else p.load * p.num_replicas / cost.service_s(prompt_len, 0)
+    return WorkloadSpec(
+        num_groups=max(1, round(p.num_groups * scale)), prefix_len=p.prefix_len, suffix_len=p.suffix_len,
+        num_requests=max(1, round(p.num_requests * scale)), request_rate_per_s=rate * scale, zipf_s=p.zipf,
+        block_size=p.block_size, seed=p.seed,
+    )
+
+
+def _oracle_rate(workload: Workload, num_replicas: int, num_blocks: int) -> tuple[float, list[int]]:
+    hit, total, pinned = oracle_hit_tokens(workload, num_replicas, num_blocks)
+    return hit / total, pinned
+
+
+def simulate_all(p: BenchParams, cost: CostModel, num_replicas: int, workload: Workload | None = None) -> dict:
+    workload = workload or make_workload(_spec(p, cost, num_replicas))
+    num_blocks = p.kv_cache_tokens // p.block_size
+    config = SimConfig(num_replicas, num_blocks, p.block_size, p.stats_period_s, p.num_routers, p.seed)
+    oracle, pinned = _oracle_rate(workload, num_replicas, num_blocks)
+    runs = {}
+    for policy in POLICIES:
+        started = time.monotonic()
+        runs[policy] = simulate(workload, policy, config, cost)
+        _progress(f"simulated {policy} on {num_replicas} replicas ({time.monotonic() - started:.1f}s)")
+    return {
+        "spec": workload.spec, "num_replicas": num_replicas, "num_blocks": num_blocks, "oracle_hit_rate": oracle,
+        "oracle_pinned_groups": pinned, "figures": policy_figures(runs, oracle),
+    }
+
+
+def _run_real(p: BenchParams, cost: CostModel, workload: Workload) -> dict:
+    import numpy as np
+
+    from load_tests import routing_real
+    from serving.engine.config import DTYPES
+    from serving.engine.kv_cache import kv_bytes_per_token
+    from serving.engine.model_loader import load_model_spec, resolve_model_dir
+
+    model_dir = resolve_model_dir(p.model)
+    spec = load_model_spec(model_dir)
+    num_blocks = p.kv_cache_tokens // p.block_size
+    kv_bytes = num_blocks * p.block_size * kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, DTYPES[p.dtype])
+    warmup = np.random.default_rng([p.seed, 9]).integers(100, spec.vocab_size, (2 * p.num_replicas, 64)).tolist()
+    runs, info = {}, {}
+    with routing_real.local_ray(_progress):
+        for policy in POLICIES:
+            config = routing_real.serve_config(
+                model_dir, p.dtype, policy, num_replicas=p.num_replicas, kv_cache_bytes=kv_bytes,
+                stats_period_s=p.stats_period_s, max_model_len=max(2048, workload.spec.prompt_len + 1),
+            )
+            runs[policy], info[policy] = routing_real.run_policy(policy, workload, config, warmup, _progress)
+    oracle, pinned = _oracle_rate(workload, p.num_replicas, num_blocks)
+    return {
+        "spec": workload.spec, "num_replicas": p.num_replicas, "num_blocks": num_blocks, "oracle_hit_rate": oracle,
+        "oracle_pinned_groups": pinned, "figures": policy_figures(runs, oracle), "info": info,
+        "model_dir": str(model_dir), "kv_cache_bytes": kv_bytes,
+    }
+
+
+def _to_json(part: dict) -> dict:
+    return {**part, "spec": dataclasses.asdict(part["spec"])}
+
+
+def run(p: BenchParams, *, command: str = "") -> dict:
+    """Calibrate (unless told the rate), run, print the table; returns {summary, config, raw, hardware}."""
+    started = time.monotonic()
+    hardware = machine_info(threads=1)
+    cost, calibration = _cost_model(p)
+    sweep: dict[int, dict] = {}
+    simulated = None
+    if p.simulate:
+        headline = simulate_all(p, cost, p.num_replicas)
+        for n in p.sweep:
+            sweep[n] = simulate_all(p, cost, n)
+        source = f"simulation, {p.num_replicas} replicas"
+    else:
+        workload = make_workload(_spec(p, cost, p.num_replicas))
+        headline = _run_real(p, cost, workload)
+        simulated = simulate_all(p, cost, p.num_replicas, workload)
+        source = f"real, {p.num_replicas} replicas"
+        import ray
+
+        hardware["ray_version"] = ray.__version__
+    hardware["load_avg_1m_at_end"] = os.getloadavg()[0]
+    summary = summarize(headline["figures"], headline["oracle_hit_rate"], source)
+    print(format_table(p, headline, summary, sweep, simulated=simulated))
+    if hardware["load_avg_1m_at_start"] >= 0.5 and not p.simulate:
+        print(f"note: 1-min load average {hardware['load_avg_1m_at_start']:.2f} at start: other processes shared the CPU")
+    raw = {"simulation" if p.simulate else "real": {str(p.num_replicas): _to_json(headline)}}
+    if p.simulate:
+        raw["simulation"].update({str(n): _to_json(part) for n, part in sweep.items()})
+    else:
+        raw["simulation"] = {str(p.num_replicas): _to_json(simulated)}
+    raw["wall_s"] = time.monotonic() - started
+    return {
+        "summary": summary,
+        "config": {"command": command, "params": dataclasses.asdict(p), "calibration": calibration,
+                   "cost_model": dataclasses.asdict(cost)},
+        "raw": raw,
+        "hardware": hardware,
+    }
+
+
+def params_from_args(args: argparse.Namespace) -> BenchParams:
+    """The preset (--simulate or real, --quick or full), overridden by every knob given."""
+    if args.simulate:
+        preset = SIM_QUICK if args.quick else SIM_FULL
+    else:
+        preset = REAL_QUICK if args.quick else REAL_FULL
+    names = {f.name for f in dataclasses.fields(BenchParams)} - {"simulate", "quick", "sweep"}
+    given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    if getattr(args, "sweep", None) is not None:
+        given["sweep"] = tuple(int(n) for n in args.sweep.split(",") if n.strip()) if args.sweep != "none" else ()
+    p = dataclasses.replace(preset, **given)
+    for name in ("num_groups", "num_requests", "num_replicas", "suffix_len", "num_routers", "block_size"):
+        if getattr(p, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(p, name)}")
+    if p.prefix_len < 0:
+        raise SystemExit(f"--prefix-len must be >= 0, got {p.prefix_len}")
+    if p.load <= 0 or (p.request_rate is not None and p.request_rate <= 0):
+        raise SystemExit("--load and --request-rate must be > 0")
+    if p.rate_tokens_per_s is not None and p.rate_tokens_per_s <= 0:
+        raise SystemExit(f"--rate-tokens-per-s must be > 0, got {p.rate_tokens_per_s}")
+    prompt_blocks = -(-(p.prefix_len + p.suffix_len) // p.block_size)
+    if p.kv_cache_tokens // p.block_size < prompt_blocks:
+        raise SystemExit(f"--kv-cache-tokens {p.kv_cache_tokens} cannot hold one {p.prefix_len + p.suffix_len}-token prompt")
+    if any(n < 1 for n in p.sweep):
+        raise SystemExit(f"--sweep wants replica counts >= 1, got {p.sweep}")
+    return p
+
+
+def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
+    p = params_from_args(args)
+    report = run(p, command=" ".join(["kvrelay", *argv]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+        _progress(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,147 @@
+"""The routing benchmark on a real pool: the workload sent to PrefillWorker replicas of a local
+Ray Serve app through a deployment handle, once per policy (a fresh app each time, so every policy
+starts from cold caches).
+
+    driver (this process): Serve handle to PrefillWorker ── its router: RouterState + the policy
+        └─ at each request's Poisson arrival time: prefill.remote(WorkerRequest(ids, max_tokens=1,
+           block_hashes=hash_blocks(ids, 16)))  → PrefillResult (first token; the worker finishes
+           the request itself: no KV export)
+    TTFT = call → result; cached tokens = result.output.num_cached_tokens (the engine's prefix
+    lookup); load = uncached tokens per result.replica
+
+Ray is started here (address="local", its own temp dir, no dashboard) and shut down at the end.
+Each policy first gets 2 x replicas warm-up requests (random 64-token prompts, one at a time,
+not recorded) so the first measured requests do not pay for first-call allocations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import socket
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from load_tests.routing_metrics import PolicyRun, RequestRecord
+from load_tests.routing_workload import Workload
+
+__all__ = ["local_ray", "run_policy", "serve_config"]
+
+RAY_NUM_CPUS = 4
+APP_NAME = "kvrelay-bench-routing"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def local_ray(progress):
+    """A Ray of our own (never one found in /tmp/ray); its files are removed unless the run failed."""
+    import ray
+    from ray import serve
+
+    from serving.config import ServeConfig
+    from serving.launcher import ray_init_kwargs
+
+    if ray.is_initialized():
+        raise SystemExit("kvrelay bench routing starts its own Ray: run it in a fresh process")
+    temp_dir = tempfile.mkdtemp(prefix="kvrelay-bench-routing-")
+    ray.init(
+        address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
+        logging_level=logging.WARNING, _temp_dir=temp_dir, **ray_init_kwargs(ServeConfig()),
+    )
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    is_ok = False
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
+        yield
+        is_ok = True
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+        if is_ok:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        else:
+            progress(f"Ray's logs are kept in {temp_dir}")
+
+
+def serve_config(model_dir: Path, dtype: str, policy: str, *, num_replicas: int, kv_cache_bytes: int,
+                 stats_period_s: float, max_model_len: int):
+    """Prefill pool of `num_replicas` (1 torch thread, 0.5 CPU each) routed by `policy`."""
+    from serving.config import ServeConfig
+
+    small = {"num_replicas": 1, "num_cpus": 0.25, "num_threads": 1}
+    return ServeConfig.model_validate({
+        "model": str(model_dir), "dtype": dtype, "kv_cache_bytes": kv_cache_bytes, "max_model_len": max_model_len,
+        "app_name": APP_NAME, "prefill": {"num_replicas": num_replicas, "num_cpus": 0.5, "num_threads": 1},
+        "decode": small, "ingress": {"num_cpus": 0.1},
+        "routing": {"prefill_policy": policy, "stats_period_s": stats_period_s},
+    })
+
+
+def _request(request_id: str, token_ids: list[int], block_size: int):
+    from serving.engine.block_hash import hash_blocks
+    from serving.engine.params import SamplingParams
+    from serving.frontend import WorkerRequest
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    return WorkerRequest(request_id, token_ids, params, block_hashes=hash_blocks(token_ids, block_size), block_size=block_size)
+
+
+async def _send(handle, request) -> tuple[float, object]:
+    from serving.errors import WorkerError
+
+    start = time.perf_counter()
+    result = await handle.prefill.remote(request)
+    elapsed = time.perf_counter() - start
+    if isinstance(result, WorkerError):
+        raise RuntimeError(f"prefill of {request.request_id} failed: {result}")
+    return elapsed, result
+
+
+async def _run_workload(handle, workload: Workload, warmup: list[list[int]], settle_s: float) -> tuple[list, set]:
+    bs = workload.spec.block_size
+    seen = set()
+    for i, ids in enumerate(warmup):
+        _, result = await _send(handle, _request(f"warmup-{i}", ids, bs))
+        seen.add(result.replica)
+    await asyncio.sleep(settle_s)  # the warm-up's stats reach the router
+    start = time.perf_counter()
+
+    async def one(request):
+        await asyncio.sleep(max(0.0, request.arrival_s - (time.perf_counter() - start)))
+        ttft_s, result = await _send(handle, _request(request.request_id, request.token_ids, bs))
+        return RequestRecord(result.replica, request.num_prompt_tokens, result.output.num_cached_tokens, ttft_s)
+
+    records = await asyncio.gather(*(one(request) for request in workload.requests))
+    return list(records), seen | {r.replica for r in records}
+
+
+def run_policy(policy: str, workload: Workload, config, warmup: list[list[int]], progress) -> tuple[PolicyRun, dict]:
+    """Deploy the app routed by `policy`, send the workload, tear the app down."""
+    from ray import serve
+
+    from serving import kv_transfer_actor
+    from serving.app import build_app
+
+    progress(f"real: {policy}: deploying {config.prefill.num_replicas} prefill replicas")
+    started = time.monotonic()
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/bench-routing")
+    startup_s = time.monotonic() - started
+    try:
+        handle = serve.get_deployment_handle("PrefillWorker", app_name=APP_NAME)
+        progress(f"real: {policy}: {len(warmup)} warm-up + {len(workload.requests)} requests")
+        records, seen = asyncio.run(_run_workload(handle, workload, warmup, 2 * config.routing.stats_period_s + 0.5))
+    finally:
+        serve.delete(APP_NAME)
+        kv_transfer_actor.kill_all(APP_NAME)
+    replicas = sorted(seen) + [f"(idle {i})" for i in range(config.prefill.num_replicas - len(seen))]
+    return PolicyRun(policy, replicas, records), {"startup_s": startup_s}

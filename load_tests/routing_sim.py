@@ -1,0 +1,286 @@
+"""The routing benchmark's simulator: the real policies and router state against N simulated
+prefill replicas, in simulated time. Pure Python, no Ray, no model.
+
+    arrival ──▶ RouterState.route (router/routing_state.py: the deployed router's own code:
+                │   PrefixIndex from the replicas' last snapshots + note_routed, in-flight tokens,
+                │   the policy object of router/policies.py)
+                ▼
+    SimReplica: FIFO queue ──▶ one prefill at a time ──▶ first token (TTFT = finish - arrival)
+                BlockCache: KV blocks, prefix cached, LRU eviction
+                every stats_period_s: routing stats like serving/worker.py's (block-hash snapshot,
+                queued prefill tokens, measured rate, running/waiting), which the routers see
+                until the next ones
+
+A replica's cache works like the engine's BlockManager: a prompt hits the leading blocks whose
+chained hashes it holds (a block only if all before it hit, at most (tokens - 1) // block_size
+blocks, so one token is always computed); the running prompt holds ceil(tokens / block_size)
+blocks; finished full blocks become evictable, freed tail first so the head of a prefix is the
+most recently used; blocks are taken least recently used first. A prompt's new blocks are
+reported stored when it finishes (the engine commits per 512-token chunk: earlier by < 1 step).
+
+Service time (CostModel, calibrated on the real engine by load_tests/routing_calibration.py):
+
+    overhead_s + uncached / tokens_per_s + attention_pair_s * (uncached * cached + uncached * (uncached + 1) / 2)
+
+The queued prefill tokens a replica reports are the uncached tokens it still has to compute:
+the running prompt's remainder plus, for each waiting prompt, its length less what the cache
+holds of it now (what the engine counts once it admits them; it admits waiting prompts as its
+512-token step budget allows, so at the loads simulated here nearly all are admitted).
+
+The oracle (`oracle_hit_tokens`) is the hit rate of a router that knows the workload in advance:
+groups are pinned to replicas, most requested first, each to the replica with the most room left
+if its prefix fits beside the working space of one running prompt (capacity - prefix blocks of
+the groups already there >= the group's prefix blocks + the blocks of one prompt's non-prefix
+part); every request of a pinned group but its first then hits the whole block-aligned prefix
+(capped like the engine's lookup), a group that fits nowhere hits nothing. When every group fits
+(the default workload: 16 x 64 prefix blocks, 16 replicas x 256 blocks) this is an upper bound
+for any policy: each prefix must be computed once, suffixes never hit. When they do not all fit
+it is a good static placement, not a proof of optimality.
+"""
+
+from __future__ import annotations
+
+import heapq
+import inspect
+import random
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass
+
+from load_tests.routing_metrics import PolicyRun, RequestRecord
+from load_tests.routing_workload import Workload, WorkloadRequest
+from router.policies import POLICIES, RouteRequest, build_policy
+from router.routing_state import RouterState
+
+__all__ = ["CostModel", "SimConfig", "BlockCache", "SimReplica", "simulate", "oracle_hit_tokens", "make_policy"]
+
+_FINISH, _STATS, _ARRIVAL = 0, 1, 2  # order of simultaneous events
+_MIN_RATE_TOKENS = 32  # like the engine: shorter prefills say more about overhead than rate
+
+
+@dataclass(frozen=True)
+class CostModel:
+    overhead_s: float
+    tokens_per_s: float  # uncached prompt tokens
+    attention_pair_s: float = 0.0  # per query-key pair of causal attention over the prompt
+
+    def service_s(self, num_uncached_tokens: int, num_cached_tokens: int = 0) -> float:
+        u = num_uncached_tokens
+        pairs = u * num_cached_tokens + u * (u + 1) / 2
+        return self.overhead_s + u / self.tokens_per_s + pairs * self.attention_pair_s
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    num_replicas: int = 16
+    num_blocks: int = 256  # KV capacity per replica
+    block_size: int = 16
+    stats_period_s: float = 0.5  # routing.stats_period_s
+    num_routers: int = 1  # ingress replicas; requests alternate between them
+    seed: int = 0
+
+
+class BlockCache:
+    """One replica's KV blocks: at most one prompt running (its blocks held), the rest an LRU of
+    cached full blocks by chained hash (oldest first)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.held: list[int] = []  # hashes of the cached blocks the running prompt hit
+        self.num_held_blocks = 0  # every block of the running prompt
+        self.version = 0  # bumped by every store or eviction
+        self.evicted: list[int] = []  # in eviction order, for tests
+
+    def num_matched_blocks(self, block_hashes: list[int], num_tokens: int) -> int:
+        held = set(self.held)
+        limit = min(len(block_hashes), (num_tokens - 1) // self.block_size)
+        for i in range(limit):
+            if block_hashes[i] not in self.lru and block_hashes[i] not in held:
+                return i
+        return limit
+
+    def acquire(self, block_hashes: list[int], num_tokens: int) -> int:
+        """Start a prompt: take its cached leading blocks and room for the rest; returns the hits."""
+        assert not self.num_held_blocks, "one prompt at a time"
+        num_needed = -(-num_tokens // self.block_size)
+        assert num_needed <= self.num_blocks, f"a {num_tokens}-token prompt needs {num_needed} > {self.num_blocks} blocks"
+        num_hits = self.num_matched_blocks(block_hashes, num_tokens)
+        self.held = block_hashes[:num_hits]
+        for block_hash in self.held:
+            del self.lru[block_hash]
+        self.num_held_blocks = num_needed
+        while len(self.lru) + num_needed > self.num_blocks:
+            block_hash, _ = self.lru.popitem(last=False)
+            self.evicted.append(block_hash)
+            self.version += 1
+        return num_hits
+
+    def release(self, block_hashes: list[int], num_tokens: int) -> None:
+        """The prompt finished: its full blocks become cached, tail first (the head most recent)."""
+        num_full = min(len(block_hashes), num_tokens // self.block_size)
+        for i in reversed(range(num_full)):
+            block_hash = block_hashes[i]
+            if block_hash not in self.lru:  # a duplicate of a cached block is not cached twice
+                self.lru[block_hash] = None
+                if i >= len(self.held):
+                    self.version += 1
+        self.held = []
+        self.num_held_blocks = 0
+
+    def hashes(self) -> set[int]:
+        return set(self.lru).union(self.held)
+
+
+@dataclass
+class _Job:
+    request: WorkloadRequest
+    start_s: float = 0.0
+    finish_s: float = 0.0
+    num_cached_tokens: int = 0
+
+
+class SimReplica:
+    def __init__(self, name: str, config: SimConfig, cost: CostModel) -> None:
+        self.name = name
+        self.cost = cost
+        self.cache = BlockCache(config.num_blocks, config.block_size)
+        self.queue: deque[_Job] = deque()
+        self.running: _Job | None = None
+        self.prefill_tokens_per_s = 0.0  # EMA like the engine's; 0 before any prefill
+        self._snapshot: tuple[int, set[int]] = (-1, set())
+
+    def submit(self, request: WorkloadRequest, now: float) -> _Job | None:
+        """Queue a request; returns the job if it started now (its finish_s is then set)."""
+        self.queue.append(_Job(request))
+        return self._start_next(now) if self.running is None else None
+
+    def finish(self, now: float) -> tuple[_Job, _Job | None]:
+        """The running prompt's first token; returns it and the job started next, if any."""
+        job = self.running
+        assert job is not None and abs(job.finish_s - now) < 1e-9, (job, now)
+        self.cache.release(job.request.block_hashes, job.request.num_prompt_tokens)
+        num_uncached = job.request.num_prompt_tokens - job.num_cached_tokens
+        if num_uncached >= _MIN_RATE_TOKENS:
+            rate = num_uncached / (job.finish_s - job.start_s)
+            self.prefill_tokens_per_s = 0.8 * self.prefill_tokens_per_s + 0.2 * rate if self.prefill_tokens_per_s else rate
+        self.running = None
+        return job, self._start_next(now)
+
+    def _start_next(self, now: float) -> _Job | None:
+        if not self.queue:
+            return None
+        job = self.running = self.queue.popleft()
+        request = job.request
+        job.num_cached_tokens = self.cache.acquire(request.block_hashes, request.num_prompt_tokens) * self.cache.block_size
+        num_uncached = request.num_prompt_tokens - job.num_cached_tokens
+        job.start_s, job.finish_s = now, now + self.cost.service_s(num_uncached, job.num_cached_tokens)
+        return job
+
+    def queued_prefill_tokens(self, now: float) -> int:
+        queued = 0
+        if self.running is not None:
+            job = self.running
+            left = (job.finish_s - now) / (job.finish_s - job.start_s) if job.finish_s > job.start_s else 0.0
+            queued += round((job.request.num_prompt_tokens - job.num_cached_tokens) * left)
+        for job in self.queue:
+            request = job.request
+            cached = self.cache.num_matched_blocks(request.block_hashes, request.num_prompt_tokens)
+            queued += request.num_prompt_tokens - cached * self.cache.block_size
+        return queued
+
+    def routing_stats(self, now: float) -> dict:
+        """What serving/worker.py `routing_stats` reports (the fields the routers read)."""
+        if self._snapshot[0] != self.cache.version:
+            self._snapshot = (self.cache.version, self.cache.hashes())
+        return {
+            "kv_version": self.cache.version,
+            "kv_hashes": self._snapshot[1],  # PrefixIndex.update copies it
+            "time": now,
+            "num_queued_prefill_tokens": self.queued_prefill_tokens(now),
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "num_running": int(self.running is not None),
+            "num_waiting": len(self.queue),
+        }
+
+
+def make_policy(name: str, params: dict | None = None, seed: int = 0):
+    """build_policy with a seed for the policies that take one."""
+    params = dict(params or {})
+    if "seed" in inspect.signature(POLICIES[name]).parameters:
+        params.setdefault("seed", seed)
+    return build_policy(name, **params)
+
+
+def simulate(
+    workload: Workload, policy: str, config: SimConfig, cost: CostModel, params: dict | None = None,
+) -> PolicyRun:
+    """Every request of `workload` through `policy` on `config.num_replicas` replicas."""
+    rng = random.Random(config.seed)
+    replicas = [SimReplica(f"replica-{i:02d}", config, cost) for i in range(config.num_replicas)]
+    by_name = {replica.name: replica for replica in replicas}
+    routers = [RouterState(make_policy(policy, params, seed=config.seed + k)) for k in range(config.num_routers)]
+    latest = {replica.name: replica.routing_stats(0.0) for replica in replicas}  # reported at start
+    events: list[tuple[float, int, int, str]] = []  # (time, kind, tie-break, replica)
+    order = 0
+    for replica in replicas:  # each replica's stats timer runs at its own phase
+        heapq.heappush(events, (rng.uniform(0, config.stats_period_s), _STATS, order, replica.name))
+        order += 1
+    records: list[RequestRecord] = []
+    requests = workload.requests
+    next_arrival = 0
+
+    def started(job, replica_name: str) -> None:
+        nonlocal order
+        if job is not None:
+            heapq.heappush(events, (job.finish_s, _FINISH, order, replica_name))
+            order += 1
+
+    while events or next_arrival < len(requests):
+        arrival_s = requests[next_arrival].arrival_s if next_arrival < len(requests) else float("inf")
+        if events and (events[0][0], events[0][1]) < (arrival_s, _ARRIVAL):
+            now, kind, _, name = heapq.heappop(events)
+            replica = by_name[name]
+            if kind == _FINISH:
+                job, next_job = replica.finish(now)
+                request = job.request
+                records.append(RequestRecord(name, request.num_prompt_tokens, job.num_cached_tokens, now - request.arrival_s))
+                started(next_job, name)
+            elif next_arrival < len(requests):  # stats matter only while requests still arrive
+                latest[name] = replica.routing_stats(now)
+                heapq.heappush(events, (now + config.stats_period_s, _STATS, order, name))
+                order += 1
+            continue
+        request = requests[next_arrival]
+        router = routers[next_arrival % len(routers)]
+        next_arrival += 1
+        route_request = RouteRequest(
+            request.request_id, request.num_prompt_tokens, request.block_hashes, workload.spec.block_size,
+            text=request.text,
+        )
+        decision = router.route(route_request, [(name, latest[name]) for name in by_name], arrival_s)
+        started(by_name[decision.chosen].submit(request, arrival_s), decision.chosen)
+
+    decisions: Counter[str] = Counter()
+    for router in routers:
+        decisions.update(router.decisions)
+    return PolicyRun(policy, list(by_name), records, dict(decisions))
+
+
+def oracle_hit_tokens(workload: Workload, num_replicas: int, num_blocks: int) -> tuple[int, int, list[int]]:
+    """(hit tokens, prompt tokens, groups that fit) of the oracle described in the module docstring."""
+    spec = workload.spec
+    bs = spec.block_size
+    num_prefix_blocks = spec.prefix_len // bs
+    working_blocks = -(-spec.prompt_len // bs) - num_prefix_blocks  # one running prompt's own blocks
+    room = [num_blocks - working_blocks] * num_replicas
+    counts = workload.group_counts()
+    pinned = []
+    for group in sorted(range(spec.num_groups), key=lambda g: (-counts[g], g)):
+        best = max(range(num_replicas), key=lambda r: (room[r], -r))
+        if counts[group] and room[best] >= num_prefix_blocks:
+            room[best] -= num_prefix_blocks
+            pinned.append(group)
+    hit_per_request = min(num_prefix_blocks, (spec.prompt_len - 1) // bs) * bs
+    hit_tokens = sum((counts[group] - 1) * hit_per_request for group in pinned)
+    return hit_tokens, sum(r.num_prompt_tokens for r in workload.requests), sorted(pinned)

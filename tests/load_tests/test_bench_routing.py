@@ -1,0 +1,215 @@
+"""`kvrelay bench routing`: the simulator's arithmetic on hand-checkable cases (hits, queue waits,
+LRU eviction order, the oracle), the report's figures, a seconds-long --simulate smoke run
+through the CLI, and a short real run on a tiny model (integration)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from load_tests.bench_routing import REAL_QUICK, SIM_FULL, SIM_QUICK, params_from_args, policy_figures, summarize
+from load_tests.routing_calibration import CalibrationPoint, fit
+from load_tests.routing_metrics import PolicyRun, RequestRecord, percentile
+from load_tests.routing_sim import BlockCache, CostModel, SimConfig, oracle_hit_tokens, simulate
+from load_tests.routing_workload import Workload, WorkloadRequest, WorkloadSpec, make_workload
+from router.char_prefix_tree import token_text
+from serving.cli import build_parser, main
+from serving.engine.block_hash import hash_blocks
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BS = 4  # tokens per block in the hand-built cases
+
+
+def tiny_workload(arrivals: list[tuple[float, int]], *, prefix_len: int = 8, suffix_len: int = 4) -> Workload:
+    """Requests (arrival_s, group) over groups whose prefixes are [1000g, 1000g + 1, ...]."""
+    num_groups = max(group for _, group in arrivals) + 1
+    spec = WorkloadSpec(num_groups, prefix_len, suffix_len, len(arrivals), 1.0, block_size=BS)
+    prefixes = [[1000 * g + i for i in range(prefix_len)] for g in range(num_groups)]
+    workload = Workload(spec, prefixes, [token_text(p) for p in prefixes], [])
+    for i, (arrival_s, group) in enumerate(arrivals):
+        suffix = [100 + 10 * i + j for j in range(suffix_len)]
+        hashes = hash_blocks(prefixes[group] + suffix, BS)
+        workload.requests.append(WorkloadRequest(f"r{i}", group, arrival_s, suffix, hashes, workload))
+    return workload
+
+
+def test_block_cache_hits_cap_and_lru_eviction_order():
+    cache = BlockCache(num_blocks=6, block_size=BS)
+    a, b, c = (hash_blocks([base + i for i in range(12)], BS) for base in (0, 100, 200))  # 3 blocks each
+    assert cache.acquire(a, 12) == 0
+    cache.release(a, 12)
+    assert list(cache.lru) == [a[2], a[1], a[0]]  # freed tail first: the head is the most recent
+    cache.acquire(b, 12)
+    cache.release(b, 12)
+    assert cache.acquire(c[:2], 8) == 0  # 2 blocks needed: the two oldest go, A's tail first
+    assert cache.evicted == [a[2], a[1]]
+    cache.release(c[:2], 8)
+    assert list(cache.lru) == [a[0], b[2], b[1], b[0], c[1], c[0]]
+    assert cache.num_matched_blocks(a, 12) == 1  # a[1] is gone: a[2] could not be used anyway
+    assert cache.acquire(a, 12) == 1  # holds a[0], needs 3 blocks: evicts b[2], b[1]
+    assert cache.evicted == [a[2], a[1], b[2], b[1]]
+    assert cache.hashes() == {a[0], b[0], c[0], c[1]}
+    cache.release(a, 12)
+    assert list(cache.lru) == [b[0], c[1], c[0], a[2], a[1], a[0]]
+    # One token is always computed: an 8-token prompt with both blocks cached hits 1 block.
+    assert cache.num_matched_blocks(c[:2], 8) == 1
+    assert cache.num_matched_blocks(c[:2], 9) == 2
+
+
+def test_simulated_queue_waits_and_hits_with_a_fixed_rate():
+    # 128 tokens/s, no overhead: a cold 12-token prompt takes 0.09375 s, 4 uncached tokens 0.03125 s.
+    cost = CostModel(overhead_s=0.0, tokens_per_s=128.0)
+    workload = tiny_workload([(0.0, 0), (0.0625, 0), (0.0625, 1), (1.0, 0)])
+    run = simulate(workload, "round_robin", SimConfig(num_replicas=1, num_blocks=16, block_size=BS), cost)
+    by_id = {f"r{i}": record for i, record in enumerate(sorted(run.records, key=lambda r: r.ttft_s))}
+    ttfts = sorted((r.ttft_s, r.num_cached_tokens) for r in run.records)
+    # r0 cold: 0.09375. r1 waits 0.03125 then hits the 8-token prefix: 0.03125 + 0.03125.
+    # r2 (group 1) waits for r0 and r1 (until 0.125), cold: 0.125 + 0.09375 - 0.0625 = 0.15625.
+    # r3 alone, hit: 0.03125.
+    assert ttfts == [(0.03125, 8), (0.0625, 8), (0.09375, 0), (0.15625, 0)]
+    assert run.hit_rate == 16 / 48
+    assert run.computed_tokens_by_replica == {"replica-00": 4 + 4 + 12 + 12} and run.max_over_mean_load == 1.0
+    assert len(by_id) == 4
+
+
+def test_routers_see_stats_and_their_own_routing():
+    # Two replicas; group 0 three times in a row, 0.25 s apart: ours keeps it where its prefix is.
+    cost = CostModel(overhead_s=0.0, tokens_per_s=128.0)
+    workload = tiny_workload([(0.0, 0), (0.25, 0), (0.5, 0), (0.75, 1)])
+    config = SimConfig(num_replicas=2, num_blocks=16, block_size=BS, stats_period_s=0.125)
+    unbounded = simulate(workload, "prefix_cost", config, cost, {"max_load_ratio": None})
+    assert [r.num_cached_tokens for r in unbounded.records] == [0, 8, 8, 0]
+    assert len({r.replica for r in unbounded.records[:3]}) == 1
+    # With the load bound, r2 would put 20 of 20 routed tokens on one of two replicas (bound:
+    # 1.25 x 20 / 2 = 12.5): it goes to the other (a miss), and r3 follows the lighter one.
+    ours = simulate(workload, "prefix_cost", config, cost)
+    assert [r.num_cached_tokens for r in ours.records] == [0, 8, 0, 0]
+    replicas = [r.replica for r in ours.records]
+    assert replicas[0] == replicas[1] != replicas[2] == replicas[3]
+    assert ours.decisions == {"tie_break": 1, "prefix_hit": 1, "load_bound": 1, "least_cost": 1}
+    rr = simulate(workload, "round_robin", config, cost)
+    assert [r.num_cached_tokens for r in rr.records] == [0, 0, 8, 0]  # alternates: r1 misses
+
+
+def test_oracle_pins_the_most_requested_groups_that_fit():
+    # 8-token prefixes (2 blocks); a 12-token prompt needs 1 block of its own beside them.
+    workload = tiny_workload([(0.0, 0), (0.1, 0), (0.2, 0), (0.3, 1), (0.4, 1)])
+    # 3 blocks: room for one prefix (2 + 1): group 0 (3 requests) wins: 2 later requests x 8 tokens.
+    assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=3) == (16, 60, [0])
+    # 5 blocks: both fit on one replica; or one each on two replicas of 3.
+    assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=5) == (24, 60, [0, 1])
+    assert oracle_hit_tokens(workload, num_replicas=2, num_blocks=3) == (24, 60, [0, 1])
+    assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=2) == (0, 60, [])
+
+
+def test_workload_is_seeded_and_shares_prefix_hashes():
+    spec = WorkloadSpec(num_groups=3, prefix_len=40, suffix_len=8, num_requests=50, request_rate_per_s=10.0, zipf_s=1.0)
+    one, two = make_workload(spec), make_workload(spec)
+    assert [(r.group, r.arrival_s, r.block_hashes) for r in one.requests] == [
+        (r.group, r.arrival_s, r.block_hashes) for r in two.requests
+    ]
+    r = one.requests[0]
+    assert r.block_hashes == hash_blocks(r.token_ids, 16) and r.text == token_text(r.token_ids)
+    assert r.num_prompt_tokens == 48 and len(r.block_hashes) == 3
+    same_group = [q for q in one.requests if q.group == r.group]
+    assert all(q.block_hashes[:2] == r.block_hashes[:2] and q.block_hashes[2] != r.block_hashes[2] for q in same_group[1:])
+    counts = one.group_counts()
+    assert counts[0] > counts[2] and sum(counts) == 50  # zipf: group 0 the most popular
+
+
+def test_percentile_and_calibration_fit():
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5 and percentile([1.0, 2.0, 3.0, 5.0], 100) == 5.0
+    assert percentile([1.0, 2.0, 3.0, 5.0], 95) == pytest.approx(4.7) and percentile([], 50) is None
+    truth = CostModel(overhead_s=0.01, tokens_per_s=500.0, attention_pair_s=1e-6)
+    shapes = [(64, 0), (256, 0), (512, 0), (1088, 0), (1088, 1024)]
+    points = [CalibrationPoint(n, c, [truth.service_s(n - c, c)]) for n, c in shapes]
+    assert fit(points) == pytest.approx((0.01, 500.0, 1e-6))
+    linear = [CalibrationPoint(n, 0, [n / 1000]) for n in (100, 200, 400)]  # no intercept, no pairs
+    assert fit(linear) == pytest.approx((0.0, 1000.0, 0.0), rel=1e-9, abs=1e-12)
+
+
+def run_of(policy: str, ttfts: list[float], loads: dict[str, tuple[int, int]]) -> PolicyRun:
+    """loads: replica -> (prompt tokens, cached tokens), one request each, TTFTs in order."""
+    records = [RequestRecord(r, n, c, t) for (r, (n, c)), t in zip(loads.items(), ttfts)]
+    return PolicyRun(policy, list(loads), records)
+
+
+def test_figures_and_summary():
+    runs = {
+        "prefix_cost": run_of("prefix_cost", [0.25, 0.5], {"a": (100, 75), "b": (100, 50)}),
+        "pow2": run_of("pow2", [1.0, 2.0], {"a": (100, 0), "b": (100, 0)}),
+    }
+    figures = policy_figures(runs, oracle_hit_rate=0.8)
+    ours = figures["prefix_cost"]
+    assert ours["hit_rate"] == 0.625 and ours["hit_rate_fraction_of_oracle"] == 0.78125
+    assert ours["ttft_ms_p50"] == 375.0 and ours["ttft_p50_speedup_vs_pow2"] == 4.0
+    assert ours["computed_tokens_by_replica"] == {"a": 25, "b": 50} and ours["max_over_mean_load"] == 50 / 37.5
+    assert figures["pow2"]["ttft_p50_speedup_vs_pow2"] == 1.0
+    summary = summarize(figures, 0.8, "simulation, 2 replicas")
+    assert summary["targets"] == {
+        "hit_rate_fraction_of_oracle": {"target": ">= 0.95", "met": False},
+        "ttft_p50_speedup_vs_pow2": {"target": ">= 3x", "met": True},
+        "max_over_mean_load": {"target": "<= 1.3", "met": False},
+    }
+
+
+def test_presets_and_overrides():
+    parse = build_parser().parse_args
+    assert params_from_args(parse(["bench", "routing", "--simulate"])) == SIM_FULL
+    assert params_from_args(parse(["bench", "routing", "--simulate", "--quick"])) == SIM_QUICK
+    assert params_from_args(parse(["bench", "routing", "--quick"])) == REAL_QUICK
+    p = params_from_args(parse(["bench", "routing", "--simulate", "--sweep", "4,8", "--zipf", "1.2", "--num-replicas", "4"]))
+    assert (p.sweep, p.zipf, p.num_replicas, p.num_requests) == ((4, 8), 1.2, 4, 4000)
+    assert params_from_args(parse(["bench", "routing", "--simulate", "--sweep", "none"])).sweep == ()
+    with pytest.raises(SystemExit, match="cannot hold one 1088-token prompt"):
+        params_from_args(parse(["bench", "routing", "--simulate", "--kv-cache-tokens", "512"]))
+
+
+def test_simulate_quick_smoke_through_the_cli(tmp_path, capsys):
+    out = tmp_path / "routing.json"
+    argv = ["bench", "routing", "--simulate", "--quick", "--rate-tokens-per-s", "800", "--overhead-ms", "5",
+            "--num-requests", "400", "--json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert set(report) == {"summary", "config", "raw", "hardware"}
+    summary = report["summary"]
+    assert 0.5 < summary["hit_rate_fraction_of_oracle"] <= 1.0
+    assert summary["ttft_p50_speedup_vs_pow2"] > 1.0 and summary["max_over_mean_load"] >= 1.0
+    assert set(summary["targets"]) == {"hit_rate_fraction_of_oracle", "ttft_p50_speedup_vs_pow2", "max_over_mean_load"}
+    figures = report["raw"]["simulation"]["16"]["figures"]
+    assert set(figures) == {"prefix_cost", "round_robin", "pow2", "char_prefix_tree"}
+    for f in figures.values():
+        assert f["num_requests"] == 400 and 0.0 <= f["hit_rate"] <= 1.0 and len(f["computed_tokens_by_replica"]) == 16
+        assert {"hit_rate_fraction_of_oracle", "ttft_p50_speedup_vs_pow2", "max_over_mean_load"} <= set(f)
+    assert report["config"]["calibration"]["source"] == "--rate-tokens-per-s"
+    assert report["config"]["cost_model"] == {"overhead_s": 0.005, "tokens_per_s": 800.0, "attention_pair_s": 0.0}
+    table = capsys.readouterr().out
+    assert "ours (prefix_cost)" in table and "char_prefix_tree" in table and "max / mean load (ours)" in table
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_real_run_on_a_tiny_model(tiny_model_dir, tmp_path):
+    """Two prefill replicas on a local Ray, every policy, a handful of requests."""
+    out = tmp_path / "routing.json"
+    command = [
+        sys.executable, "-m", "serving.cli", "bench", "routing", "--quick", "--model", str(tiny_model_dir),
+        "--num-requests", "8", "--prefix-len", "64", "--suffix-len", "16", "--kv-cache-tokens", "512",
+        "--json", str(out),
+    ]
+    proc = subprocess.run(command, check=False, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["summary"]["source"] == "real, 2 replicas"
+    real = report["raw"]["real"]["2"]["figures"]
+    assert set(real) == {"prefix_cost", "round_robin", "pow2", "char_prefix_tree"}
+    for f in real.values():
+        assert f["num_requests"] == 8 and sum(f["requests_by_replica"].values()) == 8
+        assert len(f["requests_by_replica"]) == 2 and 0.0 <= f["hit_rate"] <= 1.0
+    assert report["config"]["calibration"]["source"] == "measured"
+    assert set(report["raw"]["simulation"]["2"]["figures"]) == set(real)
+    assert "ours (prefix_cost)" in proc.stdout
