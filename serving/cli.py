@@ -7,6 +7,9 @@
     kvrelay bench routing [--simulate] [--quick] [--json PATH]  prefix-aware routing vs round robin, pow2, prefix tree
     kvrelay policy check FILE                             validate an autoscaling policy, print it
     kvrelay policy simulate FILE --trace TRACE.csv        replica counts the policy picks over a trace
+    kvrelay policy apply FILE                             switch a running app to a policy
+    kvrelay status                                        pools, replicas, queues, KV, TTFT/TPOT
+    kvrelay scale POOL N                                  set a pool's replica count in a running app
 
 Each command's implementation is imported only when it runs, so `kvrelay --help` stays fast
 (no torch import).
@@ -50,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_serve_overhead(bench_targets)
     _add_bench_routing(bench_targets)
     _add_policy(commands)
+    _add_ops(commands)
     return parser
 
 
@@ -78,6 +82,33 @@ def _add_policy(commands) -> None:
         "--pool", choices=["prefill", "decode", "worker"],
         help="which pool's section to use [the first the policy has: prefill, decode, worker]",
     )
+    apply = actions.add_parser(
+        "apply", help="switch the live app to this policy (through the Ray dashboard's Serve API)",
+        description="Validate FILE, then change the running app's autoscaling policy. The file must be "
+        "readable where the Serve controller runs (the head node).",
+    )
+    apply.add_argument("file", metavar="FILE", help="policy YAML")
+    _add_live_app_args(apply)
+
+
+def _add_live_app_args(parser) -> None:
+    parser.add_argument("--dashboard", default="http://127.0.0.1:8265", help="Ray dashboard URL [%(default)s]")
+    parser.add_argument("--app", default="kvrelay", help="Serve application name [%(default)s]")
+
+
+def _add_ops(commands) -> None:
+    status = commands.add_parser(
+        "status", help="pools, replicas, queue depth, KV usage and TTFT/TPOT of a running app",
+        description="Deployments and replica states from the Ray dashboard's Serve REST API (token "
+        "authentication: $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token), plus queue "
+        "depth, KV usage and latency quantiles from the ingress's /metrics.",
+    )
+    _add_live_app_args(status)
+    status.add_argument("--url", default="http://127.0.0.1:8000", help="the app's API base URL, for /metrics [%(default)s]")
+    scale = commands.add_parser("scale", help="set the replica count of a pool in a running app")
+    scale.add_argument("pool", choices=["prefill", "decode", "worker", "ingress"], help="the pool")
+    scale.add_argument("num_replicas", type=int, metavar="N", help="replicas")
+    _add_live_app_args(scale)
 
 
 def _add_bench_engine(targets) -> None:
@@ -177,6 +208,10 @@ def _add_bench_routing(targets) -> None:
     p.add_argument("--overhead-ms", type=float, metavar="MS", help="simulated per-prefill overhead with --rate-tokens-per-s [0]")
     p.add_argument("--calibration", metavar="FILE", help="reuse the calibration of an earlier --json report")
     p.add_argument("--calibration-repeats", type=int, metavar="N", help="timed prefills per prompt shape [3; quick 1]")
+    p.add_argument(
+        "--param", metavar="KEY=VALUE", action="append",
+        help="a parameter of ours (PrefixCostPolicy, router/policies.py), YAML value; repeatable, e.g. --param max_load_ratio=null",
+    )
     p.add_argument("--seed", type=int, help="seed of the workload and the policies [0]")
 
 
@@ -204,8 +239,12 @@ def main(argv: list[str] | None = None) -> int:
         from load_tests.bench_routing import run_from_args
 
         return run_from_args(args, argv)
+    if args.command == "policy" and args.action == "apply":
+        return _ops(args)
     if args.command == "policy":
         return _policy(args)
+    if args.command in ("status", "scale"):
+        return _ops(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse rejects unknown ones
 
 
@@ -238,6 +277,26 @@ def _serve(args) -> int:
 
     return serve_forever(config)
 
+
+
+def _ops(args) -> int:
+    from router.policy_config import PolicyError
+    from serving import ops
+
+    client = ops.DashboardClient(args.dashboard)
+    try:
+        if args.command == "status":
+            print(ops.status_report(client.get_applications(), args.app, ops.fetch_metrics(args.url)))
+        elif args.command == "scale":
+            print(ops.scale(client, args.app, args.pool, args.num_replicas))
+        else:
+            print(ops.apply_policy(client, args.app, args.file))
+    except (ops.OpsError, PolicyError) as exc:
+        print(f"kvrelay {args.command}: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        client.close()
+    return 0
 
 
 def _policy(args) -> int:

@@ -16,7 +16,7 @@ import time
 
 from serving.config import ServeConfig
 
-__all__ = ["serve_forever", "start", "stop", "required_cpus", "ray_init_kwargs"]
+__all__ = ["serve_forever", "start", "stop", "required_cpus", "ray_init_kwargs", "dashboard_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,29 +56,59 @@ def _check_port_free(host: str, port: int) -> None:
             ) from None
 
 
-def start(config: ServeConfig) -> bool:
-    """Deploy the app and wait until it runs; returns whether this call started Ray."""
+def start(config: ServeConfig, *, declarative: bool = False) -> bool:
+    """Deploy the app and wait until it runs; returns whether this call started Ray.
+
+    `declarative` deploys through the Ray dashboard's REST API (the `serve deploy` way), so the
+    dashboard holds the config and `kvrelay scale` / `kvrelay policy apply` can change it later;
+    otherwise `serve.run` from this process (tests, benchmarks).
+    """
     import ray
     from ray import serve
 
     from serving.app import build_app
 
     started_ray = False
+    context = None
     if not ray.is_initialized():
         if config.ray.address:
-            ray.init(address=config.ray.address, logging_level=logging.WARNING)
+            context = ray.init(address=config.ray.address, logging_level=logging.WARNING)
         else:
             _check_port_free(config.http.host, config.http.port)
             num_cpus = config.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(required_cpus(config)))
-            ray.init(
+            context = ray.init(
                 num_cpus=num_cpus, include_dashboard=True, dashboard_host=config.ray.dashboard_host,
                 dashboard_port=config.ray.dashboard_port, logging_level=logging.WARNING,
                 **ray_init_kwargs(config),
             )
             started_ray = True
+    if declarative:
+        from serving.ops import DashboardClient, serve_deploy_config, wait_until_running
+
+        dashboard = dashboard_url(context)
+        client = DashboardClient(dashboard)
+        try:
+            client.put_applications(serve_deploy_config(config))
+            wait_until_running(client, config.app_name)
+        finally:
+            client.close()
+        return started_ray
     serve.start(http_options={"host": config.http.host, "port": config.http.port})
     serve.run(build_app(config), name=config.app_name, route_prefix="/", blocking=False)
     return started_ray
+
+
+def dashboard_url(context=None) -> str:
+    import ray
+
+    url = None
+    if context is not None:
+        url = getattr(context, "dashboard_url", None)
+    if not url:
+        url = ray._private.worker.global_worker.node.address_info.get("webui_url")
+    if not url:
+        raise RuntimeError("this Ray cluster has no dashboard; start it with the dashboard to operate kvrelay")
+    return url if url.startswith("http") else f"http://{url}"
 
 
 def stop(config: ServeConfig, *, stop_ray: bool) -> None:
@@ -98,16 +128,12 @@ def stop(config: ServeConfig, *, stop_ray: bool) -> None:
 
 
 def serve_forever(config: ServeConfig) -> int:
-    import ray
 
     t0 = time.monotonic()
     print(f"kvrelay: starting {config.mode} serving of {config.model} ...", flush=True)
-    started_ray = start(config)
+    started_ray = start(config, declarative=True)
     host = "127.0.0.1" if config.http.host in ("0.0.0.0", "::") else config.http.host
-    dashboard = ray.get_runtime_context().dashboard_url if hasattr(ray.get_runtime_context(), "dashboard_url") else None
-    dashboard = dashboard or f"{config.ray.dashboard_host}:{config.ray.dashboard_port}"
-    if not dashboard.startswith("http"):
-        dashboard = "http://" + dashboard
+    dashboard = dashboard_url()
     print(
         f"kvrelay: ready in {time.monotonic() - t0:.1f}s\n"
         f"  OpenAI API      http://{host}:{config.http.port}/v1   (model: {config.model_name})\n"

@@ -58,6 +58,36 @@ def test_serve_chat_and_stop(tmp_path):
         assert chat.stdout == content + "\n"
         assert f"completion tokens]" in chat.stderr
 
+        # Operations through the Ray dashboard's REST API (token authentication on).
+        dashboard = ["--dashboard", f"http://127.0.0.1:{dashboard_port}"]
+        status = subprocess.run([BIN / "kvrelay", "status", *dashboard, "--url", f"http://127.0.0.1:{port}"],
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        lines = status.stdout.splitlines()
+        assert lines[0] == "application kvrelay: RUNNING"
+        assert lines[3].split()[:5] == ["prefill", "PrefillWorker", "HEALTHY", "1", "running"]
+        assert lines[4].split()[:5] == ["decode", "DecodeWorker", "HEALTHY", "1", "running"]
+        scaled = subprocess.run([BIN / "kvrelay", "scale", "ingress", "2", *dashboard], capture_output=True, text=True, timeout=60)
+        assert scaled.returncode == 0 and scaled.stdout == "kvrelay: ingress -> 2 replicas requested\n", scaled.stderr
+
+        def ingress_replicas():
+            out = subprocess.run([BIN / "kvrelay", "status", *dashboard, "--url", "http://127.0.0.1:1"],
+                                 capture_output=True, text=True, timeout=60).stdout
+            row = next((line for line in out.splitlines() if line.startswith("ingress ")), "")
+            return row.split()[:5]
+
+        deadline = time.monotonic() + 180
+        while ingress_replicas() != ["ingress", "OpenAIIngress", "HEALTHY", "2", "running"]:
+            assert time.monotonic() < deadline, ingress_replicas()
+            time.sleep(1)
+        applied = subprocess.run([BIN / "kvrelay", "policy", "apply", "deploy/autoscaling/cluster.yaml", *dashboard],
+                                 cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert applied.returncode == 0, applied.stderr
+        deadline = time.monotonic() + 180
+        while "[1..8]" not in subprocess.run([BIN / "kvrelay", "status", *dashboard], capture_output=True, text=True, timeout=60).stdout:
+            assert time.monotonic() < deadline
+            time.sleep(1)
+
         # A second `kvrelay serve` on the same port refuses clearly instead of half-starting.
         second = subprocess.run(
             [BIN / "kvrelay", "serve", "--config", "deploy/local.yaml"], cwd=REPO, env=env,
