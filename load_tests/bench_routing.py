@@ -72,8 +72,12 @@ class BenchParams:
     overhead_ms: float = 0.0  # ... and this per-prefill overhead
     calibration: str | None = None  # or the calibration of an earlier report
     calibration_repeats: int = 3
+    ours_params: tuple[tuple[str, object], ...] = ()  # PrefixCostPolicy parameters (--param)
     seed: int = 0
     quick: bool = False
+
+    def policy_params(self, policy: str) -> dict:
+        return dict(self.ours_params) if policy == "prefix_cost" else {}
 
 
 SIM_FULL = BenchParams()
@@ -156,8 +160,10 @@ def format_table(p: BenchParams, headline: dict, summary: dict, sweep: dict[int,
         f"{where}: {headline['num_replicas']} replicas x {headline['num_blocks']} KV blocks of {spec.block_size}; "
         f"oracle hit rate {headline['oracle_hit_rate']:.3f}; TTFT = arrival -> first token; "
         "load = tokens computed per replica",
-        "", HEADER, *_policy_rows(headline["figures"]),
     ]
+    if p.ours_params:
+        lines.append("ours with " + ", ".join(f"{key}={value}" for key, value in p.ours_params))
+    lines += ["", HEADER, *_policy_rows(headline["figures"])]
     if simulated:
         lines += ["", f"the same workload simulated on {simulated['num_replicas']} replicas "
                   f"(oracle {simulated['oracle_hit_rate']:.3f}):", *_policy_rows(simulated["figures"])]
@@ -223,11 +229,11 @@ def simulate_all(p: BenchParams, cost: CostModel, num_replicas: int, workload: W
     runs = {}
     for policy in POLICIES:
         started = time.monotonic()
-        runs[policy] = simulate(workload, policy, config, cost)
+        runs[policy] = simulate(workload, policy, config, cost, p.policy_params(policy))
         _progress(f"simulated {policy} on {num_replicas} replicas ({time.monotonic() - started:.1f}s)")
     return {
         "spec": workload.spec, "num_replicas": num_replicas, "num_blocks": num_blocks, "oracle_hit_rate": oracle,
-        "oracle_pinned_groups": pinned, "figures": policy_figures(runs, oracle),
+        "oracle_pinned_blocks": pinned, "figures": policy_figures(runs, oracle),
     }
 
 
@@ -250,12 +256,13 @@ def _run_real(p: BenchParams, cost: CostModel, workload: Workload) -> dict:
             config = routing_real.serve_config(
                 model_dir, p.dtype, policy, num_replicas=p.num_replicas, kv_cache_bytes=kv_bytes,
                 stats_period_s=p.stats_period_s, max_model_len=max(2048, workload.spec.prompt_len + 1),
+                params=p.policy_params(policy),
             )
             runs[policy], info[policy] = routing_real.run_policy(policy, workload, config, warmup, _progress)
     oracle, pinned = _oracle_rate(workload, p.num_replicas, num_blocks)
     return {
         "spec": workload.spec, "num_replicas": p.num_replicas, "num_blocks": num_blocks, "oracle_hit_rate": oracle,
-        "oracle_pinned_groups": pinned, "figures": policy_figures(runs, oracle), "info": info,
+        "oracle_pinned_blocks": pinned, "figures": policy_figures(runs, oracle), "info": info,
         "model_dir": str(model_dir), "kv_cache_bytes": kv_bytes,
     }
 
@@ -310,10 +317,12 @@ def params_from_args(args: argparse.Namespace) -> BenchParams:
         preset = SIM_QUICK if args.quick else SIM_FULL
     else:
         preset = REAL_QUICK if args.quick else REAL_FULL
-    names = {f.name for f in dataclasses.fields(BenchParams)} - {"simulate", "quick", "sweep"}
+    names = {f.name for f in dataclasses.fields(BenchParams)} - {"simulate", "quick", "sweep", "ours_params"}
     given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     if getattr(args, "sweep", None) is not None:
         given["sweep"] = tuple(int(n) for n in args.sweep.split(",") if n.strip()) if args.sweep != "none" else ()
+    if getattr(args, "param", None):
+        given["ours_params"] = tuple(_key_value(item) for item in args.param)
     p = dataclasses.replace(preset, **given)
     for name in ("num_groups", "num_requests", "num_replicas", "suffix_len", "num_routers", "block_size"):
         if getattr(p, name) < 1:
@@ -329,7 +338,22 @@ def params_from_args(args: argparse.Namespace) -> BenchParams:
         raise SystemExit(f"--kv-cache-tokens {p.kv_cache_tokens} cannot hold one {p.prefix_len + p.suffix_len}-token prompt")
     if any(n < 1 for n in p.sweep):
         raise SystemExit(f"--sweep wants replica counts >= 1, got {p.sweep}")
+    from router.policies import build_policy
+
+    try:
+        build_policy("prefix_cost", **dict(p.ours_params))
+    except ValueError as exc:
+        raise SystemExit(f"--param: {exc}") from None
     return p
+
+
+def _key_value(item: str) -> tuple[str, object]:
+    import yaml
+
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--param wants KEY=VALUE, got {item!r}")
+    return key, yaml.safe_load(value)
 
 
 def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:

@@ -74,7 +74,7 @@ def local_ray(progress):
 
 
 def serve_config(model_dir: Path, dtype: str, policy: str, *, num_replicas: int, kv_cache_bytes: int,
-                 stats_period_s: float, max_model_len: int):
+                 stats_period_s: float, max_model_len: int, params: dict | None = None):
     """Prefill pool of `num_replicas` (1 torch thread, 0.5 CPU each) routed by `policy`."""
     from serving.config import ServeConfig
 
@@ -83,7 +83,7 @@ def serve_config(model_dir: Path, dtype: str, policy: str, *, num_replicas: int,
         "model": str(model_dir), "dtype": dtype, "kv_cache_bytes": kv_cache_bytes, "max_model_len": max_model_len,
         "app_name": APP_NAME, "prefill": {"num_replicas": num_replicas, "num_cpus": 0.5, "num_threads": 1},
         "decode": small, "ingress": {"num_cpus": 0.1},
-        "routing": {"prefill_policy": policy, "stats_period_s": stats_period_s},
+        "routing": {"prefill_policy": policy, "prefill_params": params or {}, "stats_period_s": stats_period_s},
     })
 
 

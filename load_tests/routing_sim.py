@@ -27,15 +27,16 @@ the running prompt's remainder plus, for each waiting prompt, its length less wh
 holds of it now (what the engine counts once it admits them; it admits waiting prompts as its
 512-token step budget allows, so at the loads simulated here nearly all are admitted).
 
-The oracle (`oracle_hit_tokens`) is the hit rate of a router that knows the workload in advance:
-groups are pinned to replicas, most requested first, each to the replica with the most room left
-if its prefix fits beside the working space of one running prompt (capacity - prefix blocks of
-the groups already there >= the group's prefix blocks + the blocks of one prompt's non-prefix
-part); every request of a pinned group but its first then hits the whole block-aligned prefix
-(capped like the engine's lookup), a group that fits nowhere hits nothing. When every group fits
-(the default workload: 16 x 64 prefix blocks, 16 replicas x 256 blocks) this is an upper bound
-for any policy: each prefix must be computed once, suffixes never hit. When they do not all fit
-it is a good static placement, not a proof of optimality.
+The oracle (`oracle_hit_tokens`) is the hit rate of a router that knows the workload in advance
+and pins prefixes to replicas once: groups in order of request count (most first), each to the
+replica with the most room left, where a replica's room is its capacity less one running prompt's
+own blocks (ceil(prompt / block_size) - prefix blocks) less what is already pinned there. A group
+gets min(its prefix blocks, that room) blocks, its leading ones; every request of the group but
+the first then hits those blocks (capped like the engine's lookup); groups requested once are not
+pinned. When every prefix fits (the default workload: 16 x 64 prefix blocks, 16 replicas x 252
+blocks of room) this is an upper bound for any policy: each prefix must be computed once, and
+suffixes never hit. When they do not, it is a good static placement, not a proof: an LRU cache
+also reuses the room a running prompt leaves between prompts, so a policy can beat it slightly.
 """
 
 from __future__ import annotations
@@ -267,20 +268,21 @@ def simulate(
     return PolicyRun(policy, list(by_name), records, dict(decisions))
 
 
-def oracle_hit_tokens(workload: Workload, num_replicas: int, num_blocks: int) -> tuple[int, int, list[int]]:
-    """(hit tokens, prompt tokens, groups that fit) of the oracle described in the module docstring."""
+def oracle_hit_tokens(workload: Workload, num_replicas: int, num_blocks: int) -> tuple[int, int, dict[int, int]]:
+    """(hit tokens, prompt tokens, {group: prefix blocks pinned}) of the oracle in the module docstring."""
     spec = workload.spec
     bs = spec.block_size
     num_prefix_blocks = spec.prefix_len // bs
     working_blocks = -(-spec.prompt_len // bs) - num_prefix_blocks  # one running prompt's own blocks
-    room = [num_blocks - working_blocks] * num_replicas
+    room = [max(0, num_blocks - working_blocks)] * num_replicas
     counts = workload.group_counts()
-    pinned = []
+    max_hit_blocks = min(num_prefix_blocks, (spec.prompt_len - 1) // bs)
+    pinned: dict[int, int] = {}
     for group in sorted(range(spec.num_groups), key=lambda g: (-counts[g], g)):
         best = max(range(num_replicas), key=lambda r: (room[r], -r))
-        if counts[group] and room[best] >= num_prefix_blocks:
-            room[best] -= num_prefix_blocks
-            pinned.append(group)
-    hit_per_request = min(num_prefix_blocks, (spec.prompt_len - 1) // bs) * bs
-    hit_tokens = sum((counts[group] - 1) * hit_per_request for group in pinned)
-    return hit_tokens, sum(r.num_prompt_tokens for r in workload.requests), sorted(pinned)
+        num_pinned = min(num_prefix_blocks, room[best])
+        if counts[group] > 1 and num_pinned > 0:
+            room[best] -= num_pinned
+            pinned[group] = num_pinned
+    hit_tokens = sum((counts[g] - 1) * min(n, max_hit_blocks) * bs for g, n in pinned.items())
+    return hit_tokens, sum(r.num_prompt_tokens for r in workload.requests), pinned

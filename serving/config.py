@@ -212,7 +212,18 @@ class ServeConfig(_Strict):
     ray: RayConfig = Field(default_factory=RayConfig, description="The Ray cluster `kvrelay serve` uses.")
     api_keys: list[str] = Field(
         default_factory=list,
-        description="Accepted `Authorization: Bearer` keys; empty: no authentication.",
+        description="Accepted `Authorization: Bearer` keys; empty (and no admin_api_keys): no authentication.",
+    )
+    admin_api_keys: list[str] = Field(
+        default_factory=list,
+        description="Keys that are accepted like api_keys and also see every key's totals at "
+        "GET /v1/usage (other keys see their own).",
+    )
+    pricing: str | None = Field(
+        None, min_length=1,
+        description="Pricing YAML (deploy/pricing.yaml, serving/usage.py): per served model, the price "
+        "per million input and output tokens; relative to the config file when given there. Each "
+        "response then carries its cost. null: usage without cost.",
     )
     max_request_body_bytes: int = Field(
         8 * 2**20, ge=1024, description="Larger request bodies are refused with 413."
@@ -224,6 +235,8 @@ class ServeConfig(_Strict):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if any(not key for key in self.api_keys):
             raise ValueError("api_keys must not contain empty strings")
+        if any(not key for key in self.admin_api_keys):
+            raise ValueError("admin_api_keys must not contain empty strings")
         return self
 
     @property
@@ -263,10 +276,11 @@ def load_config(
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of fields, got {type(loaded).__name__}")
         data = loaded or {}
-        policy = data.get("autoscaling_policy")
-        if isinstance(policy, str) and policy and not Path(policy).is_absolute():
-            # Relative to the config file, so a config and its policy move together.
-            data["autoscaling_policy"] = str(Path(path).parent / policy)
+        for key in ("autoscaling_policy", "pricing"):
+            value = data.get(key)
+            if isinstance(value, str) and value and not Path(value).is_absolute():
+                # Relative to the config file, so a config and the files it names move together.
+                data[key] = str(Path(path).parent / value)
     for key, value in (overrides or {}).items():
         _set_path(data, key.split("."), value)
     env_used = []
@@ -314,7 +328,7 @@ def _set_path(data: dict, parts: list[str], value: Any) -> None:
 
 
 def _parse_env_value(field_path: list[str], raw: str) -> Any:
-    if field_path == ["api_keys"] and not raw.lstrip().startswith("["):
+    if field_path in (["api_keys"], ["admin_api_keys"]) and not raw.lstrip().startswith("["):
         return [key.strip() for key in raw.split(",") if key.strip()]
     try:
         return yaml.safe_load(raw) if raw.strip() else raw

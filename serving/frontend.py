@@ -32,6 +32,7 @@ from serving.engine.params import SamplingParams
 from serving.engine.stop_checker import StopChecker
 from serving.engine.validation import validate_request
 from serving.protocol import ChatMessage, message_text
+from serving.tracing import RequestTrace
 
 __all__ = ["ModelInfo", "WorkerRequest", "Backend", "ChoiceDelta", "Usage", "Frontend"]
 
@@ -63,6 +64,9 @@ class WorkerRequest:
     block_hashes: list[int] = field(default_factory=list)
     block_size: int = 16
     session: str | None = None
+    # The ingress span's W3C context (serving/tracing.py), so workers continue the trace; None
+    # when tracing is off.
+    trace_context: dict[str, str] | None = None
 
 
 class Backend(Protocol):
@@ -197,6 +201,7 @@ class Frontend:
         cache_salt: str | None = None,
         index_offset: int = 0,
         session: str | None = None,
+        trace: RequestTrace | None = None,
     ) -> AsyncIterator[ChoiceDelta]:
         """Validate, run and detokenize one prompt; `usage` is filled in as tokens arrive."""
         await self.validate(prompt_ids, params)
@@ -207,10 +212,12 @@ class Frontend:
             request_id, prompt_ids, worker_params, priority, cache_salt,
             block_hashes=hash_blocks(prompt_ids, info.block_size, (cache_salt,) if cache_salt else ()),
             block_size=info.block_size, session=session,
+            trace_context=trace.carrier() if trace is not None else None,
         )
         choices = [_Choice(self.tokenizer, prompt_ids, params) for _ in range(params.n)]
         stream = self.backend.generate(request)
         num_cached: int | None = None  # from the first output: where the prompt was computed
+        detok = _DetokenizeTimer() if trace is not None else None
         try:
             async for out in stream:
                 if num_cached is None:
@@ -219,7 +226,10 @@ class Frontend:
                     choice = choices[completion.index]
                     if choice.finished:
                         continue
-                    delta = self._advance(choice, completion)
+                    if detok is not None:
+                        delta = detok.time(self._advance, choice, completion)
+                    else:
+                        delta = self._advance(choice, completion)
                     usage.completion_tokens += len(delta.token_ids)
                     delta.index += index_offset
                     yield delta
@@ -228,6 +238,8 @@ class Frontend:
         finally:
             usage.cached_tokens += num_cached or 0
             await stream.aclose()
+            if detok is not None:
+                detok.record(trace, request_id)
 
     def _advance(self, choice: _Choice, completion) -> ChoiceDelta:
         texts: list[str] = []
@@ -269,6 +281,35 @@ class Frontend:
             return bytes(_BYTE_LEVEL_CHARS[c] for c in piece)
         return text.encode("utf-8")
 
+
+
+class _DetokenizeTimer:
+    """The detokenize stage of one prompt (only when tracing): detokenization runs a little after
+    every engine step, so the span covers the first output to the last delta and
+    `kvrelay.detokenize.busy_ms` says how much of that was spent in it."""
+
+    def __init__(self):
+        self.start_ns: int | None = None
+        self.end_ns = 0
+        self.busy_ns = 0
+        self.num_tokens = 0
+
+    def time(self, advance, choice: _Choice, completion) -> ChoiceDelta:
+        start = time.time_ns()
+        if self.start_ns is None:
+            self.start_ns = start
+        delta = advance(choice, completion)
+        self.end_ns = time.time_ns()
+        self.busy_ns += self.end_ns - start
+        self.num_tokens += len(delta.token_ids)
+        return delta
+
+    def record(self, trace: RequestTrace, request_id: str) -> None:
+        if self.start_ns is not None:
+            trace.record("detokenize", self.start_ns, self.end_ns, {
+                "kvrelay.request_id": request_id, "kvrelay.detokenize.busy_ms": self.busy_ns / 1e6,
+                "kvrelay.detokenize.num_tokens": self.num_tokens,
+            })
 
 def _byte_level_chars() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted: printable bytes stand for themselves, the other

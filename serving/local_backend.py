@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from serving import tracing
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.outputs import RequestOutput
 from serving.errors import NoWorkerError
@@ -28,13 +29,20 @@ class LocalBackend:
     async def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
         if not self.engine.is_alive:
             raise NoWorkerError("engine", "its step loop has stopped")
-        # Closed explicitly, not left to garbage collection: closing it is what aborts the request.
-        async with aclosing(self.engine.generate(
-            request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
-            priority=request.priority, cache_salt=request.cache_salt,
-        )) as outputs:
-            async for out in outputs:
-                yield out
+        trace = tracing.continue_trace(request.trace_context, "local")
+        last: RequestOutput | None = None
+        try:
+            # Closed explicitly, not left to garbage collection: closing it is what aborts the request.
+            async with aclosing(self.engine.generate(
+                request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
+                priority=request.priority, cache_salt=request.cache_salt,
+            )) as outputs:
+                async for out in outputs:
+                    last = out
+                    yield out
+        finally:
+            if trace is not None:
+                trace.engine_stages(last.metrics if last else None, prefill=True, decode=True, aborted=last is None or not last.finished)
 
     async def health(self) -> dict[str, Any]:
         if not self.engine.is_alive:

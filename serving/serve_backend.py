@@ -34,6 +34,7 @@ from serving.engine.outputs import RequestOutput
 from serving.errors import NoWorkerError, QueueFullError, WorkerError
 from serving.frontend import ModelInfo, WorkerRequest
 from serving.kv_transfer_actor import KVHandle
+from serving.tracing import ROUTE_START_KEY
 
 __all__ = ["ServeBackend"]
 
@@ -98,7 +99,7 @@ class ServeBackend:
             return
 
         await self._check_alive("prefill", self.prefill)
-        result = await self._call(self.prefill.prefill.remote(request), "prefill")
+        result = await self._call(self.prefill.prefill.remote(_routed(request)), "prefill")
         if isinstance(result, WorkerError):
             raise result.to_exception()
         kv = result.kv
@@ -125,7 +126,7 @@ class ServeBackend:
         generated: list[int] = []
         attempts = 2 if request.params.n == 1 else 1
         for attempt in range(attempts):
-            stream = self.decode.options(stream=True).generate.remote(request, kv, prior + generated)
+            stream = self.decode.options(stream=True).generate.remote(_routed(request), kv, prior + generated)
             is_open = True  # the handle call has not ended on its own: cancel it when we leave
             try:
                 async for item in stream:
@@ -191,6 +192,14 @@ class ServeBackend:
             logger.warning("could not read Serve status (%s); assuming pools are up", exc)
             self._status = self._status or {}
         self._status_time = time.monotonic()
+
+
+def _routed(request: WorkerRequest) -> WorkerRequest:
+    """With tracing, a copy stamped with when this handle call starts: the worker ends the
+    route span when the call reaches it (serving/tracing.py)."""
+    if request.trace_context is None:
+        return request
+    return replace(request, trace_context={**request.trace_context, ROUTE_START_KEY: str(time.time_ns())})
 
 
 def _cancel(response) -> None:

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import ray
 
-from serving import kv_transfer_actor
+from serving import kv_transfer_actor, tracing
 from serving.config import KVTransferConfig
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.config import EngineConfig
@@ -129,10 +129,14 @@ class EngineWorker:
 
     # ---- prefill side ------------------------------------------------------------------------
     async def prefill(self, request: WorkerRequest) -> PrefillResult | WorkerError:
+        trace = tracing.continue_trace(request.trace_context, self.role)
+        if trace is not None:
+            trace.route_done()
         params = request.params
         one = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), n=1)
         last: RequestOutput | None = None
         handed_off = False
+        ran = False  # the engine finished the request (its last output is then rewritten)
         tracker = self.latencies.track()
         try:
             async for out in self.engine.generate(
@@ -141,6 +145,7 @@ class EngineWorker:
             ):
                 tracker.observe(out)
                 last = out
+            ran = last is not None and last.outputs[0].finish_reason != "abort"
             self.counters.num_prefills += 1
             completion = last.outputs[0]
             if completion.finish_reason == "abort":
@@ -155,7 +160,7 @@ class EngineWorker:
             )
             # The first token goes back now; the export and the offer follow in the background
             # (the decode worker's claim waits for the offer), so TTFT does not pay for them.
-            task = asyncio.create_task(self._export_and_offer(request.request_id))
+            task = asyncio.create_task(self._export_and_offer(request.request_id, trace))
             self._offers.add(task)
             task.add_done_callback(self._offers.discard)
             handed_off = True
@@ -166,6 +171,8 @@ class EngineWorker:
         except EngineError as exc:
             return WorkerError.from_exception(exc)
         finally:
+            if trace is not None:
+                trace.engine_stages(last.metrics if last else None, prefill=True, decode=False, aborted=not ran)
             if not handed_off:
                 await self.engine.release_kv(request.request_id)  # no-op unless KV is still held
 
@@ -175,17 +182,22 @@ class EngineWorker:
         element_bytes = self.engine.engine.kv_cache.data.element_size()
         return 2 * layout.num_layers * num_blocks * layout.num_kv_heads * layout.block_size * layout.head_dim * element_bytes
 
-    async def _export_and_offer(self, request_id: str) -> None:
+    async def _export_and_offer(self, request_id: str, trace: tracing.CarriedTrace | None = None) -> None:
+        start_ns = time.time_ns() if trace is not None else 0
         try:
             payload = await self.engine.export_kv(request_id)
             ref = await asyncio.to_thread(ray.put, payload)
             await self._node_actor().offer.remote(request_id, [ref], payload.num_bytes, self.kv_transfer.lease_s)
-        except Exception:  # noqa: BLE001 - the decode worker's claim times out and it recomputes
+        except Exception as exc:  # noqa: BLE001 - the decode worker's claim times out and it recomputes
             logger.exception("exporting the KV of %s failed", request_id)
+            if trace is not None:
+                trace.record("kv_transfer", start_ns, time.time_ns(), {"kvrelay.kv.side": "export"}, error=f"{type(exc).__name__}: {exc}")
             await self.engine.release_kv(request_id)
             return
         self.counters.num_kv_exports += 1
         self.counters.kv_export_bytes += payload.num_bytes
+        if trace is not None:
+            trace.record("kv_transfer", start_ns, time.time_ns(), {"kvrelay.kv.side": "export", "kvrelay.kv.bytes": payload.num_bytes})
 
     def _node_actor(self):
         if self._local_actor is None:
@@ -197,8 +209,13 @@ class EngineWorker:
     async def generate(
         self, request: WorkerRequest, kv: KVHandle | None = None, prior_output_token_ids: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput | WorkerError]:
-        payload = await self._claim(kv) if kv is not None else None
+        trace = tracing.continue_trace(request.trace_context, self.role)
+        if trace is not None:
+            trace.route_done()
+        payload = await self._claim(kv, trace) if kv is not None else None
+        imported = payload is not None
         tracker = self.latencies.track(continues=bool(prior_output_token_ids))
+        last: RequestOutput | None = None
         try:
             async for out in self.engine.generate(
                 request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
@@ -207,11 +224,28 @@ class EngineWorker:
             ):
                 payload = None  # imported (or never needed); let the shared-memory view go
                 tracker.observe(out)
+                last = out
                 yield out
         except EngineError as exc:
             yield WorkerError.from_exception(exc)
+        finally:
+            if trace is not None:
+                # A prompt not imported was computed here: prefill, then decode from its first token.
+                trace.engine_stages(last.metrics if last else None, prefill=not imported, decode=True, aborted=last is None or not last.finished)
 
-    async def _claim(self, kv: KVHandle) -> KVPayload | None:
+    async def _claim(self, kv: KVHandle, trace: tracing.CarriedTrace | None = None) -> KVPayload | None:
+        if trace is None:
+            return await self._claim_kv(kv)
+        start_ns = time.time_ns()
+        payload = await self._claim_kv(kv)
+        attributes = {"kvrelay.kv.side": "import", "kvrelay.kv.imported": payload is not None}
+        if payload is not None:
+            attributes["kvrelay.kv.bytes"] = payload.num_bytes
+        trace.record("kv_transfer", start_ns, time.time_ns(), attributes,
+                     error=None if payload is not None else "not imported; the prompt is recomputed")
+        return payload
+
+    async def _claim_kv(self, kv: KVHandle) -> KVPayload | None:
         start = time.monotonic()
         timeout_s = self.kv_transfer.timeout_s
         actor = None
@@ -253,3 +287,4 @@ class EngineWorker:
     # ---- lifecycle ---------------------------------------------------------------------------
     def shutdown(self) -> None:
         self.engine.shutdown()
+        tracing.flush()

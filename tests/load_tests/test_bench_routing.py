@@ -97,13 +97,15 @@ def test_routers_see_stats_and_their_own_routing():
 
 def test_oracle_pins_the_most_requested_groups_that_fit():
     # 8-token prefixes (2 blocks); a 12-token prompt needs 1 block of its own beside them.
-    workload = tiny_workload([(0.0, 0), (0.1, 0), (0.2, 0), (0.3, 1), (0.4, 1)])
-    # 3 blocks: room for one prefix (2 + 1): group 0 (3 requests) wins: 2 later requests x 8 tokens.
-    assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=3) == (16, 60, [0])
-    # 5 blocks: both fit on one replica; or one each on two replicas of 3.
-    assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=5) == (24, 60, [0, 1])
-    assert oracle_hit_tokens(workload, num_replicas=2, num_blocks=3) == (24, 60, [0, 1])
-    assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=2) == (0, 60, [])
+    workload = tiny_workload([(0.0, 0), (0.1, 0), (0.2, 0), (0.3, 1), (0.4, 1), (0.5, 2)])
+    # 3 blocks: room 2, one prefix: group 0 (3 requests) wins: 2 later requests x 8 tokens.
+    assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=3) == (16, 72, {0: 2})
+    # Room for both on one replica, or one each on two; group 2 (one request) is never pinned.
+    assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=5) == (24, 72, {0: 2, 1: 2})
+    assert oracle_hit_tokens(workload, num_replicas=2, num_blocks=3) == (24, 72, {0: 2, 1: 2})
+    # Room 3: group 0's 2 blocks, then group 1's first block (4 tokens for its 1 later request).
+    assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=4) == (16 + 4, 72, {0: 2, 1: 1})
+    assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=1) == (0, 72, {})
 
 
 def test_workload_is_seeded_and_shares_prefix_hashes():
@@ -165,6 +167,11 @@ def test_presets_and_overrides():
     p = params_from_args(parse(["bench", "routing", "--simulate", "--sweep", "4,8", "--zipf", "1.2", "--num-replicas", "4"]))
     assert (p.sweep, p.zipf, p.num_replicas, p.num_requests) == ((4, 8), 1.2, 4, 4000)
     assert params_from_args(parse(["bench", "routing", "--simulate", "--sweep", "none"])).sweep == ()
+    p = params_from_args(parse(["bench", "routing", "--param", "max_load_ratio=null", "--param", "tie_tolerance=0.1"]))
+    assert p.policy_params("prefix_cost") == {"max_load_ratio": None, "tie_tolerance": 0.1}
+    assert p.policy_params("pow2") == {}
+    with pytest.raises(SystemExit, match="--param: routing policy 'prefix_cost'.*'bogus'"):
+        params_from_args(parse(["bench", "routing", "--param", "bogus=1"]))
     with pytest.raises(SystemExit, match="cannot hold one 1088-token prompt"):
         params_from_args(parse(["bench", "routing", "--simulate", "--kv-cache-tokens", "512"]))
 
