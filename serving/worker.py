@@ -39,6 +39,7 @@ from serving.engine.outputs import RequestOutput
 from serving.errors import WorkerError
 from serving.frontend import ModelInfo, WorkerRequest
 from serving.local_backend import model_info
+from serving.metrics import WorkerMetrics
 from serving.worker_metrics import RequestLatencies, autoscaling_stats
 from router.index import CachedBlockSet
 from serving.kv_transfer_actor import KVHandle
@@ -68,12 +69,17 @@ class WorkerCounters:
 
 
 class EngineWorker:
-    def __init__(self, role: str, engine_config: EngineConfig, kv_transfer: KVTransferConfig, app_name: str):
+    def __init__(
+        self, role: str, engine_config: EngineConfig, kv_transfer: KVTransferConfig, app_name: str,
+        metrics: WorkerMetrics | None = None,
+    ):
         self.role = role
         self.app_name = app_name
         self.kv_transfer = kv_transfer
         self.engine = AsyncEngine(engine_config)
         self.counters = WorkerCounters()
+        # Prometheus / Ray metrics (serving/metrics.py); the engine is sampled in routing_stats.
+        self.metrics = metrics or WorkerMetrics(engine_config.model, role, "")
         self.latencies = RequestLatencies()  # TTFT/TPOT windows, for autoscaling
         self._kv_actors: dict[str, object] = {}
         self._offers: set[asyncio.Task] = set()  # background exports, referenced until done
@@ -101,6 +107,9 @@ class EngineWorker:
         with self._cached_blocks_lock:
             snapshot = self._cached_blocks.snapshot()
         stats = self.engine.stats()
+        # Serve calls this every routing.stats_period_s: the engine's metrics are sampled here
+        # and travel with the stats to the ingress's GET /metrics (serving/metrics_export.py).
+        self.metrics.refresh(stats)
         return {
             **snapshot,
             "epoch": self._epoch,
@@ -113,6 +122,7 @@ class EngineWorker:
             "num_free_blocks": stats.num_free_blocks,
             "num_blocks": stats.num_blocks,
             "kv_cache_usage": stats.kv_cache_usage,
+            "metrics": self.metrics.snapshot(),
         }
 
     def _on_kv_events(self, events) -> None:
@@ -147,6 +157,7 @@ class EngineWorker:
                 last = out
             ran = last is not None and last.outputs[0].finish_reason != "abort"
             self.counters.num_prefills += 1
+            self.metrics.first_token(last.metrics, computed_prompt=True)
             completion = last.outputs[0]
             if completion.finish_reason == "abort":
                 return PrefillResult(last, None)
@@ -196,6 +207,7 @@ class EngineWorker:
             return
         self.counters.num_kv_exports += 1
         self.counters.kv_export_bytes += payload.num_bytes
+        self.metrics.kv_exported(payload.num_bytes)
         if trace is not None:
             trace.record("kv_transfer", start_ns, time.time_ns(), {"kvrelay.kv.side": "export", "kvrelay.kv.bytes": payload.num_bytes})
 
@@ -224,6 +236,8 @@ class EngineWorker:
             ):
                 payload = None  # imported (or never needed); let the shared-memory view go
                 tracker.observe(out)
+                if last is None:  # a prompt not imported was computed here: its prefill time
+                    self.metrics.first_token(out.metrics, computed_prompt=not imported)
                 last = out
                 yield out
         except EngineError as exc:
@@ -266,14 +280,17 @@ class EngineWorker:
         except (ray.exceptions.RayError, ValueError) as exc:  # actor or object lost
             logger.warning("KV import of %s failed (%s)", kv.request_id, exc)
             return self._fallback(kv, "error")
+        elapsed_s = time.monotonic() - start
         self.counters.num_kv_imports += 1
         self.counters.kv_import_bytes += payload.num_bytes
-        self.counters.kv_import_seconds += time.monotonic() - start
+        self.counters.kv_import_seconds += elapsed_s
+        self.metrics.kv_imported(elapsed_s, payload.num_bytes)
         return payload
 
     def _fallback(self, kv: KVHandle, reason: str) -> None:
         self.counters.num_kv_fallbacks += 1
         self.counters.fallback_reasons[reason] = self.counters.fallback_reasons.get(reason, 0) + 1
+        self.metrics.kv_fallback(reason)
         logger.warning("KV of %s not imported (%s): recomputing its %d tokens", kv.request_id, reason, kv.num_tokens)
         return None
 
