@@ -18,8 +18,10 @@ from ray.serve.config import RequestRouterConfig
 from router.autoscaling import serve_autoscaling_config
 from router.policy_config import load_policy
 from router.request_router import KVAwareRequestRouter, PrefixAwareRequestRouter
+from serving import tracing
 from serving.config import PoolConfig, RoutingConfig, ServeConfig, load_config
 from serving.deployments import DecodeWorker, OpenAIIngress, PrefillWorker, Worker
+from serving.usage import ModelPrice, load_pricing
 
 __all__ = ["build_app", "config_from_args", "REPLICA_ENV"]
 
@@ -43,10 +45,12 @@ def config_from_args(args: dict[str, Any] | None) -> ServeConfig:
 def build_app(args: dict[str, Any] | ServeConfig | None = None) -> Application:
     config = args if isinstance(args, ServeConfig) else config_from_args(args)
     data = config.model_dump(mode="json")
+    # Read here, so a bad file fails before anything deploys and replicas need not have it.
+    price = load_pricing(config.pricing).price_for(config.model_name, config.pricing) if config.pricing else None
     ingress = OpenAIIngress.options(
         num_replicas=config.ingress.num_replicas,
         max_ongoing_requests=config.ingress.max_ongoing_requests,
-        ray_actor_options={"num_cpus": config.ingress.num_cpus, "runtime_env": {"env_vars": REPLICA_ENV}},
+        ray_actor_options={"num_cpus": config.ingress.num_cpus, "runtime_env": {"env_vars": _replica_env()}},
     )
     policy = load_policy(config.autoscaling_policy) if config.autoscaling_policy else None
     scaling = {pool: serve_autoscaling_config(pool, policy) if policy else None for pool in ("prefill", "decode", "worker")}
@@ -54,11 +58,22 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> Application:
     prefill_router = _router(PrefixAwareRequestRouter, routing.prefill_policy, routing.prefill_params, routing)
     if config.mode == "colocated":
         worker = _pool(Worker, config.worker, prefill_router, scaling["worker"]).bind(data)
-        return ingress.bind(data, None, worker)
+        return ingress.bind(data, None, worker, _price_data(price))
     prefill = _pool(PrefillWorker, config.prefill, prefill_router, scaling["prefill"]).bind(data)
     decode_router = _router(KVAwareRequestRouter, routing.decode_policy, routing.decode_params, routing)
     decode = _pool(DecodeWorker, config.decode, decode_router, scaling["decode"]).bind(data)
-    return ingress.bind(data, prefill, decode)
+    return ingress.bind(data, prefill, decode, _price_data(price))
+
+
+def _replica_env() -> dict[str, str]:
+    """REPLICA_ENV plus the builder's OTEL_* variables (serving/tracing.py): replicas on a node
+    started elsewhere would not otherwise see them. They show in the Ray dashboard's runtime
+    env: pass exporter credentials (OTEL_EXPORTER_OTLP_HEADERS) another way if that matters."""
+    return {**REPLICA_ENV, **tracing.otel_env()}
+
+
+def _price_data(price: ModelPrice | None) -> dict | None:
+    return price.model_dump(mode="json") if price is not None else None
 
 
 def _router(cls, policy: str, params: dict, routing: RoutingConfig) -> RequestRouterConfig:
@@ -71,7 +86,7 @@ def _router(cls, policy: str, params: dict, routing: RoutingConfig) -> RequestRo
 
 
 def _pool(deployment, pool: PoolConfig, router_config: RequestRouterConfig, autoscaling: dict | None = None):
-    actor_options: dict[str, Any] = {"num_cpus": pool.num_cpus, "runtime_env": {"env_vars": REPLICA_ENV}}
+    actor_options: dict[str, Any] = {"num_cpus": pool.num_cpus, "runtime_env": {"env_vars": _replica_env()}}
     if pool.num_gpus:
         actor_options["num_gpus"] = pool.num_gpus
     if pool.resources:

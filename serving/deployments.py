@@ -12,10 +12,12 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
+from serving import tracing
 from serving.config import ServeConfig
 from serving.errors import WorkerError
 from serving.frontend import Frontend, ModelInfo, WorkerRequest
 from serving.kv_transfer_actor import KVHandle
+from serving.metrics import WorkerMetrics
 
 __all__ = ["OpenAIIngress", "PrefillWorker", "DecodeWorker", "Worker"]
 
@@ -29,8 +31,10 @@ class _WorkerDeployment:
         from serving.worker import EngineWorker
 
         cfg = ServeConfig.model_validate(config)
+        tracing.setup(self.role)
         pool = {"prefill": cfg.prefill, "decode": cfg.decode}.get(self.role, cfg.worker)
-        self.worker = EngineWorker(self.role, cfg.engine_config(pool), cfg.kv_transfer, cfg.app_name)
+        metrics = WorkerMetrics(cfg.model_name, self.role, serve.get_replica_context().replica_id.unique_id)
+        self.worker = EngineWorker(self.role, cfg.engine_config(pool), cfg.kv_transfer, cfg.app_name, metrics)
 
     def model_info(self) -> ModelInfo:
         return self.worker.model_info()
@@ -85,15 +89,25 @@ class Worker(_WorkerDeployment):
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress()
 class OpenAIIngress:
-    def __init__(self, config: dict, prefill, decode):
+    def __init__(self, config: dict, prefill, decode, price: dict | None = None):
         from serving.engine.model_loader import load_tokenizer, resolve_model_dir
+        from serving.metrics_export import export_serve_pools
         from serving.openai_api import OpenAIServer
         from serving.serve_backend import ServeBackend
+        from serving.usage import ModelPrice
 
         cfg = ServeConfig.model_validate(config)
+        tracing.setup("ingress")
         tokenizer = load_tokenizer(resolve_model_dir(cfg.model))
         self.backend = ServeBackend(cfg, prefill=prefill, decode=decode)
-        self.server = OpenAIServer(Frontend(tokenizer, self.backend, cfg.model_name), cfg)
+        model_price = ModelPrice.model_validate(price) if price is not None else None
+        self.server = OpenAIServer(Frontend(tokenizer, self.backend, cfg.model_name), cfg, model_price)
+        self.pool_view = export_serve_pools(self.server.metrics, cfg.app_name, (prefill, decode))
 
     def __serve_build_asgi_app__(self):
         return self.server.build_app()
+
+    def __del__(self):
+        if getattr(self, "pool_view", None) is not None:
+            self.pool_view.stop()
+        tracing.flush()  # the last requests' spans

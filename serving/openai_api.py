@@ -3,13 +3,20 @@
     POST /v1/chat/completions   chat.completion / chat.completion.chunk (SSE)
     POST /v1/completions        text_completion (SSE when stream)
     GET  /v1/models             the served model
+    GET  /v1/usage              totals for the caller's API key, or every key's for an admin key
     GET  /health                200 when every pool has a live replica, else 503
+    GET  /metrics               Prometheus exposition (serving/metrics.py, serving/metrics_export.py)
 
 Bodies are parsed here, not by FastAPI, so every failure has OpenAI's error shape:
 malformed JSON is a 422 with a `detail` list as FastAPI would give; a field of the wrong type or
 out of range is a 400 whose `param` names it. A streaming request is answered with an HTTP error
 status if it fails before its first token; after that, failures arrive as an SSE `error` event
 followed by `data: [DONE]`.
+
+Each request answered 200 is billed to its API key (serving/usage.py) when its tokens are final;
+with a pricing file its cost is in `usage.cost` and, unless streamed (headers leave before the
+tokens are known), in the `x-kvrelay-cost` header. With tracing on (serving/tracing.py) each
+request is one trace: the `ingress` span covers it until its response or stream ends.
 """
 
 from __future__ import annotations
@@ -19,18 +26,23 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
+import prometheus_client
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from serving import tracing
 from serving.config import ServeConfig
 from serving.engine.outputs import TokenLogprob
 from serving.errors import APIError, AuthenticationError, ModelNotFoundError, to_api_error
 from serving.frontend import ChoiceDelta, Frontend, Usage
+from serving.metrics import CLIENT_CLOSED, IngressMetrics, RequestRecord
 from serving.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
+from serving.usage import ANONYMOUS, ModelPrice, RequestAccount, UsageLedger, load_pricing, redact_key
 
 __all__ = ["OpenAIServer"]
 
@@ -39,13 +51,40 @@ logger = logging.getLogger(__name__)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+@dataclass
+class _Call:
+    """One API request at the ingress: who pays for it, and its trace."""
+
+    account: RequestAccount
+    trace: tracing.RequestTrace | None
+    record: RequestRecord  # its metrics: recorded when its response or stream ends
+
+    def finish(self, status_code: int = 200, error: str | None = None) -> None:
+        """Its response is complete (built, or its stream ended): bill it, end its trace."""
+        self.account.settle()
+        if self.trace is not None:
+            usage = self.account.usage
+            if usage is not None:
+                self.trace.set({"gen_ai.usage.input_tokens": usage.prompt_tokens, "gen_ai.usage.output_tokens": usage.completion_tokens})
+            self.trace.end(status_code, error)
+
+
 class OpenAIServer:
-    def __init__(self, frontend: Frontend, config: ServeConfig):
+    """`price`: the served model's prices; default: from `config.pricing` (the deployment
+    passes them parsed, so replicas need not read the file)."""
+
+    def __init__(self, frontend: Frontend, config: ServeConfig, price: ModelPrice | None = None):
         self.frontend = frontend
         self.config = config
         self.model_name = config.model_name
-        self._api_keys = frozenset(config.api_keys)
+        self._api_keys = frozenset(config.api_keys) | frozenset(config.admin_api_keys)
+        self._admin_keys = frozenset(config.admin_api_keys)
+        if price is None and config.pricing:
+            price = load_pricing(config.pricing).price_for(self.model_name, config.pricing)
+        self.price = price
+        self.usage = UsageLedger()
         self._created = int(time.time())
+        self.metrics = IngressMetrics(self.model_name)
 
     # ---- the ASGI app ------------------------------------------------------------------------
     def build_app(self) -> FastAPI:
@@ -74,6 +113,15 @@ class OpenAIServer:
             self._check_model(model)
             return self._model_card()
 
+        @app.get("/v1/usage")
+        async def usage(request: Request):
+            return self._usage_report(self._authenticate(request))
+
+        @app.get("/metrics")
+        async def metrics():
+            body = prometheus_client.generate_latest(self.metrics.registry)
+            return Response(body, media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
         @app.get("/health")
         async def health():
             try:
@@ -85,25 +133,55 @@ class OpenAIServer:
         return app
 
     async def _guard(self, request: Request, handler) -> Response:
+        trace = tracing.start_request(request.headers, {"http.request.method": request.method, "url.path": request.url.path})
+        record = self.metrics.start()
         try:
-            self._authenticate(request)
+            key = self._authenticate(request)
             body = await _read_json(request, self.config.max_request_body_bytes)
-            return await handler(body)
+            call = _Call(RequestAccount(self.usage, key, self.price), trace, record)
+            response = await handler(body, call)
+        except asyncio.CancelledError:
+            record.finish(CLIENT_CLOSED, "abort")
+            if trace is not None:
+                trace.end(499, "the client disconnected")
+            raise
         except Exception as exc:
             error = to_api_error(exc)
+            record.finish(error.status, "none")  # a no-op if it failed while generating
             if error.status >= 500:
                 logger.exception("request failed: %s", error.message)
+            if trace is not None:
+                trace.set({"error.type": error.code or error.type})
+                trace.end(error.status, error.message if error.status >= 500 else None)
             return _error_response(error)
+        if not isinstance(response, StreamingResponse):
+            call.finish(response.status_code)  # a stream finishes when its body ends
+        return response
 
-    def _authenticate(self, request: Request) -> None:
+    def _authenticate(self, request: Request) -> str:
+        """The caller's API key; ANONYMOUS when no keys are configured."""
         if not self._api_keys:
-            return
+            return ANONYMOUS
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key:
             raise AuthenticationError("Missing API key: send 'Authorization: Bearer <key>'.")
-        if key.strip() not in self._api_keys:
+        key = key.strip()
+        if key not in self._api_keys:
             raise AuthenticationError("Incorrect API key provided.")
+        return key
+
+    def _usage_report(self, key: str) -> dict:
+        """This replica's totals: the caller's key, or every key for an admin key."""
+        is_admin = key in self._admin_keys
+        keys = sorted(set(self.usage.keys()) | {key}) if is_admin else [key]
+        currency = self.price.currency if self.price is not None else None
+        return {
+            "object": "list",
+            "scope": "all" if is_admin else "key",
+            "data": [{"object": "usage.api_key", "api_key": redact_key(k), **self.usage.totals(k).to_dict(currency)} for k in keys],
+            "total": self.usage.sum(keys).to_dict(currency),
+        }
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -113,27 +191,33 @@ class OpenAIServer:
         return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "kvrelay"}
 
     # ---- chat --------------------------------------------------------------------------------
-    async def chat_completions(self, body: dict) -> Response:
+    async def chat_completions(self, body: dict, call: _Call) -> Response:
         request = _parse(ChatCompletionRequest, body)
         self._check_model(request.model)
         params = sampling_params(request)
-        prompt_ids = self.frontend.encode_chat(
-            request.messages, add_generation_prompt=request.add_generation_prompt,
-            chat_template_kwargs=request.chat_template_kwargs,
-        )
-        await self.frontend.validate(prompt_ids, params)
+        with tracing.stage(call.trace, "tokenize"):
+            prompt_ids = self.frontend.encode_chat(
+                request.messages, add_generation_prompt=request.add_generation_prompt,
+                chat_template_kwargs=request.chat_template_kwargs,
+            )
+            await self.frontend.validate(prompt_ids, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if call.trace is not None:
+            call.trace.set({"kvrelay.request_id": request_id, "gen_ai.request.model": self.model_name})
         created = int(time.time())
         usage = Usage()
+        call.account.track(lambda: usage)
         deltas = self.frontend.generate(
-            request_id, prompt_ids, params, usage, priority=request.priority, cache_salt=request.cache_salt, session=request.user,
+            request_id, prompt_ids, params, usage, priority=request.priority, cache_salt=request.cache_salt,
+            session=request.user, trace=call.trace,
         )
+        deltas = self.metrics.track(call.record, deltas, prompt_tokens=len(prompt_ids))
         base = {"id": request_id, "created": created, "model": self.model_name, "system_fingerprint": None}
         want_logprobs = params.logprobs is not None
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             first = await _first(deltas)
-            return _sse(self._chat_chunks(base, first, deltas, params.n, usage, include_usage, want_logprobs), deltas)
+            return _sse(self._chat_chunks(base, first, deltas, params.n, call.account, include_usage, want_logprobs), deltas, call.finish)
 
         texts = [""] * params.n
         finish: list[str | None] = [None] * params.n
@@ -152,11 +236,14 @@ class OpenAIServer:
             }
             for i in range(params.n)
         ]
-        return JSONResponse({**base, "object": "chat.completion", "choices": choices, "usage": usage.to_dict()})
+        return JSONResponse(
+            {**base, "object": "chat.completion", "choices": choices, "usage": call.account.settle()},
+            headers=call.account.headers(),
+        )
 
     async def _chat_chunks(
         self, base: dict, first: ChoiceDelta | None, deltas: AsyncIterator[ChoiceDelta], n: int,
-        usage: Usage, include_usage: bool, want_logprobs: bool,
+        account: RequestAccount, include_usage: bool, want_logprobs: bool,
     ) -> AsyncIterator[dict]:
         base = {**base, "object": "chat.completion.chunk"}
         extra = {"usage": None} if include_usage else {}
@@ -172,7 +259,7 @@ class OpenAIServer:
                 continue  # held back by the detokenizer or a possible stop string
             yield {**base, "choices": [choice], **extra}
         if include_usage:
-            yield {**base, "choices": [], "usage": usage.to_dict()}
+            yield {**base, "choices": [], "usage": account.settle()}
 
     def _chat_logprobs(self, logprobs: list[TokenLogprob]) -> list[dict]:
         entries = []
@@ -187,36 +274,42 @@ class OpenAIServer:
         return {"token": text, "logprob": _finite(logprob), "bytes": list(self.frontend.token_bytes(token_id))}
 
     # ---- completions -------------------------------------------------------------------------
-    async def completions(self, body: dict) -> Response:
+    async def completions(self, body: dict, call: _Call) -> Response:
         request = _parse(CompletionRequest, body)
         self._check_model(request.model)
         params = sampling_params(request)
         prompts = _split_prompts(request.prompt)
         if request.echo and request.stream:
             raise APIError(400, "echo: is not supported with stream", param="echo", code="invalid_value")
-        prompt_ids = [self.frontend.encode_prompt(p) for p in prompts]
-        for ids in prompt_ids:
-            await self.frontend.validate(ids, params, prompt_param="prompt")
+        with tracing.stage(call.trace, "tokenize"):
+            prompt_ids = [self.frontend.encode_prompt(p) for p in prompts]
+            for ids in prompt_ids:
+                await self.frontend.validate(ids, params, prompt_param="prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        if call.trace is not None:
+            call.trace.set({"kvrelay.request_id": request_id, "gen_ai.request.model": self.model_name})
         created = int(time.time())
         usages = [Usage() for _ in prompts]
         streams = [
             self.frontend.generate(
                 f"{request_id}-{i}", ids, params, usages[i], priority=request.priority,
-                cache_salt=request.cache_salt, index_offset=i * params.n, session=request.user,
+                cache_salt=request.cache_salt, index_offset=i * params.n, session=request.user, trace=call.trace,
             )
             for i, ids in enumerate(prompt_ids)
         ]
         deltas = streams[0] if len(streams) == 1 else _merge(streams)
+        deltas = self.metrics.track(call.record, deltas, prompt_tokens=sum(map(len, prompt_ids)))
         base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name, "system_fingerprint": None}
         num_choices = params.n * len(prompts)
         want_logprobs = params.logprobs is not None
 
-        def total_usage() -> dict:
+        def total_usage() -> Usage:
             total = Usage()
             for u in usages:
                 total.add(u)
-            return total.to_dict()
+            return total
+
+        call.account.track(total_usage)
 
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -234,9 +327,9 @@ class OpenAIServer:
                         continue  # held back by the detokenizer or a possible stop string
                     yield {**base, "choices": [{"index": delta.index, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason}], **extra}
                 if include_usage:
-                    yield {**base, "choices": [], "usage": total_usage()}
+                    yield {**base, "choices": [], "usage": call.account.settle()}
 
-            return _sse(chunks(), deltas)
+            return _sse(chunks(), deltas, call.finish)
 
         echoed = [""] * num_choices
         if request.echo:
@@ -260,7 +353,7 @@ class OpenAIServer:
             }
             for i in range(num_choices)
         ]
-        return JSONResponse({**base, "choices": choices, "usage": total_usage()})
+        return JSONResponse({**base, "choices": choices, "usage": call.account.settle()}, headers=call.account.headers())
 
     def _completion_logprobs(self, logprobs: list[TokenLogprob], offset: int) -> dict:
         tokens, token_logprobs, top, text_offset = [], [], [], []
@@ -389,23 +482,30 @@ async def _merge(streams: list[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[Cho
             await stream.aclose()
 
 
-def _sse(chunks: AsyncIterator[dict], deltas: AsyncIterator[ChoiceDelta]) -> StreamingResponse:
+def _sse(
+    chunks: AsyncIterator[dict], deltas: AsyncIterator[ChoiceDelta], on_close: Callable[[int, str | None], None],
+) -> StreamingResponse:
     """`deltas` is closed explicitly: a disconnect can cancel us while `chunks` waits at a yield,
-    and closing it would not reach the generator it iterates over."""
+    and closing it would not reach the generator it iterates over. `on_close(200, error)` runs
+    once the stream has ended, however it ended."""
 
     async def body():
+        failure = None
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
         except asyncio.CancelledError:
+            failure = "the client disconnected"
             raise
         except Exception as exc:
             error = to_api_error(exc)
+            failure = error.message
             logger.warning("stream failed after its first token: %s", error.message)
             yield f"data: {json.dumps(error.body())}\n\n"
         finally:
             await chunks.aclose()
             await deltas.aclose()
+            on_close(200, failure)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=_SSE_HEADERS)
