@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, NamedTuple
 
 from router.policy_config import POOL_POLICIES, AutoscalingPolicyConfig, PoolPolicy
+from serving.metrics import record_autoscaler_decision
 
 __all__ = [
     "SIGNALS",
@@ -268,6 +269,7 @@ def _serve_decide(pool: str, ctx, policy_kwargs: dict[str, Any]) -> tuple[int, d
     )
     decision = decide(policy, observation, ScaleState.from_dict(ctx.policy_state), now)
     if decision.num_replicas != ctx.target_num_replicas:
+        record_autoscaler_decision(pool, decision.reason.split(":", 1)[0])  # up | down | clamp
         _serve_logger.info(
             "kvrelay autoscaling policy %r, %s pool (%s): %s",
             kwargs.get("policy_name"), pool, ctx.deployment_name, decision.reason,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
@@ -27,10 +28,20 @@ from ray.serve._private.request_router.request_router import FIFOMixin, RequestR
 
 from router.policies import LeastKVPolicy, PrefixCostPolicy, RouteRequest, build_policy
 from router.routing_state import RouterState, load_from_stats
+from serving.metrics import POOL_OF_DEPLOYMENT, record_routing_decision
 
-__all__ = ["PrefixAwareRequestRouter", "KVAwareRequestRouter", "route_request_from_args", "load_from_stats"]
+__all__ = [
+    "PrefixAwareRequestRouter", "KVAwareRequestRouter", "route_request_from_args", "load_from_stats", "live_routers",
+]
 
 logger = logging.getLogger(__name__)
+
+# The routers of this process, for the ingress's GET /metrics (serving/metrics_export.py).
+_routers: weakref.WeakSet = weakref.WeakSet()
+
+
+def live_routers() -> list:
+    return list(_routers)
 
 
 def route_request_from_args(pending_request: PendingRequest | None) -> RouteRequest | None:
@@ -57,6 +68,12 @@ class _PolicyRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, policy: str | None = None, **params) -> None:
         # The decision itself (index, in-flight accounting, policy) is Ray-free: router/routing_state.py.
         self.state = RouterState(build_policy(policy or self.default_policy, **params))
+        self.pool = POOL_OF_DEPLOYMENT.get(self.deployment_name, self.deployment_name)
+        _routers.add(self)
+
+    @property
+    def deployment_name(self) -> str:
+        return self._deployment_id.name
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -71,6 +88,7 @@ class _PolicyRouter(FIFOMixin, RequestRouter):
             request, [(replica.replica_id, replica.routing_stats) for replica in candidate_replicas], time.time(),
             known_replicas=self._all_replica_ids(),
         )
+        record_routing_decision(self.pool, self.state.policy.name, decision.reason)
         return [[by_id[replica_id]] for replica_id in decision.ranked]
 
     def on_replica_actor_died(self, replica_id) -> None:

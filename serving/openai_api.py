@@ -33,6 +33,7 @@ from typing import Any
 import prometheus_client
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from pydantic import ValidationError
 
 from serving import tracing
@@ -119,8 +120,9 @@ class OpenAIServer:
 
         @app.get("/metrics")
         async def metrics():
+            # The 0.0.4 text format: what every Prometheus (and Ray's agent) reads.
             body = prometheus_client.generate_latest(self.metrics.registry)
-            return Response(body, media_type=prometheus_client.CONTENT_TYPE_LATEST)
+            return Response(body, media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
         @app.get("/health")
         async def health():
