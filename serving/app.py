@@ -58,11 +58,11 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> Application:
     prefill_router = _router(PrefixAwareRequestRouter, routing.prefill_policy, routing.prefill_params, routing)
     if config.mode == "colocated":
         worker = _pool(Worker, config.worker, prefill_router, scaling["worker"]).bind(data)
-        return ingress.bind(data, None, worker, _price_data(price))
+        return ingress.bind(data, None, worker, price=_price_data(price))
     prefill = _pool(PrefillWorker, config.prefill, prefill_router, scaling["prefill"]).bind(data)
     decode_router = _router(KVAwareRequestRouter, routing.decode_policy, routing.decode_params, routing)
     decode = _pool(DecodeWorker, config.decode, decode_router, scaling["decode"]).bind(data)
-    return ingress.bind(data, prefill, decode, _price_data(price))
+    return ingress.bind(data, prefill, decode, price=_price_data(price))
 
 
 def _replica_env() -> dict[str, str]:

@@ -114,7 +114,7 @@ def test_build_app_reads_the_pricing_file_and_hands_the_ingress_its_prices(tmp_p
     path = tmp_path / "pricing.yaml"
     path.write_text(PRICING_YAML)
     app = build_app(ServeConfig(served_model_name=MODEL, pricing=str(path)))
-    assert app._bound_deployment.init_args[3] == {"input_per_million": "0.15", "output_per_million": "0.6", "currency": "USD"}
+    assert app._bound_deployment.init_kwargs["price"] == {"input_per_million": "0.15", "output_per_million": "0.6", "currency": "USD"}
     path.write_text("models: {other: {input_per_million: 1, output_per_million: 1}}\n")
     with pytest.raises(ConfigError, match="no price for the served model 'tiny'"):
         build_app(ServeConfig(served_model_name=MODEL, pricing=str(path)))
