@@ -29,7 +29,7 @@ class LocalBackend:
     async def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
         if not self.engine.is_alive:
             raise NoWorkerError("engine", "its step loop has stopped")
-        trace = tracing.continue_trace(request.trace_context, "local")
+        trace = tracing.continue_trace(request.trace_context, "local", request.request_id)
         last: RequestOutput | None = None
         try:
             # Closed explicitly, not left to garbage collection: closing it is what aborts the request.

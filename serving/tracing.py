@@ -242,8 +242,9 @@ class RequestTrace(_Spans):
 class CarriedTrace(_Spans):
     """A worker's (or the LocalBackend's) spans for a request whose context came in a carrier."""
 
-    def __init__(self, tracer: Tracer, carrier: Mapping[str, str], pool: str):
-        super().__init__(tracer, _PROPAGATOR.extract(carrier, context=Context()), {"kvrelay.pool": pool})
+    def __init__(self, tracer: Tracer, carrier: Mapping[str, str], pool: str, request_id: str):
+        attributes = {"kvrelay.pool": pool, "kvrelay.request_id": request_id}
+        super().__init__(tracer, _PROPAGATOR.extract(carrier, context=Context()), attributes)
         self._route_start_ns = carrier.get(ROUTE_START_KEY)
 
     def route_done(self) -> None:
@@ -285,11 +286,11 @@ def start_request(headers: Mapping[str, str], attributes: dict[str, Any] | None 
     return RequestTrace(_tracer, span)
 
 
-def continue_trace(carrier: Mapping[str, str] | None, pool: str) -> CarriedTrace | None:
+def continue_trace(carrier: Mapping[str, str] | None, pool: str, request_id: str = "") -> CarriedTrace | None:
     """The worker side of a request's trace; None when it carries none or tracing is off here."""
     if carrier is None or _tracer is None:
         return None
-    return CarriedTrace(_tracer, carrier, pool)
+    return CarriedTrace(_tracer, carrier, pool, request_id)
 
 
 _NOOP = contextlib.nullcontext()

@@ -139,7 +139,7 @@ class EngineWorker:
 
     # ---- prefill side ------------------------------------------------------------------------
     async def prefill(self, request: WorkerRequest) -> PrefillResult | WorkerError:
-        trace = tracing.continue_trace(request.trace_context, self.role)
+        trace = tracing.continue_trace(request.trace_context, self.role, request.request_id)
         if trace is not None:
             trace.route_done()
         params = request.params
@@ -221,7 +221,7 @@ class EngineWorker:
     async def generate(
         self, request: WorkerRequest, kv: KVHandle | None = None, prior_output_token_ids: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput | WorkerError]:
-        trace = tracing.continue_trace(request.trace_context, self.role)
+        trace = tracing.continue_trace(request.trace_context, self.role, request.request_id)
         if trace is not None:
             trace.route_done()
         payload = await self._claim(kv, trace) if kv is not None else None

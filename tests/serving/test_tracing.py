@@ -167,6 +167,7 @@ async def test_a_chat_completion_is_one_trace_under_the_clients_span(stack, expo
         assert_within(ingress, span)
     for name in ENGINE_STAGES:
         assert spans[name][0].attributes["kvrelay.pool"] == "local"
+        assert spans[name][0].attributes["kvrelay.request_id"] == response.json()["id"]
     # The stages follow each other: tokenize, then the engine's queue → prefill → decode.
     tokenize, queue, prefill, decode = (spans[n][0] for n in ("tokenize", *ENGINE_STAGES))
     assert tokenize.end_time <= queue.start_time + 1_000_000  # clock conversion jitter
@@ -452,6 +453,8 @@ def test_the_full_stage_tree_across_replicas(traced_app):
         ("detokenize", "ingress", None, None),
     ])
     assert {s["resource"]["service.name"] for s in spans} == {"kvrelay-test"}
+    request_id = response.json()["id"]
+    assert {s["attributes"]["kvrelay.request_id"] for s in spans if s["name"] != "tokenize"} == {request_id}
     (imported,) = [s for s in spans if where(s)[2] == "import"]
     assert imported["attributes"]["kvrelay.kv.imported"] is True
     assert imported["attributes"]["kvrelay.kv.bytes"] > 0
