@@ -254,10 +254,10 @@ def status_report(state: dict, app_name: str, metrics_text: str | None) -> str:
     info = pool_deployments(state, app_name)
     lines = [f"application {app_name}: {info['app_status']}", ""]
     samples = parse_metrics(metrics_text) if metrics_text else []
-    running = _sum_by(samples, "kvrelay_running_requests", "pool")
-    waiting = _sum_by(samples, "kvrelay_waiting_requests", "pool")
-    kv = _sum_by(samples, "kvrelay_kv_cache_usage", "pool")
-    kv_count = {k: v for k, v in ((p, sum(1 for m, l, _ in samples if m == "kvrelay_kv_cache_usage" and l.get("pool") == p)) for p in kv)}
+    running = _sum_by(samples, "kvrelay_num_requests_running", "pool")
+    waiting = _sum_by(samples, "kvrelay_num_requests_waiting", "pool")
+    kv = _sum_by(samples, "kvrelay_kv_cache_usage_ratio", "pool")
+    kv_count = {k: v for k, v in ((p, sum(1 for m, l, _ in samples if m == "kvrelay_kv_cache_usage_ratio" and l.get("pool") == p)) for p in kv)}
     header = f"{'pool':<8} {'deployment':<14} {'status':<10} {'replicas':<22} {'running':>7} {'waiting':>7} {'kv use':>7}"
     lines.append(header)
     for pool, p in info["pools"].items():
@@ -271,7 +271,7 @@ def status_report(state: dict, app_name: str, metrics_text: str | None) -> str:
         )
     if samples:
         lines.append("")
-        for label, name in (("TTFT", "kvrelay_ttft_seconds"), ("TPOT", "kvrelay_tpot_seconds"), ("E2E", "kvrelay_e2e_latency_seconds")):
+        for label, name in (("TTFT", "kvrelay_ttft_seconds"), ("TPOT", "kvrelay_tpot_seconds"), ("E2E", "kvrelay_e2e_request_latency_seconds")):
             q = _quantiles(samples, name).get("")
             if q and q[0] is not None:
                 lines.append(f"{label:<5} p50 {q[0] * 1000:8.1f} ms   p95 {q[1] * 1000:8.1f} ms")

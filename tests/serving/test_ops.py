@@ -22,11 +22,11 @@ kvrelay_ttft_seconds_bucket{model="m",le="0.2"} 6.0
 kvrelay_ttft_seconds_bucket{model="m",le="0.4"} 10.0
 kvrelay_ttft_seconds_bucket{model="m",le="+Inf"} 10.0
 kvrelay_ttft_seconds_count{model="m"} 10.0
-kvrelay_running_requests{pool="decode",replica="a"} 3.0
-kvrelay_running_requests{pool="decode",replica="b"} 2.0
-kvrelay_waiting_requests{pool="prefill",replica="c"} 4.0
-kvrelay_kv_cache_usage{pool="decode",replica="a"} 0.5
-kvrelay_kv_cache_usage{pool="decode",replica="b"} 0.25
+kvrelay_num_requests_running{pool="decode",replica="a"} 3.0
+kvrelay_num_requests_running{pool="decode",replica="b"} 2.0
+kvrelay_num_requests_waiting{pool="prefill",replica="c"} 4.0
+kvrelay_kv_cache_usage_ratio{pool="decode",replica="a"} 0.5
+kvrelay_kv_cache_usage_ratio{pool="decode",replica="b"} 0.25
 """
 
 
