@@ -148,3 +148,13 @@ def test_serve_deploy_config_is_a_valid_serve_schema():
     app = schema.applications[0]
     assert (app.name, app.import_path, app.route_prefix) == ("kvrelay", "serving.app:build_app", "/")
     assert Path(app.args["autoscaling_policy"]).is_absolute()
+
+
+def test_status_reads_only_metrics_the_app_exports():
+    import re
+
+    from serving.metrics import METRICS
+
+    exported = {spec.name for spec in METRICS}
+    used = set(re.findall(r'"(kvrelay_[a-z_]+)"', Path(ops.__file__).read_text()))
+    assert used and used <= exported, used - exported
