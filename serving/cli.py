@@ -273,6 +273,14 @@ def _serve(args) -> int:
         except PolicyError as exc:
             print(f"kvrelay serve: {exc}", file=sys.stderr)
             return 2
+    if config.pricing:
+        from serving.usage import load_pricing
+
+        try:
+            load_pricing(config.pricing)
+        except (ConfigError, ValueError) as exc:
+            print(f"kvrelay serve: {exc}", file=sys.stderr)
+            return 2
     from serving.launcher import serve_forever
 
     return serve_forever(config)

@@ -96,8 +96,9 @@ class DashboardClient:
 def serve_deploy_config(config) -> dict:
     """The declarative Serve config (`serve deploy` schema) for a ServeConfig."""
     args = config.model_dump(mode="json")
-    if args.get("autoscaling_policy"):
-        args["autoscaling_policy"] = str(Path(args["autoscaling_policy"]).resolve())
+    for field in ("autoscaling_policy", "pricing"):  # read by the controller, from its own cwd
+        if args.get(field):
+            args[field] = str(Path(args[field]).resolve())
     return {
         "http_options": {"host": config.http.host, "port": config.http.port},
         "applications": [
