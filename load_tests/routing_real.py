@@ -10,6 +10,9 @@ starts from cold caches).
     lookup); load = uncached tokens per result.replica
 
 Ray is started here (address="local", its own temp dir, no dashboard) and shut down at the end.
+Each policy gets an app of its own name: a handle in this process keeps the request router it
+built for a deployment, so an app redeployed under the same name with another policy would still
+be routed by the first one (measured: every "policy" then behaved like the first).
 Each policy first gets 2 x replicas warm-up requests (random 64-token prompts, one at a time,
 not recorded) so the first measured requests do not pay for first-call allocations.
 """
@@ -81,7 +84,8 @@ def serve_config(model_dir: Path, dtype: str, policy: str, *, num_replicas: int,
     small = {"num_replicas": 1, "num_cpus": 0.25, "num_threads": 1}
     return ServeConfig.model_validate({
         "model": str(model_dir), "dtype": dtype, "kv_cache_bytes": kv_cache_bytes, "max_model_len": max_model_len,
-        "app_name": APP_NAME, "prefill": {"num_replicas": num_replicas, "num_cpus": 0.5, "num_threads": 1},
+        "app_name": f"{APP_NAME}-{policy.replace('_', '-')}",
+        "prefill": {"num_replicas": num_replicas, "num_cpus": 0.5, "num_threads": 1},
         "decode": small, "ingress": {"num_cpus": 0.1},
         "routing": {"prefill_policy": policy, "prefill_params": params or {}, "stats_period_s": stats_period_s},
     })
@@ -132,16 +136,17 @@ def run_policy(policy: str, workload: Workload, config, warmup: list[list[int]],
     from serving import kv_transfer_actor
     from serving.app import build_app
 
+    app = config.app_name
     progress(f"real: {policy}: deploying {config.prefill.num_replicas} prefill replicas")
     started = time.monotonic()
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/bench-routing")
+    serve.run(build_app(config), name=app, route_prefix=f"/{app}")
     startup_s = time.monotonic() - started
     try:
-        handle = serve.get_deployment_handle("PrefillWorker", app_name=APP_NAME)
+        handle = serve.get_deployment_handle("PrefillWorker", app_name=app)
         progress(f"real: {policy}: {len(warmup)} warm-up + {len(workload.requests)} requests")
         records, seen = asyncio.run(_run_workload(handle, workload, warmup, 2 * config.routing.stats_period_s + 0.5))
     finally:
-        serve.delete(APP_NAME)
-        kv_transfer_actor.kill_all(APP_NAME)
+        serve.delete(app)
+        kv_transfer_actor.kill_all(app)
     replicas = sorted(seen) + [f"(idle {i})" for i in range(config.prefill.num_replicas - len(seen))]
     return PolicyRun(policy, replicas, records), {"startup_s": startup_s}
