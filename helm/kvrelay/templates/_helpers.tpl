@@ -1,0 +1,208 @@
+{{/* Names and labels. */}}
+{{- define "kvrelay.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvrelay.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if contains (include "kvrelay.name" .) .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name (include "kvrelay.name" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvrelay.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvrelay.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvrelay.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "kvrelay.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* Where the app's files are mounted in every Ray container. */}}
+{{- define "kvrelay.configDir" -}}/etc/kvrelay{{- end -}}
+
+{{- define "kvrelay.secretName" -}}
+{{- .Values.apiKeys.existingSecret | default (printf "%s-api-keys" (include "kvrelay.fullname" .)) -}}
+{{- end -}}
+
+{{- define "kvrelay.hasApiKeys" -}}
+{{- if or .Values.apiKeys.existingSecret .Values.apiKeys.keys .Values.apiKeys.adminKeys }}true{{ end -}}
+{{- end -}}
+
+{{- define "kvrelay.hasConfigMap" -}}
+{{- if or .Values.autoscaling.enabled .Values.pricing }}true{{ end -}}
+{{- end -}}
+
+{{/* The ServeConfig `model` value for the chosen source. */}}
+{{- define "kvrelay.model" -}}
+{{- $m := .Values.model -}}
+{{- if eq $m.source "builtin" -}}
+{{- required "model.name is required with model.source=builtin" $m.name -}}
+{{- else if eq $m.source "pvc" -}}
+{{- if not $m.pvc.claimName }}{{ fail "model.pvc.claimName is required with model.source=pvc" }}{{ end -}}
+{{- printf "%s/%s" (trimSuffix "/" $m.pvc.mountPath) (trimPrefix "/" (required "model.path (inside the claim) is required with model.source=pvc" $m.path)) -}}
+{{- else -}}
+{{- if not (hasPrefix "/" $m.path) }}{{ fail (printf "model.path must be an absolute path in the image with model.source=image, got %q" $m.path) }}{{ end -}}
+{{- $m.path -}}
+{{- end -}}
+{{- end -}}
+
+{{/* serveConfigV2's application args: the ServeConfig fields. */}}
+{{- define "kvrelay.serveArgs" -}}
+{{- $args := deepCopy .Values.serve -}}
+{{- $_ := set $args "model" (include "kvrelay.model" .) -}}
+{{- $_ := set $args "http" (dict "host" "0.0.0.0" "port" 8000) -}}
+{{- $prefill := deepCopy (default (dict) $args.prefill) -}}
+{{- $_ := set $prefill "resources" (dict "kvrelay_prefill" 1) -}}
+{{- $_ := set $args "prefill" $prefill -}}
+{{- $decode := deepCopy (default (dict) $args.decode) -}}
+{{- $_ := set $decode "resources" (dict "kvrelay_decode" 1) -}}
+{{- $_ := set $args "decode" $decode -}}
+{{- if .Values.autoscaling.enabled -}}
+{{- $_ := set $args "autoscaling_policy" (printf "%s/autoscaling-policy.yaml" (include "kvrelay.configDir" .)) -}}
+{{- end -}}
+{{- if .Values.pricing -}}
+{{- $_ := set $args "pricing" (printf "%s/pricing.yaml" (include "kvrelay.configDir" .)) -}}
+{{- end -}}
+{{- toYaml $args -}}
+{{- end -}}
+
+{{/* A replica count check the schema cannot express. */}}
+{{- define "kvrelay.checkGroup" -}}
+{{- $name := index . 0 -}}{{- $g := index . 1 -}}
+{{- if gt (int $g.minReplicas) (int $g.maxReplicas) -}}
+{{- fail (printf "%s.minReplicas (%v) is above %s.maxReplicas (%v)" $name $g.minReplicas $name $g.maxReplicas) -}}
+{{- end -}}
+{{- if or (lt (int $g.replicas) (int $g.minReplicas)) (gt (int $g.replicas) (int $g.maxReplicas)) -}}
+{{- fail (printf "%s.replicas (%v) must be within %s.minReplicas..maxReplicas (%v..%v)" $name $g.replicas $name $g.minReplicas $g.maxReplicas) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Volumes, mounts and env shared by every Ray container. */}}
+{{- define "kvrelay.volumes" -}}
+- name: kvrelay-cache
+  emptyDir:
+    sizeLimit: {{ .Values.model.cacheSizeLimit }}
+{{- if include "kvrelay.hasConfigMap" . }}
+- name: kvrelay-config
+  configMap:
+    name: {{ include "kvrelay.fullname" . }}-config
+{{- end }}
+{{- if eq .Values.model.source "pvc" }}
+- name: kvrelay-model
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc.claimName }}
+    readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "kvrelay.volumeMounts" -}}
+- name: kvrelay-cache
+  mountPath: /var/cache/kvrelay
+{{- if include "kvrelay.hasConfigMap" . }}
+- name: kvrelay-config
+  mountPath: {{ include "kvrelay.configDir" . }}
+  readOnly: true
+{{- end }}
+{{- if eq .Values.model.source "pvc" }}
+- name: kvrelay-model
+  mountPath: {{ .Values.model.pvc.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* The Serve controller builds the app in a task that may run on any node, so every container
+     gets the API keys (read by load_config) and the mounted files. */}}
+{{- define "kvrelay.env" -}}
+- name: KVRELAY_CACHE_DIR
+  value: /var/cache/kvrelay
+{{- if include "kvrelay.hasApiKeys" . }}
+- name: KVRELAY_API_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvrelay.secretName" . }}
+      key: api-keys
+      optional: true
+- name: KVRELAY_ADMIN_API_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvrelay.secretName" . }}
+      key: admin-api-keys
+      optional: true
+{{- end }}
+{{- with .Values.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Rolls a new RayCluster (KubeRay's zero-downtime upgrade) when mounted files change: Serve
+     reads them only when it builds the app. */}}
+{{- define "kvrelay.checksums" -}}
+checksum/config: {{ printf "%s%s" (toYaml .Values.autoscaling) (toYaml .Values.pricing) | sha256sum | trunc 16 }}
+checksum/api-keys: {{ toYaml .Values.apiKeys | sha256sum | trunc 16 }}
+{{- end -}}
+
+{{/* A pod template of one group. Args: dict root, role, group, container name. */}}
+{{- define "kvrelay.podTemplate" -}}
+{{- $root := .root -}}{{- $g := .group -}}
+metadata:
+  labels:
+    {{- include "kvrelay.selectorLabels" $root | nindent 4 }}
+    app.kubernetes.io/component: {{ .role }}
+    {{- with $g.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  annotations:
+    {{- include "kvrelay.checksums" $root | nindent 4 }}
+    {{- with $g.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  {{- with $root.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: {{ .container }}
+      image: "{{ $root.Values.image.repository }}:{{ $root.Values.image.tag }}"
+      imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+      {{- if eq .role "head" }}
+      ports:
+        - {name: gcs-server, containerPort: 6379, protocol: TCP}
+        - {name: dashboard, containerPort: 8265, protocol: TCP}
+        - {name: client, containerPort: 10001, protocol: TCP}
+        - {name: serve, containerPort: 8000, protocol: TCP}
+        - {name: metrics, containerPort: 8080, protocol: TCP}
+      {{- else }}
+      ports:
+        - {name: serve, containerPort: 8000, protocol: TCP}
+        - {name: metrics, containerPort: 8080, protocol: TCP}
+      {{- end }}
+      env:
+        {{- include "kvrelay.env" $root | nindent 8 }}
+      resources:
+        {{- toYaml $g.resources | nindent 8 }}
+      volumeMounts:
+        {{- include "kvrelay.volumeMounts" $root | nindent 8 }}
+  volumes:
+    {{- include "kvrelay.volumes" $root | nindent 4 }}
+  {{- with $g.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $g.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $g.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end -}}
