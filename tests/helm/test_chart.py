@@ -27,6 +27,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
+from cluster.roles import REPLICA_SHARE, ROLE_LABEL, node_labels, node_resources
 from router.policy_config import load_policy
 from serving.app import build_app, config_from_args
 from serving.ops import APP_IMPORT_PATH
@@ -205,13 +206,17 @@ def test_pools_request_their_node_role(rendered, name):
     (rayservice,) = by_kind(rendered[name], "RayService")
     groups = {g["groupName"]: g for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
     assert sorted(groups) == ["decode", "prefill"]
-    assert groups["prefill"]["resources"] == {"kvrelay_prefill": "1000"}
-    assert groups["decode"]["resources"] == {"kvrelay_decode": "1000"}
+    # The same names and amounts as cluster/roles.py, which `kvrelay cluster` and tests/cluster use.
+    for role in ("prefill", "decode"):
+        assert groups[role]["resources"] == {k: f"{v:g}" for k, v in node_resources(role).items()}
+        assert groups[role]["labels"] == node_labels(role)
+        assert "resources" not in groups[role].get("rayStartParams", {})  # KubeRay refuses both
     head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]
     assert "resources" not in head and "resources" not in head["rayStartParams"]
+    assert head["labels"] == {ROLE_LABEL: "head"}
     args = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["args"]
-    assert args["prefill"]["resources"] == {"kvrelay_prefill": 1}
-    assert args["decode"]["resources"] == {"kvrelay_decode": 1}
+    assert args["prefill"]["resources"] == {"kvrelay_prefill": REPLICA_SHARE}
+    assert args["decode"]["resources"] == {"kvrelay_decode": REPLICA_SHARE}
 
 
 def test_gpu_values_request_gpus(rendered):

@@ -54,16 +54,18 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 
-{{/* serveConfigV2's application args: the ServeConfig fields. */}}
+{{/* serveConfigV2's application args: the ServeConfig fields. Each of the prefill and decode
+     pools asks per replica for a sliver (0.01, cluster/roles.py REPLICA_SHARE) of its node role's
+     resource, which only that group's nodes carry. */}}
 {{- define "kvrelay.serveArgs" -}}
 {{- $args := deepCopy .Values.serve -}}
 {{- $_ := set $args "model" (include "kvrelay.model" .) -}}
 {{- $_ := set $args "http" (dict "host" "0.0.0.0" "port" 8000) -}}
 {{- $prefill := deepCopy (default (dict) $args.prefill) -}}
-{{- $_ := set $prefill "resources" (dict "kvrelay_prefill" 1) -}}
+{{- $_ := set $prefill "resources" (dict "kvrelay_prefill" 0.01) -}}
 {{- $_ := set $args "prefill" $prefill -}}
 {{- $decode := deepCopy (default (dict) $args.decode) -}}
-{{- $_ := set $decode "resources" (dict "kvrelay_decode" 1) -}}
+{{- $_ := set $decode "resources" (dict "kvrelay_decode" 0.01) -}}
 {{- $_ := set $args "decode" $decode -}}
 {{- if .Values.autoscaling.enabled -}}
 {{- $_ := set $args "autoscaling_policy" (printf "%s/autoscaling-policy.yaml" (include "kvrelay.configDir" .)) -}}
