@@ -190,8 +190,7 @@ def values_schema() -> dict:
             "env": {"type": "array", "items": {"type": "object", "required": ["name"]}},
             "service": _obj({
                 "type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
-                "apiPort": {"type": "integer", "minimum": 1, "maximum": 65535},
-                "dashboardPort": {"type": "integer", "minimum": 1, "maximum": 65535},
+                "port": {"type": "integer", "minimum": 1, "maximum": 65535},
                 "annotations": _STR_MAP,
             }),
             "ingress": _obj({

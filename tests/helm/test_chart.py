@@ -151,9 +151,9 @@ def test_lint_strict(helm, name):
 
 def test_default_render_objects(rendered):
     kinds = sorted(doc["kind"] for doc in rendered["default"])
-    assert kinds == ["ConfigMap", "RayService", "Service"]
+    assert kinds == ["ConfigMap", "RayService"]  # the API's Service is the RayService's serveService
     custom = sorted(doc["kind"] for doc in rendered["custom"])
-    assert custom == ["ConfigMap", "Ingress", "PodMonitor", "RayService", "Service"]
+    assert custom == ["ConfigMap", "Ingress", "PodMonitor", "RayService"]
 
 
 @pytest.mark.parametrize("name", VALUES)
@@ -163,14 +163,31 @@ def test_core_objects_valid_for_kubernetes(rendered, name):
         if doc["apiVersion"] in CORE_GROUPS:
             kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
             checked += 1
-    # The RayService's pod templates are core objects too: validate each one as a Pod.
+    # The RayService's pod templates and its Service are core objects too: validate them as such.
     (rayservice,) = by_kind(rendered[name], "RayService")
+    service = {"apiVersion": "v1", "kind": "Service", **rayservice["spec"]["serveService"]}
+    kubernetes_validate.validate(service, KUBE_VERSION, strict=True)
     for group, template in pod_templates(rayservice).items():
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"x-{group}", **template["metadata"]},
                "spec": template["spec"]}
         kubernetes_validate.validate(pod, KUBE_VERSION, strict=True)
         checked += 1
-    assert checked >= 5
+    assert checked >= 4
+
+
+def test_api_service_and_ingress_backends(rendered):
+    """The API is the RayService's serveService, named like the release; the dashboard is
+    KubeRay's <name>-head-svc: both follow the serving cluster across upgrades."""
+    (rayservice,) = by_kind(rendered["custom"], "RayService")
+    service = rayservice["spec"]["serveService"]
+    assert service["metadata"]["name"] == rayservice["metadata"]["name"] == "llm"
+    assert service["spec"] == {"type": "LoadBalancer", "ports": [
+        {"name": "serve", "port": 8000, "targetPort": 8000, "protocol": "TCP"}]}
+    assert "selector" not in service["spec"]  # KubeRay sets it
+    (ingress,) = by_kind(rendered["custom"], "Ingress")
+    backends = {rule["host"]: rule["http"]["paths"][0]["backend"]["service"] for rule in ingress["spec"]["rules"]}
+    assert backends == {"llm.example.com": {"name": "llm", "port": {"number": 8000}},
+                        "ray.example.com": {"name": "llm-head-svc", "port": {"number": 8265}}}
 
 
 def test_kubernetes_validate_is_strict():
@@ -430,3 +447,4 @@ def test_notes_give_the_command_to_reach_the_api(helm, tmp_path):
     assert "kubectl -n llm port-forward svc/kvrelay 8000:8000" in out
     assert "curl -s http://127.0.0.1:8000/v1/chat/completions" in out
     assert '"model": "smollm2-135m-instruct"' in out
+    assert "kubectl -n llm port-forward svc/kvrelay-head-svc 8265:8265" in out
