@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvrelay-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast serve bench peers clean
+.PHONY: install test test-fast serve bench peers clean chart
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,3 +40,9 @@ peers:
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# After changing ServeConfig, the policy schema, or deploy/prometheus|grafana files: regenerate
+# the chart's values.schema.json and its copies of those files (tests/helm checks both).
+chart: install
+	$(PY) helm/tools/values_schema.py
+	helm/tools/sync-files.sh

@@ -356,6 +356,12 @@ def test_model_from_pvc_is_mounted_in_every_pod(rendered):
         ("decodeGroup: {replicas: 5, minReplicas: 1, maxReplicas: 4}\n",
          "decodeGroup.replicas (5) must be within decodeGroup.minReplicas..maxReplicas (1..4)"),
         ("model: {source: pvc, path: m}\n", "model.pvc.claimName is required with model.source=pvc"),
+        ("autoscaling: {policy: {decode: {min_replicas: 9, max_replicas: 8}}}\n",
+         "autoscaling.policy.decode.max_replicas = 8: below min_replicas = 9"),
+        ("autoscaling: {policy: {prefill: null, decode: null}}\n", "autoscaling.policy: no pool is configured"),
+        ("pricing: {models: {other: {input_per_million: 1, output_per_million: 2}}}\n",
+         'pricing.models: no price for the served model "smollm2-135m-instruct" (priced: other)'),
+        ("serve: {model: x}\n", "serve: Additional property model is not allowed"),
         ("model: {source: image, path: relative/dir}\n", "model.path must be an absolute path in the image"),
     ],
 )
