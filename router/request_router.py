@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
@@ -28,20 +27,11 @@ from ray.serve._private.request_router.request_router import FIFOMixin, RequestR
 
 from router.policies import LeastKVPolicy, PrefixCostPolicy, RouteRequest, build_policy
 from router.routing_state import RouterState, load_from_stats
-from serving.metrics import POOL_OF_DEPLOYMENT, record_routing_decision
+from serving.metrics import POOL_OF_DEPLOYMENT, record_routing_decision, register_router
 
-__all__ = [
-    "PrefixAwareRequestRouter", "KVAwareRequestRouter", "route_request_from_args", "load_from_stats", "live_routers",
-]
+__all__ = ["PrefixAwareRequestRouter", "KVAwareRequestRouter", "route_request_from_args", "load_from_stats"]
 
 logger = logging.getLogger(__name__)
-
-# The routers of this process, for the ingress's GET /metrics (serving/metrics_export.py).
-_routers: weakref.WeakSet = weakref.WeakSet()
-
-
-def live_routers() -> list:
-    return list(_routers)
 
 
 def route_request_from_args(pending_request: PendingRequest | None) -> RouteRequest | None:
@@ -69,7 +59,9 @@ class _PolicyRouter(FIFOMixin, RequestRouter):
         # The decision itself (index, in-flight accounting, policy) is Ray-free: router/routing_state.py.
         self.state = RouterState(build_policy(policy or self.default_policy, **params))
         self.pool = POOL_OF_DEPLOYMENT.get(self.deployment_name, self.deployment_name)
-        _routers.add(self)
+        # Serve ships this class by value (its module globals are a copy in each process), so
+        # the registry the ingress's GET /metrics reads lives in serving.metrics.
+        register_router(self)
 
     @property
     def deployment_name(self) -> str:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -59,6 +60,8 @@ __all__ = [
     "series_names",
     "record_routing_decision",
     "record_autoscaler_decision",
+    "register_router",
+    "live_routers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -172,6 +175,9 @@ class Instruments:
         self.labels = dict(labels or {})
         specs = [BY_NAME[name] for name in names]
         self._prom = {spec.name: _prom_metric(spec, self.registry) for spec in specs}
+        for spec in specs:  # a series with only the fixed labels shows from the start, at 0
+            if set(spec.labels) <= self.labels.keys() and spec.kind != "gauge":
+                self._prom[spec.name].labels(**self.labels)
         self.use_ray = _ray_connected() if use_ray is None else use_ray
         self._ray = {spec.name: _ray_metric(spec) for spec in specs} if self.use_ray else {}
 
@@ -207,6 +213,18 @@ def _ray_inc(name: str, labels: dict[str, str]) -> None:
         _ray_metric(BY_NAME[name]).inc(1.0, tags=labels)
     except Exception:  # noqa: BLE001 - metrics must never fail a routing or scaling decision
         logger.debug("recording %s failed", name, exc_info=True)
+
+
+_routers: weakref.WeakSet = weakref.WeakSet()
+
+
+def register_router(router) -> None:
+    """A request router of this process (router/request_router.py), for GET /metrics to read."""
+    _routers.add(router)
+
+
+def live_routers() -> list:
+    return list(_routers)
 
 
 def record_routing_decision(pool: str, policy: str, reason: str) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 
 from prometheus_client.core import Metric
 
-from serving.metrics import BY_NAME, POOL_OF_DEPLOYMENT, IngressMetrics
+from serving.metrics import BY_NAME, POOL_OF_DEPLOYMENT, IngressMetrics, live_routers
 
 __all__ = ["RoutersCollector", "PoolView", "serve_pool_status", "export_serve_pools"]
 
@@ -34,14 +34,13 @@ PoolStatus = dict[str, tuple[dict[str, int], int | None]]  # deployment → (rep
 
 
 class RoutersCollector:
-    """A prometheus_client collector over the routers of this process (router/request_router.py)."""
+    """A prometheus_client collector over the request routers of this process
+    (router/request_router.py registers them with serving.metrics.register_router)."""
 
     def __init__(self, routers: Callable[[], list] | None = None):
         self._routers = routers
 
     def collect(self):
-        from router.request_router import live_routers
-
         spec = BY_NAME["kvrelay_routing_decisions_total"]
         decisions: Counter[tuple[str, str, str]] = Counter()
         families: dict[str, Metric] = {}
