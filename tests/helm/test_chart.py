@@ -399,7 +399,10 @@ def test_podmonitor_relabels_like_deploy_prometheus(rendered):
     (monitor,) = by_kind(rendered["custom"], "PodMonitor")
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     (relabel,) = endpoint["metricRelabelings"]
-    prometheus = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    source = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+    if not source.exists():
+        pytest.skip("deploy/prometheus/prometheus.yml is not in this checkout")
+    prometheus = yaml.safe_load(source.read_text())
     (job,) = [j for j in prometheus["scrape_configs"] if j["job_name"] == "ray"]
     (expected,) = job["metric_relabel_configs"]
     assert relabel == {"sourceLabels": expected["source_labels"], "regex": expected["regex"],
