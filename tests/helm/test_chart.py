@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -275,7 +276,7 @@ def test_serve_config_loads_with_project_models(rendered, name, tmp_path, monkey
     if args.get("pricing"):
         load_pricing(args["pricing"])
 
-    for env_name in [n for n in __import__("os").environ if n.startswith("KVRELAY_")]:
+    for env_name in [n for n in os.environ if n.startswith("KVRELAY_")]:  # this machine's, not the pod's
         monkeypatch.delenv(env_name)
     config = config_from_args(args)
     assert config.http.host == "0.0.0.0" and config.http.port == 8000
