@@ -27,7 +27,7 @@ from router.policy_config import AutoscalingPolicyConfig
 from serving.config import PoolConfig, ServeConfig
 from serving.usage import PricingConfig
 
-__all__ = ["values_schema", "SCHEMA_PATH", "CHART_OWNED_SERVE_FIELDS"]
+__all__ = ["CHART_OWNED_SERVE_FIELDS", "SCHEMA_PATH", "values_schema"]
 
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "kvrelay" / "values.schema.json"
 # ServeConfig fields the chart sets itself (model source, mounted files, secret, listen address).

