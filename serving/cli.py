@@ -10,6 +10,9 @@
     kvrelay policy apply FILE                             switch a running app to a policy
     kvrelay status                                        pools, replicas, queues, KV, TTFT/TPOT
     kvrelay scale POOL N                                  set a pool's replica count in a running app
+    kvrelay cluster up [--prefill-nodes N] [--decode-nodes M]   a multi-node Ray on this machine (dev)
+    kvrelay cluster down                                  stop exactly what `cluster up` started
+    kvrelay k8s status --release NAME [--namespace NS]    a Helm release's RayService and pods per pool
 
 Each command's implementation is imported only when it runs, so `kvrelay --help` stays fast
 (no torch import).
@@ -54,7 +57,40 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_routing(bench_targets)
     _add_policy(commands)
     _add_ops(commands)
+    _add_cluster(commands)
+    _add_k8s(commands)
     return parser
+
+
+def _add_cluster(commands) -> None:
+    cluster = commands.add_parser(
+        "cluster", help="a local multi-node Ray cluster for development (head, prefill and decode nodes)",
+        description="Separate Ray nodes on this machine, each with its role's resource "
+        "(cluster/roles.py); the state is kept in $KVRELAY_CACHE_DIR/cluster/NAME.json.",
+    )
+    actions = cluster.add_subparsers(dest="action", metavar="ACTION", required=True)
+    up = actions.add_parser("up", help="start a head, N prefill nodes and M decode nodes; print the address")
+    up.add_argument("--prefill-nodes", type=int, default=1, metavar="N", help="prefill nodes [%(default)s]")
+    up.add_argument("--decode-nodes", type=int, default=1, metavar="M", help="decode nodes [%(default)s]")
+    up.add_argument("--num-cpus", type=int, default=2, metavar="N", help="Ray logical CPUs per prefill/decode node [%(default)s]")
+    up.add_argument("--head-num-cpus", type=int, default=2, metavar="N", help="Ray logical CPUs of the head [%(default)s]")
+    up.add_argument("--object-store-mib", type=int, default=512, metavar="MIB", help="object store per node [%(default)s]")
+    down = actions.add_parser("down", help="stop every process `cluster up` started (never `ray stop`)")
+    for parser in (up, down):
+        parser.add_argument("--name", default="dev", help="which dev cluster [%(default)s]")
+
+
+def _add_k8s(commands) -> None:
+    k8s = commands.add_parser("k8s", help="kvrelay on Kubernetes (KubeRay)")
+    actions = k8s.add_subparsers(dest="action", metavar="ACTION", required=True)
+    status = actions.add_parser(
+        "status", help="a Helm release's RayService status and its pods per worker group",
+        description="Read the RayService named after the release and the pods labelled with it "
+        "(kubeconfig, or the in-cluster service account).",
+    )
+    status.add_argument("--release", required=True, help="the Helm release (the RayService's name)")
+    status.add_argument("--namespace", default="default", help="namespace [%(default)s]")
+    status.add_argument("--context", help="kubeconfig context [the current one]")
 
 
 def _add_policy(commands) -> None:
@@ -245,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
         return _policy(args)
     if args.command in ("status", "scale"):
         return _ops(args)
+    if args.command == "cluster":
+        return _cluster(args)
+    if args.command == "k8s":
+        return _k8s(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse rejects unknown ones
 
 
@@ -304,6 +344,37 @@ def _ops(args) -> int:
         return 2
     finally:
         client.close()
+    return 0
+
+
+def _cluster(args) -> int:
+    from cluster import local
+
+    try:
+        if args.action == "up":
+            print(f"kvrelay cluster: starting a head, {args.prefill_nodes} prefill and {args.decode_nodes} decode nodes ...", flush=True)
+            state = local.up(
+                args.prefill_nodes, args.decode_nodes, name=args.name, num_cpus=args.num_cpus,
+                head_num_cpus=args.head_num_cpus, object_store_bytes=args.object_store_mib * 2**20,
+            )
+            print(local.up_report(state))
+        else:
+            state = local.down(args.name)
+            print(f"kvrelay cluster: {args.name!r} is down ({len(state.nodes)} nodes stopped)")
+    except local.ClusterError as exc:
+        print(f"kvrelay cluster {args.action}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _k8s(args) -> int:
+    from cluster import k8s
+
+    try:
+        print(k8s.status(args.release, args.namespace, context=args.context))
+    except k8s.K8sError as exc:
+        print(f"kvrelay k8s status: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
