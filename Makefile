@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvrelay-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast serve bench peers clean chart
+.PHONY: install prometheus-tools test test-fast serve bench peers clean chart
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-install: $(STAMP)
+# promtool and prometheus for the monitoring tests (tests/deploy/, tests/serving/test_metrics_integration.py):
+# the Debian package, installed quietly once where apt-get exists; elsewhere those tests skip and say why.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
+prometheus-tools:
+	@command -v promtool >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || { \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
+	  { $(SUDO) apt-get update -qq >/dev/null 2>&1 && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1; } || \
+	  echo "make: could not install the Debian package prometheus: the tests that need promtool will skip"; }
+
+install: $(STAMP) prometheus-tools
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
