@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["K8sError", "status", "fetch", "format_status", "INSTANCE_LABEL"]
+__all__ = ["INSTANCE_LABEL", "K8sError", "fetch", "format_status", "status"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def format_status(service: dict, pods: list[dict], *, release: str, namespace: s
         header = ("pool", "pod", "phase", "ready", "restarts", "node", "cluster")
         widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
         for row in [header, *rows]:
-            lines.append("  " + "  ".join(f"{str(cell):<{widths[i]}}" for i, cell in enumerate(row)).rstrip())
+            lines.append("  " + "  ".join(f"{cell!s:<{widths[i]}}" for i, cell in enumerate(row)).rstrip())
     return "\n".join(lines)
 
 

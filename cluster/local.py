@@ -46,16 +46,16 @@ from pathlib import Path
 from cluster.roles import Role, ray_start_args
 
 __all__ = [
+    "MARKER_ENV",
     "ClusterError",
     "ClusterState",
     "NodeProcess",
-    "MARKER_ENV",
-    "up",
     "down",
     "load_state",
-    "state_path",
     "ray_start_command",
     "session_members",
+    "state_path",
+    "up",
     "up_report",
 ]
 
@@ -163,9 +163,9 @@ def up(
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         port, dashboard_port = _free_port(), _free_port()
-        head = _spawn(state, "head", 0, env, ray_bin, dict(
-            num_cpus=head_num_cpus, port=port, dashboard_port=dashboard_port, client_port=_free_port(),
-        ), object_store_bytes)
+        head = _spawn(state, "head", 0, env, ray_bin, {
+            "num_cpus": head_num_cpus, "port": port, "dashboard_port": dashboard_port, "client_port": _free_port(),
+        }, object_store_bytes)
         state.address = f"{_node_ip()}:{port}"
         state.dashboard_url = f"http://127.0.0.1:{dashboard_port}"
         path.write_text(state.to_json())
@@ -175,7 +175,7 @@ def up(
         ]
         workers = []
         for role, index in roles:
-            workers.append(_spawn(state, role, index, env, ray_bin, dict(num_cpus=num_cpus, head_address=state.address), object_store_bytes))
+            workers.append(_spawn(state, role, index, env, ray_bin, {"num_cpus": num_cpus, "head_address": state.address}, object_store_bytes))
             path.write_text(state.to_json())  # recorded at once, so `down` finds a half-started cluster
         for node in workers:
             _wait_ready(node, timeout_s)

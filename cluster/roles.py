@@ -26,16 +26,16 @@ from typing import Literal
 from serving.config import ServeConfig
 
 __all__ = [
-    "Role",
-    "ROLES",
-    "ROLE_RESOURCES",
-    "ROLE_LABEL",
     "REPLICA_SHARE",
-    "node_resources",
+    "ROLES",
+    "ROLE_LABEL",
+    "ROLE_RESOURCES",
+    "Role",
     "node_labels",
-    "ray_start_args",
-    "pin_pools",
+    "node_resources",
     "pin_overrides",
+    "pin_pools",
+    "ray_start_args",
 ]
 
 Role = Literal["head", "prefill", "decode"]

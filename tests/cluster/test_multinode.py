@@ -33,10 +33,10 @@ def free_port() -> int:
 
 def app_config(model_dir, name: str, **overrides) -> ServeConfig:
     small = {"num_cpus": 0.1, "num_threads": 1}
-    base = dict(
-        model=str(model_dir), served_model_name="tiny", dtype="float32", kv_cache_bytes=KV_BYTES,
-        app_name=name, prefill=small, decode=small, worker=small, ingress={"num_cpus": 0.05},
-    )
+    base = {
+        "model": str(model_dir), "served_model_name": "tiny", "dtype": "float32", "kv_cache_bytes": KV_BYTES,
+        "app_name": name, "prefill": small, "decode": small, "worker": small, "ingress": {"num_cpus": 0.05},
+    }
     base.update(overrides)
     return ServeConfig.model_validate(base)
 
@@ -50,10 +50,10 @@ def cluster(tmp_path_factory, tiny_model_dir):
     from serving import kv_transfer_actor
     from serving.app import build_app
 
-    sim = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=2, labels=node_labels("head"), object_store_memory=OBJECT_STORE_BYTES,
-        include_dashboard=False, temp_dir=str(tmp_path_factory.mktemp("ray")),
-    ))
+    sim = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "labels": node_labels("head"), "object_store_memory": OBJECT_STORE_BYTES,
+        "include_dashboard": False, "temp_dir": str(tmp_path_factory.mktemp("ray")),
+    })
     node_ids = {"head": sim.head_node.node_id}
     for role in ("prefill", "decode"):
         node = sim.add_node(

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.roles import node_labels, node_resources, pin_overrides, pin_pools, ray_start_args
+from cluster.roles import (
+    node_labels,
+    node_resources,
+    pin_overrides,
+    pin_pools,
+    ray_start_args,
+)
 from serving.config import ServeConfig, load_config
 
 
