@@ -432,6 +432,7 @@ def test_prometheus_rule_and_dashboards_render_from_files(helm, tmp_path):
         {"alert": "KvrelayNoDecodeReplica", "expr": "sum(kvrelay_num_replicas{pool=\"decode\"}) == 0",
          "for": "2m", "labels": {"severity": "critical"}, "annotations": {"summary": "no decode replica"}},
     ]}]}
+    shutil.rmtree(chart / "files", ignore_errors=True)  # only this test's files, not deploy/'s copies
     (chart / "files" / "prometheus").mkdir(parents=True, exist_ok=True)
     (chart / "files" / "prometheus" / "kvrelay-alerts.yaml").write_text(yaml.safe_dump(rules))
     (chart / "files" / "grafana").mkdir(parents=True, exist_ok=True)
