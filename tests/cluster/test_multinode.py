@@ -10,6 +10,7 @@ fetched by the decode node through Ray's object transfer, as between machines.
 
 from __future__ import annotations
 
+import os
 import socket
 
 import httpx
@@ -50,6 +51,11 @@ def cluster(tmp_path_factory, tiny_model_dir):
     from serving import kv_transfer_actor
     from serving.app import build_app
 
+    # The PyTorch path, not the native kernels: a kernel build on the first request (a fresh cache,
+    # or one another process is rebuilding) would take longer than the request's timeout, and
+    # this test is about placement and the KV hand-off. The nodes inherit this environment.
+    previous = os.environ.get("KVRELAY_DISABLE_NATIVE")
+    os.environ["KVRELAY_DISABLE_NATIVE"] = "1"
     sim = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "labels": node_labels("head"), "object_store_memory": OBJECT_STORE_BYTES,
         "include_dashboard": False, "temp_dir": str(tmp_path_factory.mktemp("ray")),
@@ -79,6 +85,10 @@ def cluster(tmp_path_factory, tiny_model_dir):
     finally:
         ray.shutdown()
         sim.shutdown()
+        if previous is None:
+            os.environ.pop("KVRELAY_DISABLE_NATIVE", None)
+        else:
+            os.environ["KVRELAY_DISABLE_NATIVE"] = previous
 
 
 def stats(app: str, deployment: str) -> dict:
@@ -119,7 +129,7 @@ def test_chat_crosses_nodes_and_equals_colocated(cluster):
     request = {"messages": [{"role": "user", "content": "Tell me about the ocean."}], "temperature": 0, "max_tokens": MAX_TOKENS}
     texts = {}
     for app in ("multi", "coloc"):
-        with httpx.Client(base_url=f"{cluster['url']}/{app}", timeout=60) as client:
+        with httpx.Client(base_url=f"{cluster['url']}/{app}", timeout=120) as client:
             response = client.post("/v1/chat/completions", json=request)
         body = response.json()
         assert response.status_code == 200, body
