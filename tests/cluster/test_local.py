@@ -141,3 +141,22 @@ def test_up_and_down_a_real_cluster():
         local.down("it")
     assert not any(local.session_members(node.pid, state.marker) for node in state.nodes)
     assert not os.path.exists(state.base_dir) and local.load_state("it") is None
+
+
+def test_up_report_names_the_address_and_the_serve_line():
+    state = ClusterState(
+        name="b", marker="m", address="10.0.0.1:6379", dashboard_url="http://127.0.0.1:8266", base_dir="/tmp/kc",
+        nodes=[NodeProcess("head", 1, "", ""), NodeProcess("prefill", 2, "", ""), NodeProcess("prefill", 3, "", ""), NodeProcess("decode", 4, "", "")],
+    )
+    assert local.up_report(state).splitlines() == [
+        "kvrelay cluster: 'b' is up: head + 2 prefill + 1 decode nodes",
+        "  Ray address     10.0.0.1:6379",
+        "  Ray dashboard   http://127.0.0.1:8266",
+        "  logs            /tmp/kc",
+        (
+            "  serve on it:    RAY_AUTH_MODE=token kvrelay serve --set ray.address=10.0.0.1:6379 "
+            "--set prefill.resources.kvrelay_prefill=0.01 --set decode.resources.kvrelay_decode=0.01"
+        ),
+        "  status:         kvrelay status --dashboard http://127.0.0.1:8266",
+        "  stop it:        kvrelay cluster down --name b",
+    ]
