@@ -78,7 +78,7 @@ def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
     binary = shutil.which("promtool")
     if binary is None:
         pytest.skip(PROMTOOL_MISSING)
-    result = subprocess.run([binary, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+    result = subprocess.run([binary, *args], check=False, capture_output=True, text=True, cwd=cwd, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 

@@ -258,11 +258,11 @@ async def test_a_failure_while_generating_counts_once_with_its_status():
 
 # ---- the workers -----------------------------------------------------------------------------
 def engine_stats(**counts) -> EngineStats:
-    base = dict(
-        num_running=0, num_waiting=0, num_blocks=10, num_free_blocks=10, kv_cache_usage=0.0, num_preemptions=0,
-        prefix_cache_query_tokens=0, prefix_cache_hit_tokens=0, num_computed_tokens=0, num_generated_tokens=0,
-        num_held_exports=0,
-    )
+    base = {
+        "num_running": 0, "num_waiting": 0, "num_blocks": 10, "num_free_blocks": 10, "kv_cache_usage": 0.0,
+        "num_preemptions": 0, "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0,
+        "num_computed_tokens": 0, "num_generated_tokens": 0, "num_held_exports": 0,
+    }
     return EngineStats(**{**base, **counts})
 
 
@@ -342,3 +342,34 @@ async def test_pool_view_sets_replicas_by_state_and_the_desired_count():
     s = registry_samples(metrics.registry)
     assert value(s, "kvrelay_replicas", pool="prefill", state="STARTING") == 0
     assert value(s, "kvrelay_replicas", pool="prefill", state="RUNNING") == 3
+
+
+# ---- the autoscaler (runs in the Serve controller) -------------------------------------------
+def test_the_autoscaler_counts_the_decisions_that_change_a_pool(monkeypatch):
+    from collections import namedtuple
+
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+    from router.autoscaling import prefill_policy, serve_autoscaling_config
+    from router.policy_config import parse_policy
+
+    recorded: list[tuple[str, str]] = []
+    monkeypatch.setattr("router.autoscaling.record_autoscaler_decision", lambda pool, action: recorded.append((pool, action)))
+    point = namedtuple("Point", "timestamp value")
+    policy = parse_policy({"prefill": {"max_replicas": 4, "upscale_delay_s": 0, "targets": {"ttft_p95_ms": None, "queued_prefill_tokens_per_replica": 100}}})
+    config = AutoscalingConfig(**serve_autoscaling_config("prefill", policy))
+
+    def decide(queued: float, target: int, now: float) -> int:
+        ctx = AutoscalingContext(
+            deployment_id=None, deployment_name="PrefillWorker", app_name="kvrelay", current_num_replicas=target,
+            target_num_replicas=target, running_replicas=["r1"], total_num_requests=0.0, total_queued_requests=0.0,
+            aggregated_metrics=None, raw_metrics=lambda: {"queued_prefill_tokens": {"r1": [point(now - 1, queued)]}},
+            capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4, policy_state={},
+            last_scale_up_time=None, last_scale_down_time=None, current_time=now, config=config,
+        )
+        return prefill_policy(ctx)[0]
+
+    assert decide(queued=250, target=1, now=100.0) == 3  # up: 1 -> 3
+    assert decide(queued=250, target=3, now=101.0) == 3  # hold: not counted
+    assert decide(queued=0, target=9, now=102.0) == 4  # clamp to max_replicas
+    assert recorded == [("prefill", "up"), ("prefill", "clamp")]

@@ -25,8 +25,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.config import ServeConfig
-from serving.engine.engine import LLMEngine
 from serving.engine.config import EngineConfig
+from serving.engine.engine import LLMEngine
 from serving.frontend import Frontend
 from serving.protocol import ChatMessage
 
