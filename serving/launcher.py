@@ -138,6 +138,7 @@ def serve_forever(config: ServeConfig) -> int:
         f"kvrelay: ready in {time.monotonic() - t0:.1f}s\n"
         f"  OpenAI API      http://{host}:{config.http.port}/v1   (model: {config.model_name})\n"
         f"  health          http://{host}:{config.http.port}/health\n"
+        f"  metrics         http://{host}:{config.http.port}/metrics   (Prometheus; see README 'Metrics')\n"
         f"  Ray dashboard   {dashboard}\n"
         f"  try:  kvrelay chat \"Hello!\" --url http://{host}:{config.http.port}\n"
         "Press Ctrl-C to stop.",
