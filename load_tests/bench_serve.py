@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -136,13 +137,16 @@ def format_table(p: BenchParams, model: str, runs: list[RateRun]) -> str:
     row("requests/s", lambda s: _fmt(s["request_throughput"], ".2f"))
     row("output tokens/s", lambda s: _fmt(s["output_throughput"], ".1f"))
     row("total tokens/s", lambda s: _fmt(s["total_token_throughput"], ".1f"))
-    if runs and runs[0].summary["slo"]:
-        slo = ",".join(f"{k}={v:g}" for k, v in runs[0].summary["slo"].items())
-        row(f"goodput/s ({slo})"[:24], lambda s: _fmt(s["goodput"], ".2f"))
+    slo = runs[0].summary["slo"] if runs else {}
+    if slo:
+        row("goodput/s (SLO below)", lambda s: _fmt(s["goodput"], ".2f"))
+        row("requests meeting SLO", lambda s: f"{s['num_slo_met']}/{s['num_requests']}")
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         for stat in ("mean", "p50", "p90", "p95", "p99"):
             row(f"{metric.split('_')[0].upper()} {stat}, ms", lambda s, m=metric, st=stat: _fmt(s[m][st], ".2f"))
     sources = sorted({src for r in runs for src in r.summary["token_count_sources"]})
+    if slo:
+        lines.append("SLO: " + ", ".join(f"{key} <= {bound:g}" for key, bound in slo.items()))
     lines.append(f"output tokens counted by: {', '.join(sources) or '-'} (load_tests/serve_client.py)")
     return "\n".join(lines)
 
@@ -162,40 +166,48 @@ def hardware_info() -> dict:
             "load_avg_1m_at_start": os.getloadavg()[0]}
 
 
-def run(p: BenchParams, *, command: str = "", png: str | None = None, transport=None, clock=None) -> dict:
-    """Every rate; prints the table, writes the PNG when asked; returns the JSON report."""
+def run(p: BenchParams, *, command: str = "", transport=None, clock=None) -> tuple[dict, list[RateRun]]:
+    """Every rate; prints the table; returns the JSON report and the runs (for the PNG)."""
     started = time.monotonic()
     hardware = hardware_info()
     model, runs = asyncio.run(run_rates(p, transport=transport, clock=clock))
     print(format_table(p, model, runs))
     hardware["load_avg_1m_at_end"] = os.getloadavg()[0]
+    params = {**dataclasses.asdict(p), "request_rates": [_rate_json(r) for r in p.request_rates]}
+    if params["api_key"]:
+        params["api_key"] = "(set, not recorded)"
     report = {
         "summary": {"runs": [r.summary for r in runs]},
-        "config": {"command": command, "model": model, "params": {**dataclasses.asdict(p),
-                                                   "request_rates": [_rate_json(r) for r in p.request_rates]}},
+        "config": {"command": command, "model": model, "params": params},
         "raw": {"runs": [r.to_json() for r in runs], "wall_s": time.monotonic() - started},
         "hardware": hardware,
     }
-    if png:
-        from load_tests.serve_report import write_png
-
-        report["config"]["png"] = write_png(png, runs, title=f"{p.dataset} against {p.base_url}")
-    return report
+    return report, runs
 
 
 def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
     p = params_from_args(args)
     png = None
-    if not args.no_png:
-        png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if not args.no_png and (args.png or args.json):
+        if importlib.util.find_spec("matplotlib") is None:
+            print("[bench serve] matplotlib is not installed: no PNG report", file=sys.stderr)
+        else:
+            png = args.png or str(Path(args.json).with_suffix(".png"))
+    command = " ".join(["kvrelay", *(a if "api-key" not in prev else "***" for prev, a in zip(["", *argv], argv))])
     try:
-        report = run(p, command=" ".join(["kvrelay", *argv]), png=png)
+        report, runs = run(p, command=command)
     except ServeClientError as exc:
         print(f"kvrelay bench serve: {exc}", file=sys.stderr)
         return 2
-    if args.json:
+    report["config"]["png"] = png
+    if args.json:  # before the PNG: a plotting failure must not lose the figures
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
         print(f"[bench serve] wrote {args.json}", file=sys.stderr)
-    if report["config"].get("png"):
-        print(f"[bench serve] wrote {report['config']['png']}", file=sys.stderr)
+    if png:
+        from load_tests.serve_report import write_png
+
+        Path(png).parent.mkdir(parents=True, exist_ok=True)
+        write_png(png, runs, title=f"{p.dataset} against {p.base_url}, model {report['config']['model']}")
+        print(f"[bench serve] wrote {png}", file=sys.stderr)
     return 0
