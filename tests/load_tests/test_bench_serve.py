@@ -50,6 +50,7 @@ class VirtualClock:
         return self.t
 
     async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(0)  # first let tasks that are ready run (and read the clock) at the old time
         self.t += max(0.0, seconds)
         await asyncio.sleep(0)
 
@@ -74,8 +75,18 @@ class FakeOpenAI:
     script: object  # callable(int) -> Script
     clock: object
     bodies: list[dict] = field(default_factory=list)
+    num_in_flight: int = 0
+    max_in_flight: int = 0
 
     async def chunks(self, body: dict):
+        self.num_in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
+        async for part in self._chunks(body):
+            if part == b"data: [DONE]\n\n":  # the client stops reading here
+                self.num_in_flight -= 1
+            yield part
+
+    async def _chunks(self, body: dict):
         index = len(self.bodies)
         self.bodies.append(body)
         s = self.script(index)
@@ -238,6 +249,23 @@ def test_multi_turn_sends_the_history_and_waits_for_the_previous_answer():
     for session in (0, 1):
         for turn in (1, 2):
             assert turn_starts[(session, turn)] >= end_of[(session, turn - 1)]
+
+
+def test_requests_are_sent_at_their_arrival_times():
+    server = FakeOpenAI(lambda i: Script(0.0, []), VirtualClock())  # answers take no time
+    records, duration_s = asyncio.run(_run(server, _chat_specs(50, max_tokens=1), request_rate=8.0, burstiness=0.5,
+                                           seed=4))
+    expected = arrival_times(50, 8.0, 0.5, seed=4)
+    assert [r.scheduled_s for r in records] == expected
+    assert [r.sent_s for r in records] == expected
+    assert duration_s == expected[-1]
+
+
+def test_concurrency_cap_bounds_the_requests_in_flight():
+    for cap, expected in ((None, 12), (3, 3), (1, 1)):
+        server = FakeOpenAI(lambda i: Script(0.125, [0.125] * 2), VirtualClock())
+        records, _ = asyncio.run(_run(server, _chat_specs(12), max_concurrency=cap))
+        assert server.max_in_flight == expected and all(r.is_success for r in records)
 
 
 # ---- percentiles, arrivals, datasets ---------------------------------------------------------
