@@ -104,7 +104,7 @@ async def run_rates(
         runs = []
         for rate in p.request_rates:
             client = ServeClient(http, model=model, endpoint=p.endpoint, clock=clock, temperature=p.temperature,
-                                 ignore_eos=p.ignore_eos)
+                                 ignore_eos=p.ignore_eos, extra_body=json.loads(p.extra_body) if p.extra_body else None)
             specs = build_specs(p, rate)
             label = f"rate {_rate_json(rate)}/s" + (f", concurrency {p.max_concurrency}" if p.max_concurrency else "")
             progress = Progress(len(specs), f"[bench serve] {label}", is_enabled=p.is_progress_shown)
@@ -185,6 +185,17 @@ def run(p: BenchParams, *, command: str = "", transport=None, clock=None) -> tup
     return report, runs
 
 
+def _without_api_key(argv: list[str]) -> list[str]:
+    out = []
+    for prev, arg in zip(["", *argv], argv):
+        if prev == "--api-key":
+            arg = "***"
+        elif arg.startswith("--api-key="):
+            arg = "--api-key=***"
+        out.append(arg)
+    return out
+
+
 def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
     p = params_from_args(args)
     png = None
@@ -193,7 +204,7 @@ def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
             print("[bench serve] matplotlib is not installed: no PNG report", file=sys.stderr)
         else:
             png = args.png or str(Path(args.json).with_suffix(".png"))
-    command = " ".join(["kvrelay", *(a if "api-key" not in prev else "***" for prev, a in zip(["", *argv], argv))])
+    command = " ".join(["kvrelay", *_without_api_key(argv)])
     try:
         report, runs = run(p, command=command)
     except ServeClientError as exc:

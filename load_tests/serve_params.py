@@ -7,6 +7,7 @@ httpx or numpy (serving/cli.py imports this module for every command).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ class BenchParams:
     timeout_s: float = 600.0
     seed: int = 0
     is_progress_shown: bool = True
-
+    extra_body: str | None = None  # JSON object merged into every request body
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,6 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo", metavar="ttft_ms=..,tpot_ms=..", help="bounds for goodput (ttft_ms, tpot_ms, e2e_ms)")
     p.add_argument("--temperature", type=float, default=d.temperature, help="[%(default)s]")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM, SGLang, kvrelay) for exact output lengths")
+    p.add_argument("--extra-body", metavar="JSON",
+                   help='fields merged into every request body, e.g. \'{"min_tokens": 128}\' for exact lengths on vLLM')
     p.add_argument("--timeout-s", type=float, default=d.timeout_s, help="per-request HTTP timeout [%(default)s]")
     p.add_argument("--seed", type=int, default=d.seed, help="dataset and arrival seed [%(default)s]")
     p.add_argument("--json", metavar="PATH", help="write summary, config, raw records and hardware here")
@@ -109,6 +112,13 @@ def params_from_args(args: argparse.Namespace) -> BenchParams:
             raise SystemExit(f"kvrelay bench serve: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.prefix_len < 0 or args.burstiness <= 0 or args.burst_every_s <= 0:
         raise SystemExit("kvrelay bench serve: --prefix-len must be >= 0, --burstiness and --burst-every-s > 0")
+    if args.extra_body is not None:
+        try:
+            is_object = isinstance(json.loads(args.extra_body), dict)
+        except ValueError:
+            is_object = False
+        if not is_object:
+            raise SystemExit(f"kvrelay bench serve: --extra-body wants a JSON object, got {args.extra_body!r}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise SystemExit(f"kvrelay bench serve: --max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.dataset == "chat-burst" and any(math.isinf(r) for r in rates):
@@ -124,4 +134,5 @@ def params_from_args(args: argparse.Namespace) -> BenchParams:
         token_ids_vocab=args.token_ids_vocab, request_rates=rates, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, slo=args.slo, temperature=args.temperature,
         ignore_eos=args.ignore_eos, timeout_s=args.timeout_s, seed=args.seed, is_progress_shown=not args.no_progress,
+        extra_body=args.extra_body,
     )

@@ -351,6 +351,7 @@ def test_cli_parses_bench_serve():
         (["--dataset", "chat-burst"], "finite --request-rate"),
         (["--slo", "ttft=1"], "KEY=MS"),
         (["--input-len", "x"], "want N"),
+        (["--extra-body", "[1]"], "JSON object"),
     ):
         with pytest.raises(SystemExit, match=match):
             params_from_args(build_parser().parse_args(["bench", "serve", *argv]))
@@ -360,9 +361,10 @@ def test_cli_parses_bench_serve():
 def test_run_rates_and_table_on_the_virtual_clock():
     server = FakeOpenAI(lambda i: FAST, VirtualClock())
     p = BenchParams(base_url="http://fake", num_prompts=4, input_len="8", output_len="5", request_rates=(2.0, math.inf),
-                    max_concurrency=1, slo="ttft_ms=200", is_progress_shown=False)
+                    max_concurrency=1, slo="ttft_ms=200", is_progress_shown=False, extra_body='{"min_tokens": 5}')
     model, runs = asyncio.run(run_rates(p, transport=server.transport(), clock=server.clock))
     assert model == "fake-model" and [r.request_rate for r in runs] == [2.0, math.inf]
+    assert server.bodies[0]["min_tokens"] == 5 and server.bodies[0]["model"] == "fake-model"
     assert runs[1].duration_s == 1.0 and runs[1].summary["goodput"] == 4.0
     table = format_table(p, model, runs)
     assert "goodput/s (SLO below)" in table and "SLO: ttft_ms <= 200" in table and "4/4" in table
@@ -404,11 +406,12 @@ def test_bench_serve_command_against_the_fake_server(fake_server_url, tmp_path):
     command = [
         sys.executable, "-m", "serving.cli", "bench", "serve", "--base-url", fake_server_url,
         "--num-prompts", "6", "--input-len", "8", "--output-len", "4", "--request-rate", "20,inf",
-        "--slo", "ttft_ms=1000,tpot_ms=1000", "--json", str(path),
+        "--slo", "ttft_ms=1000,tpot_ms=1000", "--json", str(path), "--api-key", "secret-key",
     ]
     proc = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "TTFT p50, ms" in proc.stdout and "6/6" in proc.stderr  # the table; the progress bar
+    assert "secret-key" not in path.read_text()
     report = json.loads(path.read_text())
     assert set(report) == {"summary", "config", "raw", "hardware"}
     assert report["config"]["model"] == "fake-model"
