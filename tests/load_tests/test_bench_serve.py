@@ -431,3 +431,49 @@ def test_bench_serve_command_against_the_fake_server(fake_server_url, tmp_path):
     pytest.importorskip("matplotlib")
     png = path.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- the client against kvrelay's own OpenAI API (in process, tiny model) ---------------------
+def test_client_against_the_kvrelay_openai_api(tiny_model_dir):
+    """kvrelay's stream parses as the fake one does: usage counts every token (ignore_eos), chat
+    and completions (token ids) both work, and a multi-turn history goes through the chat
+    template. httpx.ASGITransport delivers the body at the end, so no timing is checked here."""
+    from serving.config import ServeConfig
+    from serving.engine import EngineConfig
+    from serving.engine.async_engine import AsyncEngine
+    from serving.frontend import Frontend
+    from serving.local_backend import LocalBackend
+    from serving.openai_api import OpenAIServer
+
+    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20,
+                                      max_model_len=1024, num_threads=1))
+    try:
+        config = ServeConfig(model=str(tiny_model_dir), served_model_name="tiny")
+        app = OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), config.model_name), config).build_app()
+        common = {"base_url": "http://test", "input_len": "8", "output_len": "4", "ignore_eos": True,
+                  "is_progress_shown": False}
+
+        async def all_runs():
+            out = {}
+            for name, p in {
+                "chat": BenchParams(num_prompts=3, **common),
+                "ids": BenchParams(num_prompts=2, endpoint="completions", token_ids_vocab=1000, **common),
+                "turns": BenchParams(dataset="multi-turn", num_sessions=2, num_turns=2, **common),
+            }.items():
+                out[name] = await run_rates(p, transport=httpx.ASGITransport(app=app))
+            return out
+
+        results = asyncio.run(all_runs())
+    finally:
+        engine.shutdown()
+    for name, (model, runs) in results.items():
+        assert model == "tiny", name
+        records = runs[0].records
+        assert all(r.is_success for r in records), [r.error for r in records]
+        assert all(r.num_output_tokens == 4 and r.token_count_source == "usage" for r in records), name
+        assert all(r.num_prompt_tokens and r.ttft_s is not None for r in records), name
+    ids = results["ids"][1][0].records
+    assert [r.num_prompt_tokens for r in ids] == [8, 8]  # token ids go in as they are
+    turns = results["turns"][1][0].records
+    first, second = (r for r in turns if r.session_id == 0)
+    assert second.num_prompt_tokens > first.num_prompt_tokens + 4  # the history and the answer came along
