@@ -7,7 +7,7 @@
     GET  /health                200 when every pool has a live replica, else 503
     GET  /metrics               Prometheus exposition (serving/metrics.py, serving/metrics_export.py)
 
-Bodies are parsed here, not by FastAPI, so every failure has OpenAI's error shape:
+Bodies are parsed by serving/http_io.py, not by FastAPI, so every failure has OpenAI's error shape:
 malformed JSON is a 422 with a `detail` list as FastAPI would give; a field of the wrong type or
 out of range is a 400 whose `param` names it. A streaming request is answered with an HTTP error
 status if it fails before its first token; after that, failures arrive as an SSE `error` event
@@ -22,11 +22,10 @@ request is one trace: the `ingress` span covers it until its response or stream 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +33,6 @@ import prometheus_client
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-from pydantic import ValidationError
 
 from serving import tracing
 from serving.config import ServeConfig
@@ -45,12 +43,11 @@ from serving.metrics import CLIENT_CLOSED, IngressMetrics, RequestRecord
 from serving.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
 from serving.usage import ANONYMOUS, ModelPrice, RequestAccount, UsageLedger, load_pricing, redact_key
 
+from serving.http_io import chain_deltas, error_response, finite_logprob, first_delta, merge_deltas, parse_body, read_json, split_prompts, sse_response
+
 __all__ = ["OpenAIServer"]
 
 logger = logging.getLogger(__name__)
-
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
 
 @dataclass
 class _Call:
@@ -93,7 +90,7 @@ class OpenAIServer:
 
         @app.exception_handler(APIError)
         async def _api_error(request: Request, exc: APIError):
-            return _error_response(exc)
+            return error_response(exc)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
@@ -129,7 +126,7 @@ class OpenAIServer:
             try:
                 pools = await self.frontend.backend.health()
             except Exception as exc:
-                return _error_response(to_api_error(exc))
+                return error_response(to_api_error(exc))
             return {"status": "ok", "pools": pools}
 
         return app
@@ -139,7 +136,7 @@ class OpenAIServer:
         record = self.metrics.start()
         try:
             key = self._authenticate(request)
-            body = await _read_json(request, self.config.max_request_body_bytes)
+            body = await read_json(request, self.config.max_request_body_bytes)
             call = _Call(RequestAccount(self.usage, key, self.price), trace, record)
             response = await handler(body, call)
         except asyncio.CancelledError:
@@ -155,7 +152,7 @@ class OpenAIServer:
             if trace is not None:
                 trace.set({"error.type": error.code or error.type})
                 trace.end(error.status, error.message if error.status >= 500 else None)
-            return _error_response(error)
+            return error_response(error)
         if not isinstance(response, StreamingResponse):
             call.finish(response.status_code)  # a stream finishes when its body ends
         return response
@@ -194,7 +191,7 @@ class OpenAIServer:
 
     # ---- chat --------------------------------------------------------------------------------
     async def chat_completions(self, body: dict, call: _Call) -> Response:
-        request = _parse(ChatCompletionRequest, body)
+        request = parse_body(ChatCompletionRequest, body)
         self._check_model(request.model)
         params = sampling_params(request)
         with tracing.stage(call.trace, "tokenize"):
@@ -218,8 +215,8 @@ class OpenAIServer:
         want_logprobs = params.logprobs is not None
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            first = await _first(deltas)
-            return _sse(self._chat_chunks(base, first, deltas, params.n, call.account, include_usage, want_logprobs), deltas, call.finish)
+            first = await first_delta(deltas)
+            return sse_response(self._chat_chunks(base, first, deltas, params.n, call.account, include_usage, want_logprobs), deltas, call.finish)
 
         texts = [""] * params.n
         finish: list[str | None] = [None] * params.n
@@ -251,7 +248,7 @@ class OpenAIServer:
         extra = {"usage": None} if include_usage else {}
         for i in range(n):
             yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra}
-        async for delta in _chain(first, deltas):
+        async for delta in chain_deltas(first, deltas):
             choice: dict[str, Any] = {"index": delta.index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}
             if delta.text:
                 choice["delta"] = {"content": delta.text}
@@ -273,14 +270,14 @@ class OpenAIServer:
 
     def _token_entry(self, token_id: int, logprob: float) -> dict:
         text = self.frontend.token_text(token_id)
-        return {"token": text, "logprob": _finite(logprob), "bytes": list(self.frontend.token_bytes(token_id))}
+        return {"token": text, "logprob": finite_logprob(logprob), "bytes": list(self.frontend.token_bytes(token_id))}
 
     # ---- completions -------------------------------------------------------------------------
     async def completions(self, body: dict, call: _Call) -> Response:
-        request = _parse(CompletionRequest, body)
+        request = parse_body(CompletionRequest, body)
         self._check_model(request.model)
         params = sampling_params(request)
-        prompts = _split_prompts(request.prompt)
+        prompts = split_prompts(request.prompt)
         if request.echo and request.stream:
             raise APIError(400, "echo: is not supported with stream", param="echo", code="invalid_value")
         with tracing.stage(call.trace, "tokenize"):
@@ -299,7 +296,7 @@ class OpenAIServer:
             )
             for i, ids in enumerate(prompt_ids)
         ]
-        deltas = streams[0] if len(streams) == 1 else _merge(streams)
+        deltas = streams[0] if len(streams) == 1 else merge_deltas(streams)
         deltas = self.metrics.track(call.record, deltas, prompt_tokens=sum(map(len, prompt_ids)))
         base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name, "system_fingerprint": None}
         num_choices = params.n * len(prompts)
@@ -315,12 +312,12 @@ class OpenAIServer:
 
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            first = await _first(deltas)
+            first = await first_delta(deltas)
 
             async def chunks():
                 extra = {"usage": None} if include_usage else {}
                 offsets = [0] * num_choices
-                async for delta in _chain(first, deltas):
+                async for delta in chain_deltas(first, deltas):
                     lp = None
                     if want_logprobs and delta.logprobs:
                         lp = self._completion_logprobs(delta.logprobs, offsets[delta.index])
@@ -331,7 +328,7 @@ class OpenAIServer:
                 if include_usage:
                     yield {**base, "choices": [], "usage": call.account.settle()}
 
-            return _sse(chunks(), deltas, call.finish)
+            return sse_response(chunks(), deltas, call.finish)
 
         echoed = [""] * num_choices
         if request.echo:
@@ -362,152 +359,8 @@ class OpenAIServer:
         for lp in logprobs:
             text = self.frontend.token_text(lp.token_id)
             tokens.append(text)
-            token_logprobs.append(_finite(lp.logprob))
-            top.append({self.frontend.token_text(t): _finite(v) for t, v in lp.top})
+            token_logprobs.append(finite_logprob(lp.logprob))
+            top.append({self.frontend.token_text(t): finite_logprob(v) for t, v in lp.top})
             text_offset.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
-
-
-# ---- helpers ---------------------------------------------------------------------------------
-async def _read_json(request: Request, max_bytes: int) -> dict:
-    raw = await request.body()
-    if len(raw) > max_bytes:
-        raise APIError(413, f"The request body has {len(raw)} bytes; the limit is {max_bytes}.", code="request_too_large")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        error = APIError(422, f"The request body is not valid JSON: {exc}", code="invalid_json")
-        error.detail = [{"type": "json_invalid", "loc": ["body", getattr(exc, "pos", 0)], "msg": "JSON decode error", "input": {}, "ctx": {"error": str(exc)}}]
-        raise error from exc
-    if not isinstance(body, dict):
-        raise APIError(422, f"The request body must be a JSON object, got {type(body).__name__}.", code="invalid_json")
-    return body
-
-
-def _parse(model, body: dict):
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        param = _param_name(err["loc"])
-        value = err.get("input")
-        shown = "" if isinstance(value, (dict, list)) or err["type"] == "missing" else f" (got {value!r})"
-        error = APIError(400, f"{param}: {err['msg']}{shown}", param=param, code="invalid_value")
-        raise error from exc
-
-
-def _param_name(loc: tuple) -> str:
-    # pydantic adds the union member's type to the path (`content.str`); keep only the fields.
-    name = ""
-    for part in loc:
-        if isinstance(part, int):
-            name += f"[{part}]"
-        elif part in ("str", "list[TextPart]", "list[str]", "list[int]", "list[list[int]]", "int", "float", "bool", "function-after", "literal"):
-            continue
-        else:
-            name += ("." if name else "") + str(part)
-    return name or "body"
-
-
-def _split_prompts(prompt) -> list[str | list[int]]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise APIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
-    return list(prompt)
-
-
-def _error_response(error: APIError) -> JSONResponse:
-    body = error.body()
-    detail = getattr(error, "detail", None)
-    if detail is not None:
-        body["detail"] = detail
-    return JSONResponse(body, status_code=error.status, headers=error.headers)
-
-
-def _finite(value: float) -> float:
-    return max(value, -9999.0)  # -inf is not valid JSON; OpenAI reports -9999.0
-
-
-async def _first(deltas: AsyncIterator[ChoiceDelta]) -> ChoiceDelta | None:
-    """The first delta, so failures before any token become an HTTP status, not an SSE event."""
-    try:
-        return await anext(deltas)
-    except StopAsyncIteration:
-        return None
-    except BaseException:
-        await deltas.aclose()
-        raise
-
-
-async def _chain(first: ChoiceDelta | None, rest: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
-    if first is not None:
-        yield first
-        async for delta in rest:
-            yield delta
-
-
-async def _merge(streams: list[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[ChoiceDelta]:
-    """Interleave several prompts' deltas as they come; closing it closes them all."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(stream):
-        try:
-            async for item in stream:
-                await queue.put(item)
-            await queue.put(done)
-        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
-            await queue.put(exc)
-
-    tasks = [asyncio.create_task(pump(s)) for s in streams]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        # A pump still inside its stream owns it (aclose() from here raises "already running");
-        # cancelling the pump ends the stream, which aborts its request.
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for stream in streams:
-            await stream.aclose()
-
-
-def _sse(
-    chunks: AsyncIterator[dict], deltas: AsyncIterator[ChoiceDelta], on_close: Callable[[int, str | None], None],
-) -> StreamingResponse:
-    """`deltas` is closed explicitly: a disconnect can cancel us while `chunks` waits at a yield,
-    and closing it would not reach the generator it iterates over. `on_close(200, error)` runs
-    once the stream has ended, however it ended."""
-
-    async def body():
-        failure = None
-        try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-        except asyncio.CancelledError:
-            failure = "the client disconnected"
-            raise
-        except Exception as exc:
-            error = to_api_error(exc)
-            failure = error.message
-            logger.warning("stream failed after its first token: %s", error.message)
-            yield f"data: {json.dumps(error.body())}\n\n"
-        finally:
-            await chunks.aclose()
-            await deltas.aclose()
-            on_close(200, failure)
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream", headers=_SSE_HEADERS)
