@@ -241,6 +241,7 @@ def _run_real(p: BenchParams, cost: CostModel, workload: Workload) -> dict:
     import numpy as np
 
     from load_tests import routing_real
+    from load_tests.local_ray import local_ray
     from serving.engine.config import DTYPES
     from serving.engine.kv_cache import kv_bytes_per_token
     from serving.engine.model_loader import load_model_spec, resolve_model_dir
@@ -251,7 +252,7 @@ def _run_real(p: BenchParams, cost: CostModel, workload: Workload) -> dict:
     kv_bytes = num_blocks * p.block_size * kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, DTYPES[p.dtype])
     warmup = np.random.default_rng([p.seed, 9]).integers(100, spec.vocab_size, (2 * p.num_replicas, 64)).tolist()
     runs, info = {}, {}
-    with routing_real.local_ray(_progress):
+    with local_ray("bench routing", _progress, start_serve=True):
         for policy in POLICIES:
             config = routing_real.serve_config(
                 model_dir, p.dtype, policy, num_replicas=p.num_replicas, kv_cache_bytes=kv_bytes,

@@ -29,19 +29,15 @@ import asyncio
 import dataclasses
 import gc
 import json
-import logging
 import os
-import shutil
-import socket
 import statistics
 import sys
-import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from load_tests.bench_engine import Target, machine_info
+from load_tests.local_ray import RAY_NUM_CPUS, free_port, local_ray
 from load_tests.kv_transfer_timing import (
     KV_TRANSFER_STEPS,
     KVTransferResult,
@@ -64,7 +60,6 @@ __all__ = [
 ]
 
 MODES = ("disaggregated", "colocated")
-RAY_NUM_CPUS = 4
 HTTP_TIMEOUT_S = 300.0
 
 
@@ -396,46 +391,6 @@ def bench_served(config, prompts: Prompts, p: BenchParams, reference: PathResult
     return PathResult(config.mode, timings, {"startup_s": startup_s, "worker_stats": stats}, matches)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def _local_ray():
-    """A Ray of our own: never one found in /tmp/ray (another user's), and its files in a temp
-    dir that is removed afterwards, unless the run failed (its logs are then kept)."""
-    import ray
-    from ray import serve
-
-    if ray.is_initialized():
-        raise SystemExit("kvrelay bench serve-overhead starts its own Ray: run it in a fresh process")
-    temp_dir = tempfile.mkdtemp(prefix="kvrelay-bench-")
-    from serving.config import ServeConfig
-    from serving.launcher import ray_init_kwargs
-
-    ray.init(
-        address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
-        logging_level=logging.WARNING, _temp_dir=temp_dir,
-        **ray_init_kwargs(ServeConfig()),  # the object store `kvrelay serve` gives a local Ray
-    )
-    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # no per-deploy INFO lines here
-    is_ok = False
-    try:
-        yield
-        is_ok = True
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-        if is_ok:
-            shutil.rmtree(temp_dir, ignore_errors=True)
-        else:
-            _progress(f"Ray's logs are kept in {temp_dir}")
-
-
 def run(p: BenchParams, *, command: str = "") -> dict:
     """Every phase; returns {"summary", "config", "raw", "hardware"} and prints the table."""
     import ray
@@ -447,14 +402,14 @@ def run(p: BenchParams, *, command: str = "") -> dict:
     hardware = machine_info(threads=1)
     model_dir = resolve_model_dir(p.model)
     prompts = Prompts.make(p, load_model_spec(model_dir).vocab_size)
-    port = _free_port()
+    port = free_port()
     configs = {mode: serve_config(p, model_dir, mode, port) for mode in p.modes}
     reference_config = serve_config(p, model_dir, "colocated", port)
     engine_config = reference_config.engine_config(reference_config.worker)  # what every replica runs
 
     inprocess = bench_inprocess(engine_config, prompts, p)
     served: dict[str, PathResult] = {}
-    with _local_ray():
+    with local_ray("bench serve-overhead", _progress):
         for mode, config in configs.items():
             served[mode] = bench_served(config, prompts, p, inprocess)
         serve.shutdown()  # its controller's loop must not share the cores with the KV transfer

@@ -20,60 +20,15 @@ not recorded) so the first measured requests do not pay for first-call allocatio
 from __future__ import annotations
 
 import asyncio
-import logging
-import shutil
-import socket
-import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 from load_tests.routing_metrics import PolicyRun, RequestRecord
 from load_tests.routing_workload import Workload
 
-__all__ = ["local_ray", "run_policy", "serve_config"]
+__all__ = ["run_policy", "serve_config"]
 
-RAY_NUM_CPUS = 4
 APP_NAME = "kvrelay-bench-routing"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def local_ray(progress):
-    """A Ray of our own (never one found in /tmp/ray); its files are removed unless the run failed."""
-    import ray
-    from ray import serve
-
-    from serving.config import ServeConfig
-    from serving.launcher import ray_init_kwargs
-
-    if ray.is_initialized():
-        raise SystemExit("kvrelay bench routing starts its own Ray: run it in a fresh process")
-    temp_dir = tempfile.mkdtemp(prefix="kvrelay-bench-routing-")
-    ray.init(
-        address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
-        logging_level=logging.WARNING, _temp_dir=temp_dir, **ray_init_kwargs(ServeConfig()),
-    )
-    logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    is_ok = False
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": _free_port()})
-        yield
-        is_ok = True
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-        if is_ok:
-            shutil.rmtree(temp_dir, ignore_errors=True)
-        else:
-            progress(f"Ray's logs are kept in {temp_dir}")
 
 
 def serve_config(model_dir: Path, dtype: str, policy: str, *, num_replicas: int, kv_cache_bytes: int,
