@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from load_tests import hardware
+
 __all__ = [
     "BenchParams",
     "FULL",
@@ -508,14 +510,7 @@ def bench_vllm(p: BenchParams, prompts: Prompts, model_dir: Path) -> SystemResul
 def machine_info(threads: int) -> dict:
     import torch
 
-    cpu_model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu_model = hardware.cpu_model()
     return {
         "cpu_model": cpu_model,
         "num_cores": os.cpu_count(),

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from load_tests import hardware
 from load_tests.serve_client import (
     RequestRecord,
     RequestSpec,
@@ -153,14 +154,7 @@ def format_table(p: BenchParams, model: str, runs: list[RateRun]) -> str:
 
 def hardware_info() -> dict:
     """The client's machine (no torch import: the client needs none)."""
-    cpu_model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu_model = hardware.cpu_model()
     return {"cpu_model": cpu_model, "num_cores": os.cpu_count(), "python": platform.python_version(),
             "platform": platform.platform(), "httpx_version": httpx.__version__,
             "load_avg_1m_at_start": os.getloadavg()[0]}
