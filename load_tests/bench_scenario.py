@@ -348,8 +348,7 @@ def _run_peers(p: ScenarioParams, model_dir: Path, port: int, log_dir: Path) -> 
             argv = servers.vllm_argv(python, model_dir, name, peer_port)
             env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
         elif system.startswith("ray-serve-llm"):
-            argv = servers.ray_serve_llm_argv(python, model_dir, name, peer_port, "pd" if system.endswith("-pd") else "plain",
-                                              Path(tempfile.mkdtemp(prefix="kvrelay-peer-ray-")))
+            argv = servers.ray_serve_llm_argv(python, model_dir, name, peer_port, "pd" if system.endswith("-pd") else "plain")
             env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
         else:
             argv = servers.transformers_argv(model_dir, name, peer_port, num_threads=min(2, os.cpu_count() or 1))

@@ -124,9 +124,10 @@ def vllm_argv(python: Path, model_dir: Path, model_name: str, port: int) -> list
             "--dtype", "bfloat16", "--max-model-len", "2048", "--seed", "0"]
 
 
-def ray_serve_llm_argv(python: Path, model_dir: Path, model_name: str, port: int, mode: str, temp_dir: Path) -> list[str]:
+def ray_serve_llm_argv(python: Path, model_dir: Path, model_name: str, port: int, mode: str) -> list[str]:
+    """Its Ray's temp dir (and pd's KV files in it) is its own, removed when it stops."""
     return [str(python), str(REPO / "load_tests" / "peer_ray_serve_llm.py"), "--mode", mode, "--model", str(model_dir),
-            "--model-name", model_name, "--port", str(port), "--temp-dir", str(temp_dir)]
+            "--model-name", model_name, "--port", str(port)]
 
 
 def transformers_argv(model_dir: Path, model_name: str, port: int, *, num_threads: int) -> list[str]:

@@ -195,6 +195,14 @@ class ServeConfig(_Strict):
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
     max_num_seqs: int = Field(128, ge=1, le=4096, description="Sequences per engine step.")
     max_num_batched_tokens: int = Field(512, ge=1, description="Token budget per engine step.")
+    long_prefill_token_threshold: int = Field(
+        256, ge=0,
+        description="Prompts with more tokens than this left to compute are prefilled at most this "
+        "many tokens per step, one at a time (max_long_partial_prefills), so short prompts are not "
+        "queued behind a long one and decodes are not stalled by it (vLLM's option of the same "
+        "name). 0: off.",
+    )
+    max_long_partial_prefills: int = Field(1, ge=1, description="Long prompts prefilling at once per engine.")
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of shared prefixes.")
     seed: int = Field(0, description="Sampler seed for requests without `seed`.")
 
@@ -265,6 +273,8 @@ class ServeConfig(_Strict):
             kv_cache_bytes=self.kv_cache_bytes, kv_cache_memory_fraction=self.kv_cache_memory_fraction,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_long_partial_prefills=self.max_long_partial_prefills,
             enable_prefix_caching=self.enable_prefix_caching, num_threads=pool.num_threads,
             seed=self.seed,
         )

@@ -37,6 +37,14 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(
         512, ge=1, description="Token budget per step (prefill chunks + decodes)."
     )
+    long_prefill_token_threshold: int = Field(
+        0, ge=0,
+        description="A prompt with more tokens than this left to compute is 'long': it gets at most "
+        "this many tokens per step, so short prompts and decodes share the step (0: off).",
+    )
+    max_long_partial_prefills: int = Field(
+        1, ge=1, description="Long prompts prefilling at once; further long ones let shorter ones pass."
+    )
     enable_prefix_caching: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads for this engine; default: torch's choice."

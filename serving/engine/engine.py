@@ -135,6 +135,8 @@ class LLMEngine:
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_long_partial_prefills=config.max_long_partial_prefills,
         )
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.vocab_size = self.model.vocab_size

@@ -5,6 +5,13 @@ There are no prefill or decode phases. Every step the scheduler walks the runnin
 decoding sequence, a chunk for one still prefilling — then admits waiting sequences while budget,
 `max_num_seqs` and free blocks last. Prefill chunks and decodes share one forward pass.
 
+Long prompts do not hold up short ones (`long_prefill_token_threshold`, as vLLM's option of that
+name; 0: off): a sequence with more than that many tokens left to prefill is "long"; it gets at
+most that many tokens per step, and at most `max_long_partial_prefills` long ones prefill at once.
+A waiting long prompt beyond that limit is passed over — shorter ones behind it are admitted in
+its place — and admitted when a long slot frees. So a short prompt arriving during a 2k-token
+prefill waits for one step, not for the whole prompt; the long one takes a few more steps.
+
 When a running sequence cannot get a block, the lowest-priority, newest running sequence is
 preempted: its blocks are freed (hashed ones stay in the prefix cache, so recompute is cheap)
 and it goes back to the waiting queue with its generated tokens. No admissions happen in a step
@@ -44,10 +51,14 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        long_prefill_token_threshold: int = 0,
+        max_long_partial_prefills: int = 1,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_long_partial_prefills = max_long_partial_prefills
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []  # sorted by sort_key
         self.num_preemptions = 0
@@ -72,11 +83,14 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         bm = self.block_manager
 
+        num_long = 0  # long prefills running this step
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            assert num_new > 0, f"{seq} is running with nothing to compute"
+            left = seq.num_tokens - seq.num_computed_tokens
+            assert left > 0, f"{seq} is running with nothing to compute"
+            num_long += self._is_long(left)
+            num_new = self._chunk(left, budget)
             while not bm.allocate(seq, seq.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -91,42 +105,66 @@ class Scheduler:
         if out.preempted:
             return out
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self._admit(seq, budget, out):
+        j = 0  # waiting[j] is next; long prompts over the limit are passed over, not popped
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[j]
+            admitted, num_left = self._admit(seq, budget, out, allow_long=num_long < self.max_long_partial_prefills)
+            if admitted is None:  # long, and the long slots are taken
+                j += 1
+                continue
+            if not admitted:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(j)
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             seq.status = RequestStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
+            num_long += self._is_long(num_left)
             budget -= out.scheduled[-1][1]
         return out
 
-    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
+    def _is_long(self, num_left: int) -> bool:
+        return 0 < self.long_prefill_token_threshold < num_left
+
+    def _chunk(self, num_left: int, budget: int) -> int:
+        """Tokens to compute this step for a sequence with `num_left` to go."""
+        num_new = min(num_left, budget)
+        return min(num_new, self.long_prefill_token_threshold) if self._is_long(num_new) else num_new
+
+    def _admit(
+        self, seq: Sequence, budget: int, out: SchedulerOutput, *, allow_long: bool = True
+    ) -> tuple[bool | None, int]:
+        """Allocate and schedule `seq`'s first chunk: (True, tokens it had left to compute); no
+        blocks: False; a long prefill while `allow_long` is False: None (nothing changed)."""
         bm = self.block_manager
         payload = seq.pending_import
         if payload is not None:
             # Imported KV covers the first payload.num_tokens tokens; compute the rest.
-            num_new = min(seq.num_tokens - payload.num_tokens, budget)
+            left = seq.num_tokens - payload.num_tokens
+            if self._is_long(left) and not allow_long:
+                return None, left
+            num_new = self._chunk(left, budget)
             if not bm.allocate(seq, payload.num_tokens + num_new):
-                return False
+                return False, left
             out.kv_imports.append(seq)
             seq.num_computed_tokens = payload.num_tokens
             out.scheduled.append((seq, num_new))
-            return True
+            return True, left
         fresh = seq.num_computed_tokens == 0
         cached = bm.lookup_prefix(seq) if fresh else []
         computed = len(cached) * bm.block_size if fresh else seq.num_computed_tokens
-        num_new = min(seq.num_tokens - computed, budget)
+        left = seq.num_tokens - computed
+        if self._is_long(left) and not allow_long:
+            return None, left
+        num_new = self._chunk(left, budget)
         if not bm.allocate(seq, computed + num_new, cached):
-            return False
+            return False, left
         if fresh and bm.enable_prefix_caching:
             bm.record_prefix_query(seq.num_tokens, computed)
         if seq.num_preemptions == 0 and seq.first_scheduled_time is None:
             seq.num_cached_tokens = computed
         out.scheduled.append((seq, num_new))
-        return True
+        return True, left
 
     def _preempt(self, seq: Sequence) -> None:
         logger.debug("preempting %s", seq)

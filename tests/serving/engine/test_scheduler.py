@@ -72,3 +72,40 @@ def test_no_admission_when_blocks_run_out_and_nothing_is_lost():
     sched.add(seq("b", 4, arrival=1))
     assert run_step(sched) == {"a": 8}
     assert [s.request_id for s in sched.waiting] == ["b"]
+
+
+def test_long_prefill_is_capped_and_short_prompts_pass_a_second_long_one():
+    """threshold 4, budget 10: a long prompt gets 4 tokens a step; a second long one waits for
+    the first to finish its prompt while a short one that arrived after it is admitted at once."""
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10,
+                      long_prefill_token_threshold=4, max_long_partial_prefills=1)
+    sched.add(seq("long1", 12, arrival=0))
+    sched.add(seq("long2", 12, arrival=1))
+    sched.add(seq("short", 3, arrival=2))
+    assert run_step(sched) == {"long1": 4, "short": 3}  # long2 passed over; short fits whole
+    assert [s.request_id for s in sched.waiting] == ["long2"]
+    assert run_step(sched) == {"long1": 4, "short": 1}
+    # long1 has 4 left, no longer long: its last chunk and long2's first share the step
+    assert run_step(sched) == {"long1": 4, "short": 1, "long2": 4}
+    assert run_step(sched) == {"long1": 1, "short": 1, "long2": 4}
+    assert run_step(sched) == {"long1": 1, "short": 1, "long2": 4}
+    assert run_step(sched) == {"long1": 1, "short": 1, "long2": 1}
+
+
+def test_a_prompt_at_the_threshold_is_not_long_and_two_long_slots_admit_two():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=20,
+                      long_prefill_token_threshold=5, max_long_partial_prefills=2)
+    sched.add(seq("a", 5, arrival=0))  # exactly the threshold: whole
+    sched.add(seq("b", 11, arrival=1))
+    sched.add(seq("c", 11, arrival=2))
+    sched.add(seq("d", 11, arrival=3))  # a third long one waits
+    assert run_step(sched) == {"a": 5, "b": 5, "c": 5}
+    assert [s.request_id for s in sched.waiting] == ["d"]
+
+
+def test_threshold_off_keeps_fcfs_chunking():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    sched.add(seq("long1", 12, arrival=0))
+    sched.add(seq("short", 3, arrival=1))
+    assert run_step(sched) == {"long1": 10}
+    assert run_step(sched) == {"long1": 2, "short": 3}
