@@ -88,7 +88,16 @@ class AsyncEngine:
         return await self._call(lambda engine: engine.abort_request(request_id))
 
     async def export_kv(self, request_id: str, *, release: bool = True) -> KVPayload:
-        return await self._call(lambda engine: engine.export_kv(request_id, release=release))
+        """The KV of a finished `hold_kv` request. The payload was read out on the step thread
+        when the prompt finished, so it is handed over at once, not after the step now running
+        (on a prefill worker, a long prompt's chunk: hundreds of ms); releasing the blocks is
+        queued like an abort."""
+        payload = self.engine.take_ready_export(request_id)
+        if payload is None:
+            return await self._call(lambda engine: engine.export_kv(request_id, release=release))
+        if release:
+            self._inbox.put(("release", request_id))
+        return payload
 
     async def release_kv(self, request_id: str) -> bool:
         return await self._call(lambda engine: engine.release_kv(request_id))
@@ -114,6 +123,8 @@ class AsyncEngine:
             return False
         if command[0] == "abort":
             self.engine.abort_request(command[1])
+        elif command[0] == "release":
+            self.engine.release_kv(command[1])
         else:
             _, fn, future = command
             try:

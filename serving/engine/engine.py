@@ -147,6 +147,9 @@ class LLMEngine:
         )
         self._requests: dict[str, _Request] = {}
         self._held: dict[str, Sequence] = {}  # finished with hold_kv, blocks kept for export
+        # Their payloads, read out on the step thread the moment the prompt finished, so that
+        # `take_ready_export` hands one over without waiting behind the next step.
+        self._ready_exports: dict[str, KVPayload] = {}
         self._pending_outputs: list[RequestOutput] = []
         self.num_computed_tokens = 0
         self.num_generated_tokens = 0
@@ -224,6 +227,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; its final output says finish_reason 'abort'."""
         held = self._held.pop(request_id, None)
+        self._ready_exports.pop(request_id, None)
         if held is not None:
             self.block_manager.free(held)
         request = self._requests.get(request_id)
@@ -333,6 +337,7 @@ class LLMEngine:
         self.scheduler.remove(seq)
         if seq.hold_kv:
             self._held[seq.request_id] = seq
+            self._ready_exports[seq.request_id] = self._payload(seq)
         else:
             self.block_manager.free(seq)
 
@@ -359,6 +364,18 @@ class LLMEngine:
         seq = self._held.get(request_id)
         if seq is None:
             raise KeyError(f"no held KV for request {request_id!r} (add it with hold_kv=True)")
+        payload = self._ready_exports.pop(request_id, None) or self._payload(seq)
+        if release:
+            self.release_kv(request_id)
+        return payload
+
+    def take_ready_export(self, request_id: str) -> KVPayload | None:
+        """The payload of a finished `hold_kv` request, built when it finished; None if there is
+        none. Safe from any thread (one dict pop); the blocks stay held until `release_kv`."""
+        return self._ready_exports.pop(request_id, None)
+
+    def _payload(self, seq: Sequence) -> KVPayload:
+        request_id = seq.request_id
         num_tokens = seq.num_computed_tokens
         num_blocks = -(-num_tokens // self.block_manager.block_size)
         kv = self.kv_cache.read_blocks(seq.block_ids[:num_blocks])
@@ -371,11 +388,10 @@ class LLMEngine:
             layout=self.kv_layout,
             kv=kv,
         )
-        if release:
-            self.release_kv(request_id)
         return payload
 
     def release_kv(self, request_id: str) -> bool:
+        self._ready_exports.pop(request_id, None)
         seq = self._held.pop(request_id, None)
         if seq is None:
             return False

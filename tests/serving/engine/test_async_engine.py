@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -82,6 +83,31 @@ def test_export_through_the_async_api(async_engine):
 
     payload = asyncio.run(main())
     assert payload.num_tokens == 40 and payload.num_blocks == 3
+
+
+def test_export_is_handed_over_while_the_step_thread_is_busy(async_engine):
+    """On a prefill worker the step thread is often in a long prompt's chunk when a short prompt's
+    export is asked for: the payload, read out when that prompt finished, comes at once; the
+    blocks are released when the thread is free again."""
+    gate = threading.Event()
+
+    async def main():
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        async for _ in async_engine.generate("p", params=params, prompt_token_ids=list(range(10, 50)), hold_kv=True):
+            pass
+        busy = asyncio.ensure_future(async_engine._call(lambda engine: gate.wait(30)))  # the "long step"
+        await asyncio.sleep(0.05)
+        payload = await asyncio.wait_for(async_engine.export_kv("p"), timeout=5)
+        held_while_busy = async_engine.engine.stats().num_held_exports
+        gate.set()
+        await busy
+        stats = await async_engine._call(lambda engine: engine.stats())  # after the queued release
+        return payload, held_while_busy, stats
+
+    payload, held_while_busy, stats = asyncio.run(main())
+    assert payload.num_tokens == 40 and payload.num_blocks == 3
+    assert held_while_busy == 1
+    assert stats.num_held_exports == 0 and stats.num_free_blocks == stats.num_blocks
 
 
 def test_dead_step_loop_fails_streams_and_new_requests(async_engine):
