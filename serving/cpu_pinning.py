@@ -29,16 +29,23 @@ def cores_for_rank(cpu_affinity: list[list[int]], rank: int) -> set[int] | None:
 
 
 def pin_process(cores: set[int], *, what: str = "replica") -> None:
-    """Pin every thread of this process to `cores`; ValueError when a core is not available here."""
-    allowed = os.sched_getaffinity(0)
-    if not cores <= allowed:
+    """Pin every thread of this process to `cores`; ValueError when a core is not available here.
+
+    The mask may be wider than the one this process inherited (a benchmark can start Ray on one
+    core and pin replicas to the others); the kernel refuses only cores outside the machine or
+    the container's cpuset.
+    """
+    tids = sorted(int(tid) for tid in os.listdir("/proc/self/task"))
+    try:
+        os.sched_setaffinity(0, cores)  # this thread first: an impossible mask fails here, unchanged
+    except OSError as exc:
         raise ValueError(
-            f"cpu_affinity: {what} asks for cores {sorted(cores)} but this process may use only "
-            f"{sorted(allowed)}; fix the pool's cpu_affinity for this node"
-        )
-    for tid in os.listdir("/proc/self/task"):
+            f"cpu_affinity: {what} asks for cores {sorted(cores)}, which this node cannot give "
+            f"({exc.strerror}; it has {os.cpu_count()} CPUs); fix the pool's cpu_affinity for this node"
+        ) from None
+    for tid in tids:
         try:
-            os.sched_setaffinity(int(tid), cores)
+            os.sched_setaffinity(tid, cores)
         except ProcessLookupError:  # the thread ended meanwhile
             pass
     logger.info("%s pinned to cores %s", what, sorted(cores))

@@ -38,10 +38,29 @@ def test_cpu_affinity_from_yaml(tmp_path):
         load_config(path, env={})
 
 
-def test_unavailable_core_is_named():
-    missing = max(os.sched_getaffinity(0)) + 1
-    with pytest.raises(ValueError, match=rf"asks for cores \[{missing}\] but this process may use only"):
+def test_unavailable_core_is_named_and_nothing_changes():
+    missing = os.cpu_count()  # cores are numbered from 0
+    before = os.sched_getaffinity(0)
+    with pytest.raises(ValueError, match=rf"decode replica asks for cores \[{missing}\], which this node cannot give"):
         pin_process({missing}, what="decode replica")
+    assert os.sched_getaffinity(0) == before
+
+
+def test_a_replica_may_widen_the_mask_it_inherited():
+    """Ray started on core {first} (a benchmark keeps it off the decode core): a replica
+    pinned to {last} still gets it."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores")
+    script = (
+        "import os\n"
+        "from serving.cpu_pinning import pin_process\n"
+        f"os.sched_setaffinity(0, {{{cores[0]}}})\n"
+        f"pin_process({{{cores[-1]}}})\n"
+        "print(sorted(os.sched_getaffinity(0)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str([cores[-1]])
 
 
 def test_pin_reaches_threads_started_before_and_after():
