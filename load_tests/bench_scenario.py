@@ -46,6 +46,7 @@ from pathlib import Path
 import httpx
 
 from load_tests.bench_serve import RateRun, hardware_info, run_rates
+from load_tests.scenario_servers import ScenarioError
 from load_tests.serve_client import RequestSpec, ServeClient
 from load_tests.serve_metrics import parse_slo, summarize_records
 from load_tests.serve_params import BenchParams
@@ -75,6 +76,7 @@ class ScenarioParams:
     kv_cache_mib: int = 512  # per replica (prefix-routing sizes its own)
     slo: str | None = None  # pd-interference: goodput bound; None: the preset's
     log_dir: str | None = None  # subprocess servers' logs; None: a temp dir
+    overrides: tuple[tuple[str, object], ...] = ()  # (dotted ServeConfig path, value) for every kvrelay app
 
 
 # ---- workloads: (full, smoke) presets of the client -------------------------------------------
@@ -171,9 +173,11 @@ def kvrelay_config(p: ScenarioParams, model_dir: Path, mode: str, port: int, *, 
                    policy: str = "prefix_cost", kv_cache_bytes: int | None = None):
     from serving.config import ServeConfig
 
+    from serving.config import _set_path
+
     cores = _cores()
     pool = {"num_replicas": 1, "num_cpus": 0.5, "num_threads": 1}
-    return ServeConfig.model_validate({
+    data = {
         "model": str(model_dir), "served_model_name": served_name(p),
         "dtype": p.dtype, "kv_cache_bytes": kv_cache_bytes or p.kv_cache_mib * 2**20, "mode": mode,
         "app_name": app, "http": {"host": "127.0.0.1", "port": port},
@@ -182,7 +186,13 @@ def kvrelay_config(p: ScenarioParams, model_dir: Path, mode: str, port: int, *, 
         "decode": {**pool, "cpu_affinity": cores[1:2] if prefill_replicas == 1 else []},
         "worker": {**pool, "num_replicas": 2, "cpu_affinity": cores},
         "routing": {"prefill_policy": policy},
-    })
+    }
+    for key, value in p.overrides:  # --set: after the scenario's own settings
+        _set_path(data, key.split("."), value)
+    try:
+        return ServeConfig.model_validate(data)
+    except ValueError as exc:
+        raise ScenarioError(f"--set {', '.join(k for k, _ in p.overrides)}: {exc}") from None
 
 
 # ---- the scenarios -------------------------------------------------------------------------------
@@ -507,14 +517,20 @@ def params_from_args(args: argparse.Namespace) -> ScenarioParams:
             parse_slo(args.slo)
         except ValueError as exc:
             raise SystemExit(f"kvrelay bench scenario: {exc}") from None
+    import yaml
+
+    overrides = []
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"kvrelay bench scenario: --set wants KEY=VALUE, got {item!r}")
+        overrides.append((key, yaml.safe_load(value) if value.strip() else value))
     return ScenarioParams(name=args.scenario, model=args.model, dtype=args.dtype, smoke=args.smoke, seed=args.seed,
                           systems=systems, peers_venv=args.peers_venv, kv_cache_mib=args.kv_cache_mib, slo=args.slo,
-                          log_dir=args.log_dir)
+                          log_dir=args.log_dir, overrides=tuple(overrides))
 
 
 def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
-    from load_tests.scenario_servers import ScenarioError
-
     p = params_from_args(args)
     try:
         report, result = run(p, command=" ".join(["kvrelay", *argv]))

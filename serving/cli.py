@@ -299,6 +299,9 @@ def _add_bench_scenario(targets) -> None:
     p.add_argument("--slo", metavar="ttft_ms=..,tpot_ms=..", help="pd-interference goodput bounds [ttft_ms=2000,tpot_ms=100]")
     p.add_argument("--seed", type=int, default=0, help="dataset and arrival seed [%(default)s]")
     p.add_argument("--log-dir", metavar="DIR", help="subprocess servers' logs [a temp dir]")
+    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                   help="override a field of every kvrelay app's config by its dotted path, after the scenario's own, "
+                   "e.g. --set long_prefill_token_threshold=512 --set worker.num_threads=2")
 
 
 def main(argv: list[str] | None = None) -> int:

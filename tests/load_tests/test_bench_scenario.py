@@ -186,3 +186,21 @@ def test_peers_smoke_without_the_peers_venv(tiny_model_dir, tmp_path):
         assert systems[skipped] == {"skipped": f"no peers venv at {tmp_path / 'no-venv'} (make peers)"}
     assert report["summary"]["output_tok_s_ratio_vs_transformers"] > 0
     assert report["summary"]["output_tok_s_ratio_vs_vllm"] is None
+
+
+def test_set_overrides_every_kvrelay_config_after_the_scenarios_own(tmp_path):
+    from load_tests.bench_scenario import kvrelay_config
+    from load_tests.scenario_servers import ScenarioError
+
+    args = build_parser().parse_args(["bench", "scenario", "peers", "--set", "long_prefill_token_threshold=512",
+                                      "--set", "worker.num_threads=2"])
+    p = params_from_args(args)
+    assert p.overrides == (("long_prefill_token_threshold", 512), ("worker.num_threads", 2))
+    config = kvrelay_config(p, tmp_path, "colocated", 8000, app="a")
+    assert config.long_prefill_token_threshold == 512
+    assert config.worker.num_threads == 2 and config.worker.num_replicas == 2  # the rest of the pool stays
+    bad = params_from_args(build_parser().parse_args(["bench", "scenario", "peers", "--set", "worker.num_thread=2"]))
+    with pytest.raises(ScenarioError, match=r"(?s)--set worker.num_thread: .*worker.num_thread.*Extra inputs are not permitted"):
+        kvrelay_config(bad, tmp_path, "colocated", 8000, app="a")
+    with pytest.raises(SystemExit, match="--set wants KEY=VALUE"):
+        params_from_args(build_parser().parse_args(["bench", "scenario", "peers", "--set", "nothing"]))
