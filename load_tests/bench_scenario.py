@@ -171,9 +171,7 @@ def served_name(p: ScenarioParams) -> str:
 
 def kvrelay_config(p: ScenarioParams, model_dir: Path, mode: str, port: int, *, app: str, prefill_replicas: int = 1,
                    policy: str = "prefix_cost", kv_cache_bytes: int | None = None):
-    from serving.config import ServeConfig
-
-    from serving.config import _set_path
+    from serving.config import ServeConfig, _set_path
 
     cores = _cores()
     pool = {"num_replicas": 1, "num_cpus": 0.5, "num_threads": 1}
