@@ -18,7 +18,11 @@ def test_required_cpus_counts_fixed_pools_and_autoscaled_maxima():
 
 
 def test_object_store_settings(monkeypatch):
-    monkeypatch.delenv("RAY_preallocate_plasma_memory", raising=False)
+    # setenv first: monkeypatch then restores the variable's original state at teardown, even
+    # though ray_init_kwargs sets it behind its back (a leaked "1" made every later test's Ray
+    # preallocate its whole default object store, and its raylet time out at start-up).
+    monkeypatch.setenv("RAY_preallocate_plasma_memory", "0")
+    monkeypatch.delenv("RAY_preallocate_plasma_memory")
     assert ray_init_kwargs(ServeConfig()) == {"object_store_memory": 2 * 2**30}
     import os
 
