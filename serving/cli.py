@@ -350,17 +350,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args) -> int:
-    import yaml
+    from serving.config import ConfigError, load_config, parse_set_items
 
-    from serving.config import ConfigError, load_config
-
-    overrides = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            print(f"kvrelay serve: --set wants KEY=VALUE, got {item!r}", file=sys.stderr)
-            return 2
-        overrides[key] = yaml.safe_load(value) if value.strip() else value
+    try:
+        overrides = parse_set_items(args.set)
+    except ConfigError as exc:
+        print(f"kvrelay serve: {exc}", file=sys.stderr)
+        return 2
     try:
         config = load_config(args.config, overrides=overrides)
     except ConfigError as exc:

@@ -32,6 +32,8 @@ __all__ = [
     "RoutingConfig",
     "ConfigError",
     "load_config",
+    "parse_set_items",
+    "apply_overrides",
     "ENV_PREFIX",
 ]
 
@@ -307,8 +309,7 @@ def load_config(
             if isinstance(value, str) and value and not Path(value).is_absolute():
                 # Relative to the config file, so a config and the files it names move together.
                 data[key] = str(Path(path).parent / value)
-    for key, value in (overrides or {}).items():
-        _set_path(data, key.split("."), value)
+    apply_overrides(data, overrides or {})
     env_used = []
     for name, raw in sorted((os.environ if env is None else env).items()):
         if not name.startswith(ENV_PREFIX) or name in _NON_CONFIG_ENV:
@@ -340,6 +341,24 @@ def format_validation_error(exc: ValidationError, where: str, *, env_prefix: str
         shown = "" if isinstance(value, dict) else f" = {value!r}"
         lines.append(f"  {field}{shown}: {hint}")
     return "\n".join(lines)
+
+
+def parse_set_items(items: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` items -> {dotted key: YAML-parsed value}; ConfigError names a bad item."""
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set wants KEY=VALUE, got {item!r}")
+        overrides[key] = yaml.safe_load(value) if value.strip() else value
+    return overrides
+
+
+def apply_overrides(data: dict, overrides: dict[str, Any]) -> dict:
+    """Set each dotted key of `overrides` in the nested `data` (in place); returns `data`."""
+    for key, value in overrides.items():
+        _set_path(data, key.split("."), value)
+    return data
 
 
 def _set_path(data: dict, parts: list[str], value: Any) -> None:

@@ -13,16 +13,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from load_tests.local_ray import free_port
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_serve_chat_and_stop(tmp_path):

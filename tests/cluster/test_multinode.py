@@ -11,12 +11,12 @@ fetched by the decode node through Ray's object transfer, as between machines.
 from __future__ import annotations
 
 import os
-import socket
 
 import httpx
 import pytest
 
 from cluster.roles import ROLE_LABEL, node_labels, node_resources, pin_pools
+from load_tests.local_ray import free_port
 from serving.config import ServeConfig
 
 pytestmark = pytest.mark.integration
@@ -25,11 +25,6 @@ KV_BYTES = 16 * 2**20
 MAX_TOKENS = 24
 OBJECT_STORE_BYTES = 128 * 2**20
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def app_config(model_dir, name: str, **overrides) -> ServeConfig:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import time
 
 import pytest
 import yaml
 
+from load_tests.local_ray import free_port
 from serving.config import ServeConfig
 from serving.engine.params import SamplingParams
 from serving.frontend import WorkerRequest
@@ -36,11 +36,6 @@ NUM_CLIENTS = 16
 PROMPT_TOKENS = 1000
 DEADLINE_S = 90.0
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

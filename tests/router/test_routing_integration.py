@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
-import time
 from collections import Counter
 
 import pytest
 
+from load_tests.local_ray import free_port
 from serving.config import ServeConfig
 from serving.engine.block_hash import hash_blocks
 from serving.engine.params import SamplingParams
@@ -20,11 +19,6 @@ pytestmark = pytest.mark.integration
 
 BLOCK = 16
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

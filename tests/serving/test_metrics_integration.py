@@ -24,6 +24,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from load_tests.local_ray import free_port
 from serving.config import ServeConfig
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
@@ -40,13 +41,6 @@ PROMETHEUS_MISSING = (
     "it where apt-get exists)"
 )
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_until(predicate, *, timeout_s: float = 60.0, interval_s: float = 0.25):

@@ -18,13 +18,13 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import time
 
 import httpx
 import openai
 import pytest
 
+from load_tests.local_ray import free_port
 from serving.config import ServeConfig
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
@@ -37,11 +37,6 @@ pytestmark = pytest.mark.integration
 KV_BYTES = 16 * 2**20
 MAX_TOKENS = 24
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def app_config(model_dir, name: str, **overrides) -> ServeConfig:

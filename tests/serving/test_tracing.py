@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import gzip
 import http.server
-import socket
 import threading
 import time
 import zlib
 
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from load_tests.local_ray import free_port
 from serving import tracing
 from serving.config import ServeConfig
 from serving.engine import EngineConfig
@@ -381,11 +384,6 @@ async def test_an_otlp_http_export_reaches_a_local_receiver_and_decodes(stack, r
 
 
 # ---- on Ray: every stage, every replica ------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def traced_app(tmp_path_factory, tiny_model_dir):
