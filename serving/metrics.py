@@ -118,6 +118,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvrelay_num_requests_running", "gauge", "Sequences in the engine's running batch.", _MPR, "worker"),
     MetricSpec("kvrelay_num_requests_waiting", "gauge", "Sequences waiting in the engine's queue.", _MPR, "worker"),
     MetricSpec("kvrelay_kv_cache_usage_ratio", "gauge", "Fraction of the engine's KV blocks in use (0..1).", _MPR, "worker"),
+    MetricSpec("kvrelay_engine_kernel_info", "gauge", "1 for the kernel path the engine runs (kernel_path: native or pytorch) and why (reason), so a silent fallback shows.", (*_MPR, "kernel_path", "reason"), "worker"),
     # ---- the Serve controller ---------------------------------------------------------------
     MetricSpec("kvrelay_autoscaler_decisions_total", "counter", "Autoscaling decisions that changed a pool's replica count, by action (up, down, clamp). Ray export only.", ("pool", "action"), "controller"),
 )
@@ -380,6 +381,7 @@ class WorkerMetrics:
         ins.set("kvrelay_num_requests_running", float(stats.num_running))
         ins.set("kvrelay_num_requests_waiting", float(stats.num_waiting))
         ins.set("kvrelay_kv_cache_usage_ratio", float(stats.kv_cache_usage))
+        ins.set("kvrelay_engine_kernel_info", 1.0, kernel_path=stats.kernel_path, reason=stats.kernel_reason)
         for field_name, metric in _ENGINE_COUNTERS.items():
             value = getattr(stats, field_name)
             ins.inc(metric, value - self._seen[field_name])

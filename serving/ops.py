@@ -278,6 +278,15 @@ def status_report(state: dict, app_name: str, metrics_text: str | None) -> str:
                 lines.append(f"{label:<5} p50 {q[0] * 1000:8.1f} ms   p95 {q[1] * 1000:8.1f} ms")
     else:
         lines += ["", "(no metrics: the ingress's /metrics was not reachable; pass --url)"]
+    kernels: dict[tuple[str, str, str], int] = {}
+    for metric, labels, value in samples:
+        if metric == "kvrelay_engine_kernel_info" and value == 1:
+            key = (labels.get("pool", ""), labels.get("kernel_path", ""), labels.get("reason", ""))
+            kernels[key] = kernels.get(key, 0) + 1
+    if kernels:
+        lines.append("")
+        for (pool, path, reason), count in sorted(kernels.items()):
+            lines.append(f"kernels  {pool:<8} {path} x{count} ({reason})")
     return "\n".join(lines)
 
 

@@ -1,8 +1,25 @@
-"""Shared fixtures: tiny random Llama-family models built on the fly, and the default model."""
+"""Shared fixtures: tiny random Llama-family models built on the fly, and the default model.
+
+Also the suite's hygiene, so a test passes on a fresh machine whatever ran before it:
+
+- `_ray_temp_root` (session, autouse): Ray's default temp root (`$RAY_TMPDIR/ray`, else
+  `/tmp/ray`) is a directory of this session's own, created here. Ray writes there even when a
+  node gets `temp_dir=` (the address file of `ray.cluster_utils.Cluster`), and a fresh machine has
+  none. Each fixture that starts Ray still passes its own `_temp_dir` as well.
+- `_no_leaks` (module, autouse): after a module's fixtures are torn down, the environment, the
+  working directory and Ray's connection are as they were before it; a leak fails the module's
+  last test, naming what leaked.
+- `require_tool(name)`: the path of a binary a test needs (helm, promtool, prometheus). Missing, the
+  test skips, saying how to get it; under CI (`CI` set) it fails instead, since the Makefile
+  installs them there.
+"""
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -87,3 +104,64 @@ def tokenizer(default_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+# ---- hygiene ---------------------------------------------------------------------------------
+@pytest.fixture(scope="session", autouse=True)
+def _ray_temp_root():
+    parent = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)  # CI points RAY_TMPDIR at a path nothing created
+    # Short: Ray's socket paths live under it and AF_UNIX paths stop at 107 bytes.
+    root = Path(tempfile.mkdtemp(prefix="kvt-", dir=parent))
+    (root / "ray").mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_TMPDIR", str(root))
+        yield root / "ray"
+    shutil.rmtree(root, ignore_errors=True)
+
+
+# Set by pytest and the libraries themselves and never put back (importing Ray sets
+# RAY_CLIENT_MODE=0; ray.init points Python's breakpoint() at Ray's debugger; torch's extension
+# builder sets its inductor cache dir): not ours to restore.
+_ENV_SET_BY_LIBRARIES = {"PYTEST_CURRENT_TEST", "PYTHONBREAKPOINT", "RAY_CLIENT_MODE", "TORCHINDUCTOR_CACHE_DIR"}
+
+
+def process_state() -> dict:
+    """What a test or fixture must leave as it found it."""
+    ray = sys.modules.get("ray")
+    return {
+        "environment": {k: v for k, v in os.environ.items() if k not in _ENV_SET_BY_LIBRARIES},
+        "working directory": os.getcwd(),
+        "Ray connected": bool(ray is not None and ray.is_initialized()),
+    }
+
+
+def state_changes(before: dict, after: dict) -> list[str]:
+    changes = []
+    for what in ("working directory", "Ray connected"):
+        if before[what] != after[what]:
+            changes.append(f"{what}: {before[what]!r} -> {after[what]!r}")
+    env_before, env_after = before["environment"], after["environment"]
+    for key in sorted(env_before.keys() | env_after.keys()):
+        if env_before.get(key) != env_after.get(key):
+            changes.append(f"${key}: {env_before.get(key)!r} -> {env_after.get(key)!r}")
+    return changes
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_leaks(_ray_temp_root):
+    before = process_state()
+    yield
+    changes = state_changes(before, process_state())
+    assert not changes, "this module's tests or fixtures left process state behind: " + "; ".join(changes)
+
+
+def require_tool(name: str, how: str) -> str:
+    """The path of the binary `name`; missing, skip (fail under CI) and say `how` to install it."""
+    path = shutil.which(name)
+    if path is None:
+        message = f"{name} is not installed: {how}"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message} (CI must run this test: `make test` installs {name})", pytrace=False)
+        pytest.skip(message)
+    return path

@@ -19,6 +19,7 @@ import torch
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
+from serving.engine.cpu_kernels import KernelPath, KernelStatus, kernel_status
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.errors import InvalidRequestError
 from serving.engine.kv_cache import KVCache, available_memory_bytes, kv_bytes_per_token
@@ -57,6 +58,8 @@ class EngineStats:
     num_held_exports: int
     num_queued_prefill_tokens: int = 0  # prompt tokens of waiting and running sequences not yet computed
     prefill_tokens_per_s: float = 0.0  # measured over recent steps that ran prefill (EMA); 0 before any
+    kernel_path: str = ""  # "native" or "pytorch" (cpu_kernels.KernelPath)
+    kernel_reason: str = ""  # why that path (cpu_kernels.KernelStatus.reason)
 
 
 @dataclass
@@ -92,11 +95,16 @@ class LLMEngine:
         model_dir = resolve_model_dir(config.model)
         self.spec = load_model_spec(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
+        # Before the model: its weight layout follows the kernel path (model.py).
+        self.kernels = (
+            kernel_status() if self.device.type == "cpu"
+            else KernelStatus(KernelPath.PYTORCH, f"the native kernels are CPU-only; the device is {self.device}")
+        )
         t0 = time.monotonic()
         self.model = LlamaModel(self.spec, load_state_dict(model_dir), dtype=dtype, device=self.device)
         logger.info(
-            "loaded %s (%s, %d layers) in %.2fs", config.model, self.spec.architecture,
-            self.spec.num_layers, time.monotonic() - t0,
+            "loaded %s (%s, %d layers) in %.2fs; kernels: %s", config.model, self.spec.architecture,
+            self.spec.num_layers, time.monotonic() - t0, self.kernels,
         )
 
         spec = self.spec
@@ -427,6 +435,8 @@ class LLMEngine:
                 for seq in (*self.scheduler.waiting, *self.scheduler.running)
             ),
             prefill_tokens_per_s=self.prefill_tokens_per_s,
+            kernel_path=self.kernels.path.value,
+            kernel_reason=self.kernels.reason,
         )
 
     # ---- convenience -------------------------------------------------------------------------

@@ -10,80 +10,23 @@ fetched by the decode node through Ray's object transfer, as between machines.
 
 from __future__ import annotations
 
-import os
-
 import httpx
 import pytest
 
-from cluster.roles import ROLE_LABEL, node_labels, node_resources, pin_pools
-from load_tests.local_ray import free_port
-from serving.config import ServeConfig
+from cluster.roles import ROLE_LABEL, node_resources
+from serving.engine.cpu_kernels import build_dir, kernel_status
+from tests.cluster.multinode import MAX_TOKENS, three_node_cluster
 
 pytestmark = pytest.mark.integration
 
-KV_BYTES = 16 * 2**20
-MAX_TOKENS = 24
-OBJECT_STORE_BYTES = 128 * 2**20
-
-
-
-def app_config(model_dir, name: str, **overrides) -> ServeConfig:
-    small = {"num_cpus": 0.1, "num_threads": 1}
-    base = {
-        "model": str(model_dir), "served_model_name": "tiny", "dtype": "float32", "kv_cache_bytes": KV_BYTES,
-        "app_name": name, "prefill": small, "decode": small, "worker": small, "ingress": {"num_cpus": 0.05},
-    }
-    base.update(overrides)
-    return ServeConfig.model_validate(base)
-
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, tiny_model_dir):
-    import ray
-    from ray import serve
-    from ray.cluster_utils import Cluster
-
-    from serving import kv_transfer_actor
-    from serving.app import build_app
-
-    # The PyTorch path, not the native kernels: a kernel build on the first request (a fresh cache,
-    # or one another process is rebuilding) would take longer than the request's timeout, and
-    # this test is about placement and the KV hand-off. The nodes inherit this environment.
-    previous = os.environ.get("KVRELAY_DISABLE_NATIVE")
-    os.environ["KVRELAY_DISABLE_NATIVE"] = "1"
-    sim = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "labels": node_labels("head"), "object_store_memory": OBJECT_STORE_BYTES,
-        "include_dashboard": False, "temp_dir": str(tmp_path_factory.mktemp("ray")),
-    })
-    node_ids = {"head": sim.head_node.node_id}
-    for role in ("prefill", "decode"):
-        node = sim.add_node(
-            num_cpus=1, resources=node_resources(role), labels=node_labels(role),
-            object_store_memory=OBJECT_STORE_BYTES,
-        )
-        node_ids[role] = node.node_id
-    try:
-        ray.init(address=sim.address, logging_level="WARNING")
-        port = free_port()
-        # One machine: the nodes share its address, so only the head's proxy can bind the port.
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        apps = {
-            "multi": pin_pools(app_config(tiny_model_dir, "multi")),
-            "coloc": app_config(tiny_model_dir, "coloc", mode="colocated"),
-        }
-        for name, config in apps.items():
-            serve.run(build_app(config), name=name, route_prefix=f"/{name}")
-        yield {"url": f"http://127.0.0.1:{port}", "node_ids": node_ids}
-        for name in apps:
-            kv_transfer_actor.kill_all(name)
-        serve.shutdown()
-    finally:
-        ray.shutdown()
-        sim.shutdown()
-        if previous is None:
-            os.environ.pop("KVRELAY_DISABLE_NATIVE", None)
-        else:
-            os.environ["KVRELAY_DISABLE_NATIVE"] = previous
+def cluster(tiny_model_dir):
+    # The nodes' replicas load the native kernels this process builds (or finds) in the cache
+    # they share: no replica builds them on its first request.
+    kernel_status()
+    with three_node_cluster(tiny_model_dir) as info:
+        yield info
 
 
 def stats(app: str, deployment: str) -> dict:
@@ -116,6 +59,16 @@ def test_replicas_land_on_their_pools_nodes(cluster):
     assert stats("multi", "DecodeWorker")["node_id"] == cluster["node_ids"]["decode"]
 
 
+def test_replicas_run_the_kernel_path_of_this_machine(cluster):
+    """No replica falls back silently: each runs the path this process has, and says so."""
+    here = kernel_status()
+    for app, deployment in (("multi", "PrefillWorker"), ("multi", "DecodeWorker"), ("coloc", "Worker")):
+        replica = stats(app, deployment)
+        assert replica["kernel_path"] == here.path.value, (deployment, replica["kernel_reason"])
+        if here.path.value == "native":
+            assert replica["kernel_reason"] == f"loaded from the cache {build_dir()}"
+
+
 def test_chat_crosses_nodes_and_equals_colocated(cluster):
     import ray
 
@@ -142,3 +95,4 @@ def test_chat_crosses_nodes_and_equals_colocated(cluster):
     assert (held["num_offered"], held["num_claimed"], held["num_held"]) == (1, 1, 0)
     with pytest.raises(ValueError):
         kv_actor("multi", decode_node)
+

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,15 +17,13 @@ import pytest
 import yaml
 
 from serving.metrics import METRICS, series_names
+from tests.conftest import require_tool
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "kvrelay-dashboard.json"
 ALERTS = DEPLOY / "prometheus" / "kvrelay-alerts.yaml"
 PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
-PROMTOOL_MISSING = (
-    "needs `promtool` from the Debian package `prometheus` (`apt-get install prometheus`; "
-    "`make install` does it where apt-get exists)"
-)
+PROMTOOL_HOW = "it comes with the Debian package `prometheus` (`make install` installs it where apt-get exists)"
 
 # PromQL words that are not metric names.
 _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset", "inf", "nan"}
@@ -75,9 +72,7 @@ def render_alerts():
 
 
 def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    binary = shutil.which("promtool")
-    if binary is None:
-        pytest.skip(PROMTOOL_MISSING)
+    binary = require_tool("promtool", PROMTOOL_HOW)
     result = subprocess.run([binary, *args], check=False, capture_output=True, text=True, cwd=cwd, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     return result

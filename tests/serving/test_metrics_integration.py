@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -30,16 +29,14 @@ from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.frontend import Frontend
 from serving.protocol import ChatMessage
+from tests.conftest import require_tool
 
 pytestmark = pytest.mark.integration
 
 MAX_TOKENS = 6
 KV_BYTES = 16 * 2**20
 REPO = Path(__file__).resolve().parents[2]
-PROMETHEUS_MISSING = (
-    "needs the `prometheus` binary: `apt-get install prometheus` (Debian/Ubuntu; `make install` does "
-    "it where apt-get exists)"
-)
+PROMETHEUS_HOW = "it comes with the Debian package `prometheus` (`make install` installs it where apt-get exists)"
 
 
 
@@ -315,9 +312,7 @@ def prometheus_config(cluster) -> dict:
 
 
 def test_prometheus_scrapes_the_app_and_answers_the_ttft_histogram(cluster, tmp_path):
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.skip(PROMETHEUS_MISSING)
+    binary = require_tool("prometheus", PROMETHEUS_HOW)
     config_path = tmp_path / "prometheus.yml"
     config_path.write_text(yaml.safe_dump(prometheus_config(cluster)))
     port = free_port()

@@ -27,6 +27,9 @@ kvrelay_num_requests_running{pool="decode",replica="b"} 2.0
 kvrelay_num_requests_waiting{pool="prefill",replica="c"} 4.0
 kvrelay_kv_cache_usage_ratio{pool="decode",replica="a"} 0.5
 kvrelay_kv_cache_usage_ratio{pool="decode",replica="b"} 0.25
+kvrelay_engine_kernel_info{pool="decode",replica="a",kernel_path="native",reason="loaded from the cache /c"} 1.0
+kvrelay_engine_kernel_info{pool="decode",replica="b",kernel_path="native",reason="loaded from the cache /c"} 1.0
+kvrelay_engine_kernel_info{pool="prefill",replica="c",kernel_path="pytorch",reason="KVRELAY_DISABLE_NATIVE=1"} 1.0
 """
 
 
@@ -63,6 +66,12 @@ def test_status_report_lines():
     # p50: rank 5 in (0.1, 0.2] holding counts 2..6 -> 0.1 + 0.1 * 3/4;
     # p95: rank 9.5 in (0.2, 0.4] holding counts 6..10 -> 0.2 + 0.2 * 3.5/4
     assert report[7] == "TTFT  p50    175.0 ms   p95    375.0 ms"
+    # Each pool's kernel path and why, counted over its replicas: a fallback cannot hide.
+    assert report[-3:] == [
+        "",
+        "kernels  decode   native x2 (loaded from the cache /c)",
+        "kernels  prefill  pytorch x1 (KVRELAY_DISABLE_NATIVE=1)",
+    ]
 
 
 def test_status_without_metrics_says_so():
