@@ -5,7 +5,8 @@ Also the suite's hygiene, so a test passes on a fresh machine whatever ran befor
 - `_ray_temp_root` (session, autouse): Ray's default temp root (`$RAY_TMPDIR/ray`, else
   `/tmp/ray`) is a directory of this session's own, created here. Ray writes there even when a
   node gets `temp_dir=` (the address file of `ray.cluster_utils.Cluster`), and a fresh machine has
-  none. Each fixture that starts Ray still passes its own `_temp_dir` as well.
+  none. Each fixture that starts Ray still passes its own `_temp_dir` as well, and a test that
+  starts Ray in a subprocess gives it `RAY_TMPDIR` = `own_ray_tmpdir`.
 - `_no_leaks` (module, autouse): after a module's fixtures are torn down, the environment, the
   working directory and Ray's connection are as they were before it; a leak fails the module's
   last test, naming what leaked.
@@ -124,6 +125,14 @@ def _ray_temp_root():
 # RAY_CLIENT_MODE=0; ray.init points Python's breakpoint() at Ray's debugger; torch's extension
 # builder sets its inductor cache dir): not ours to restore.
 _ENV_SET_BY_LIBRARIES = {"PYTEST_CURRENT_TEST", "PYTHONBREAKPOINT", "RAY_CLIENT_MODE", "TORCHINDUCTOR_CACHE_DIR"}
+
+
+@pytest.fixture
+def own_ray_tmpdir(_ray_temp_root) -> Path:
+    """A `RAY_TMPDIR` of this test's own (its `ray` root created), for a Ray it starts in a subprocess."""
+    path = Path(tempfile.mkdtemp(prefix="t-", dir=_ray_temp_root.parent))
+    (path / "ray").mkdir()
+    return path
 
 
 def process_state() -> dict:

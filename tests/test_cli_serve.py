@@ -21,12 +21,12 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-
-def test_serve_chat_and_stop(tmp_path):
+def test_serve_chat_and_stop(tmp_path, own_ray_tmpdir):
     port, dashboard_port = free_port(), free_port()
     log = tmp_path / "serve.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_") or k == "KVRELAY_CACHE_DIR"}
     env["KVRELAY_HTTP__PORT"] = str(port)
+    env["RAY_TMPDIR"] = str(own_ray_tmpdir)
     with log.open("w") as out:
         proc = subprocess.Popen(
             [BIN / "kvrelay", "serve", "--config", "deploy/local.yaml", "--set", f"ray.dashboard_port={dashboard_port}"],
