@@ -187,7 +187,9 @@ class ServeConfig(_Strict):
     served_model_name: str | None = Field(
         None, min_length=1, description="The name clients pass as `model`; default: `model`."
     )
-    dtype: Literal["bfloat16", "float32", "float16"] = Field("bfloat16", description="Weights and KV dtype.")
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
+        "auto", description="Weights and KV dtype; auto: bfloat16 where this machine's bf16 matrix products are fast, else float32 (measured by each replica at start-up).",
+    )
     device: str = Field("cpu", description="'cpu' or 'cuda[:N]'.")
     kv_cache_bytes: int | None = Field(None, gt=0, description="KV cache bytes per replica.")
     kv_cache_memory_fraction: float = Field(

@@ -19,8 +19,10 @@ class EngineConfig(BaseModel):
         "smollm2-135m-instruct",
         description="Built-in name, a .gguf file, or a local Hugging Face model directory.",
     )
-    dtype: Literal["bfloat16", "float32", "float16"] = Field(
-        "bfloat16", description="Weights and KV cache dtype; float32 for exact parity checks."
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
+        "auto",
+        description="Weights and KV cache dtype. auto: bfloat16 where this machine's bf16 matrix "
+        "products are fast, else float32 (measured at start-up, dtype_choice.py); float32 for exact parity checks.",
     )
     device: str = Field("cpu", description="'cpu' or 'cuda[:N]'.")
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
@@ -59,4 +61,5 @@ class EngineConfig(BaseModel):
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        assert self.dtype != "auto", "dtype auto is resolved by the engine (dtype_choice.choose_dtype)"
         return DTYPES[self.dtype]

@@ -21,6 +21,7 @@ from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.cpu_kernels import KernelPath, KernelStatus, kernel_status
 from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.engine.dtype_choice import choose_dtype
 from serving.engine.errors import InvalidRequestError
 from serving.engine.kv_cache import KVCache, available_memory_bytes, kv_bytes_per_token
 from serving.engine.kv_events import KVEvent
@@ -58,6 +59,8 @@ class EngineStats:
     num_held_exports: int
     num_queued_prefill_tokens: int = 0  # prompt tokens of waiting and running sequences not yet computed
     prefill_tokens_per_s: float = 0.0  # measured over recent steps that ran prefill (EMA); 0 before any
+    dtype: str = ""  # the dtype that runs (config "auto" resolved) and why: dtype_choice.DtypeChoice
+    dtype_reason: str = ""
     kernel_path: str = ""  # "native" or "pytorch" (cpu_kernels.KernelPath)
     kernel_reason: str = ""  # why that path (cpu_kernels.KernelStatus.reason)
 
@@ -86,15 +89,19 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None):
         config = config or EngineConfig()
-        self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
-        dtype = config.torch_dtype
 
         model_dir = resolve_model_dir(config.model)
         self.spec = load_model_spec(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
+        # `auto` is measured here, on the threads set above; from now on the config names the
+        # dtype that runs, which is also what the KV layout and the stats report.
+        self.dtype_choice = choose_dtype(config.dtype, self.device, hidden_size=self.spec.hidden_size)
+        config = config.model_copy(update={"dtype": self.dtype_choice.dtype})
+        self.config = config
+        dtype = config.torch_dtype
         # Before the model: its weight layout follows the kernel path (model.py).
         self.kernels = (
             kernel_status() if self.device.type == "cpu"
@@ -103,8 +110,8 @@ class LLMEngine:
         t0 = time.monotonic()
         self.model = LlamaModel(self.spec, load_state_dict(model_dir), dtype=dtype, device=self.device)
         logger.info(
-            "loaded %s (%s, %d layers) in %.2fs; kernels: %s", config.model, self.spec.architecture,
-            self.spec.num_layers, time.monotonic() - t0, self.kernels,
+            "loaded %s (%s, %d layers) in %.2fs; dtype: %s; kernels: %s", config.model, self.spec.architecture,
+            self.spec.num_layers, time.monotonic() - t0, self.dtype_choice, self.kernels,
         )
 
         spec = self.spec
@@ -435,6 +442,8 @@ class LLMEngine:
                 for seq in (*self.scheduler.waiting, *self.scheduler.running)
             ),
             prefill_tokens_per_s=self.prefill_tokens_per_s,
+            dtype=self.dtype_choice.dtype,
+            dtype_reason=self.dtype_choice.reason,
             kernel_path=self.kernels.path.value,
             kernel_reason=self.kernels.reason,
         )

@@ -32,6 +32,23 @@ logger = logging.getLogger(__name__)
 SMALL_M = 8
 
 
+_pack_support: bool | None = None
+
+
+def _can_pack_bf16() -> bool:
+    """Whether oneDNN can pre-pack bf16 linear weights on this CPU: it needs AVX-512 (BW, VL, DQ)
+    or AVX-NE-CONVERT, and refuses elsewhere (an AVX2-only CPU). Tried once, on a small weight."""
+    global _pack_support
+    if _pack_support is None:
+        try:
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(64, 64, dtype=torch.bfloat16), 64)
+            _pack_support = True
+        except (AttributeError, RuntimeError) as exc:
+            _pack_support = False
+            logger.info("bf16 linear layers use the plain layout: oneDNN cannot pre-pack them here (%s)", exc)
+    return _pack_support
+
+
 class _Linear:
     """y = x W^T + b, by whichever CPU routine is fastest for the number of rows.
 
@@ -101,10 +118,7 @@ class LlamaModel:
             return torch.cat(list(tensors)).contiguous()
 
         # Pre-packed oneDNN weights pay off for bf16 on CPU (see _Linear); elsewhere plain ones.
-        pack = (
-            device.type == "cpu" and dtype == torch.bfloat16
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and native_kernels() is not None
-        )
+        pack = device.type == "cpu" and dtype == torch.bfloat16 and native_kernels() is not None and _can_pack_bf16()
         self.embed = take("model.embed_tokens.weight")
         self.layers: list[_Layer] = []
         for i in range(spec.num_layers):

@@ -150,20 +150,25 @@ def test_gguf_file_path_is_converted_once_and_cached(tmp_path, monkeypatch, defa
 
 @pytest.mark.slow
 def test_default_model_bf16_answers_and_tracks_fp32(default_model_dir):
-    """bf16 runs the native bf16 kernels (GEMV, decode attention): its greedy answer is right
-    and its first-step logits stay within bf16 error of fp32's."""
+    """bf16 runs the native bf16 kernels (GEMV, decode attention where the CPU has them): its
+    first-step logits stay within bf16 error of fp32's.
+
+    Which token bf16 picks where fp32's two best are nearly tied is rounding, not correctness: the
+    answer to PROMPTS[0] starts with such a tie (fp32: -1.88 against -1.96), and bf16 picks one or
+    the other depending on the CPU's bf16 path (oneDNN packed on AVX-512, plain on AVX2)."""
     bf16 = LLMEngine(EngineConfig(dtype="bfloat16", kv_cache_bytes=64 * 2**20))
     fp32 = LLMEngine(EngineConfig(dtype="float32", kv_cache_bytes=64 * 2**20))
     prompt = chat_ids(bf16.tokenizer, PROMPTS[0])
-    params = SamplingParams(temperature=0.0, max_tokens=16)
-    (out,) = bf16.generate([prompt], params)
-    assert out.outputs[0].text == "The capital of France is Paris."
     # decode steps (one token, batch of 1 and of 4) exercise the decode kernel and the GEMV
     batch = [prompt, chat_ids(bf16.tokenizer, PROMPTS[1]), chat_ids(bf16.tokenizer, PROMPTS[6]), prompt[:20]]
-    lp_bf16 = [o.outputs[0].logprobs for o in bf16.generate(batch, SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True))]
-    lp_fp32 = [o.outputs[0].logprobs for o in fp32.generate(batch, SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True))]
+    lp_bf16 = [o.outputs[0].logprobs for o in bf16.generate(batch, SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, ignore_eos=True))]
+    lp_fp32 = [o.outputs[0].logprobs for o in fp32.generate(batch, SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, ignore_eos=True))]
     for a, b in zip(lp_bf16, lp_fp32):
-        assert a[0].token_id == b[0].token_id
+        (first, first_lp), (second, second_lp) = b[0].top[:2]
+        if first_lp - second_lp > 0.3:
+            assert a[0].token_id == first
+        else:  # a near-tie: either of the two
+            assert a[0].token_id in (first, second)
         # while the tokens agree, the chosen token's logprob agrees to bf16 accuracy
         for x, y in zip(a, b):
             if x.token_id != y.token_id:
