@@ -31,7 +31,6 @@ import dataclasses
 import gc
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -507,21 +506,6 @@ def bench_vllm(p: BenchParams, prompts: Prompts, model_dir: Path) -> SystemResul
     )
 
 
-def machine_info(threads: int) -> dict:
-    import torch
-
-    cpu_model = hardware.cpu_model()
-    return {
-        "cpu_model": cpu_model,
-        "num_cores": os.cpu_count(),
-        "torch_version": torch.__version__,
-        "threads": threads,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "load_avg_1m_at_start": os.getloadavg()[0],
-    }
-
-
 def run(p: BenchParams, *, command: str = "") -> dict:
     """Run every phase; returns {"summary": ..., "results": ...} and prints the table."""
     import torch
@@ -532,7 +516,7 @@ def run(p: BenchParams, *, command: str = "") -> dict:
     torch.set_num_threads(p.threads)
     started = time.monotonic()
     try:
-        machine = machine_info(p.threads)
+        machine = hardware.machine_record(num_threads=p.threads)
         model_dir = resolve_model_dir(p.model)
         prompts = Prompts.make(p, load_model_spec(model_dir).vocab_size)
         _progress("memory read bandwidth (1 GiB .sum(), best of 5)")
@@ -549,7 +533,7 @@ def run(p: BenchParams, *, command: str = "") -> dict:
         )
     finally:
         torch.set_num_threads(saved_threads)
-    machine["load_avg_1m_at_end"] = os.getloadavg()[0]
+    hardware.finish_machine_record(machine)
     systems = [engine, transformers, vllm]
     summary = summarize(engine, transformers, vllm, roofline)
     print(format_table(p, systems, roofline, summary, load_avg_1m=machine["load_avg_1m_at_start"]))

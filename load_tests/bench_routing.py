@@ -30,13 +30,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from load_tests.bench_engine import Target, machine_info
+from load_tests import hardware
+from load_tests.bench_engine import Target
 from load_tests.routing_metrics import PolicyRun
 from load_tests.routing_sim import CostModel, SimConfig, oracle_hit_tokens, simulate
 from load_tests.routing_workload import Workload, WorkloadSpec, make_workload
@@ -275,7 +275,7 @@ def _to_json(part: dict) -> dict:
 def run(p: BenchParams, *, command: str = "") -> dict:
     """Calibrate (unless told the rate), run, print the table; returns {summary, config, raw, hardware}."""
     started = time.monotonic()
-    hardware = machine_info(threads=1)
+    machine = hardware.machine_record(num_threads=1)  # torch threads per prefill replica
     cost, calibration = _cost_model(p)
     sweep: dict[int, dict] = {}
     simulated = None
@@ -291,12 +291,12 @@ def run(p: BenchParams, *, command: str = "") -> dict:
         source = f"real, {p.num_replicas} replicas"
         import ray
 
-        hardware["ray_version"] = ray.__version__
-    hardware["load_avg_1m_at_end"] = os.getloadavg()[0]
+        machine["ray_version"] = ray.__version__
+    hardware.finish_machine_record(machine)
     summary = summarize(headline["figures"], headline["oracle_hit_rate"], source)
     print(format_table(p, headline, summary, sweep, simulated=simulated))
-    if hardware["load_avg_1m_at_start"] >= 0.5 and not p.simulate:
-        print(f"note: 1-min load average {hardware['load_avg_1m_at_start']:.2f} at start: other processes shared the CPU")
+    if machine["load_avg_1m_at_start"] >= 0.5 and not p.simulate:
+        print(f"note: 1-min load average {machine['load_avg_1m_at_start']:.2f} at start: other processes shared the CPU")
     raw = {"simulation" if p.simulate else "real": {str(p.num_replicas): _to_json(headline)}}
     if p.simulate:
         raw["simulation"].update({str(n): _to_json(part) for n, part in sweep.items()})
@@ -308,7 +308,7 @@ def run(p: BenchParams, *, command: str = "") -> dict:
         "config": {"command": command, "params": dataclasses.asdict(p), "calibration": calibration,
                    "cost_model": dataclasses.asdict(cost)},
         "raw": raw,
-        "hardware": hardware,
+        "hardware": machine,
     }
 
 

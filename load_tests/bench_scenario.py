@@ -45,8 +45,9 @@ from pathlib import Path
 
 import httpx
 
+from load_tests import hardware
 from load_tests.bench_engine import Target
-from load_tests.bench_serve import RateRun, hardware_info, run_rates
+from load_tests.bench_serve import RateRun, run_rates
 from load_tests.scenario_servers import ScenarioError
 from load_tests.serve_client import RequestSpec, ServeClient
 from load_tests.serve_metrics import parse_slo, summarize_records
@@ -422,7 +423,7 @@ def run(p: ScenarioParams, *, command: str = "") -> tuple[dict, ScenarioResult]:
     from serving.engine.model_loader import resolve_model_dir
 
     started = time.monotonic()
-    hardware = hardware_info()
+    machine = hardware.machine_record(httpx_version=httpx.__version__)
     model_dir = resolve_model_dir(p.model)
     port = local_ray.free_port()
     log_dir = Path(p.log_dir or tempfile.mkdtemp(prefix="kvrelay-scenario-logs-"))
@@ -432,7 +433,7 @@ def run(p: ScenarioParams, *, command: str = "") -> tuple[dict, ScenarioResult]:
         with local_ray.local_ray(f"bench scenario {p.name}", _progress):
             runner = _run_pd_interference if p.name == "pd-interference" else _run_prefix_routing
             result = runner(p, model_dir, port)
-    hardware.update(load_avg_1m_at_end=os.getloadavg()[0], ray_version=ray.__version__, cores_pinned=_cores())
+    hardware.finish_machine_record(machine, ray_version=ray.__version__, cores_pinned=_cores())
     w = workload(p)
     report = {
         "summary": {"scenario": p.name, "smoke": p.smoke, **result.summary},
@@ -441,7 +442,7 @@ def run(p: ScenarioParams, *, command: str = "") -> tuple[dict, ScenarioResult]:
                    "servers": result.info, "log_dir": str(log_dir)},
         "raw": {"runs": {label: {"duration_s": r.duration_s, "records": [x.to_json() for x in r.records]}
                          for label, r in result.runs.items()}, "wall_s": time.monotonic() - started},
-        "hardware": hardware,
+        "hardware": machine,
     }
     print(format_summary(report))
     return report, result

@@ -25,8 +25,6 @@ import dataclasses
 import importlib.util
 import json
 import math
-import os
-import platform
 import sys
 import time
 from dataclasses import dataclass
@@ -152,21 +150,13 @@ def format_table(p: BenchParams, model: str, runs: list[RateRun]) -> str:
     return "\n".join(lines)
 
 
-def hardware_info() -> dict:
-    """The client's machine (no torch import: the client needs none)."""
-    cpu_model = hardware.cpu_model()
-    return {"cpu_model": cpu_model, "num_cores": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform(), "httpx_version": httpx.__version__,
-            "load_avg_1m_at_start": os.getloadavg()[0]}
-
-
 def run(p: BenchParams, *, command: str = "", transport=None, clock=None) -> tuple[dict, list[RateRun]]:
     """Every rate; prints the table; returns the JSON report and the runs (for the PNG)."""
     started = time.monotonic()
-    hardware = hardware_info()
+    machine = hardware.machine_record(httpx_version=httpx.__version__)  # the client's machine
     model, runs = asyncio.run(run_rates(p, transport=transport, clock=clock))
     print(format_table(p, model, runs))
-    hardware["load_avg_1m_at_end"] = os.getloadavg()[0]
+    hardware.finish_machine_record(machine)
     params = {**dataclasses.asdict(p), "request_rates": [_rate_json(r) for r in p.request_rates]}
     if params["api_key"]:
         params["api_key"] = "(set, not recorded)"
@@ -174,7 +164,7 @@ def run(p: BenchParams, *, command: str = "", transport=None, clock=None) -> tup
         "summary": {"runs": [r.summary for r in runs]},
         "config": {"command": command, "model": model, "params": params},
         "raw": {"runs": [r.to_json() for r in runs], "wall_s": time.monotonic() - started},
-        "hardware": hardware,
+        "hardware": machine,
     }
     return report, runs
 

@@ -29,20 +29,20 @@ import asyncio
 import dataclasses
 import gc
 import json
-import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from load_tests.bench_engine import Target, machine_info
-from load_tests.local_ray import RAY_NUM_CPUS, free_port, local_ray
+from load_tests import hardware
+from load_tests.bench_engine import Target
 from load_tests.kv_transfer_timing import (
     KV_TRANSFER_STEPS,
     KVTransferResult,
     measure_kv_transfer,
 )
+from load_tests.local_ray import RAY_NUM_CPUS, free_port, local_ray
 
 __all__ = [
     "BenchParams",
@@ -399,7 +399,7 @@ def run(p: BenchParams, *, command: str = "") -> dict:
     from serving.engine.model_loader import load_model_spec, resolve_model_dir
 
     started = time.monotonic()
-    hardware = machine_info(threads=1)
+    machine = hardware.machine_record(num_threads=1)  # torch threads per replica and in process
     model_dir = resolve_model_dir(p.model)
     prompts = Prompts.make(p, load_model_spec(model_dir).vocab_size)
     port = free_port()
@@ -417,12 +417,11 @@ def run(p: BenchParams, *, command: str = "") -> dict:
         if p.kv_repeats:
             _progress(f"KV transfer: {p.kv_tokens}-token prompt, 1 warm-up + {p.kv_repeats} repeats")
             kv = measure_kv_transfer(engine_config, prompts.kv, p.kv_repeats)
-    hardware["load_avg_1m_at_end"] = os.getloadavg()[0]
-    hardware["ray_version"] = ray.__version__
+    hardware.finish_machine_record(machine, ray_version=ray.__version__)
 
     paths = [inprocess, *served.values()]
     summary = summarize(inprocess, served, kv)
-    print(format_table(p, paths, kv, summary, load_avg_1m=hardware["load_avg_1m_at_start"]))
+    print(format_table(p, paths, kv, summary, load_avg_1m=machine["load_avg_1m_at_start"]))
     return {
         "summary": summary,
         "config": {
@@ -438,7 +437,7 @@ def run(p: BenchParams, *, command: str = "") -> dict:
             "kv_transfer": kv and kv.to_json(),
             "wall_s": time.monotonic() - started,
         },
-        "hardware": hardware,
+        "hardware": machine,
     }
 
 

@@ -183,6 +183,8 @@ def test_simulate_quick_smoke_through_the_cli(tmp_path, capsys):
     assert main(argv) == 0
     report = json.loads(out.read_text())
     assert set(report) == {"summary", "config", "raw", "hardware"}
+    assert set(report["hardware"]["isa"]) == {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "amx_int8"}  # hardware.machine_record
+    assert report["hardware"]["num_threads"] == 1 and report["hardware"]["load_avg_1m_at_end"] >= 0
     summary = report["summary"]
     assert 0.5 < summary["hit_rate_fraction_of_oracle"] <= 1.0
     assert summary["ttft_p50_speedup_vs_pow2"] > 1.0 and summary["max_over_mean_load"] >= 1.0

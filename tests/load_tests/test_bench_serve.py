@@ -414,6 +414,8 @@ def test_bench_serve_command_against_the_fake_server(fake_server_url, tmp_path):
     assert "secret-key" not in path.read_text()
     report = json.loads(path.read_text())
     assert set(report) == {"summary", "config", "raw", "hardware"}
+    assert set(report["hardware"]["isa"]) == {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "amx_int8"}  # hardware.machine_record
+    assert report["hardware"]["num_threads"] is None and report["hardware"]["httpx_version"] == httpx.__version__
     assert report["config"]["model"] == "fake-model"
     runs = report["summary"]["runs"]
     assert [r["request_rate"] for r in runs] == [20.0, "inf"]

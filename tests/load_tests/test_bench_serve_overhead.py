@@ -183,5 +183,6 @@ def test_smoke_run_on_tiny_model(tiny_model_dir, tmp_path):
     assert kv["is_verified"] is True
     assert all(len(kv["steps_s"][step]) == 2 for step in kv["timed_steps"])
     assert report["config"]["params"]["modes"] == ["disaggregated", "colocated"]
-    assert report["hardware"]["num_cores"] >= 1
+    assert report["hardware"]["num_cores"] >= 1 and report["hardware"]["num_threads"] == 1
+    assert set(report["hardware"]["isa"]) == {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "amx_int8"}  # hardware.machine_record
     assert "KV transfer of 64 tokens" in proc.stdout and "added TTFT p50" in proc.stdout
