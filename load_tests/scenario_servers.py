@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["ScenarioError", "kvrelay_server", "peer_python", "subprocess_server", "wait_ready"]
+__all__ = ["REPO", "ScenarioError", "kvrelay_server", "peer_python", "subprocess_server", "wait_ready"]
 
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 600.0  # a fresh machine compiles kernels on a first start; peers take ~30-90 s
@@ -71,12 +71,16 @@ def _tail(path: Path, num_lines: int = 30) -> str:
 @contextmanager
 def subprocess_server(name: str, argv: list[str], *, base_url: str, log_path: Path, env: dict | None = None,
                       ready_timeout_s: float = READY_TIMEOUT_S, progress: Callable[[str], None]) -> Iterator[dict]:
-    """Start `argv`, wait until it serves, yield {"startup_s", "log"}, stop it."""
+    """Start `argv`, wait until it serves, yield {"startup_s", "log"}, stop it.
+
+    `env` is set over this process's environment; a variable given as None is removed.
+    """
+    env = {**os.environ, **(env or {})}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     progress(f"{name}: starting ({' '.join(str(a) for a in argv[:4])} ...; log {log_path})")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([str(a) for a in argv], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **(env or {})}, cwd=REPO, start_new_session=True)
+                                env={k: v for k, v in env.items() if v is not None}, cwd=REPO, start_new_session=True)
     try:
         startup_s = wait_ready(base_url, timeout_s=ready_timeout_s, is_alive=lambda: proc.poll() is None,
                                describe=lambda: _tail(log_path))

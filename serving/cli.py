@@ -299,6 +299,11 @@ def _add_bench_scenario(targets) -> None:
     p.add_argument("--no-png", action="store_true", help="no PNG next to --json")
     p.add_argument("--systems", metavar="A,B", help=f"peers: which systems [{systems}]")
     p.add_argument("--peers-venv", default=".venv-peers", metavar="DIR", help="peers' venv (make peers) [%(default)s]")
+    p.add_argument(
+        "--peer-configs", metavar="A,B",
+        help="peers: configurations of the vLLM-based peers (load_tests/peer_configs.py); ratios use each one's "
+        "fastest [default,all-cores]",
+    )
     p.add_argument("--kv-cache-mib", type=int, default=512, metavar="MIB", help="KV cache per kvrelay replica [%(default)s]")
     p.add_argument("--slo", metavar="ttft_ms=..,tpot_ms=..", help="pd-interference goodput bounds [ttft_ms=2000,tpot_ms=100]")
     p.add_argument("--seed", type=int, default=0, help="dataset and arrival seed [%(default)s]")

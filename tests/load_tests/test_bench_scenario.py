@@ -13,6 +13,8 @@ import pytest
 
 from load_tests.bench_scenario import (
     ScenarioParams,
+    default_mode,
+    format_summary,
     params_from_args,
     prefix_cache_tokens,
     steady_of,
@@ -110,18 +112,68 @@ def test_peers_summary_ratios_and_skipped_peers():
     # 4 requests x 11 tokens in 10 s = 4.4 tok/s; the peer: 4 x 11 in 20 s = 2.2 tok/s
     ours = run_of([record(i, "random", 0.1 * (i + 1), 0.01) for i in range(4)], 10.0)
     vllm = run_of([record(i, "random", 0.2 * (i + 1), 0.01) for i in range(4)], 20.0)
-    info = {"ray-serve-llm": {"skipped": "no peers venv at .venv-peers (make peers)"},
+    skipped = {"skipped": "no peers venv at .venv-peers (make peers)", "peer_config": "default"}
+    info = {"ray-serve-llm[default]": skipped,
             "transformers": {"failed": "the server exited before it was ready"}}
-    s = summarize_peers({"kvrelay-colocated": ours, "vllm": vllm}, info)
+    s = summarize_peers({"kvrelay-disaggregated": ours, "vllm[default]": vllm}, info, ours_mode="disaggregated")
+    assert s["vllm_best_config"] == "default" and s["ray_serve_llm_best_config"] is None
     assert s["output_tok_s_ratio_vs_vllm"] == pytest.approx(2.0)
     # TTFT p95 of 100..400 ms: rank 2.85 -> 385 ms; of 200..800 ms: 770 ms
     assert s["ttft_p95_ratio_vs_vllm"] == pytest.approx(385 / 770)
     assert s["output_tok_s_ratio_vs_ray_serve_llm"] is None
-    assert s["systems"]["ray-serve-llm"] == {"skipped": "no peers venv at .venv-peers (make peers)"}
+    assert s["output_tok_s_ratio_coloc_vs_vllm"] is None  # colocated did not run
+    assert s["systems"]["ray-serve-llm[default]"] == {"skipped": "no peers venv at .venv-peers (make peers)"}
     assert s["systems"]["transformers"] == {"failed": "the server exited before it was ready"}
     assert s["targets"]["output_tok_s_ratio_vs_vllm"]["met"] is True
     assert s["targets"]["ttft_p95_ratio_vs_vllm"]["met"] is True
     assert s["targets"]["output_tok_s_ratio_vs_ray_serve_llm"]["met"] is None
+
+
+def test_peers_are_compared_in_their_best_configuration_against_the_default_mode():
+    def run(ttft_s: float, duration_s: float) -> RateRun:  # 4 requests x 11 tokens
+        return run_of([record(i, "random", ttft_s, 0.01) for i in range(4)], duration_s)
+
+    runs = {
+        "kvrelay-disaggregated": run(0.2, 10.0),  # 4.4 tok/s, TTFT 200 ms
+        "kvrelay-colocated": run(0.1, 20.0),  # 2.2 tok/s, TTFT 100 ms
+        "vllm[default]": run(0.1, 22.0),  # 2.0 tok/s, the better TTFT: not the one compared with
+        "vllm[all-cores]": run(0.8, 11.0),  # 4.0 tok/s: best
+        "ray-serve-llm[all-cores]": run(0.4, 40.0),  # 1.1 tok/s, the only one that ran
+        "ray-serve-llm-pd[default]": run(0.4, 40.0),
+        "ray-serve-llm-pd[all-cores]": run(0.4, 44.0),
+    }
+    info = {"ray-serve-llm[default]": {"failed": "not ready after 600 s", "peer_config": "default"}}
+    s = summarize_peers(runs, info, ours_mode="disaggregated")
+    assert s["ours"]["system"] == "kvrelay-disaggregated"
+    assert (s["vllm_best_config"], s["ray_serve_llm_best_config"], s["ray_serve_llm_pd_best_config"]) == (
+        "all-cores", "all-cores", "default")
+    assert s["compared_as"] == {"transformers": None, "vllm": "vllm[all-cores]",
+                                "ray-serve-llm": "ray-serve-llm[all-cores]",
+                                "ray-serve-llm-pd": "ray-serve-llm-pd[default]"}
+    assert s["output_tok_s_ratio_vs_vllm"] == pytest.approx(4.4 / 4.0)
+    assert s["ttft_p95_ratio_vs_vllm"] == pytest.approx(0.2 / 0.8)  # all-cores' TTFT, not default's
+    assert s["output_tok_s_ratio_vs_ray_serve_llm"] == pytest.approx(4.0)
+    assert s["output_tok_s_ratio_vs_ray_serve_llm_pd"] == pytest.approx(4.0)
+    assert s["output_tok_s_ratio_coloc_vs_vllm"] == pytest.approx(2.2 / 4.0)  # the other mode, beside it
+    assert s["ttft_p95_ratio_coloc_vs_vllm"] == pytest.approx(0.1 / 0.8)
+    assert s["output_tok_s_ratio_vs_transformers"] is None
+    assert s["systems"]["ray-serve-llm[default]"] == {"failed": "not ready after 600 s"}
+    assert list(s["systems"]) == ["kvrelay-colocated", "kvrelay-disaggregated", "vllm[default]", "vllm[all-cores]",
+                                  "ray-serve-llm[default]", "ray-serve-llm[all-cores]", "ray-serve-llm-pd[default]",
+                                  "ray-serve-llm-pd[all-cores]"]
+    assert s["targets"]["output_tok_s_ratio_vs_vllm"] == {"target": ">= 1.5", "met": False}
+    text = format_summary({"summary": {"scenario": "peers", "smoke": False, **s}})
+    assert "  transformers as - (none ran), vllm as vllm[all-cores], ray-serve-llm as ray-serve-llm[all-cores], " \
+           "ray-serve-llm-pd as ray-serve-llm-pd[default]" in text.splitlines()
+    assert "ray-serve-llm[default]          FAILED: not ready after 600 s" in text.splitlines()
+    # the other mode as ours: the prefixes swap
+    s = summarize_peers(runs, info, ours_mode="colocated")
+    assert s["output_tok_s_ratio_vs_vllm"] == pytest.approx(2.2 / 4.0)
+    assert s["output_tok_s_ratio_disagg_vs_vllm"] == pytest.approx(4.4 / 4.0)
+
+
+def test_default_mode_is_what_make_serve_runs():
+    assert default_mode() == "disaggregated"  # deploy/local.yaml
 
 
 def test_unknown_system_and_bad_slo_are_named():
@@ -129,6 +181,12 @@ def test_unknown_system_and_bad_slo_are_named():
     args = parser.parse_args(["bench", "scenario", "peers", "--systems", "vllm,sglang"])
     with pytest.raises(SystemExit, match="unknown sglang; choose from kvrelay-colocated"):
         params_from_args(args)
+    args = parser.parse_args(["bench", "scenario", "peers", "--peer-configs", "all-cores,turbo"])
+    with pytest.raises(SystemExit, match="--peer-configs: unknown turbo; choose from default, all-cores"):
+        params_from_args(args)
+    assert params_from_args(parser.parse_args(["bench", "scenario", "peers"])).peer_configs == ("default", "all-cores")
+    args = parser.parse_args(["bench", "scenario", "peers", "--peer-configs", "all-cores"])
+    assert params_from_args(args).peer_configs == ("all-cores",)
     args = parser.parse_args(["bench", "scenario", "pd-interference", "--slo", "ttft=5"])
     with pytest.raises(SystemExit, match="--slo"):
         params_from_args(args)
@@ -183,9 +241,14 @@ def test_peers_smoke_without_the_peers_venv(tiny_model_dir, tmp_path):
     for ran in ("kvrelay-colocated", "kvrelay-disaggregated", "transformers"):
         assert systems[ran]["num_completed"] == 4 and systems[ran]["num_failed"] == 0, ran
     for skipped in ("vllm", "ray-serve-llm", "ray-serve-llm-pd"):
-        assert systems[skipped] == {"skipped": f"no peers venv at {tmp_path / 'no-venv'} (make peers)"}
+        for config in ("default", "all-cores"):
+            assert systems[f"{skipped}[{config}]"] == {"skipped": f"no peers venv at {tmp_path / 'no-venv'} (make peers)"}
+    assert report["summary"]["ours"]["system"] == "kvrelay-disaggregated"
     assert report["summary"]["output_tok_s_ratio_vs_transformers"] > 0
+    assert report["summary"]["output_tok_s_ratio_coloc_vs_transformers"] > 0
     assert report["summary"]["output_tok_s_ratio_vs_vllm"] is None
+    assert report["summary"]["vllm_best_config"] is None
+    assert set(report["hardware"]["isa"]) >= {"avx2", "amx_bf16"} and report["hardware"]["nproc"] >= 1
 
 
 def test_set_overrides_every_kvrelay_config_after_the_scenarios_own(tmp_path):
