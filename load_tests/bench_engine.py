@@ -65,6 +65,7 @@ from load_tests.roofline import (
     compute_roof_fraction,
     measure_gemm_roof,
     measure_read_bandwidth,
+    resolve_dtype,
     workload_flops,
 )
 
@@ -88,7 +89,7 @@ __all__ = [
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PEER_SCRIPT = Path(__file__).with_name("peer_vllm.py")
 VLLM_TIMEOUT_S = 1800
-ENGINE_DTYPE = "bfloat16"  # what every system here is asked to run; the compute roof is the engine's dtype's
+ENGINE_DTYPE = "auto"  # kvrelay's default, resolved on this machine (dtype_choice.py); every system runs the result
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class BenchParams:
     # 512 keeps a step's prefill chunk near the matmul sweet spot on 2 cores while decodes ride along.
     max_num_batched_tokens: int = 512
     kv_cache_mib: int = 2048
+    dtype: str = ENGINE_DTYPE  # "auto" is resolved before anything runs; every system gets the result
     threads: int = 2
     seed: int = 0
     quick: bool = False
@@ -246,10 +248,10 @@ def summarize(
     the highest throughput, the single-stream one included (a deployment runs one configuration).
     `model_flops` is the throughput workload's (roofline.workload_flops), `gemm_roof` the measured
     GEMM rates: compute_roof_fraction = model_flops / engine's throughput wall time / the roof of
-    the dtype the engine ran (engine.info["dtype"], bf16 unless it says otherwise).
+    the dtype the engine ran (engine.info["dtype"], as it ran; bf16 where a record lacks it).
     """
     best = best_vllm(vllm)
-    dtype = engine.info.get("dtype", ENGINE_DTYPE)
+    dtype = engine.info.get("dtype", "bfloat16")
     roof_gflops = gemm_roof.best_gflops(dtype) if gemm_roof else None
     elapsed_s = engine.throughput.elapsed_s if engine.throughput else None
     summary = {
@@ -438,7 +440,7 @@ def bench_engine(p: BenchParams, prompts: Prompts, model_dir: Path) -> tuple[Sys
         return SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
 
     config = EngineConfig(
-        model=str(model_dir), dtype="bfloat16", kv_cache_bytes=p.kv_cache_mib * 2**20,
+        model=str(model_dir), dtype=p.dtype, kv_cache_bytes=p.kv_cache_mib * 2**20,
         max_num_seqs=max(64, p.num_requests), max_num_batched_tokens=p.max_num_batched_tokens,
         num_threads=p.threads,
     )
@@ -493,7 +495,7 @@ def bench_transformers(p: BenchParams, prompts: Prompts, model_dir: Path) -> Sys
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.monotonic()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, p.dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     tokenizer.pad_token_id = pad_id
@@ -550,6 +552,7 @@ def bench_vllm(p: BenchParams, prompts: Prompts, model_dir: Path, config: PeerCo
         "single_prompts": prompts.single,
         "single_output_len": p.single_output_len,
         "max_model_len": 2048,
+        "dtype": p.dtype,
     }
     env = environment(config, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
     _progress(f"{name}: start-up, throughput and single stream ({python}; env {dict(config.env)})")
@@ -592,6 +595,10 @@ def run(p: BenchParams, *, command: str = "") -> dict:
         machine = hardware.machine_record(num_threads=p.threads)
         model_dir = resolve_model_dir(p.model)
         spec = load_model_spec(model_dir)
+        dtype = resolve_dtype(p.dtype, model_dir)
+        _progress(f"dtype for every system: {dtype}")
+        p = dataclasses.replace(p, dtype=dtype.dtype)
+        machine["dtype"] = str(dtype)
         prompts = Prompts.make(p, spec.vocab_size)
         _progress("memory read bandwidth (1 GiB .sum(), best of 5)")
         bandwidth = measure_read_bandwidth()

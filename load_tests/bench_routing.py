@@ -67,7 +67,7 @@ class BenchParams:
     stats_period_s: float = 0.5
     num_routers: int = 1
     model: str = "smollm2-135m-instruct"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # resolved before anything runs, as kvrelay's default picks on this machine
     rate_tokens_per_s: float | None = None  # skip calibration: this rate ...
     overhead_ms: float = 0.0  # ... and this per-prefill overhead
     calibration: str | None = None  # or the calibration of an earlier report
@@ -276,6 +276,11 @@ def run(p: BenchParams, *, command: str = "") -> dict:
     """Calibrate (unless told the rate), run, print the table; returns {summary, config, raw, hardware}."""
     started = time.monotonic()
     machine = hardware.machine_record(num_threads=1)  # torch threads per prefill replica
+    if p.dtype == "auto":
+        from load_tests.roofline import resolve_dtype
+        from serving.engine.model_loader import resolve_model_dir
+
+        p = dataclasses.replace(p, dtype=resolve_dtype(p.dtype, resolve_model_dir(p.model)).dtype)
     cost, calibration = _cost_model(p)
     sweep: dict[int, dict] = {}
     simulated = None

@@ -77,7 +77,7 @@ def _progress(message: str) -> None:
 class ScenarioParams:
     name: str
     model: str = "smollm2-135m-instruct"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # kvrelay's default (deploy/local.yaml): resolved on this machine (dtype_choice.py)
     smoke: bool = False
     seed: int = 0
     systems: tuple[str, ...] = SYSTEMS  # peers: which to run
@@ -210,10 +210,9 @@ class ScenarioResult:
     summary: dict = field(default_factory=dict)
 
 
-def _run_pd_interference(p: ScenarioParams, model_dir: Path, port: int) -> ScenarioResult:
+def _run_pd_interference(p: ScenarioParams, model_dir: Path, port: int, w: BenchParams) -> ScenarioResult:
     from load_tests.scenario_servers import kvrelay_server
 
-    w = workload(p)
     result = ScenarioResult()
     for mode in ("disaggregated", "colocated"):
         config = kvrelay_config(p, model_dir, mode, port, app=f"kvrelay-scenario-{mode}")
@@ -297,7 +296,7 @@ def _scrape_prefix_cache(base_url: str, settle_s: float) -> tuple[float, float]:
     return prefix_cache_tokens(httpx.get(f"{base_url}/metrics", timeout=30).text, "prefill")
 
 
-def _run_prefix_routing(p: ScenarioParams, model_dir: Path, port: int) -> ScenarioResult:
+def _run_prefix_routing(p: ScenarioParams, model_dir: Path, port: int, w: BenchParams) -> ScenarioResult:
     from load_tests.scenario_servers import kvrelay_server
     from serving.engine.config import DTYPES
     from serving.engine.kv_cache import kv_bytes_per_token
@@ -306,7 +305,6 @@ def _run_prefix_routing(p: ScenarioParams, model_dir: Path, port: int) -> Scenar
     spec = load_model_spec(model_dir)
     kv_tokens = PREFIX_KV_TOKENS[p.smoke]
     kv_bytes = kv_tokens * kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, DTYPES[p.dtype])
-    w = workload(p)
     result = ScenarioResult()
     for policy in ("prefix_cost", "pow2"):
         config = kvrelay_config(p, model_dir, "disaggregated", port, app=f"kvrelay-scenario-{policy.replace('_', '-')}",
@@ -390,12 +388,12 @@ def _run_peers(p: ScenarioParams, model_dir: Path, port: int, log_dir: Path) -> 
                 continue
             peer_port = local_ray.free_port()
             if system == "vllm":
-                argv = servers.vllm_argv(python, model_dir, name, peer_port)
+                argv = servers.vllm_argv(python, model_dir, name, peer_port, p.dtype)
             elif system.startswith("ray-serve-llm"):
                 mode = "pd" if system.endswith("-pd") else "plain"
-                argv = servers.ray_serve_llm_argv(python, model_dir, name, peer_port, mode)
+                argv = servers.ray_serve_llm_argv(python, model_dir, name, peer_port, mode, p.dtype)
             else:
-                argv = servers.transformers_argv(model_dir, name, peer_port, num_threads=min(2, os.cpu_count() or 1))
+                argv = servers.transformers_argv(model_dir, name, peer_port, num_threads=min(2, os.cpu_count() or 1), dtype=p.dtype)
             base_url = f"http://127.0.0.1:{peer_port}"
             log_name = run_label.replace("[", "-").replace("]", "")
             try:
@@ -480,17 +478,24 @@ def run(p: ScenarioParams, *, command: str = "") -> tuple[dict, ScenarioResult]:
     model_dir = resolve_model_dir(p.model)
     port = local_ray.free_port()
     log_dir = Path(p.log_dir or tempfile.mkdtemp(prefix="kvrelay-scenario-logs-"))
+    # Every server of the scenario runs the dtype kvrelay's `auto` picks on this machine.
+    from load_tests.roofline import resolve_dtype
+
+    dtype = resolve_dtype(p.dtype, model_dir)
+    p = dataclasses.replace(p, dtype=dtype.dtype)
+    w, calibration = calibrated_workload(p, model_dir)
+    calibration["dtype"] = str(dtype)
     if p.name == "peers":
         result = _run_peers(p, model_dir, port, log_dir)
     else:
         with local_ray.local_ray(f"bench scenario {p.name}", _progress):
             runner = _run_pd_interference if p.name == "pd-interference" else _run_prefix_routing
-            result = runner(p, model_dir, port)
+            result = runner(p, model_dir, port, w)
     hardware.finish_machine_record(machine, ray_version=ray.__version__, cores_pinned=_cores())
-    w = workload(p)
     report = {
         "summary": {"scenario": p.name, "smoke": p.smoke, **result.summary},
         "config": {"command": command, "params": dataclasses.asdict(p), "model_dir": str(model_dir),
+                   "calibration": calibration,
                    "workload": {**dataclasses.asdict(w), "request_rates": [_rate(r) for r in w.request_rates]},
                    "servers": result.info, "log_dir": str(log_dir)},
         "raw": {"runs": {label: {"duration_s": r.duration_s, "records": [x.to_json() for x in r.records]}
@@ -499,6 +504,26 @@ def run(p: ScenarioParams, *, command: str = "") -> tuple[dict, ScenarioResult]:
     }
     print(format_summary(report))
     return report, result
+
+
+def calibrated_workload(p: ScenarioParams, model_dir: Path) -> tuple[BenchParams, dict]:
+    """The scenario's workload, its load set from this machine's measured rates
+    (load_tests/scenario_calibration.py); smoke runs and `peers` (a closed loop) as they are."""
+    w = workload(p)
+    if p.smoke or p.name == "peers":
+        return w, {"calibrated": False, "why": "smoke run" if p.smoke else "closed loop at fixed concurrency"}
+    from load_tests import scenario_calibration as cal
+    from serving.engine.model_loader import load_model_spec
+
+    _progress(f"calibrating to this machine: one replica's prefill and decode rates ({p.dtype}, 1 thread)")
+    rates = cal.measure_rates(model_dir, p.dtype)
+    if p.name == "pd-interference":
+        spec = load_model_spec(model_dir)
+        w, info = cal.calibrate_pd(w, rates, max_model_len=spec.max_position_embeddings)
+    else:
+        w, info = cal.calibrate_prefix(w, rates)
+    _progress(f"calibrated: {info}")
+    return w, {"calibrated": True, **info}
 
 
 def _rate(r: float) -> float | str:

@@ -43,6 +43,7 @@ from load_tests.kv_transfer_timing import (
     measure_kv_transfer,
 )
 from load_tests.local_ray import RAY_NUM_CPUS, free_port, local_ray
+from load_tests.roofline import resolve_dtype
 
 __all__ = [
     "BenchParams",
@@ -66,7 +67,7 @@ HTTP_TIMEOUT_S = 300.0
 @dataclass(frozen=True)
 class BenchParams:
     model: str = "smollm2-135m-instruct"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # resolved before anything runs, as kvrelay's default picks on this machine
     num_prompts: int = 8
     prompt_len: int = 256
     output_len: int = 64
@@ -401,6 +402,7 @@ def run(p: BenchParams, *, command: str = "") -> dict:
     started = time.monotonic()
     machine = hardware.machine_record(num_threads=1)  # torch threads per replica and in process
     model_dir = resolve_model_dir(p.model)
+    p = dataclasses.replace(p, dtype=resolve_dtype(p.dtype, model_dir).dtype)
     prompts = Prompts.make(p, load_model_spec(model_dir).vocab_size)
     port = free_port()
     configs = {mode: serve_config(p, model_dir, mode, port) for mode in p.modes}

@@ -129,13 +129,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="safetensors model directory")
     p.add_argument("--model-name", required=True, help="the model id clients ask for")
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     p.add_argument("--temp-dir", default=None, help="Ray's temp dir (absolute, short); default a fresh /tmp/rsl-*")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     return p.parse_args(argv)
 
 
 def _llm_config(args: argparse.Namespace, kv_store: Path | None) -> dict:
-    engine_kwargs = {"dtype": "bfloat16", "enforce_eager": True, "max_model_len": 2048}
+    engine_kwargs = {"dtype": args.dtype, "enforce_eager": True, "max_model_len": 2048}
     if kv_store is not None:
         engine_kwargs["kv_transfer_config"] = {
             "kv_connector": "ExampleConnector",

@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(
-        model=spec["model"], dtype="bfloat16", enforce_eager=True,
+        model=spec["model"], dtype=spec.get("dtype", "bfloat16"), enforce_eager=True,
         max_model_len=spec.get("max_model_len", 2048), seed=0,
     )
     startup_s = time.monotonic() - t0
@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
         "vllm_version": vllm.__version__,
         "startup_s": startup_s,
         "settings": {
-            "dtype": "bfloat16",
+            "dtype": spec.get("dtype", "bfloat16"),
             "enforce_eager": True,
             "max_model_len": spec.get("max_model_len", 2048),
             "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},

@@ -220,3 +220,19 @@ def measure_gemm_roof(num_threads: int, *, spec: ModelShape | None = None, dtype
         torch.set_num_threads(saved)
     roof.elapsed_s = time.perf_counter() - started
     return roof
+
+
+def resolve_dtype(requested: str, model_dir):
+    """The dtype a one-thread kvrelay replica resolves `requested` to on this machine (`auto`
+    measures: serving/engine/dtype_choice.py). Benchmarks run every system in it."""
+    import torch
+
+    from serving.engine.dtype_choice import choose_dtype
+    from serving.engine.model_loader import load_model_spec
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return choose_dtype(requested, torch.device("cpu"), hidden_size=load_model_spec(model_dir).hidden_size)
+    finally:
+        torch.set_num_threads(threads)

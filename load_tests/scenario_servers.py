@@ -122,18 +122,20 @@ def kvrelay_server(config, *, progress: Callable[[str], None]) -> Iterator[dict]
         launcher.stop(config, stop_ray=False)
 
 
-def vllm_argv(python: Path, model_dir: Path, model_name: str, port: int) -> list[str]:
+def vllm_argv(python: Path, model_dir: Path, model_name: str, port: int, dtype: str = "bfloat16") -> list[str]:
     return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", model_name, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-            "--dtype", "bfloat16", "--max-model-len", "2048", "--seed", "0"]
+            "--dtype", dtype, "--max-model-len", "2048", "--seed", "0"]
 
 
-def ray_serve_llm_argv(python: Path, model_dir: Path, model_name: str, port: int, mode: str) -> list[str]:
+def ray_serve_llm_argv(python: Path, model_dir: Path, model_name: str, port: int, mode: str,
+                       dtype: str = "bfloat16") -> list[str]:
     """Its Ray's temp dir (and pd's KV files in it) is its own, removed when it stops."""
     return [str(python), str(REPO / "load_tests" / "peer_ray_serve_llm.py"), "--mode", mode, "--model", str(model_dir),
-            "--model-name", model_name, "--port", str(port)]
+            "--model-name", model_name, "--port", str(port), "--dtype", dtype]
 
 
-def transformers_argv(model_dir: Path, model_name: str, port: int, *, num_threads: int) -> list[str]:
+def transformers_argv(model_dir: Path, model_name: str, port: int, *, num_threads: int,
+                      dtype: str = "bfloat16") -> list[str]:
     return [sys.executable, str(REPO / "load_tests" / "peer_transformers.py"), "--model", str(model_dir),
-            "--model-name", model_name, "--port", str(port), "--num-threads", str(num_threads)]
+            "--model-name", model_name, "--port", str(port), "--num-threads", str(num_threads), "--dtype", dtype]

@@ -202,7 +202,7 @@ def _add_bench_serve_overhead(targets) -> None:
     p.add_argument("--quick", action="store_true", help="smaller preset: 4 prompts x 16 output tokens, 5 KV repeats")
     p.add_argument("--json", metavar="PATH", help="write summary, config, raw results and hardware here")
     p.add_argument("--model", help="built-in name or model directory [smollm2-135m-instruct]")
-    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], help="weights and KV dtype [bfloat16]")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], help="weights and KV dtype [auto: as kvrelay picks on this machine]")
     p.add_argument(
         "--mode", action="append", choices=["disaggregated", "colocated"],
         help="served mode to measure; repeat for both [both]",
@@ -247,7 +247,7 @@ def _add_bench_routing(targets) -> None:
     p.add_argument("--stats-period-s", type=float, metavar="S", help="routing stats period [0.5]")
     p.add_argument("--num-routers", type=int, metavar="N", help="simulated routers (ingress replicas), requests alternate [1]")
     p.add_argument("--model", help="model to calibrate on and serve [smollm2-135m-instruct]")
-    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], help="weights and KV dtype [bfloat16]")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], help="weights and KV dtype [auto: as kvrelay picks on this machine]")
     p.add_argument("--rate-tokens-per-s", type=float, metavar="TOKENS", help="simulated prefill rate; skips the calibration")
     p.add_argument("--overhead-ms", type=float, metavar="MS", help="simulated per-prefill overhead with --rate-tokens-per-s [0]")
     p.add_argument("--calibration", metavar="FILE", help="reuse the calibration of an earlier --json report")
@@ -294,7 +294,8 @@ def _add_bench_scenario(targets) -> None:
     p.add_argument("scenario", choices=scenarios, metavar="NAME", help=" | ".join(scenarios))
     p.add_argument("--smoke", action="store_true", help="seconds-long sizes (harness check; figures mean nothing)")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or directory [%(default)s]")
-    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16", help="[%(default)s]")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
+                   help="weights and KV dtype [%(default)s: as kvrelay picks on this machine]")
     p.add_argument("--json", metavar="PATH", help="write summary, config, raw records and hardware; a PNG next to it")
     p.add_argument("--no-png", action="store_true", help="no PNG next to --json")
     p.add_argument("--systems", metavar="A,B", help=f"peers: which systems [{systems}]")
