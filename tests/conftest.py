@@ -2,8 +2,9 @@
 
 Also the suite's hygiene, so a test passes on a fresh machine whatever ran before it:
 
-- `_ray_temp_root` (session, autouse): Ray's default temp root (`$RAY_TMPDIR/ray`, else
-  `/tmp/ray`) is a directory of this session's own, created here. Ray writes there even when a
+- `_ray_temp_root` (session, autouse): Ray's default temp root (`$RAY_TMPDIR/ray`) is a short
+  directory of this session's own under the system temp dir, created here; token
+  authentication is on for every Ray of the session (`RAY_AUTH_MODE=token`). Ray writes there even when a
   node gets `temp_dir=` (the address file of `ray.cluster_utils.Cluster`), and a fresh machine has
   none. Each fixture that starts Ray still passes its own `_temp_dir` as well, and a test that
   starts Ray in a subprocess gives it `RAY_TMPDIR` = `own_ray_tmpdir`.
@@ -110,13 +111,19 @@ def tokenizer(default_model_dir):
 # ---- hygiene ---------------------------------------------------------------------------------
 @pytest.fixture(scope="session", autouse=True)
 def _ray_temp_root():
-    parent = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir())
-    parent.mkdir(parents=True, exist_ok=True)  # CI points RAY_TMPDIR at a path nothing created
-    # Short: Ray's socket paths live under it and AF_UNIX paths stop at 107 bytes.
-    root = Path(tempfile.mkdtemp(prefix="kvt-", dir=parent))
+    # Directly under the system temp dir, not under an inherited RAY_TMPDIR (CI's is a path nothing
+    # created, /tmp/kvrelay-ci.XXXXXX/raytmp): Ray's socket paths live under it, and AF_UNIX paths
+    # stop at 107 bytes. `<root>/ray/session_<date>_<pid>/sockets/plasma_store` is ~85 here.
+    root = Path(tempfile.mkdtemp(prefix="kvt-"))
     (root / "ray").mkdir()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_TMPDIR", str(root))
+        # What a local ray.init() would set for good in this process (token authentication on,
+        # usage stats off), set once for the session so every Ray of it, local, simulated cluster
+        # or subprocess, runs the same way whatever order the modules run in: Ray's C++ side
+        # keeps the mode it first saw, so a module switching it mid-session breaks the next one.
+        mp.setenv("RAY_AUTH_MODE", "token")
+        mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
         yield root / "ray"
     shutil.rmtree(root, ignore_errors=True)
 
