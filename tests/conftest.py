@@ -2,9 +2,9 @@
 
 Also the suite's hygiene, so a test passes on a fresh machine whatever ran before it:
 
-- `_ray_temp_root` (session, autouse): Ray's default temp root (`$RAY_TMPDIR/ray`) is a short
-  directory of this session's own under the system temp dir, created here; token
-  authentication is on for every Ray of the session (`RAY_AUTH_MODE=token`). Ray writes there even when a
+- `pytest_configure`: Ray's default temp root (`$RAY_TMPDIR/ray`) is a short directory of this
+  session's own under the system temp dir, created here; token authentication is on for every
+  Ray of the session (`RAY_AUTH_MODE=token`). Ray writes there even when a
   node gets `temp_dir=` (the address file of `ray.cluster_utils.Cluster`), and a fresh machine has
   none. Each fixture that starts Ray still passes its own `_temp_dir` as well, and a test that
   starts Ray in a subprocess gives it `RAY_TMPDIR` = `own_ray_tmpdir`.
@@ -109,29 +109,42 @@ def tokenizer(default_model_dir):
 
 
 # ---- hygiene ---------------------------------------------------------------------------------
-@pytest.fixture(scope="session", autouse=True)
-def _ray_temp_root():
-    # Directly under the system temp dir, not under an inherited RAY_TMPDIR (CI's is a path nothing
-    # created, /tmp/kvrelay-ci.XXXXXX/raytmp): Ray's socket paths live under it, and AF_UNIX paths
-    # stop at 107 bytes. `<root>/ray/session_<date>_<pid>/sockets/plasma_store` is ~85 here.
+_SESSION_ENV: dict[str, str | None] = {}  # the values pytest_configure replaced, put back at the end
+
+
+def pytest_configure(config):
+    """Before any test module is imported (one that touches Ray's C++ side fixes its auth mode for
+    the process), the session's Ray settings:
+
+    - its temp root (`$RAY_TMPDIR/ray`): a new, short directory directly under the system temp dir,
+      not under an inherited RAY_TMPDIR (CI's is a path nothing created, /tmp/kvrelay-ci.XXXXXX/
+      raytmp): Ray's socket paths live under it and AF_UNIX paths stop at 107 bytes;
+    - token authentication on and usage stats off, what a local ray.init() would set for good, so
+      every Ray of the session (local, simulated cluster, subprocess) runs the same way whatever
+      order the modules run in: Ray's C++ side keeps the mode it first saw.
+    """
     root = Path(tempfile.mkdtemp(prefix="kvt-"))
     (root / "ray").mkdir()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_TMPDIR", str(root))
-        # What a local ray.init() would set for good in this process (token authentication on,
-        # usage stats off), set once for the session so every Ray of it, local, simulated cluster
-        # or subprocess, runs the same way whatever order the modules run in: Ray's C++ side
-        # keeps the mode it first saw, so a module switching it mid-session breaks the next one.
-        mp.setenv("RAY_AUTH_MODE", "token")
-        mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        yield root / "ray"
-    shutil.rmtree(root, ignore_errors=True)
+    config.kvrelay_ray_root = root
+    for key, value in {"RAY_TMPDIR": str(root), "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}.items():
+        _SESSION_ENV[key] = os.environ.get(key)
+        os.environ[key] = value
 
 
-# Set by pytest and the libraries themselves and never put back (importing Ray sets
-# RAY_CLIENT_MODE=0; ray.init points Python's breakpoint() at Ray's debugger; torch's extension
-# builder sets its inductor cache dir): not ours to restore.
-_ENV_SET_BY_LIBRARIES = {"PYTEST_CURRENT_TEST", "PYTHONBREAKPOINT", "RAY_CLIENT_MODE", "TORCHINDUCTOR_CACHE_DIR"}
+def pytest_unconfigure(config):
+    for key, value in _SESSION_ENV.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    root = getattr(config, "kvrelay_ray_root", None)
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def _ray_temp_root(pytestconfig) -> Path:
+    return pytestconfig.kvrelay_ray_root / "ray"
 
 
 @pytest.fixture
@@ -140,6 +153,12 @@ def own_ray_tmpdir(_ray_temp_root) -> Path:
     path = Path(tempfile.mkdtemp(prefix="t-", dir=_ray_temp_root.parent))
     (path / "ray").mkdir()
     return path
+
+
+# Set by pytest and the libraries themselves and never put back (importing Ray sets
+# RAY_CLIENT_MODE=0; ray.init points Python's breakpoint() at Ray's debugger; torch's extension
+# builder sets its inductor cache dir): not ours to restore.
+_ENV_SET_BY_LIBRARIES = {"PYTEST_CURRENT_TEST", "PYTHONBREAKPOINT", "RAY_CLIENT_MODE", "TORCHINDUCTOR_CACHE_DIR"}
 
 
 def process_state() -> dict:
