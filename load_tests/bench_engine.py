@@ -1,6 +1,6 @@
 """`kvrelay bench engine`: the engine against its peers, in one run on this machine.
 
-Three workloads, the same seeded random token ids for every system (bf16, same model directory):
+Three workloads, the same seeded random token ids for every system (the dtype kvrelay's `auto` picks here, same model directory):
 
     throughput     N requests x P-token prompts -> O tokens (ignore_eos), all submitted at once;
                    output tokens / wall time, prefill included. Full: 64 x 256 -> 128.
@@ -301,7 +301,7 @@ def format_table(
     lines = [
         f"workload: throughput {p.num_requests} x {p.prompt_len} -> {p.output_len} tokens; "
         f"single stream 1 x {p.prompt_len} -> {p.single_output_len}; "
-        f"prefix {p.prefix_len} tokens, {p.prefix_shared_len} shared; bf16, {p.threads} threads",
+        f"prefix {p.prefix_len} tokens, {p.prefix_shared_len} shared; {p.dtype}, {p.threads} threads",
         "",
         f"{'figure':<34}" + "".join(f"{s.name:>{w}}" for s, w in zip(systems, widths)),
     ]

