@@ -69,9 +69,9 @@ def environment(config: PeerConfig, base: Mapping[str, str]) -> dict[str, str]:
 
 
 def best_config(throughputs: Mapping[str, float | None]) -> str | None:
-    """The configuration with the highest throughput; None (failed, skipped) never wins; a tie goes
-    to the one listed first; None when none ran."""
-    ran = [(name, tput) for name, tput in throughputs.items() if tput is not None]
+    """The configuration with the highest throughput; None (failed, skipped) or 0 (every request
+    failed) never wins; a tie goes to the one listed first; None when none served."""
+    ran = [(name, tput) for name, tput in throughputs.items() if tput]
     if not ran:
         return None
     return max(ran, key=lambda item: item[1])[0]  # max keeps the first of equal keys

@@ -50,3 +50,6 @@ def test_best_config_is_the_highest_throughput_that_ran():
     assert best_config({"default": 200.0, "all-cores": 200.0}) == "default"  # a tie: the first listed
     assert best_config({"default": None, "all-cores": None}) is None
     assert best_config({}) is None
+    # every request failed (Ray Serve LLM P/D on CPU): 0 tok/s served nothing, so it is no best either
+    assert best_config({"default": 0.0, "all-cores": 0.0}) is None
+    assert best_config({"default": 0.0, "all-cores": 35.0}) == "all-cores"
