@@ -21,6 +21,8 @@ torch is imported inside the measuring functions only; the FLOP arithmetic needs
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -222,6 +224,19 @@ def measure_gemm_roof(num_threads: int, *, spec: ModelShape | None = None, dtype
     return roof
 
 
+@contextlib.contextmanager
+def torch_threads(num: int):
+    """torch's intra-op threads set to `num` for a measurement, put back afterwards."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(num)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 def resolve_dtype(requested: str, model_dir):
     """The dtype a one-thread kvrelay replica resolves `requested` to on this machine (`auto`
     measures: serving/engine/dtype_choice.py). Benchmarks run every system in it."""
@@ -230,9 +245,5 @@ def resolve_dtype(requested: str, model_dir):
     from serving.engine.dtype_choice import choose_dtype
     from serving.engine.model_loader import load_model_spec
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         return choose_dtype(requested, torch.device("cpu"), hidden_size=load_model_spec(model_dir).hidden_size)
-    finally:
-        torch.set_num_threads(threads)

@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from load_tests.roofline import torch_threads
+
 __all__ = [
     "MachineRates", "measure_rates", "calibrate_pd", "calibrate_prefix", "UTILISATION", "BURST_SHARE",
     "LONG_PREFILL_S", "DURATION_S",
@@ -70,9 +72,7 @@ def measure_rates(model_dir: Path, dtype: str, *, probe_len: int = 1024, batches
 
     from serving.engine import EngineConfig, LLMEngine, SamplingParams
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         engine = LLMEngine(EngineConfig(
             model=str(model_dir), dtype=dtype, kv_cache_bytes=64 * 2**20, enable_prefix_caching=False,
         ))
@@ -95,8 +95,6 @@ def measure_rates(model_dir: Path, dtype: str, *, probe_len: int = 1024, batches
             first = min(timed(prompts(b, chat_len), 1) for _ in range(2))
             whole = min(timed(prompts(b, chat_len), 1 + decode_steps) for _ in range(2))
             steps[b] = max(whole - first, 1e-6) / decode_steps
-    finally:
-        torch.set_num_threads(threads)
     return MachineRates(probe_len / prefill_s, steps, probe_len, dtype)
 
 
