@@ -22,7 +22,6 @@ torch is imported inside the measuring functions only; the FLOP arithmetic needs
 from __future__ import annotations
 
 import contextlib
-
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
