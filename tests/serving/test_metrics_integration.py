@@ -334,15 +334,28 @@ def test_prometheus_scrapes_the_app_and_answers_the_ttft_histogram(cluster, tmp_
 
     try:
         wait_until(lambda: len(query('up{job=~"kvrelay|ray"} == 1')) >= 2, timeout_s=60)
+
+        def scraped_ttft_count() -> float:
+            expected = value(scrape(cluster["url"] + "/m/metrics"), "kvrelay_ttft_seconds_count")
+            wait_until(lambda: any(float(r["value"][1]) == expected for r in query('kvrelay_ttft_seconds_count{job="kvrelay"}')), timeout_s=30)
+            return expected
+
+        # increase() counts nothing for a series' first sample: on a fresh app the histogram's
+        # series appear with the first request, so Prometheus must have scraped them before the
+        # requests it is asked about (else the quantile of all-zero increases is NaN).
+        chat(cluster["url"] + "/m", "Prometheus zero.")
+        before = scraped_ttft_count()
         for content in ("Prometheus one.", "Prometheus two.", "Prometheus three."):
             chat(cluster["url"] + "/m", content)
-        expected = value(scrape(cluster["url"] + "/m/metrics"), "kvrelay_ttft_seconds_count")
-        wait_until(lambda: any(float(r["value"][1]) == expected for r in query('kvrelay_ttft_seconds_count{job="kvrelay"}')), timeout_s=30)
-        p95 = wait_until(lambda: query(
-            'histogram_quantile(0.95, sum by (le) (increase(kvrelay_ttft_seconds_bucket{job="kvrelay"}[1m])))'
-        ), timeout_s=30)
-        seconds = float(p95[0]["value"][1])
-        assert 0 < seconds < 80 and not math.isnan(seconds)
+        assert scraped_ttft_count() == before + 3
+
+        def p95_seconds() -> float | None:
+            result = query('histogram_quantile(0.95, sum by (le) (increase(kvrelay_ttft_seconds_bucket{job="kvrelay"}[1m])))')
+            seconds = float(result[0]["value"][1]) if result else math.nan
+            return None if math.isnan(seconds) else seconds
+
+        seconds = wait_until(p95_seconds, timeout_s=30)
+        assert 0 < seconds < 80
         # Every dashboard query runs on the ingress's series; the TTFT and token panels have data.
         dashboard = json.loads((REPO / "deploy/grafana/kvrelay-dashboard.json").read_text())
         results = {}
