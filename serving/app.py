@@ -9,6 +9,7 @@ and override fields with dotted keys; `KVRELAY_*` environment variables apply la
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ray.serve import Application
@@ -18,7 +19,7 @@ from ray.serve.config import RequestRouterConfig
 from router.autoscaling import serve_autoscaling_config
 from router.policy_config import load_policy
 from router.request_router import KVAwareRequestRouter, PrefixAwareRequestRouter
-from serving import tracing
+from serving import faults, tracing
 from serving.config import PoolConfig, RoutingConfig, ServeConfig, load_config
 from serving.deployments import DecodeWorker, OpenAIIngress, PrefillWorker, Worker
 from serving.usage import ModelPrice, load_pricing
@@ -66,10 +67,15 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> Application:
 
 
 def _replica_env() -> dict[str, str]:
-    """REPLICA_ENV plus the builder's OTEL_* variables (serving/tracing.py): replicas on a node
-    started elsewhere would not otherwise see them. They show in the Ray dashboard's runtime
-    env: pass exporter credentials (OTEL_EXPORTER_OTLP_HEADERS) another way if that matters."""
-    return {**REPLICA_ENV, **tracing.otel_env()}
+    """REPLICA_ENV plus the builder's OTEL_* variables (serving/tracing.py) and KVRELAY_FAULTS
+    (serving/faults.py): replicas on a node started elsewhere would not otherwise see them. They
+    show in the Ray dashboard's runtime env: pass exporter credentials (OTEL_EXPORTER_OTLP_HEADERS)
+    another way if that matters."""
+    env = {**REPLICA_ENV, **tracing.otel_env()}
+    if os.environ.get(faults.ENV):  # fault injection, for tests and chaos runs (serving/faults.py)
+        faults.parse(os.environ[faults.ENV])  # a bad value fails here, not in every replica
+        env[faults.ENV] = os.environ[faults.ENV]
+    return env
 
 
 def _price_data(price: ModelPrice | None) -> dict | None:

@@ -6,6 +6,9 @@
     ├── ModelNotFoundError           404 model_not_found
     ├── QueueFullError               429 with Retry-After
     ├── NoWorkerError                503 no replica of a pool is alive
+    ├── ShedError                    503 with Retry-After: shed by graceful degradation (serving/degradation.py)
+    ├── (from RequestFailedError)    500 request_failed: this request alone failed in a step
+    ├── (from EngineDeadError)       503 engine_dead: the replica's step loop stopped
     └── AuthenticationError          401 invalid_api_key
 
 Workers never raise across Ray: they return `WorkerError` values, which the ingress turns back
@@ -17,13 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from serving.engine.errors import ContextLengthError, EngineDeadError, EngineError, InvalidRequestError
+from serving.engine.errors import ContextLengthError, EngineDeadError, EngineError, InvalidRequestError, RequestFailedError
 
 __all__ = [
     "APIError",
     "ModelNotFoundError",
     "QueueFullError",
     "NoWorkerError",
+    "ShedError",
     "AuthenticationError",
     "WorkerError",
     "to_api_error",
@@ -64,6 +68,7 @@ class ModelNotFoundError(APIError):
 
 class QueueFullError(APIError):
     def __init__(self, pool: str, retry_after_s: int = 1):
+        self.pool = pool
         super().__init__(
             429,
             f"The {pool} pool's queues are full; retry after {retry_after_s} s.",
@@ -74,10 +79,25 @@ class QueueFullError(APIError):
 
 class NoWorkerError(APIError):
     def __init__(self, pool: str, detail: str = ""):
+        self.pool = pool
         message = f"No {pool} replica is alive to serve this request"
         super().__init__(
             503, message + (f": {detail}" if detail else "") + "; retry once the pool has recovered.",
             type="service_unavailable_error", code="no_worker",
+        )
+
+
+class ShedError(APIError):
+    """A request graceful degradation refused because its priority is low while the pools are
+    saturated or down; `x-kvrelay-degraded` names which."""
+
+    def __init__(self, reason: str, priority: int, threshold: int, retry_after_s: int):
+        super().__init__(
+            503,
+            f"The pools are {reason}: requests with priority >= {threshold} are shed first (lower "
+            f"values are more important; this one has {priority}). Retry after {retry_after_s} s.",
+            type="service_unavailable_error", code="request_shed",
+            headers={"Retry-After": str(retry_after_s), "x-kvrelay-degraded": reason},
         )
 
 
@@ -90,7 +110,7 @@ class AuthenticationError(APIError):
 class WorkerError:
     """An error a worker returns as a value (Ray would otherwise wrap and re-type it)."""
 
-    kind: str  # "invalid" | "context_length" | "dead" | "internal"
+    kind: str  # "invalid" | "context_length" | "failed" | "dead" | "internal"
     message: str
     param: str | None = None
     num_tokens: int | None = None
@@ -102,6 +122,8 @@ class WorkerError:
             return cls("context_length", exc.message, exc.param, exc.num_tokens, exc.limit)
         if isinstance(exc, InvalidRequestError):
             return cls("invalid", exc.message, exc.param)
+        if isinstance(exc, RequestFailedError):
+            return cls("failed", str(exc))
         if isinstance(exc, EngineDeadError):
             return cls("dead", str(exc))
         return cls("internal", f"{type(exc).__name__}: {exc}")
@@ -111,6 +133,8 @@ class WorkerError:
             return ContextLengthError(self.param or "messages", self.message, num_tokens=self.num_tokens or 0, limit=self.limit or 0)
         if self.kind == "invalid":
             return InvalidRequestError(self.param or "request", self.message)
+        if self.kind == "failed":
+            return RequestFailedError(self.message)
         if self.kind == "dead":
             return EngineDeadError(self.message)
         return RuntimeError(self.message)
@@ -124,6 +148,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(400, exc.message, param=exc.param, code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, f"{exc.param}: {exc.message}", param=exc.param, code="invalid_value")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), type="internal_error", code="request_failed")
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"The engine stopped: {exc}", type="service_unavailable_error", code="engine_dead")
     if isinstance(exc, EngineError):

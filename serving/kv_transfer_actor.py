@@ -22,6 +22,11 @@ the bytes.
 
 Workers find their node's actor by name (`actor_name(app, node_id)`) and create it if it does not
 exist yet (`get_if_exists`), pinned to that node, detached so it outlives any one replica.
+
+If the actor dies, Ray restarts it (`max_restarts=-1`) with nothing held: offers and claims in
+flight fail, and those requests recompute their prompt on the decode worker (counted as KV
+fallbacks). A worker whose call fails with an actor error drops its handle and looks the actor
+up again (`get_or_create`), which also recreates one that was killed for good.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-__all__ = ["KVTransfer", "KVHandle", "actor_name", "get_or_create", "NAMESPACE", "kill_all"]
+__all__ = ["KVTransfer", "KVHandle", "actor_name", "get_or_create", "NAMESPACE", "kill_all", "ACTOR_ERRORS", "ActorCache"]
 
 logger = logging.getLogger(__name__)
 
@@ -165,11 +170,14 @@ class KVTransfer:
                 pass
 
 
-_RemoteKVTransfer = ray.remote(num_cpus=0, max_concurrency=1000)(KVTransfer)
+_RemoteKVTransfer = ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=-1)(KVTransfer)
+
+# What a call to a KVTransfer actor raises when the actor died, is restarting or was killed.
+ACTOR_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
 def get_or_create(app_name: str, node_id: str):
-    """This node's KVTransfer actor, started on first use."""
+    """The node's KVTransfer actor, started on first use (blocking: a GCS round trip)."""
     return _RemoteKVTransfer.options(
         name=actor_name(app_name, node_id),
         namespace=NAMESPACE,
@@ -177,6 +185,29 @@ def get_or_create(app_name: str, node_id: str):
         get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(app_name, node_id)
+
+
+class ActorCache:
+    """The KVTransfer handles a process uses, per node, looked up once and again after a failure.
+
+    Lookups run in a thread (they block on the GCS). A caller that saw an actor error calls
+    `forget(node_id)`; the next `get` finds the restarted actor, or creates it again."""
+
+    def __init__(self, app_name: str):
+        self.app_name = app_name
+        self._actors: dict[str, object] = {}
+        self.num_lookups = 0
+
+    async def get(self, node_id: str):
+        actor = self._actors.get(node_id)
+        if actor is None:
+            actor = await asyncio.to_thread(get_or_create, self.app_name, node_id)
+            self._actors[node_id] = actor
+            self.num_lookups += 1
+        return actor
+
+    def forget(self, node_id: str) -> None:
+        self._actors.pop(node_id, None)
 
 
 def kill_all(app_name: str) -> int:

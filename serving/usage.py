@@ -20,8 +20,10 @@ as the others. The header carries the exact decimal; JSON bodies carry the neare
 Totals live in the ingress replica that served the requests (in memory, since its start): with
 `ingress.num_replicas > 1` each replica counts its own share and `GET /v1/usage` answers from the
 replica the proxy picked. A request counts once its tokens are final: when its response is built,
-or when its stream ends, a client that left included (what was generated until then); requests
-refused before generation (4xx, 429, 503) do not count.
+or when its stream ends, a client that left included (what was generated until then). A
+non-streamed request that ends early (the client left, or it failed mid-generation) counts the
+same way once it has generated a token; requests refused before generation (4xx, 429, 503) do
+not count.
 """
 
 from __future__ import annotations
@@ -182,6 +184,20 @@ class RequestAccount:
 
     def track(self, usage_fn: Callable[[], Usage]) -> None:
         self._usage_fn = usage_fn
+
+    def hand_over(self) -> None:
+        """Another app serves this request and bills it there (graceful degradation,
+        serving/degradation.py): this account settles nothing."""
+        assert self._settled is None, "a settled request cannot be handed over"
+        self._usage_fn = None
+
+    def settle_if_generated(self) -> dict | None:
+        """Settle a request that ended early (its client left, or it failed) if it generated at
+        least one token: like a stream, it pays for what it got. One refused before its first
+        token is not billed."""
+        if self._settled is None and (self._usage_fn is None or self._usage_fn().completion_tokens == 0):
+            return None
+        return self.settle()
 
     def settle(self) -> dict | None:
         """The response's `usage` (with `cost` and `currency` when priced); None before `track`."""

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import ray
 
-from serving import kv_transfer_actor, tracing
+from serving import faults, kv_transfer_actor, tracing
 from serving.config import KVTransferConfig
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.config import EngineConfig
@@ -81,14 +81,13 @@ class EngineWorker:
         # Prometheus / Ray metrics (serving/metrics.py); the engine is sampled in routing_stats.
         self.metrics = metrics or WorkerMetrics(engine_config.model, role, "")
         self.latencies = RequestLatencies()  # TTFT/TPOT windows, for autoscaling
-        self._kv_actors: dict[str, object] = {}
+        self._kv_actors = kv_transfer_actor.ActorCache(app_name)  # per node; looked up again after a failure
         self._offers: set[asyncio.Task] = set()  # background exports, referenced until done
         # The exact set of block hashes this engine holds, for the routers (router/index.py).
         self._cached_blocks = CachedBlockSet()
         self._cached_blocks_lock = threading.Lock()  # written on the engine thread
         self._epoch = time.time_ns()  # orders this engine's snapshots after a restarted one's
         self.engine.subscribe_kv_events(self._on_kv_events)
-        self._local_actor = None
         self._node_id: str | None = None
 
     # ---- queries -----------------------------------------------------------------------------
@@ -148,6 +147,7 @@ class EngineWorker:
         handed_off = False
         ran = False  # the engine finished the request (its last output is then rewritten)
         tracker = self.latencies.track()
+        faults.reached("prefill.before_first_token")
         try:
             async for out in self.engine.generate(
                 request.request_id, prompt_token_ids=request.prompt_token_ids, params=one,
@@ -163,11 +163,11 @@ class EngineWorker:
                 return PrefillResult(last, None)
             if completion.finish_reason == "stop" or params.max_tokens == 1:
                 return PrefillResult(last, None)
-            self._node_actor()
+            node_id = self._this_node()
             num_tokens = len(request.prompt_token_ids)
             handle = KVHandle(
-                request.request_id, kv_transfer_actor.actor_name(self.app_name, self._node_id),
-                self._node_id, num_tokens, self._payload_bytes(num_tokens),
+                request.request_id, kv_transfer_actor.actor_name(self.app_name, node_id),
+                node_id, num_tokens, self._payload_bytes(num_tokens),
             )
             # The first token goes back now; the export and the offer follow in the background
             # (the decode worker's claim waits for the offer), so TTFT does not pay for them.
@@ -185,7 +185,7 @@ class EngineWorker:
             if trace is not None:
                 trace.engine_stages(last.metrics if last else None, prefill=True, decode=False, aborted=not ran)
             if not handed_off:
-                await self.engine.release_kv(request.request_id)  # no-op unless KV is still held
+                self.engine.release_kv_soon(request.request_id)  # no-op unless KV is still held
 
     def _payload_bytes(self, num_tokens: int) -> int:
         layout = self.engine.engine.kv_layout
@@ -195,12 +195,17 @@ class EngineWorker:
 
     async def _export_and_offer(self, request_id: str, trace: tracing.CarriedTrace | None = None) -> None:
         start_ns = time.time_ns() if trace is not None else 0
+        node_id = self._this_node()
         try:
             payload = await self.engine.export_kv(request_id)
             ref = await asyncio.to_thread(ray.put, payload)
-            await self._node_actor().offer.remote(request_id, [ref], payload.num_bytes, self.kv_transfer.lease_s)
-        except Exception as exc:  # noqa: BLE001 - the decode worker's claim times out and it recomputes
-            logger.exception("exporting the KV of %s failed", request_id)
+            await self._offer(node_id, request_id, ref, payload.num_bytes)
+        except Exception as exc:  # noqa: BLE001 - the decode worker's claim fails and it recomputes
+            if isinstance(exc, kv_transfer_actor.ACTOR_ERRORS):
+                self._kv_actors.forget(node_id)  # dead or restarting: look it up again next time
+                logger.warning("offering the KV of %s failed: the KVTransfer actor is gone (%s)", request_id, type(exc).__name__)
+            else:
+                logger.exception("exporting the KV of %s failed", request_id)
             if trace is not None:
                 trace.record("kv_transfer", start_ns, time.time_ns(), {"kvrelay.kv.side": "export"}, error=f"{type(exc).__name__}: {exc}")
             await self.engine.release_kv(request_id)
@@ -211,11 +216,24 @@ class EngineWorker:
         if trace is not None:
             trace.record("kv_transfer", start_ns, time.time_ns(), {"kvrelay.kv.side": "export", "kvrelay.kv.bytes": payload.num_bytes})
 
-    def _node_actor(self):
-        if self._local_actor is None:
+    async def _offer(self, node_id: str, request_id: str, ref: ray.ObjectRef, num_bytes: int) -> None:
+        """Offer to the node's actor; if it died (Ray restarts it, empty), offer once more to
+        the restarted one, so the decode worker's claim still finds it."""
+        for attempt in range(2):
+            actor = await self._kv_actors.get(node_id)
+            try:
+                await actor.offer.remote(request_id, [ref], num_bytes, self.kv_transfer.lease_s)
+                return
+            except kv_transfer_actor.ACTOR_ERRORS:
+                self._kv_actors.forget(node_id)
+                if attempt == 1:
+                    raise
+                logger.warning("the KVTransfer actor died while offering the KV of %s; offering again", request_id)
+
+    def _this_node(self) -> str:
+        if self._node_id is None:
             self._node_id = ray.get_runtime_context().get_node_id()
-            self._local_actor = kv_transfer_actor.get_or_create(self.app_name, self._node_id)
-        return self._local_actor
+        return self._node_id
 
     # ---- decode side -------------------------------------------------------------------------
     async def generate(
@@ -228,6 +246,7 @@ class EngineWorker:
         imported = payload is not None
         tracker = self.latencies.track(continues=bool(prior_output_token_ids))
         last: RequestOutput | None = None
+        num_streamed = 0
         try:
             async for out in self.engine.generate(
                 request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
@@ -240,6 +259,8 @@ class EngineWorker:
                     self.metrics.first_token(out.metrics, computed_prompt=not imported)
                 last = out
                 yield out
+                num_streamed += sum(len(c.token_ids) for c in out.outputs)
+                faults.reached(f"{self.role}.after_tokens", num_streamed)
         except EngineError as exc:
             yield WorkerError.from_exception(exc)
         finally:
@@ -264,7 +285,7 @@ class EngineWorker:
         timeout_s = self.kv_transfer.timeout_s
         actor = None
         try:
-            actor = self._kv_actor(kv.actor_name)
+            actor = await self._kv_actors.get(kv.node_id)
             # The actor waits for the offer up to timeout_s; the margin covers the round trip.
             refs = await asyncio.wait_for(actor.claim.remote(kv.request_id, timeout_s), timeout_s + 5.0)
             if isinstance(refs, str):
@@ -278,6 +299,8 @@ class EngineWorker:
                 actor.release.remote(kv.request_id)  # do not leave it held until the lease ends
             return self._fallback(kv, "timeout")
         except (ray.exceptions.RayError, ValueError) as exc:  # actor or object lost
+            if isinstance(exc, kv_transfer_actor.ACTOR_ERRORS):
+                self._kv_actors.forget(kv.node_id)  # dead or restarting: look it up again next time
             logger.warning("KV import of %s failed (%s)", kv.request_id, exc)
             return self._fallback(kv, "error")
         elapsed_s = time.monotonic() - start
@@ -293,13 +316,6 @@ class EngineWorker:
         self.metrics.kv_fallback(reason)
         logger.warning("KV of %s not imported (%s): recomputing its %d tokens", kv.request_id, reason, kv.num_tokens)
         return None
-
-    def _kv_actor(self, name: str):
-        actor = self._kv_actors.get(name)
-        if actor is None:
-            actor = ray.get_actor(name, namespace=kv_transfer_actor.NAMESPACE)
-            self._kv_actors[name] = actor
-        return actor
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -8,6 +8,7 @@ from serving.engine.errors import (
     EngineError,
     InvalidRequestError,
     ModelLoadError,
+    RequestFailedError,
 )
 from serving.engine.kv_transfer import KVLayout, KVPayload
 from serving.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -25,6 +26,7 @@ __all__ = [
     "KVPayload",
     "LLMEngine",
     "ModelLoadError",
+    "RequestFailedError",
     "RequestOutput",
     "SamplingParams",
     "TokenLogprob",

@@ -7,6 +7,15 @@
 Only the step thread touches the LLMEngine, so it needs no locks. Torch releases the GIL inside
 its kernels, so the event loop keeps serving while a step runs. A caller that stops iterating
 (client disconnect, cancellation) aborts its request, and the blocks are freed at once.
+
+Callers come and go at any moment; the step thread never depends on one still being there:
+- a command runs whether or not its caller still waits (a cancelled `release_kv` still releases),
+  and its result is dropped if the caller has gone;
+- a cancelled `generate` queues an abort behind its own add, so the request never runs unread;
+- delivering to an event loop that has closed drops the delivery.
+A request that fails on its own in a step (LLMEngine.take_failures) gets its RequestFailedError;
+any other exception ends the loop: every open stream and every queued or later call gets
+EngineDeadError, and `is_alive` turns False so the replica's health check fails.
 """
 
 from __future__ import annotations
@@ -68,6 +77,11 @@ class AsyncEngine:
         self._streams[request_id] = (loop, stream)
         try:
             await self._call(lambda engine: engine.add_request(request_id, **kwargs))
+        except asyncio.CancelledError:
+            # The add is queued and runs anyway: abort it right behind, or nobody reads it.
+            self._streams.pop(request_id, None)
+            self._inbox.put(("abort", request_id))
+            raise
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -102,6 +116,10 @@ class AsyncEngine:
     async def release_kv(self, request_id: str) -> bool:
         return await self._call(lambda engine: engine.release_kv(request_id))
 
+    def release_kv_soon(self, request_id: str) -> None:
+        """Queue a release without waiting for it (safe in a `finally` that may be cancelled)."""
+        self._inbox.put(("release", request_id))
+
     def subscribe_kv_events(self, callback: Callable[[list[KVEvent]], None]) -> None:
         """`callback(events)` runs on the step thread after each step that changed the cache."""
         self._kv_subscribers.append(callback)
@@ -116,7 +134,14 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine stopped: {self._error!r}") from self._error
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("call", fn, future))
+        if self._error is not None:
+            # The loop died between the check and the put, and may have drained the inbox
+            # already: drain it again, so this call is answered.
+            self._fail_pending(self._dead_error())
         return await asyncio.wrap_future(future)
+
+    def _dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"the engine stopped: {self._error!r}")
 
     def _handle(self, command) -> bool:
         if command is _STOP:
@@ -128,9 +153,11 @@ class AsyncEngine:
         else:
             _, fn, future = command
             try:
-                future.set_result(fn(self.engine))
-            except BaseException as exc:  # handed to the caller, never swallowed
-                future.set_exception(exc)
+                result = fn(self.engine)
+            except Exception as exc:  # handed to the caller, never swallowed
+                _deliver(future, error=exc)
+            else:
+                _deliver(future, result)
         return True
 
     def _run(self) -> None:
@@ -153,24 +180,39 @@ class AsyncEngine:
                     outputs = engine.step()
                     self._stats = engine.stats()
                     self._publish(outputs)
+                    for failure in engine.take_failures():
+                        self._send(failure.request_id, failure)
                     events = engine.take_kv_events()
                     if events:
-                        for callback in self._kv_subscribers:
-                            callback(events)
+                        self._notify(events)
         except BaseException as exc:
             logger.exception("engine step loop died")
             self._error = exc
-            dead = EngineDeadError(f"the engine stopped: {exc!r}")
-            for loop, stream in list(self._streams.values()):
-                loop.call_soon_threadsafe(stream.put_nowait, dead)
+            dead = self._dead_error()
+            for request_id in list(self._streams):
+                self._send(request_id, dead)
             self._fail_pending(dead)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            target = self._streams.get(out.request_id)
-            if target is not None:
-                loop, stream = target
-                loop.call_soon_threadsafe(stream.put_nowait, out)
+            self._send(out.request_id, out)
+
+    def _send(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        target = self._streams.get(request_id)
+        if target is None:
+            return  # its caller has gone
+        loop, stream = target
+        try:
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+        except RuntimeError:  # its event loop has closed
+            self._streams.pop(request_id, None)
+
+    def _notify(self, events: list[KVEvent]) -> None:
+        for callback in self._kv_subscribers:
+            try:
+                callback(events)
+            except Exception:  # noqa: BLE001 - a subscriber's bug must not stop the engine
+                logger.exception("a KV event subscriber failed")
 
     def _fail_pending(self, error: BaseException) -> None:
         while True:
@@ -179,4 +221,17 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command is not _STOP and command[0] == "call":
-                command[2].set_exception(error)
+                _deliver(command[2], error=error)
+
+
+def _deliver(future: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Complete a caller's future unless the caller has cancelled it (then nobody waits)."""
+    if future.cancelled():
+        return
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled between the check and the set

@@ -4,6 +4,11 @@ One `step()` = schedule → (write imported KV) → one forward pass → sample 
 stops → free what finished. Everything here runs on one thread; AsyncEngine drives it from a
 background thread for asyncio callers.
 
+A failure that belongs to one request (writing its imported KV, sampling its row, detokenizing or
+stop-checking its token) ends that request alone: its blocks are freed, the error waits in
+`take_failures()`, and the rest of the batch goes on. A failure with no culprit (the forward pass,
+scheduling) raises out of `step()`; the caller must treat the engine as dead.
+
 A request with `n > 1` is one sequence per choice. Choice 0 computes the prompt; the others wait
 and, once it is done, start from its full prompt blocks (shared by reference count), computing
 only the partial last block themselves.
@@ -22,7 +27,7 @@ from serving.engine.config import EngineConfig
 from serving.engine.cpu_kernels import KernelPath, KernelStatus, kernel_status
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.dtype_choice import choose_dtype
-from serving.engine.errors import InvalidRequestError
+from serving.engine.errors import InvalidRequestError, RequestFailedError
 from serving.engine.kv_cache import KVCache, available_memory_bytes, kv_bytes_per_token
 from serving.engine.kv_events import KVEvent
 from serving.engine.kv_transfer import KVLayout, KVPayload
@@ -166,6 +171,7 @@ class LLMEngine:
         # `take_ready_export` hands one over without waiting behind the next step.
         self._ready_exports: dict[str, KVPayload] = {}
         self._pending_outputs: list[RequestOutput] = []
+        self._failures: list[RequestFailedError] = []  # requests a step ended on their own error
         self.num_computed_tokens = 0
         self.num_generated_tokens = 0
         self.is_stalled = False  # the last step could schedule nothing (see step)
@@ -262,6 +268,30 @@ class LLMEngine:
         del self._requests[request_id]
         return True
 
+    def take_failures(self) -> list[RequestFailedError]:
+        """The requests that failed on their own since the last call (each is gone, its blocks
+        freed): the caller tells each one's client."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    def _fail_request(self, request_id: str, stage: str, cause: Exception) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        for state in request.seqs:
+            seq = state.seq
+            if state.finish_reason is None:
+                state.finish_reason = "error"
+                seq.status = RequestStatus.FINISHED_ABORTED
+                self.scheduler.remove(seq)
+            if seq.block_ids and self._held.get(request_id) is not seq:
+                self.block_manager.free(seq)
+        request.waiting_children.clear()
+        self.release_kv(request_id)
+        error = RequestFailedError.caused_by(request_id, stage, cause)
+        logger.error("%s", error, exc_info=cause)
+        self._failures.append(error)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending_outputs)
 
@@ -269,41 +299,79 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
+        scheduled = sched.scheduled
         for seq in sched.kv_imports:
-            self._write_import(seq)
-        self.is_stalled = not sched.scheduled and not sched.preempted
-        if not sched.scheduled:
+            try:
+                self._write_import(seq)
+            except Exception as exc:  # a payload that does not fit its blocks: its request alone
+                self._fail_request(seq.request_id, "KV import", exc)
+        if self._failures:
+            scheduled = [(seq, n) for seq, n in scheduled if seq.request_id in self._requests]
+        self.is_stalled = not scheduled and not sched.preempted
+        if not scheduled:
             # Only possible while held exports pin the blocks a waiting request needs: nothing
             # changes until one is exported, released or aborted.
             return outputs
         num_prefill_tokens = sum(
-            n for seq, n in sched.scheduled if seq.num_computed_tokens < seq.num_prompt_tokens
+            n for seq, n in scheduled if seq.num_computed_tokens < seq.num_prompt_tokens
         )
         started = time.perf_counter()
-        step = self.runner.prepare(sched.scheduled)
+        step = self.runner.prepare(scheduled)
         logits = self.runner.execute(step)
         if num_prefill_tokens >= _MIN_RATE_TOKENS:
             rate = num_prefill_tokens / max(time.perf_counter() - started, 1e-6)
             self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else (
                 0.8 * self.prefill_tokens_per_s + 0.2 * rate
             )
-        for seq, n in sched.scheduled:
+        for seq, n in scheduled:
             seq.num_computed_tokens += n
             self.num_computed_tokens += n
             self.block_manager.commit(seq)
         if step.sampling_seqs:
-            sampled = self.sampler(logits, [self._sampling_row(s) for s in step.sampling_seqs])
+            sampled = self._sample(logits, step.sampling_seqs)
             now = time.monotonic()
             deltas: dict[str, list[CompletionOutput]] = {}
-            for seq, token_id, logprob in zip(step.sampling_seqs, sampled.token_ids, sampled.logprobs):
-                delta = self._append(seq, token_id, logprob, now)
+            for seq, (token_id, logprob) in zip(step.sampling_seqs, sampled):
+                if seq.request_id not in self._requests:
+                    continue  # failed in this step
+                try:
+                    delta = self._append(seq, token_id, logprob, now)
+                except Exception as exc:  # its detokenizer or stop checker
+                    self._fail_request(seq.request_id, "detokenize / stop check", exc)
+                    continue
                 deltas.setdefault(seq.request_id, []).append(delta)
             for request_id, completion_outputs in deltas.items():
-                request = self._requests[request_id]
+                request = self._requests.get(request_id)
+                if request is None:
+                    continue  # another of its choices failed after this one advanced
                 outputs.append(self._request_output(request, completion_outputs))
                 if request.finished:
                     del self._requests[request_id]
         return outputs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int | None, TokenLogprob | None]]:
+        """One (token, logprob) per row. If the batch fails, each row is sampled alone to find
+        the rows at fault: those requests fail, the others get their tokens. When every row of a
+        batch fails alone as well, no request is at fault (the logits are) and it raises."""
+        rows = [self._sampling_row(s) for s in seqs]
+        try:
+            sampled = self.sampler(logits, rows)
+            return list(zip(sampled.token_ids, sampled.logprobs))
+        except Exception as batch_error:
+            results: list[tuple[int | None, TokenLogprob | None]] = []
+            errors: list[tuple[Sequence, Exception]] = []
+            for i, (seq, row) in enumerate(zip(seqs, rows)):
+                try:
+                    one = self.sampler(logits[i : i + 1], [row])
+                    results.append((one.token_ids[0], one.logprobs[0]))
+                except Exception as exc:
+                    errors.append((seq, exc))
+                    results.append((None, None))
+            if len(seqs) > 1 and len(errors) == len(seqs):
+                raise batch_error
+            for seq, exc in errors:
+                self._fail_request(seq.request_id, "sampling", exc)
+            return results
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.params
@@ -468,4 +536,7 @@ class LLMEngine:
         while self.has_unfinished_requests():
             for out in self.step():
                 merged[out.request_id] = merge_outputs(merged.get(out.request_id), out)
+        failures = self.take_failures()
+        if failures:
+            raise failures[0]
         return [merged[i] for i in ids]

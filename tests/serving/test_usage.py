@@ -8,20 +8,24 @@ every cost below is written out by hand: 0.15 per million input tokens, 0.60 per
 
 from __future__ import annotations
 
+import asyncio
 import json
+from contextlib import aclosing
 from decimal import Decimal
 
 import httpx
 import pytest
 
 from serving.config import ConfigError, ServeConfig, load_config
-from serving.engine import EngineConfig
+from serving.engine import EngineConfig, EngineDeadError
+from serving.errors import NoWorkerError
 from serving.engine.async_engine import AsyncEngine
 from serving.frontend import Frontend, Usage
 from serving.local_backend import LocalBackend
+from serving.protocol import ChatMessage
 from serving.openai_api import OpenAIServer
 from serving.usage import (
-    ModelPrice, RequestAccount, UsageLedger, format_cost, load_pricing, redact_key, request_cost,
+    ANONYMOUS, ModelPrice, RequestAccount, UsageLedger, format_cost, load_pricing, redact_key, request_cost,
 )
 
 MODEL = "tiny"
@@ -270,3 +274,70 @@ async def test_without_api_keys_everything_is_anonymous(engine, tiny_model_dir):
     report = (await call(app, "GET", "/v1/usage", key="whatever")).json()
     assert report["scope"] == "key"
     assert report["data"] == [{"object": "usage.api_key", "api_key": "anonymous", **totals(2, 20, 8, 7.8e-06)}]
+
+
+# ---- requests that end early -------------------------------------------------------------------
+class _StopsAfter(LocalBackend):
+    """The engine's tokens, one per output, until `count` have been delivered; then it fails
+    (`fail`) or waits for a client that will leave (`reached` is set)."""
+
+    def __init__(self, engine, count: int, fail: Exception | None = None):
+        super().__init__(engine)
+        self.count = count
+        self.fail = fail
+        self.reached = asyncio.Event()
+
+    async def generate(self, request):
+        delivered = 0
+        async with aclosing(super().generate(request)) as outputs:
+            async for out in outputs:
+                if delivered == self.count:
+                    break
+                yield out
+                delivered += len(out.outputs[0].token_ids)
+        if self.fail is not None:
+            raise self.fail
+        self.reached.set()
+        await asyncio.Event().wait()  # the client leaves while we wait
+
+
+def early_server(backend, engine, tiny_model_dir) -> OpenAIServer:
+    cfg = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL)
+    return OpenAIServer(Frontend(engine.tokenizer, backend, MODEL), cfg, PRICE)
+
+
+@pytest.mark.asyncio
+async def test_a_request_that_fails_mid_generation_is_billed_for_its_tokens(engine, tiny_model_dir):
+    backend = _StopsAfter(engine, 3, fail=EngineDeadError("simulated"))
+    srv = early_server(backend, engine, tiny_model_dir)
+    response = await call(srv.build_app(), "POST", "/v1/completions", {**REQUEST, "max_tokens": 50})
+    assert response.status_code == 503
+    # 10 × 0.15 / 1e6 + 3 × 0.60 / 1e6 = 0.0000033
+    assert srv.usage.totals(ANONYMOUS).to_dict("USD") == totals(1, 10, 3, 3.3e-06)
+
+
+@pytest.mark.asyncio
+async def test_a_request_refused_before_its_first_token_is_not_billed(engine, tiny_model_dir):
+    backend = _StopsAfter(engine, 0, fail=NoWorkerError("decode", "no replicas"))
+    srv = early_server(backend, engine, tiny_model_dir)
+    response = await call(srv.build_app(), "POST", "/v1/completions", REQUEST)
+    assert response.status_code == 503
+    assert srv.usage.totals(ANONYMOUS).to_dict("USD") == totals(0, 0, 0, 0.0)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {**REQUEST, "max_tokens": 50}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "temperature": 0, "ignore_eos": True}),
+])
+async def test_a_non_streamed_request_the_client_abandons_is_billed_for_its_tokens(engine, tiny_model_dir, path, body):
+    backend = _StopsAfter(engine, 2)
+    srv = early_server(backend, engine, tiny_model_dir)
+    client = asyncio.ensure_future(call(srv.build_app(), "POST", path, body))
+    await asyncio.wait_for(backend.reached.wait(), 30)
+    client.cancel()  # the client goes away before the response
+    with pytest.raises(asyncio.CancelledError):
+        await client
+    billed = srv.usage.totals(ANONYMOUS).to_dict("USD")
+    prompt_tokens = 10 if path == "/v1/completions" else len(srv.frontend.encode_chat([ChatMessage(role="user", content="hi")]))
+    assert (billed["num_model_requests"], billed["input_tokens"], billed["output_tokens"]) == (1, prompt_tokens, 2)

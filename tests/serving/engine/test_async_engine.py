@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import random
 import threading
 
 import pytest
 
-from serving.engine import EngineConfig, EngineDeadError, InvalidRequestError, LLMEngine, SamplingParams
+from serving.engine import EngineConfig, EngineDeadError, InvalidRequestError, LLMEngine, RequestFailedError, SamplingParams
 from serving.engine.async_engine import AsyncEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -154,3 +156,215 @@ def test_held_exports_stall_without_spinning_and_release_resumes(tiny_model_dir)
         assert len(tokens) == 12
     finally:
         engine.shutdown()
+
+
+# ---- callers that go away, requests that fail alone, a loop that dies ------------------------
+PROMPT = list(range(20, 60))
+
+
+def test_commands_cancelled_at_random_moments_never_stop_the_engine(async_engine):
+    """Every kind of engine command (generate, abort, release_kv, export, a KV import) is cancelled
+    at random moments while the step thread runs, thousands of times: the engine keeps serving,
+    greedy output is unchanged, and every block comes back."""
+    rng = random.Random(14)
+    short = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    hold = SamplingParams(temperature=0.0, max_tokens=1)
+    expected = LLMEngine(async_engine.engine.config).generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+
+    async def held(request_id: str) -> None:
+        async for _ in async_engine.generate(request_id, params=hold, prompt_token_ids=PROMPT, hold_kv=True):
+            pass
+
+    async def do_generate(i):
+        async for _ in async_engine.generate(f"g{i}", params=short, prompt_token_ids=PROMPT[: 8 + i % 30]):
+            pass
+
+    async def do_abort(i):
+        await async_engine.abort(f"g{i - 1}")
+
+    async def do_release(i):  # as a prefill worker does: the release is queued whatever happens
+        try:
+            await held(f"r{i}")
+            await async_engine.release_kv(f"r{i}")
+        finally:
+            async_engine.release_kv_soon(f"r{i}")
+
+    async def do_export(i):
+        try:
+            await held(f"e{i}")
+            await async_engine.export_kv(f"e{i}")
+        finally:
+            async_engine.release_kv_soon(f"e{i}")
+
+    async def do_import(i, payload):
+        async for _ in async_engine.generate(f"i{i}", params=short, prompt_token_ids=PROMPT + [7], kv_payload=payload):
+            pass
+
+    async def main():
+        await held("source")
+        payload = await async_engine.export_kv("source")
+        kinds = [do_generate, do_abort, do_release, do_export, lambda i: do_import(i, payload)]
+        num_cancelled = 0
+        for round_ in range(800):
+            tasks = [asyncio.ensure_future(kinds[k](round_ * 10 + k)) for k in range(len(kinds))]
+            await asyncio.sleep(rng.random() * 0.003)
+            for task in tasks:
+                if rng.random() < 0.9 and task.cancel():
+                    num_cancelled += 1
+            await asyncio.gather(*tasks, return_exceptions=True)
+        # Every abort and release queued so far runs before this call's own command.
+        stats = await async_engine._call(lambda engine: engine.stats())
+        tokens = await collect(async_engine, "after", PROMPT)
+        return num_cancelled, stats, tokens
+
+    num_cancelled, stats, tokens = asyncio.run(main())
+    assert num_cancelled >= 1500
+    assert async_engine.is_alive
+    assert (stats.num_running, stats.num_waiting, stats.num_held_exports) == (0, 0, 0)
+    assert stats.num_free_blocks == stats.num_blocks
+    assert tokens == expected
+
+
+def test_a_cancelled_generate_does_not_leave_its_request_running(async_engine):
+    """The add is queued when the caller is cancelled: the request must be aborted, not run to
+    max_tokens for nobody."""
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    gate = threading.Event()
+
+    async def main():
+        busy = asyncio.ensure_future(async_engine._call(lambda engine: gate.wait(30)))
+        await asyncio.sleep(0.05)
+        orphan = asyncio.ensure_future(collect(async_engine, "orphan", PROMPT, long))
+        await asyncio.sleep(0.05)
+        orphan.cancel()  # while its add waits behind the busy call
+        gate.set()
+        await busy
+        await asyncio.gather(orphan, return_exceptions=True)
+        return await async_engine._call(lambda engine: engine.stats())
+
+    stats = asyncio.run(main())
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert stats.num_free_blocks == stats.num_blocks
+    assert stats.num_generated_tokens < 400
+
+
+def _failing_rows(engine: LLMEngine, bad_seed: int) -> None:
+    """Make the sampler fail on every row whose request has seed `bad_seed`."""
+    real = engine.sampler
+
+    def sampler(logits, rows):
+        if any(row.params.seed == bad_seed for row in rows):
+            raise RuntimeError("simulated sampling failure")
+        return real(logits, rows)
+
+    engine.sampler = sampler
+
+
+def test_a_request_that_fails_in_the_step_fails_alone(async_engine):
+    _failing_rows(async_engine.engine, bad_seed=666)
+    bad = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, seed=666)
+    prompts = [[5, 6, 7, 8], list(range(100, 160))]
+    expected = [o.outputs[0].token_ids for o in LLMEngine(async_engine.engine.config).generate(prompts, GREEDY)]
+
+    async def main():
+        good = [collect(async_engine, f"ok{i}", p) for i, p in enumerate(prompts)]
+        return await asyncio.gather(*good, collect(async_engine, "bad", [9] * 20, bad), return_exceptions=True)
+
+    *good, failure = asyncio.run(main())
+    assert good == expected
+    assert isinstance(failure, RequestFailedError)
+    assert str(failure) == (
+        "request bad failed in the engine's sampling: RuntimeError: simulated sampling failure; "
+        "no other request was affected"
+    )
+    stats = async_engine.stats()
+    assert async_engine.is_alive
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
+
+
+def test_a_request_whose_kv_import_fails_fails_alone(async_engine):
+    engine = async_engine.engine
+    real_write = engine._write_import
+
+    def write_import(seq):
+        if seq.request_id == "bad-import":
+            raise ValueError("simulated payload mismatch")
+        real_write(seq)
+
+    engine._write_import = write_import
+
+    async def main():
+        hold = SamplingParams(temperature=0.0, max_tokens=1)
+        async for _ in async_engine.generate("src", params=hold, prompt_token_ids=PROMPT, hold_kv=True):
+            pass
+        payload = await async_engine.export_kv("src")
+        bad = collect_import(async_engine, "bad-import", payload)
+        good = collect_import(async_engine, "good-import", payload)
+        return await asyncio.gather(bad, good, return_exceptions=True)
+
+    failure, tokens = asyncio.run(main())
+    assert isinstance(failure, RequestFailedError) and failure.stage == "KV import"
+    assert tokens == LLMEngine(engine.config).generate([PROMPT + [7]], GREEDY)[0].outputs[0].token_ids
+    stats = async_engine.stats()
+    assert async_engine.is_alive and stats.num_free_blocks == stats.num_blocks
+
+
+async def collect_import(engine: AsyncEngine, request_id: str, payload) -> list[int]:
+    tokens: list[int] = []
+    """Import a payload and continue its prompt by one token (an import must leave one to compute)."""
+    async for out in engine.generate(request_id, params=GREEDY, prompt_token_ids=payload.token_ids + [7], kv_payload=payload):
+        tokens += out.outputs[0].token_ids
+    return tokens
+
+
+def test_a_failure_of_every_row_has_no_culprit_and_stops_the_engine(async_engine):
+    def sampler(logits, rows):
+        raise RuntimeError("simulated NaN logits")
+
+    async_engine.engine.sampler = sampler
+
+    async def main():
+        return await asyncio.gather(collect(async_engine, "a", [1, 2, 3]), collect(async_engine, "b", [4, 5, 6]), return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, EngineDeadError) for r in results), results
+    assert not async_engine.is_alive
+
+
+def _kernel_failure(*args, **kwargs):
+    raise RuntimeError("simulated kernel failure")
+
+
+class _RacingInbox:
+    """The inbox, with the loop made to die and drain it between a caller's check of the engine's
+    state and its put: the window of the race."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+        self.real = engine._inbox
+        self.raced = False
+
+    def put(self, command):
+        if not self.raced and command is not None and command[0] == "call":
+            self.raced = True
+            self.engine.engine.runner.execute = _kernel_failure
+            self.real.put(("call", lambda engine: engine.add_request("victim", prompt_token_ids=[1, 2, 3], params=GREEDY), concurrent.futures.Future()))
+            self.engine._thread.join(10)
+            assert self.engine._error is not None
+        self.real.put(command)
+
+    def get(self):
+        return self.real.get()
+
+    def get_nowait(self):
+        return self.real.get_nowait()
+
+
+def test_a_call_queued_as_the_loop_dies_is_answered(async_engine):
+    async_engine._inbox = _RacingInbox(async_engine)
+
+    async def main():
+        return await asyncio.wait_for(async_engine._call(lambda engine: engine.stats()), timeout=10)
+
+    with pytest.raises(EngineDeadError, match="simulated kernel failure"):
+        asyncio.run(main())
