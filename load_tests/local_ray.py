@@ -1,7 +1,8 @@
 """A Ray of a benchmark's own, for the commands that start servers (serve-overhead, routing).
 
 Never one found in /tmp/ray (another user's): `address="local"`, files in a fresh temp dir that is
-removed afterwards unless the run failed (its logs are then kept and their place printed). The
+removed afterwards unless the run failed (an exception, or `keep_logs()` true at the end: its logs
+are then kept and their place printed). The
 object store is the one `kvrelay serve` gives a local Ray, so transfers are measured as served.
 """
 
@@ -26,7 +27,8 @@ def free_port() -> int:
 
 
 @contextmanager
-def local_ray(command: str, progress: Callable[[str], None], *, start_serve: bool = False) -> Iterator[None]:
+def local_ray(command: str, progress: Callable[[str], None], *, start_serve: bool = False,
+              keep_logs: Callable[[], bool] = lambda: False) -> Iterator[None]:
     import ray
     from ray import serve
 
@@ -52,7 +54,7 @@ def local_ray(command: str, progress: Callable[[str], None], *, start_serve: boo
             serve.shutdown()
         finally:
             ray.shutdown()
-        if is_ok:
+        if is_ok and not keep_logs():
             shutil.rmtree(temp_dir, ignore_errors=True)
         else:
             progress(f"Ray's logs are kept in {temp_dir}")

@@ -7,6 +7,7 @@
     kvrelay bench routing [--simulate] [--quick] [--json PATH]  prefix-aware routing vs round robin, pow2, prefix tree
     kvrelay bench serve [--base-url URL] [--dataset D] [--request-rate R,...] [--slo ...]  any OpenAI server: TTFT, TPOT, ITL, goodput
     kvrelay bench scenario NAME [--smoke] [--json PATH]   pd-interference | prefix-routing | peers: starts its servers
+    kvrelay bench soak [--requests N] [--chaos] [--json PATH]   mixed load with client aborts (and kills): no leak, no hang
     kvrelay policy check FILE                             validate an autoscaling policy, print it
     kvrelay policy simulate FILE --trace TRACE.csv        replica counts the policy picks over a trace
     kvrelay policy apply FILE                             switch a running app to a policy
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_routing(bench_targets)
     _add_bench_serve(bench_targets)
     _add_bench_scenario(bench_targets)
+    _add_bench_soak(bench_targets)
     _add_policy(commands)
     _add_ops(commands)
     _add_cluster(commands)
@@ -314,6 +316,26 @@ def _add_bench_scenario(targets) -> None:
                    "e.g. --set long_prefill_token_threshold=512 --set worker.num_threads=2")
 
 
+def _add_bench_soak(targets) -> None:
+    # argparse only, so that --help stays fast
+    from load_tests.soak_params import add_arguments
+
+    p = targets.add_parser(
+        "soak",
+        help="thousands of mixed requests with client aborts (--chaos: and killed components); asserts no leak, no hang",
+        description=(
+            "Start the app (deploy/local.yaml, disaggregated, two replicas per pool) on a Ray of its own, send "
+            "--requests mixed requests (streamed and not, n > 1, stop strings, shared prefixes, long prompts, "
+            "client aborts at random points) at --concurrency, then check that every engine's free blocks are "
+            "back at their baseline, the KVTransfer actors hold nothing, every request ended within its "
+            "deadline and replica memory stayed flat. --chaos kills a decode replica, a prefill replica and the "
+            "KVTransfer actor along the way and reports what each kill did. Exit 1 if a check failed "
+            "(load_tests/bench_soak.py)."
+        ),
+    )
+    add_arguments(p)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -344,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_from_args(args, argv)
     if args.command == "bench" and args.target == "scenario":
         from load_tests.bench_scenario import run_from_args
+
+        return run_from_args(args, argv)
+    if args.command == "bench" and args.target == "soak":
+        from load_tests.bench_soak import run_from_args
 
         return run_from_args(args, argv)
     if args.command == "policy" and args.action == "apply":
