@@ -67,6 +67,8 @@ class WorkerRequest:
     # The ingress span's W3C context (serving/tracing.py), so workers continue the trace; None
     # when tracing is off.
     trace_context: dict[str, str] | None = None
+    # The ingress replica that sent it (serving/caller_watch.py): workers abort it if that dies.
+    caller: tuple[str, str] | None = None
 
 
 class Backend(Protocol):

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 import ray
 
 from serving import faults, kv_transfer_actor, tracing
+from serving.caller_watch import Caller, CallerWatch
 from serving.config import KVTransferConfig
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.config import EngineConfig
@@ -89,6 +90,7 @@ class EngineWorker:
         self._epoch = time.time_ns()  # orders this engine's snapshots after a restarted one's
         self.engine.subscribe_kv_events(self._on_kv_events)
         self._node_id: str | None = None
+        self._callers = CallerWatch(self.engine.abort)  # aborts the requests of an ingress that died
 
     # ---- queries -----------------------------------------------------------------------------
     def model_info(self) -> ModelInfo:
@@ -148,44 +150,45 @@ class EngineWorker:
         ran = False  # the engine finished the request (its last output is then rewritten)
         tracker = self.latencies.track()
         faults.reached("prefill.before_first_token")
-        try:
-            async for out in self.engine.generate(
-                request.request_id, prompt_token_ids=request.prompt_token_ids, params=one,
-                priority=request.priority, cache_salt=request.cache_salt, hold_kv=True,
-            ):
-                tracker.observe(out)
-                last = out
-            ran = last is not None and last.outputs[0].finish_reason != "abort"
-            self.counters.num_prefills += 1
-            self.metrics.first_token(last.metrics, computed_prompt=True)
-            completion = last.outputs[0]
-            if completion.finish_reason == "abort":
-                return PrefillResult(last, None)
-            if completion.finish_reason == "stop" or params.max_tokens == 1:
-                return PrefillResult(last, None)
-            node_id = self._this_node()
-            num_tokens = len(request.prompt_token_ids)
-            handle = KVHandle(
-                request.request_id, kv_transfer_actor.actor_name(self.app_name, node_id),
-                node_id, num_tokens, self._payload_bytes(num_tokens),
-            )
-            # The first token goes back now; the export and the offer follow in the background
-            # (the decode worker's claim waits for the offer), so TTFT does not pay for them.
-            task = asyncio.create_task(self._export_and_offer(request.request_id, trace))
-            self._offers.add(task)
-            task.add_done_callback(self._offers.discard)
-            handed_off = True
-            completion.finish_reason = None
-            completion.stop_reason = None
-            last.finished = False
-            return PrefillResult(last, handle)
-        except EngineError as exc:
-            return WorkerError.from_exception(exc)
-        finally:
-            if trace is not None:
-                trace.engine_stages(last.metrics if last else None, prefill=True, decode=False, aborted=not ran)
-            if not handed_off:
-                self.engine.release_kv_soon(request.request_id)  # no-op unless KV is still held
+        with self._callers.watch(_caller(request), request.request_id):
+            try:
+                async for out in self.engine.generate(
+                    request.request_id, prompt_token_ids=request.prompt_token_ids, params=one,
+                    priority=request.priority, cache_salt=request.cache_salt, hold_kv=True,
+                ):
+                    tracker.observe(out)
+                    last = out
+                ran = last is not None and last.outputs[0].finish_reason != "abort"
+                self.counters.num_prefills += 1
+                self.metrics.first_token(last.metrics, computed_prompt=True)
+                completion = last.outputs[0]
+                if completion.finish_reason == "abort":
+                    return PrefillResult(last, None)
+                if completion.finish_reason == "stop" or params.max_tokens == 1:
+                    return PrefillResult(last, None)
+                node_id = self._this_node()
+                num_tokens = len(request.prompt_token_ids)
+                handle = KVHandle(
+                    request.request_id, kv_transfer_actor.actor_name(self.app_name, node_id),
+                    node_id, num_tokens, self._payload_bytes(num_tokens),
+                )
+                # The first token goes back now; the export and the offer follow in the background
+                # (the decode worker's claim waits for the offer), so TTFT does not pay for them.
+                task = asyncio.create_task(self._export_and_offer(request.request_id, trace))
+                self._offers.add(task)
+                task.add_done_callback(self._offers.discard)
+                handed_off = True
+                completion.finish_reason = None
+                completion.stop_reason = None
+                last.finished = False
+                return PrefillResult(last, handle)
+            except EngineError as exc:
+                return WorkerError.from_exception(exc)
+            finally:
+                if trace is not None:
+                    trace.engine_stages(last.metrics if last else None, prefill=True, decode=False, aborted=not ran)
+                if not handed_off:
+                    self.engine.release_kv_soon(request.request_id)  # no-op unless KV is still held
 
     def _payload_bytes(self, num_tokens: int) -> int:
         layout = self.engine.engine.kv_layout
@@ -247,26 +250,27 @@ class EngineWorker:
         tracker = self.latencies.track(continues=bool(prior_output_token_ids))
         last: RequestOutput | None = None
         num_streamed = 0
-        try:
-            async for out in self.engine.generate(
-                request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
-                priority=request.priority, cache_salt=request.cache_salt, kv_payload=payload,
-                prior_output_token_ids=prior_output_token_ids,
-            ):
-                payload = None  # imported (or never needed); let the shared-memory view go
-                tracker.observe(out)
-                if last is None:  # a prompt not imported was computed here: its prefill time
-                    self.metrics.first_token(out.metrics, computed_prompt=not imported)
-                last = out
-                yield out
-                num_streamed += sum(len(c.token_ids) for c in out.outputs)
-                faults.reached(f"{self.role}.after_tokens", num_streamed)
-        except EngineError as exc:
-            yield WorkerError.from_exception(exc)
-        finally:
-            if trace is not None:
-                # A prompt not imported was computed here: prefill, then decode from its first token.
-                trace.engine_stages(last.metrics if last else None, prefill=not imported, decode=True, aborted=last is None or not last.finished)
+        with self._callers.watch(_caller(request), request.request_id):
+            try:
+                async for out in self.engine.generate(
+                    request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
+                    priority=request.priority, cache_salt=request.cache_salt, kv_payload=payload,
+                    prior_output_token_ids=prior_output_token_ids,
+                ):
+                    payload = None  # imported (or never needed); let the shared-memory view go
+                    tracker.observe(out)
+                    if last is None:  # a prompt not imported was computed here: its prefill time
+                        self.metrics.first_token(out.metrics, computed_prompt=not imported)
+                    last = out
+                    yield out
+                    num_streamed += sum(len(c.token_ids) for c in out.outputs)
+                    faults.reached(f"{self.role}.after_tokens", num_streamed)
+            except EngineError as exc:
+                yield WorkerError.from_exception(exc)
+            finally:
+                if trace is not None:
+                    # A prompt not imported was computed here: prefill, then decode from its first token.
+                    trace.engine_stages(last.metrics if last else None, prefill=not imported, decode=True, aborted=last is None or not last.finished)
 
     async def _claim(self, kv: KVHandle, trace: tracing.CarriedTrace | None = None) -> KVPayload | None:
         if trace is None:
@@ -321,3 +325,7 @@ class EngineWorker:
     def shutdown(self) -> None:
         self.engine.shutdown()
         tracing.flush()
+
+
+def _caller(request: WorkerRequest) -> Caller | None:
+    return Caller(*request.caller) if request.caller else None

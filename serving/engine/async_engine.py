@@ -63,7 +63,7 @@ class AsyncEngine:
         return self._error is None and self._thread.is_alive()
 
     def stats(self) -> EngineStats:
-        """The snapshot taken after the latest step (never blocks)."""
+        """The snapshot taken after the latest step or command (never blocks)."""
         return self._stats
 
     async def generate(self, request_id: str, **kwargs: Any) -> AsyncIterator[RequestOutput]:
@@ -155,8 +155,10 @@ class AsyncEngine:
             try:
                 result = fn(self.engine)
             except Exception as exc:  # handed to the caller, never swallowed
+                self._stats = self.engine.stats()
                 _deliver(future, error=exc)
             else:
+                self._stats = self.engine.stats()  # what the caller sees once it has its result
                 _deliver(future, result)
         return True
 
@@ -177,14 +179,15 @@ class AsyncEngine:
                     if not self._handle(command):
                         return
                 if engine.has_unfinished_requests():
-                    outputs = engine.step()
-                    self._stats = engine.stats()
-                    self._publish(outputs)
+                    self._publish(engine.step())
                     for failure in engine.take_failures():
                         self._send(failure.request_id, failure)
-                    events = engine.take_kv_events()
-                    if events:
-                        self._notify(events)
+                # After a step, or after commands alone (a release on an idle engine frees blocks
+                # too): the snapshot and the cache's events are current when the loop waits.
+                self._stats = engine.stats()
+                events = engine.take_kv_events()
+                if events:
+                    self._notify(events)
         except BaseException as exc:
             logger.exception("engine step loop died")
             self._error = exc

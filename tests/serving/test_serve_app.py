@@ -7,6 +7,8 @@ apps on one HTTP port under different route prefixes:
     /coloc    one Worker pool
     /faults   disaggregated, KV lease 1 s and a KV-claim timeout so short every import times out
     /queue    colocated, one ongoing + one queued request per replica (for 429)
+    /crash    disaggregated, with faults (serving/faults.py) a test arms by deleting its file:
+              a replica then exits at that point, once
 
 All use a tiny random model in float32, so greedy outputs are compared token for token with the
 engine run in this process.
@@ -17,19 +19,23 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
+import threading
 import time
+from pathlib import Path
+from unittest import mock
 
 import httpx
 import openai
 import pytest
 
 from load_tests.local_ray import free_port
+from serving import faults, kv_transfer_actor
 from serving.config import ServeConfig
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.params import SamplingParams
 from serving.frontend import Frontend, WorkerRequest
+from serving.ops import parse_metrics
 from serving.protocol import ChatMessage
 
 pytestmark = pytest.mark.integration
@@ -73,6 +79,15 @@ def serve_instance(tmp_path_factory, tiny_model_dir):
     )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    faults_dir = tmp_path_factory.mktemp("faults")
+    crash_faults = [
+        {"point": "decode.after_tokens", "count": 2, "once": str(faults_dir / "decode")},
+        {"point": "decode.after_tokens", "count": 2, "once": str(faults_dir / "decode-again")},
+        {"point": "prefill.before_first_token", "once": str(faults_dir / "prefill")},
+        {"point": "ingress.after_tokens", "count": 3, "once": str(faults_dir / "ingress")},
+    ]
+    for fault in crash_faults:
+        Path(fault["once"]).touch()  # disarmed
     configs = {
         "disagg": app_config(tiny_model_dir, "disagg"),
         "coloc": app_config(tiny_model_dir, "coloc", mode="colocated"),
@@ -84,7 +99,12 @@ def serve_instance(tmp_path_factory, tiny_model_dir):
     }
     for name, config in configs.items():
         serve.run(build_app(config), name=name, route_prefix=f"/{name}")
-    yield {"url": f"http://127.0.0.1:{port}", "configs": configs}
+    crash = app_config(tiny_model_dir, "crash")
+    with mock.patch.dict(os.environ, {faults.ENV: json.dumps(crash_faults)}):
+        crash_app = build_app(crash)
+    serve.run(crash_app, name="crash", route_prefix="/crash")
+    configs["crash"] = crash
+    yield {"url": f"http://127.0.0.1:{port}", "configs": configs, "faults": faults_dir}
     from serving import kv_transfer_actor
 
     for name in configs:
@@ -347,41 +367,180 @@ def test_queue_full_answers_429_with_retry_after(serve_instance):
     assert any(r[0] == 200 for r in results)
 
 
-def test_decode_replica_dies_mid_stream_never_hangs(serve_instance, reference):
-    """Kill the decode replica's process mid-stream: the request resumes on the restarted
-    replica with the same greedy tokens, or ends with an SSE error event and [DONE]."""
-    prompt = "A long story, please."
-    _, text = reference(prompt, max_tokens=200, ignore_eos=True)
-    pid = stats("faults", "DecodeWorker")["pid"]
-    url = serve_instance["url"] + "/faults"
-    events = []
+
+
+# ---- replicas and the KVTransfer actor die ----------------------------------------------------
+def arm(serve_instance, fault: str) -> Path:
+    """Arm one of /crash's faults: the next replica to reach it exits (once)."""
+    marker = serve_instance["faults"] / fault
+    marker.unlink()
+    return marker
+
+
+def wait_healthy(serve_instance, app: str) -> None:
+    """Every deployment of the app has its one replica alive and running again (after a test
+    killed one). The controller notices a dead replica only at its next health check, so its
+    status alone can still say HEALTHY: count the live replica actors too."""
+    from ray import serve
+    from ray.util.state import list_actors
+
+    def healthy():
+        status = serve.status().applications[app]
+        if status.status != "RUNNING" or any(d.status != "HEALTHY" for d in status.deployments.values()):
+            return False
+        alive = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+        replicas = [a for a in alive if a.class_name.startswith(f"ServeReplica:{app}:")]
+        if len(replicas) != len(status.deployments):
+            return False
+        return httpx.get(f"{serve_instance['url']}/{app}/health", timeout=10).status_code == 200
+
+    wait_until(healthy, timeout_s=120, interval_s=0.5)
+
+
+def recoveries(serve_instance, app: str, kind: str) -> float:
+    text = httpx.get(f"{serve_instance['url']}/{app}/metrics", timeout=10).text
+    return sum(v for n, labels, v in parse_metrics(text) if n == "kvrelay_recoveries_total" and labels.get("kind") == kind)
+
+
+def stream_chat(url: str, body: dict) -> list:
     with httpx.Client(base_url=url, timeout=httpx.Timeout(120)) as client:
-        with client.stream("POST", "/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 200,
-            "ignore_eos": True, "stream": True,
-        }) as response:
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
             assert response.status_code == 200
-            for line in response.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                events += sse_events([line])
-                if len(events) == 5:
-                    os.kill(pid, signal.SIGKILL)
+            return sse_events(response.iter_lines())
+
+
+def streamed_text(payloads: list) -> str:
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in payloads if "choices" in e)
+
+
+def test_a_decode_replica_that_dies_mid_stream_is_resumed_with_the_same_greedy_text(serve_instance, reference):
+    """The decode replica exits after streaming two tokens: the request resumes on the restarted
+    replica from the three tokens the client has (prefill's and decode's two), and the client gets
+    exactly the greedy text, once, with no error; the resume is counted."""
+    wait_healthy(serve_instance, "crash")
+    prompt = "A long story, please."
+    _, text = reference(prompt, max_tokens=40, ignore_eos=True)
+    before = recoveries(serve_instance, "crash", "decode_resumed")
+    marker = arm(serve_instance, "decode")
+    events = stream_chat(serve_instance["url"] + "/crash", {
+        "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 40, "ignore_eos": True,
+    })
+    assert marker.exists()  # the fault fired
     assert events[-1] == "[DONE]"
     payloads = events[:-1]
-    errors = [e for e in payloads if "error" in e]
-    if errors:
-        assert len(errors) == 1 and payloads[-1] is errors[0]
-        assert errors[0]["error"]["code"] == "no_worker"
-    else:
-        streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in payloads)
-        assert streamed == text
-        assert payloads[-1]["choices"][0]["finish_reason"] == "length"
-    # The pool recovers: a new replica serves the next request.
-    def replaced():
-        try:
-            return stats("faults", "DecodeWorker")["pid"] != pid
-        except Exception:  # noqa: BLE001 - the replica is still restarting
-            return False
+    assert [e for e in payloads if "error" in e] == []
+    assert streamed_text(payloads) == text
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+    assert recoveries(serve_instance, "crash", "decode_resumed") == before + 1
 
-    wait_until(replaced, timeout_s=120, interval_s=1)
+
+def test_a_decode_replica_that_dies_again_while_resuming_ends_the_stream_with_an_error_event(serve_instance, reference):
+    wait_healthy(serve_instance, "crash")
+    prompt = "Another long story."
+    _, text = reference(prompt, max_tokens=40, ignore_eos=True)
+    arm(serve_instance, "decode")
+    arm(serve_instance, "decode-again")
+    events = stream_chat(serve_instance["url"] + "/crash", {
+        "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 40, "ignore_eos": True,
+    })
+    assert events[-1] == "[DONE]"
+    *tokens, error = events[:-1]
+    assert error["error"]["code"] == "no_worker"
+    assert "the replica serving this request died" in error["error"]["message"]
+    assert all("choices" in e for e in tokens)
+    assert text.startswith(streamed_text(tokens))  # what came before the error was right
+
+
+def test_a_prefill_replica_that_dies_before_the_first_token_is_replaced_by_the_decode_pool(serve_instance, reference):
+    wait_healthy(serve_instance, "crash")
+    prompt = "Prefill, then die."
+    _, text = reference(prompt)
+    before = recoveries(serve_instance, "crash", "prefill_on_decode")
+    marker = arm(serve_instance, "prefill")
+    response = httpx.post(serve_instance["url"] + "/crash/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": MAX_TOKENS,
+    }, timeout=120)
+    assert marker.exists()
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == text
+    assert recoveries(serve_instance, "crash", "prefill_on_decode") == before + 1
+
+
+def test_when_the_ingress_dies_its_request_is_aborted_everywhere_and_every_block_returns(serve_instance):
+    """The ingress exits holding a stream of 1500 tokens: the decode worker must not generate
+    them for nobody; its engine and the prefill's go back to their free blocks."""
+    wait_healthy(serve_instance, "crash")
+    baseline = {d: stats("crash", d) for d in ("PrefillWorker", "DecodeWorker")}
+    marker = arm(serve_instance, "ingress")
+    got: list[str] = []
+    with httpx.Client(base_url=serve_instance["url"] + "/crash", timeout=httpx.Timeout(120)) as client:
+        try:
+            with client.stream("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Talk for a long time."}], "temperature": 0,
+                "max_tokens": 1500, "ignore_eos": True, "stream": True,
+            }) as response:
+                for line in response.iter_lines():
+                    got.append(line)
+        except httpx.HTTPError:
+            pass  # the connection dropped with the ingress
+    assert marker.exists()
+
+    keys = ("num_running", "num_waiting", "num_held_exports", "num_free_blocks")
+    expected = {d: (0, 0, 0, s["num_free_blocks"]) for d, s in baseline.items()}
+    seen = {}
+
+    def settled():
+        current = {d: stats("crash", d) for d in baseline}
+        seen.update({d: tuple(s[k] for k in keys) for d, s in current.items()})
+        return seen == expected and current
+
+    try:
+        current = wait_until(settled, timeout_s=60, interval_s=0.5)
+    except AssertionError:
+        raise AssertionError(f"{keys}: {seen}, expected {expected}") from None
+    generated = current["DecodeWorker"]["num_generated_tokens"] - baseline["DecodeWorker"]["num_generated_tokens"]
+    assert generated < 1000, f"the decode worker generated {generated} tokens for a client nobody serves"
+    wait_healthy(serve_instance, "crash")
+
+
+@pytest.mark.parametrize("restart", [True, False], ids=["ray-restarts-it", "killed-for-good"])
+def test_the_kv_transfer_actor_dies_mid_load_and_imports_resume(serve_instance, reference, restart):
+    """Requests keep coming while the KVTransfer actor is killed: every one answers with the
+    greedy text (a request caught by the kill recomputes its prompt), and KV imports resume within
+    a bound, through the restarted actor, or a new one when it was killed for good."""
+    import ray
+
+    prompts = [f"Question number {i}?" for i in range(6)]
+    expected = {p: reference(p)[1] for p in prompts}
+    node_id = ray.get_runtime_context().get_node_id()
+    name = kv_transfer_actor.actor_name("disagg", node_id)
+    results: list[tuple[str, int, str]] = []
+    stop = threading.Event()
+
+    def client():
+        with httpx.Client(base_url=serve_instance["url"] + "/disagg", timeout=120) as http:
+            i = 0
+            while not stop.is_set():
+                prompt = prompts[i % len(prompts)]
+                response = http.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": MAX_TOKENS,
+                })
+                body = response.json()
+                results.append((prompt, response.status_code, body["choices"][0]["message"]["content"] if response.status_code == 200 else body))
+                i += 1
+
+    threads = [threading.Thread(target=client) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: len(results) >= 6, timeout_s=60)
+        ray.kill(ray.get_actor(name, namespace=kv_transfer_actor.NAMESPACE), no_restart=not restart)
+        imports_at_kill = stats("disagg", "DecodeWorker")["num_kv_imports"]
+        # Imports resume: later requests find the KV through the (restarted or new) actor.
+        wait_until(lambda: stats("disagg", "DecodeWorker")["num_kv_imports"] >= imports_at_kill + 3, timeout_s=60, interval_s=0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert all(status == 200 and text == expected[prompt] for prompt, status, text in results), results
+    wait_until(lambda: kv_actor_stats("disagg")["num_held"] == 0, timeout_s=30)

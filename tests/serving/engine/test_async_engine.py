@@ -368,3 +368,18 @@ def test_a_call_queued_as_the_loop_dies_is_answered(async_engine):
 
     with pytest.raises(EngineDeadError, match="simulated kernel failure"):
         asyncio.run(main())
+
+
+def test_stats_are_current_after_a_release_on_an_idle_engine(async_engine):
+    """A release with nothing else to run frees blocks without a step: the snapshot says so."""
+    async def main():
+        hold = SamplingParams(temperature=0.0, max_tokens=1)
+        async for _ in async_engine.generate("held", params=hold, prompt_token_ids=PROMPT, hold_kv=True):
+            pass
+        held = async_engine.stats()
+        await async_engine.release_kv("held")
+        return held, async_engine.stats()
+
+    held, released = asyncio.run(main())
+    assert held.num_held_exports == 1 and held.num_free_blocks == held.num_blocks - 3
+    assert released.num_held_exports == 0 and released.num_free_blocks == released.num_blocks
