@@ -1,7 +1,8 @@
 """Operating a running app: the Ray dashboard's Serve REST API, with Ray's token authentication.
 
     kvrelay status                 pools, replicas and their states (dashboard), plus queue depth,
-                                   KV usage and TTFT/TPOT p50/p95 per pool (the ingress's /metrics)
+                                   KV usage and TTFT/TPOT p50/p95 per pool, KV hand-offs imported
+                                   and recomputed, recoveries (the ingress's /metrics)
     kvrelay scale POOL N           set a pool's replica count in the live app
     kvrelay policy apply FILE      switch the live app to an autoscaling policy file
 
@@ -278,6 +279,9 @@ def status_report(state: dict, app_name: str, metrics_text: str | None) -> str:
                 lines.append(f"{label:<5} p50 {q[0] * 1000:8.1f} ms   p95 {q[1] * 1000:8.1f} ms")
     else:
         lines += ["", "(no metrics: the ingress's /metrics was not reachable; pass --url)"]
+    handoff = _handoff_line(samples)
+    if handoff:
+        lines += ["", handoff]
     kernels: dict[tuple[str, str, str], int] = {}
     for metric, labels, value in samples:
         if metric == "kvrelay_engine_kernel_info" and value == 1:
@@ -288,6 +292,23 @@ def status_report(state: dict, app_name: str, metrics_text: str | None) -> str:
         for (pool, path, reason), count in sorted(kernels.items()):
             lines.append(f"kernels  {pool:<8} {path} x{count} ({reason})")
     return "\n".join(lines)
+
+
+def _handoff_line(samples) -> str | None:
+    """KV hand-offs imported and recomputed (by reason), and requests that survived a replica's
+    death: what to look at when the KVTransfer actor or a replica died."""
+    transfers = "kvrelay_kv_transfer_seconds"  # a histogram of the successful imports
+    imported = sum(v for m, _, v in samples if m == f"{transfers}_count")
+    fallbacks = _sum_by(samples, "kvrelay_kv_transfer_fallbacks_total", "reason")
+    recovered = _sum_by(samples, "kvrelay_recoveries_total", "kind")
+    if not imported and not fallbacks and not recovered:
+        return None
+    line = f"KV hand-off  {imported:g} imported, {sum(fallbacks.values()):g} recomputed"
+    if fallbacks:
+        line += " (" + ", ".join(f"{reason} {n:g}" for reason, n in sorted(fallbacks.items())) + ")"
+    if recovered:
+        line += "; recovered " + ", ".join(f"{kind} {n:g}" for kind, n in sorted(recovered.items()))
+    return line
 
 
 def _fmt(value: float | None) -> str:

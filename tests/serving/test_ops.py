@@ -30,6 +30,12 @@ kvrelay_kv_cache_usage_ratio{pool="decode",replica="b"} 0.25
 kvrelay_engine_kernel_info{pool="decode",replica="a",kernel_path="native",reason="loaded from the cache /c"} 1.0
 kvrelay_engine_kernel_info{pool="decode",replica="b",kernel_path="native",reason="loaded from the cache /c"} 1.0
 kvrelay_engine_kernel_info{pool="prefill",replica="c",kernel_path="pytorch",reason="KVRELAY_DISABLE_NATIVE=1"} 1.0
+kvrelay_kv_transfer_seconds_count{pool="decode",replica="a"} 40.0
+kvrelay_kv_transfer_seconds_count{pool="decode",replica="b"} 30.0
+kvrelay_kv_transfer_fallbacks_total{pool="decode",replica="a",reason="error"} 2.0
+kvrelay_kv_transfer_fallbacks_total{pool="decode",replica="b",reason="error"} 1.0
+kvrelay_kv_transfer_fallbacks_total{pool="decode",replica="b",reason="timeout"} 4.0
+kvrelay_recoveries_total{model="m",kind="decode_resumed"} 1.0
 """
 
 
@@ -67,6 +73,8 @@ def test_status_report_lines():
     # p95: rank 9.5 in (0.2, 0.4] holding counts 6..10 -> 0.2 + 0.2 * 3.5/4
     assert report[7] == "TTFT  p50    175.0 ms   p95    375.0 ms"
     # Each pool's kernel path and why, counted over its replicas: a fallback cannot hide.
+    # The KVTransfer actor's or a replica's death shows: imports, recomputes by reason, recoveries.
+    assert report[-5:-3] == ["", "KV hand-off  70 imported, 7 recomputed (error 3, timeout 4); recovered decode_resumed 1"]
     assert report[-3:] == [
         "",
         "kernels  decode   native x2 (loaded from the cache /c)",
