@@ -107,7 +107,10 @@ def _wait_pools(app: str, num_replicas: dict[str, int], timeout_s: float) -> boo
     return False
 
 
-def _settle(app: str, baseline: dict[str, dict], num_replicas: dict[str, int], p: SoakParams) -> EndState:
+def _settle(app: str, baseline: dict[str, dict], num_replicas: dict[str, int], p: SoakParams, monitor: Monitor) -> EndState:
+    """Wait until the app is idle and clean (at most p.settle_s), then read its end state. KV still
+    held past the claim timeout is noted in `monitor.stale_kv` as the wait sees it: its lease may
+    run out before the wait ends, and the report should still name it."""
     notes = []
     if not _wait_pools(app, num_replicas, p.recovery_timeout_s):
         notes.append(f"the pools were not all back to {num_replicas} running replicas within {p.recovery_timeout_s:g} s")
@@ -115,19 +118,20 @@ def _settle(app: str, baseline: dict[str, dict], num_replicas: dict[str, int], p
     while True:
         try:
             end = EndState(_workers(app), app_probe.kv_transfer_stats(app))
+            f = end_state_figures(baseline, end)
+            if f["kv_transfer_num_held"]:
+                end.kv_held = app_probe.kv_transfer_held(app)
         except app_probe.ProbeError:
             if time.monotonic() - started >= p.settle_s:
                 raise
             time.sleep(0.5)
             continue
-        f = end_state_figures(baseline, end)
+        monitor.note_stale_kv(end.kv_held, older_than_s=monitor.kv_stale_after_s)
         is_clean = not (f["leaked_blocks"] or f["held_exports"] or f["unfinished_on_engines"] or f["kv_transfer_num_held"])
         end.settle_s = time.monotonic() - started
         if is_clean or end.settle_s >= p.settle_s:
             end.is_settled = is_clean
             end.note = "; ".join(notes)
-            if f["kv_transfer_num_held"]:
-                end.kv_held = app_probe.kv_transfer_held(app)
             return end
         time.sleep(0.5)
 
@@ -200,7 +204,7 @@ def run(p: SoakParams, *, command: str = "") -> dict:
                 monitor.stop()
             duration_s = time.monotonic() - t0
             _progress(f"load done in {duration_s:.1f} s; settling (at most {p.settle_s:g} s)")
-            end = _settle(app, baseline, num_replicas, p)
+            end = _settle(app, baseline, num_replicas, p, monitor)
             monitor.note_replicas()
             monitor.note_kv_transfer()
             end.kv_expired_before_restarts = sum(monitor.kv_expired_before_restarts.values())

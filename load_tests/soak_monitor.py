@@ -124,10 +124,14 @@ class Monitor:
             if last is not None and stats["num_offered"] < last["num_offered"]:  # restarted: counts from 0
                 self.kv_expired_before_restarts[name] = self.kv_expired_before_restarts.get(name, 0) + last["num_expired"]
             self.kv_last[name] = stats
-        for entries in app_probe.kv_transfer_held(self.app).values():
+        self.note_stale_kv(app_probe.kv_transfer_held(self.app), older_than_s=self.kv_stale_after_s)
+
+    def note_stale_kv(self, held: dict[str, dict], *, older_than_s: float) -> None:
+        """Note each held KV (app_probe.kv_transfer_held) offered more than `older_than_s` ago."""
+        for entries in held.values():
             for request_id, entry in entries.items():
                 age_s = self.kv_lease_s - entry["lease_left_s"]
-                if age_s > self.kv_stale_after_s and request_id not in self.stale_kv:
+                if age_s > older_than_s and request_id not in self.stale_kv:
                     self.stale_kv[request_id] = {"age_s": age_s, "num_bytes": entry["num_bytes"], "seen_s": self.clock()}
 
     def _run(self) -> None:

@@ -4,6 +4,7 @@
     mode, min_remote_prefill_tokens ─▶ how the ingress routes a request
     prefill / decode / worker pools ─▶ Serve deployments (replicas, CPUs, torch threads)
     http, api_keys, kv_transfer ─▶ the proxy, the ingress, the KVTransfer actors
+    degradation ─▶ the ingress, when a pool refuses a request (fallback app, shedding)
 
 Env overrides name a field path with `__` between levels, after the `KVRELAY_` prefix:
 `KVRELAY_MODE=colocated`, `KVRELAY_HTTP__PORT=8001`, `KVRELAY_DECODE__NUM_REPLICAS=2`,
@@ -30,6 +31,8 @@ __all__ = [
     "KVTransferConfig",
     "RayConfig",
     "RoutingConfig",
+    "DegradationConfig",
+    "FallbackConfig",
     "ConfigError",
     "load_config",
     "parse_set_items",
@@ -178,6 +181,71 @@ class KVTransferConfig(_Strict):
     )
 
 
+class FallbackConfig(_Strict):
+    """Another kvrelay Serve application in the same Ray cluster that takes degraded requests."""
+
+    app: str = Field(
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="Serve application name of the fallback (its app_name), e.g. a smaller, faster "
+        "model deployed beside this one. Its OpenAIIngress is called through a Serve handle with the "
+        "client's request, so it tokenizes, validates, bills and meters the request itself.",
+    )
+    model: str = Field(
+        min_length=1,
+        description="The model name the fallback app serves (its served_model_name): the forwarded "
+        "request's `model`, and what the response's `model` and x-kvrelay-model then say.",
+    )
+
+
+class DegradationConfig(_Strict):
+    """What the ingress does when its pools refuse a request before its first token
+    (serving/degradation.py): route it to a fallback app, or shed it if its priority is low."""
+
+    when: list[Literal["saturated", "down"]] = Field(
+        default_factory=lambda: ["saturated", "down"], min_length=1,
+        description="The primary's refusals that degrade a request: saturated (a pool's queues are "
+        "full, 429 queue_full), down (no running replica, 503 no_worker or engine_dead). (Not "
+        "`on:`, which YAML reads as true.)",
+    )
+    fallback: FallbackConfig | None = Field(
+        None, description="Where degraded requests go; null: nowhere (shed, or the primary's error).",
+    )
+    shed_priority_at_or_above: int | None = Field(
+        None,
+        description="Degraded requests with `priority` at or above this are shed (503 + "
+        "Retry-After) instead of taking the fallback; lower values are more important (vLLM's "
+        "convention, default 0). After a saturated refusal they are also shed on arrival for "
+        "shed_window_s. null: shed nothing.",
+    )
+    shed_window_s: float = Field(
+        2.0, ge=0, le=3600,
+        description="After the primary refuses a request as saturated, requests that would be shed "
+        "are refused at once for this long, without taking a queue slot of the saturated pool. "
+        "0: shed only requests the primary refused.",
+    )
+    retry_after_s: int = Field(
+        5, ge=1, le=3600, description="The Retry-After header (seconds) of a shed request's 503.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and True in data:
+            raise ValueError("YAML reads the key `on:` as true: the field is `when:`, e.g. when: [saturated, down]")
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> DegradationConfig:
+        if self.fallback is None and self.shed_priority_at_or_above is None:
+            raise ValueError(
+                "nothing to do: set fallback (app and model), shed_priority_at_or_above, or both; "
+                "or remove the degradation section"
+            )
+        if len(set(self.when)) != len(self.when):
+            raise ValueError(f"when = {self.when}: each of saturated, down at most once")
+        return self
+
+
 class ServeConfig(_Strict):
     # ---- model and engine --------------------------------------------------------------------
     model: str = Field(
@@ -256,6 +324,11 @@ class ServeConfig(_Strict):
     max_request_body_bytes: int = Field(
         8 * 2**20, ge=1024, description="Larger request bodies are refused with 413."
     )
+    degradation: DegradationConfig | None = Field(
+        None,
+        description="Graceful degradation when a pool is saturated or down (serving/degradation.py): "
+        "a fallback app, shedding low-priority requests, or both. null: off (429 / 503).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
@@ -265,6 +338,11 @@ class ServeConfig(_Strict):
             raise ValueError("api_keys must not contain empty strings")
         if any(not key for key in self.admin_api_keys):
             raise ValueError("admin_api_keys must not contain empty strings")
+        if self.degradation is not None and self.degradation.fallback is not None and self.degradation.fallback.app == self.app_name:
+            raise ValueError(
+                f"degradation.fallback.app = {self.app_name!r} is this app itself; name another kvrelay "
+                "app of the same Ray cluster"
+            )
         return self
 
     @property

@@ -16,6 +16,7 @@ from serving import tracing
 from serving.config import ServeConfig
 from serving.cpu_pinning import cores_for_rank, pin_process
 from serving.errors import WorkerError
+from serving.fallback import ForwardedRequest, serve_forwarded
 from serving.frontend import Frontend, ModelInfo, WorkerRequest
 from serving.kv_transfer_actor import KVHandle
 from serving.metrics import WorkerMetrics
@@ -111,7 +112,14 @@ class OpenAIIngress:
         self.pool_view = export_serve_pools(self.server.metrics, cfg.app_name, (prefill, decode))
 
     def __serve_build_asgi_app__(self):
-        return self.server.build_app()
+        self.asgi_app = self.server.build_app()
+        return self.asgi_app
+
+    async def forward(self, request: ForwardedRequest) -> AsyncIterator:
+        """A request another kvrelay app degraded to this one (serving/fallback.py), answered by
+        this app's HTTP routes as if it had come over HTTP: a ResponseStart, then body bytes."""
+        async for message in serve_forwarded(self.asgi_app, request):
+            yield message
 
     def __del__(self):
         if getattr(self, "pool_view", None) is not None:

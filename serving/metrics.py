@@ -103,6 +103,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvrelay_requests_total", "counter", "HTTP requests to the completion APIs, by status (499: the client went away) and finish reason of choice 0 (stop, length, abort, error; none: rejected before generation).", ("model", "status", "finish_reason"), "ingress"),
     MetricSpec("kvrelay_prompt_tokens_total", "counter", "Prompt tokens of requests that reached generation.", _M, "ingress"),
     MetricSpec("kvrelay_generation_tokens_total", "counter", "Generated tokens delivered to the ingress (every choice).", _M, "ingress"),
+    MetricSpec("kvrelay_degraded_requests_total", "counter", "Requests graceful degradation handled after the model's pools refused them before their first token (reason: saturated, down), by target (the fallback's model, or none when shed) and outcome (served: the fallback answered 2xx; failed: it answered an error or could not be reached; shed: 503 with Retry-After).", ("model", "reason", "target", "outcome"), "ingress"),
     MetricSpec("kvrelay_routing_decisions_total", "counter", "Replica choices of the ingress's request routers, by policy and reason.", ("pool", "policy", "reason"), "ingress"),
     MetricSpec("kvrelay_replicas", "gauge", "Replicas of a pool by Serve replica state (the controller's view, read every few seconds).", ("model", "pool", "state"), "ingress"),
     MetricSpec("kvrelay_desired_replicas", "gauge", "The pool's target replica count: the autoscaling policy's latest decision, or the fixed num_replicas.", ("model", "pool"), "ingress"),
@@ -256,6 +257,8 @@ class RequestRecord:
         self.finish_reasons: dict[int, str] = {}
         self.prompt_tokens: int | None = None  # set when generation starts
         self.is_finished = False
+        self._is_holding = False
+        self._held: tuple[int, str, float] | None = None
 
     def on_delta(self, delta: ChoiceDelta) -> None:
         if delta.token_ids:
@@ -276,7 +279,26 @@ class RequestRecord:
         self.is_finished = True
         if finish_reason is None:
             finish_reason = self.finish_reasons[min(self.finish_reasons)] if self.finish_reasons else "none"
+        if self._is_holding:
+            self._held = (status, finish_reason, time.monotonic())
+            return
         self._metrics.record(self, status, finish_reason, time.monotonic())
+
+    def hold(self) -> None:
+        """Keep the next finish() instead of recording it, until release(): graceful degradation
+        (serving/degradation.py) may still send a request the pools refused elsewhere."""
+        self._is_holding = True
+
+    def release(self, *, keep: bool = True) -> None:
+        """Stop holding. `keep`: record the held finish, if any; else forget it, and the record
+        may be finished again (shed here) or never (served, and counted, by a fallback app)."""
+        held, self._held, self._is_holding = self._held, None, False
+        if held is None:
+            return
+        if keep:
+            self._metrics.record(self, *held)
+        else:
+            self.is_finished = False
 
 
 class IngressMetrics:
@@ -313,6 +335,10 @@ class IngressMetrics:
             raise
         finally:
             record.finish(status, finish_reason)
+
+    def degraded(self, reason: str, target: str, outcome: str) -> None:
+        """Graceful degradation handled a refused request: labels as kvrelay_degraded_requests_total."""
+        self.instruments.inc("kvrelay_degraded_requests_total", reason=reason, target=target, outcome=outcome)
 
     def record(self, r: RequestRecord, status: int, finish_reason: str, now: float) -> None:
         ins = self.instruments

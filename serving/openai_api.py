@@ -36,6 +36,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from serving import tracing
 from serving.config import ServeConfig
+from serving.degradation import Degrader
 from serving.engine.outputs import TokenLogprob
 from serving.errors import APIError, AuthenticationError, ModelNotFoundError, to_api_error
 from serving.frontend import ChoiceDelta, Frontend, Usage
@@ -83,6 +84,7 @@ class OpenAIServer:
         self.usage = UsageLedger()
         self._created = int(time.time())
         self.metrics = IngressMetrics(self.model_name)
+        self.degrader = Degrader(config.degradation, self.model_name, self.metrics)  # serving/degradation.py
 
     # ---- the ASGI app ------------------------------------------------------------------------
     def build_app(self) -> FastAPI:
@@ -94,11 +96,11 @@ class OpenAIServer:
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
-            return await self._guard(request, self.chat_completions)
+            return await self._guard(request, self.degrader.wrap(request, self.chat_completions))
 
         @app.post("/v1/completions")
         async def completions(request: Request):
-            return await self._guard(request, self.completions)
+            return await self._guard(request, self.degrader.wrap(request, self.completions))
 
         @app.get("/v1/models")
         async def models(request: Request):

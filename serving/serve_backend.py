@@ -19,6 +19,7 @@ Failures, each with one outcome:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -43,16 +44,14 @@ logger = logging.getLogger(__name__)
 _ACTOR_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, DeploymentUnavailableError)
 
 
-def _serve_status() -> dict[str, dict[str, int]]:
-    """Deployment name → replica states, from the Serve controller (blocking; call in a thread)."""
+def _serve_status(app_name: str) -> dict[str, dict[str, int]]:
+    """This app's deployment name → replica states, from the Serve controller (blocking; call in a
+    thread). Only this app's: every kvrelay app has a DecodeWorker (or Worker), and a fallback
+    app's (serving/degradation.py) must not stand for ours."""
     from ray import serve
 
-    status = serve.status()
-    return {
-        name: dict(deployment.replica_states)
-        for app in status.applications.values()
-        for name, deployment in app.deployments.items()
-    }
+    app = serve.status().applications.get(app_name)
+    return {name: dict(d.replica_states) for name, d in app.deployments.items()} if app is not None else {}
 
 
 class ServeBackend:
@@ -62,14 +61,14 @@ class ServeBackend:
         *,
         prefill=None,
         decode,
-        status_fn: Callable[[], dict[str, dict[str, int]]] = _serve_status,
+        status_fn: Callable[[], dict[str, dict[str, int]]] | None = None,
         status_ttl_s: float = 1.0,
     ):
         self.config = config
         self.prefill = prefill  # None in colocated mode
         self.decode = decode
         self._pools = {"prefill": prefill, "decode": decode} if prefill is not None else {"worker": decode}
-        self._status_fn = status_fn
+        self._status_fn = status_fn or functools.partial(_serve_status, config.app_name)
         self._status_ttl_s = status_ttl_s
         self._status: dict[str, dict[str, int]] | None = None
         self._status_time = 0.0
@@ -79,6 +78,8 @@ class ServeBackend:
 
     # ---- Backend protocol --------------------------------------------------------------------
     async def model_info(self) -> ModelInfo:
+        for pool, handle in self._pools.items():  # a handle call waits for a replica that may never come
+            await self._check_alive(pool, handle)
         infos = [await self._call(handle.model_info.remote(), pool) for pool, handle in self._pools.items()]
         limit = min(info.max_model_len for info in infos)
         return replace(infos[0], max_model_len=limit)

@@ -18,6 +18,7 @@ Also the suite's hygiene, so a test passes on a fresh machine whatever ran befor
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -89,6 +90,24 @@ def build_tiny_model(
 def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     """A 2-layer GQA Llama with untied embeddings."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_fallback_model_dir(tmp_path_factory, default_model_dir) -> Path:
+    """Another tiny model (seed 7) with a chat template of its own and a shorter context (512):
+    what graceful degradation falls back on, different enough that an answer shows who made it
+    and whose template tokenized its prompt."""
+    out = build_tiny_model(tmp_path_factory.mktemp("tiny-fallback"), default_model_dir, seed=7)
+    (out / "chat_template.jinja").write_text(
+        "{% for message in messages %}[{{ message['role'] }}] {{ message['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
+    tokenizer_config = out / "tokenizer_config.json"
+    if tokenizer_config.exists():  # a template there would win over the file
+        tokenizer_config.write_text(json.dumps({k: v for k, v in json.loads(tokenizer_config.read_text()).items() if k != "chat_template"}))
+    config = out / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "max_position_embeddings": 512}))
+    return out
 
 
 def pytest_collection_modifyitems(config, items):

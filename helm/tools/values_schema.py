@@ -73,7 +73,7 @@ def _constraints(metadata: list, schema: dict) -> dict:
         elif isinstance(item, annotated_types.Lt):
             out["exclusiveMaximum"] = item.lt
         elif isinstance(item, annotated_types.MinLen):
-            out["minProperties" if is_object else "minLength"] = item.min_length
+            out["minProperties" if is_object else "minItems" if schema.get("type") == "array" else "minLength"] = item.min_length
         elif getattr(item, "pattern", None):
             out["pattern"] = item.pattern
     return out

@@ -256,6 +256,31 @@ async def test_a_failure_while_generating_counts_once_with_its_status():
     assert value(s, "kvrelay_ttft_seconds_count") == 0
 
 
+@pytest.mark.asyncio
+async def test_a_held_refusal_counts_once_whatever_degradation_decides():
+    """serving/degradation.py holds a refused request's record until it knows who answers."""
+    metrics = IngressMetrics(MODEL, use_ray=False)
+    kept, forgotten, shed = metrics.start(), metrics.start(), metrics.start()
+    for record in (kept, forgotten, shed):
+        record.hold()
+        with pytest.raises(QueueFullError):
+            async for _ in metrics.track(record, stream(error=QueueFullError("decode")), prompt_tokens=4):
+                pass
+    assert value(registry_samples(metrics.registry), "kvrelay_requests_total") == 0
+    kept.release()  # not degraded (or the fallback unreachable): counted as it was
+    kept.finish(429, "none")
+    forgotten.release(keep=False)  # the fallback answered, and counts it
+    shed.release(keep=False)
+    shed.finish(503, "none")  # shed: the API's error path counts the 503
+    s = registry_samples(metrics.registry)
+    assert value(s, "kvrelay_requests_total") == 2
+    assert value(s, "kvrelay_requests_total", status="429", finish_reason="error") == 1
+    assert value(s, "kvrelay_requests_total", status="503", finish_reason="none") == 1
+    metrics.degraded("saturated", "small", "served")
+    assert value(registry_samples(metrics.registry), "kvrelay_degraded_requests_total", model=MODEL, reason="saturated",
+                 target="small", outcome="served") == 1
+
+
 # ---- the workers -----------------------------------------------------------------------------
 def engine_stats(**counts) -> EngineStats:
     base = {

@@ -196,3 +196,36 @@ def test_worker_error_value_becomes_the_engine_exception():
     with pytest.raises(ContextLengthError) as info:
         asyncio.run(collect(backend_.generate(request)))
     assert (info.value.param, info.value.num_tokens, info.value.limit) == ("messages", 9000, 8192)
+
+
+# ---- the controller's view is this app's -------------------------------------------------------
+def test_replica_states_are_read_for_this_app_only(monkeypatch):
+    """Every kvrelay app has a DecodeWorker: a fallback app's (serving/degradation.py) running
+    replicas must not hide that ours are gone."""
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    def app(**deployments):
+        return SimpleNamespace(deployments={n: SimpleNamespace(replica_states=s) for n, s in deployments.items()})
+
+    status = SimpleNamespace(applications={
+        "big": app(PrefillWorker={"RUNNING": 1}, DecodeWorker={"STARTING": 1}),
+        "small": app(PrefillWorker={"RUNNING": 1}, DecodeWorker={"RUNNING": 2}),
+    })
+    monkeypatch.setattr(serve, "status", lambda: status)
+    b = ServeBackend(ServeConfig(app_name="big"), prefill=StubHandle("PrefillWorker"), decode=StubHandle("DecodeWorker"))
+    with pytest.raises(NoWorkerError, match="No decode replica is alive to serve this request: 1 starting;"):
+        asyncio.run(b.health())
+    small = ServeBackend(ServeConfig(app_name="small"), prefill=StubHandle("PrefillWorker"), decode=StubHandle("DecodeWorker"))
+    assert asyncio.run(small.health()) == {"prefill": {"RUNNING": 1}, "decode": {"RUNNING": 2}}
+
+
+def test_model_info_fails_fast_when_a_pool_never_came_up():
+    """Without the check, the handle call would wait for a replica forever (the first request
+    of an app whose pool cannot be placed); a 503 can be degraded."""
+    backend_, prefill, decode, _ = pools()
+    backend_._status_fn = lambda: {"PrefillWorker": {"RUNNING": 1}, "DecodeWorker": {"STARTING": 1}}
+    with pytest.raises(NoWorkerError, match="No decode replica"):
+        asyncio.run(backend_.model_info())
+    assert prefill.calls == [] and decode.calls == []
