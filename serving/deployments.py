@@ -109,6 +109,7 @@ class OpenAIIngress:
         self.backend = ServeBackend(cfg, prefill=prefill, decode=decode)
         model_price = ModelPrice.model_validate(price) if price is not None else None
         self.server = OpenAIServer(Frontend(tokenizer, self.backend, cfg.model_name), cfg, model_price)
+        self.backend.on_recovery = self.server.metrics.recovered
         self.pool_view = export_serve_pools(self.server.metrics, cfg.app_name, (prefill, decode))
 
     def __serve_build_asgi_app__(self):

@@ -103,6 +103,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvrelay_requests_total", "counter", "HTTP requests to the completion APIs, by status (499: the client went away) and finish reason of choice 0 (stop, length, abort, error; none: rejected before generation).", ("model", "status", "finish_reason"), "ingress"),
     MetricSpec("kvrelay_prompt_tokens_total", "counter", "Prompt tokens of requests that reached generation.", _M, "ingress"),
     MetricSpec("kvrelay_generation_tokens_total", "counter", "Generated tokens delivered to the ingress (every choice).", _M, "ingress"),
+    MetricSpec("kvrelay_recoveries_total", "counter", "Requests that survived a replica's death: decode_resumed (a decode replica died mid-stream; resumed on another from the tokens so far), prefill_on_decode (a prefill replica died before the first token; the decode pool computed the prompt).", ("model", "kind"), "ingress"),
     MetricSpec("kvrelay_degraded_requests_total", "counter", "Requests graceful degradation handled after the model's pools refused them before their first token (reason: saturated, down), by target (the fallback's model, or none when shed) and outcome (served: the fallback answered 2xx; failed: it answered an error or could not be reached; shed: 503 with Retry-After).", ("model", "reason", "target", "outcome"), "ingress"),
     MetricSpec("kvrelay_routing_decisions_total", "counter", "Replica choices of the ingress's request routers, by policy and reason.", ("pool", "policy", "reason"), "ingress"),
     MetricSpec("kvrelay_replicas", "gauge", "Replicas of a pool by Serve replica state (the controller's view, read every few seconds).", ("model", "pool", "state"), "ingress"),
@@ -335,6 +336,10 @@ class IngressMetrics:
             raise
         finally:
             record.finish(status, finish_reason)
+
+    def recovered(self, kind: str) -> None:
+        """A request survived a replica's death (ServeBackend): `kind` as kvrelay_recoveries_total."""
+        self.instruments.inc("kvrelay_recoveries_total", kind=kind)
 
     def degraded(self, reason: str, target: str, outcome: str) -> None:
         """Graceful degradation handled a refused request: labels as kvrelay_degraded_requests_total."""

@@ -13,7 +13,9 @@ out of range is a 400 whose `param` names it. A streaming request is answered wi
 status if it fails before its first token; after that, failures arrive as an SSE `error` event
 followed by `data: [DONE]`.
 
-Each request answered 200 is billed to its API key (serving/usage.py) when its tokens are final;
+Each request is billed to its API key (serving/usage.py) when its tokens are final: answered 200,
+or ended early (the client left, or it failed mid-generation) after its first token, for the
+tokens it got;
 with a pricing file its cost is in `usage.cost` and, unless streamed (headers leave before the
 tokens are known), in the `x-kvrelay-cost` header. With tracing on (serving/tracing.py) each
 request is one trace: the `ingress` span covers it until its response or stream ends.
@@ -136,18 +138,23 @@ class OpenAIServer:
     async def _guard(self, request: Request, handler) -> Response:
         trace = tracing.start_request(request.headers, {"http.request.method": request.method, "url.path": request.url.path})
         record = self.metrics.start()
+        call: _Call | None = None
         try:
             key = self._authenticate(request)
             body = await read_json(request, self.config.max_request_body_bytes)
             call = _Call(RequestAccount(self.usage, key, self.price), trace, record)
             response = await handler(body, call)
         except asyncio.CancelledError:
+            if call is not None:
+                call.account.settle_if_generated()  # the client left: it pays for what it got
             record.finish(CLIENT_CLOSED, "abort")
             if trace is not None:
                 trace.end(499, "the client disconnected")
             raise
         except Exception as exc:
             error = to_api_error(exc)
+            if call is not None:
+                call.account.settle_if_generated()  # failed mid-generation: the tokens so far
             record.finish(error.status, "none")  # a no-op if it failed while generating
             if error.status >= 500:
                 logger.exception("request failed: %s", error.message)

@@ -12,6 +12,8 @@ Failures, each with one outcome:
 - the decode replica dies mid-stream (n = 1)                  → resumed once on a replica from the
   tokens streamed so far (its prompt is recomputed); if that fails too, the error is raised and
   the client gets an SSE error event
+- the prefill replica dies before the first token            → the decode pool computes the prompt
+  (both counted by `on_recovery`: kvrelay_recoveries_total)
 - the client goes away                                        → the open handle call is
   cancelled (the replica's engine aborts and frees blocks) and unclaimed KV is released
 """
@@ -29,7 +31,8 @@ from typing import Any
 import ray
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 
-from serving import kv_transfer_actor
+from serving import faults, kv_transfer_actor
+from serving.caller_watch import this_actor
 from serving.config import ServeConfig
 from serving.engine.outputs import RequestOutput
 from serving.errors import NoWorkerError, QueueFullError, WorkerError
@@ -63,6 +66,7 @@ class ServeBackend:
         decode,
         status_fn: Callable[[], dict[str, dict[str, int]]] | None = None,
         status_ttl_s: float = 1.0,
+        on_recovery: Callable[[str], None] | None = None,
     ):
         self.config = config
         self.prefill = prefill  # None in colocated mode
@@ -75,6 +79,10 @@ class ServeBackend:
         self._status_lock = asyncio.Lock()
         self._refresh_task: asyncio.Task | None = None
         self.num_resumed = 0
+        self.on_recovery = on_recovery  # (kind) for each request that survived a replica's death
+        self._kv_actors = kv_transfer_actor.ActorCache(config.app_name)
+        self._caller = this_actor()  # named in each request: workers abort it if we die
+        self._releases: set[asyncio.Task] = set()  # background KV releases, referenced until done
 
     # ---- Backend protocol --------------------------------------------------------------------
     async def model_info(self) -> ModelInfo:
@@ -88,6 +96,15 @@ class ServeBackend:
         return {pool: await self._check_alive(pool, handle) for pool, handle in self._pools.items()}
 
     async def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
+        if self._caller is not None:
+            request = replace(request, caller=tuple(self._caller))
+        num_tokens = 0
+        async for out in self._generate(request):
+            yield out
+            num_tokens += sum(len(c.token_ids) for c in out.outputs)
+            faults.reached("ingress.after_tokens", num_tokens)
+
+    async def _generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
         prompt_len = len(request.prompt_token_ids)
         local = (
             self.prefill is None
@@ -100,7 +117,18 @@ class ServeBackend:
             return
 
         await self._check_alive("prefill", self.prefill)
-        result = await self._call(self.prefill.prefill.remote(_routed(request)), "prefill")
+        try:
+            result = await self._call(self.prefill.prefill.remote(_routed(request)), "prefill")
+        except NoWorkerError as exc:
+            if not isinstance(exc.__cause__, _ACTOR_ERRORS):
+                raise
+            # The replica died with the request, before its first token: the decode pool
+            # computes the prompt (its engine prefills as in colocated mode).
+            logger.warning("prefill replica died before the first token of %s (%s); prefilling on the decode pool", request.request_id, type(exc.__cause__).__name__)
+            self._recovered("prefill_on_decode")
+            async for out in self._decode(request, None, []):
+                yield out
+            return
         if isinstance(result, WorkerError):
             raise result.to_exception()
         kv = result.kv
@@ -117,10 +145,26 @@ class ServeBackend:
         finally:
             if kv is not None and not claimed:
                 # Aborted before the decode worker took it: do not hold it until the lease ends.
-                actor = ray.get_actor(kv.actor_name, namespace=kv_transfer_actor.NAMESPACE)
-                actor.release.remote(kv.request_id)
+                # In the background: this may run in a cancelled stream's cleanup, and must never
+                # fail it (the request's billing and metrics come after).
+                task = asyncio.create_task(self._release_kv(kv))
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
 
     # ---- internals ---------------------------------------------------------------------------
+    def _recovered(self, kind: str) -> None:
+        if self.on_recovery is not None:
+            self.on_recovery(kind)
+
+    async def _release_kv(self, kv: KVHandle) -> None:
+        try:
+            actor = await self._kv_actors.get(kv.node_id)
+            await actor.release.remote(kv.request_id)
+        except Exception as exc:  # noqa: BLE001 - its lease frees it anyway
+            if isinstance(exc, kv_transfer_actor.ACTOR_ERRORS):
+                self._kv_actors.forget(kv.node_id)
+            logger.warning("releasing the KV of %s failed (%s); its lease will free it", kv.request_id, exc)
+
     async def _decode(self, request: WorkerRequest, kv: KVHandle | None, prior: list[int]) -> AsyncIterator[RequestOutput]:
         pool = "decode" if self.prefill is not None else "worker"
         await self._check_alive(pool, self.decode)
@@ -147,6 +191,7 @@ class ServeBackend:
                     raise NoWorkerError(pool, f"the replica serving this request died ({type(exc).__name__})") from exc
                 logger.warning("%s replica died mid-stream for %s; resuming from %d tokens", pool, request.request_id, len(prior) + len(generated))
                 self.num_resumed += 1
+                self._recovered("decode_resumed")
                 kv = None  # the KV was claimed by the dead replica; recompute from the tokens
             finally:
                 if is_open:
