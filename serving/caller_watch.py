@@ -7,6 +7,7 @@ in flight it checks those callers every `period_s`: a caller whose named actor i
 actor's name is released) has its requests aborted, which frees their blocks.
 
     ingress replica ──WorkerRequest(caller=("SERVE_REPLICA::app#OpenAIIngress#x", "serve"))──▶ worker
+    (resolved once at the ingress's start: the name must find the ingress itself)
                                                                       │ watch(caller, request id)
                                           every period_s: ray.get_actor(name) ──ValueError──▶ abort
 
@@ -25,6 +26,8 @@ import ray
 
 __all__ = ["Caller", "CallerWatch", "this_actor"]
 
+_SERVE_NAMESPACE = "serve"  # where Serve names its replica actors (ray.serve._private.constants)
+
 logger = logging.getLogger(__name__)
 
 
@@ -39,7 +42,20 @@ def this_actor() -> Caller | None:
         return None
     context = ray.get_runtime_context()
     name = context.get_actor_name()
-    return Caller(name, context.namespace) if name else None
+    if not name:
+        return None
+    # A Serve replica is named in Serve's namespace, not in the job's (which is what the runtime
+    # context reports): find the namespace that resolves the name to this very actor, so a
+    # caller is never taken for dead while it lives. None (no watch) if neither does.
+    for namespace in (_SERVE_NAMESPACE, context.namespace):
+        try:
+            actor = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            continue
+        if actor._actor_id.hex() == context.get_actor_id():
+            return Caller(name, namespace)
+    logger.warning("cannot resolve this actor's name %r: workers will not watch it", name)
+    return None
 
 
 def is_alive(caller: Caller) -> bool:

@@ -117,8 +117,9 @@ class ServeBackend:
             return
 
         await self._check_alive("prefill", self.prefill)
+        response = self.prefill.prefill.remote(_routed(request))
         try:
-            result = await self._call(self.prefill.prefill.remote(_routed(request)), "prefill")
+            result = await self._call(response, "prefill", on_cancel=self._abandon_prefill)
         except NoWorkerError as exc:
             if not isinstance(exc.__cause__, _ACTOR_ERRORS):
                 raise
@@ -197,7 +198,7 @@ class ServeBackend:
                 if is_open:
                     _cancel(stream)
 
-    async def _call(self, response, pool: str):
+    async def _call(self, response, pool: str, on_cancel: Callable[[Any], None] | None = None):
         try:
             return await response
         except BackPressureError as exc:
@@ -205,8 +206,27 @@ class ServeBackend:
         except _ACTOR_ERRORS as exc:
             raise NoWorkerError(pool, type(exc).__name__) from exc
         except (asyncio.CancelledError, RequestCancelledError):
-            _cancel(response)
+            (on_cancel or _cancel)(response)
             raise
+
+    def _abandon_prefill(self, response) -> None:
+        """The client left while its prefill ran. Cancelling aborts it if it still runs (the
+        worker then frees its KV); if it had finished, its KV is on offer and only its result says
+        where: wait for that in the background and release it."""
+        _cancel(response)
+
+        async def release_if_finished() -> None:
+            try:
+                result = await response
+            except Exception:  # noqa: BLE001 - cancelled in time (or failed): nothing was offered
+                return
+            kv = getattr(result, "kv", None)  # a PrefillResult; a WorkerError has none
+            if isinstance(kv, KVHandle):
+                await self._release_kv(kv)
+
+        task = asyncio.create_task(release_if_finished())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def _check_alive(self, pool: str, handle) -> dict[str, int]:
         status = await self._replica_states()

@@ -302,9 +302,17 @@ class EngineWorker:
             if actor is not None:
                 actor.release.remote(kv.request_id)  # do not leave it held until the lease ends
             return self._fallback(kv, "timeout")
+        except ray.exceptions.TaskCancelledError:
+            # The request is being cancelled (its client left during the hand-off): not a
+            # fallback. Drop the offer, now or when it comes.
+            self._release_later(kv)
+            raise asyncio.CancelledError() from None
         except (ray.exceptions.RayError, ValueError) as exc:  # actor or object lost
             if isinstance(exc, kv_transfer_actor.ACTOR_ERRORS):
-                self._kv_actors.forget(kv.node_id)  # dead or restarting: look it up again next time
+                # Dead or restarting: look it up again next time, and tell the restarted actor to
+                # drop this request's offer, which the prefill worker makes again to it.
+                self._kv_actors.forget(kv.node_id)
+                self._release_later(kv)
             logger.warning("KV import of %s failed (%s)", kv.request_id, exc)
             return self._fallback(kv, "error")
         elapsed_s = time.monotonic() - start
@@ -313,6 +321,19 @@ class EngineWorker:
         self.counters.kv_import_seconds += elapsed_s
         self.metrics.kv_imported(elapsed_s, payload.num_bytes)
         return payload
+
+    def _release_later(self, kv: KVHandle) -> None:
+        """Release `kv` at its node's actor in the background (a tombstone if not offered yet)."""
+        async def release() -> None:
+            try:
+                actor = await self._kv_actors.get(kv.node_id)
+                await actor.release.remote(kv.request_id)
+            except Exception as exc:  # noqa: BLE001 - its lease frees it anyway
+                logger.warning("releasing the KV of %s failed (%s); its lease will free it", kv.request_id, exc)
+
+        task = asyncio.create_task(release())
+        self._offers.add(task)
+        task.add_done_callback(self._offers.discard)
 
     def _fallback(self, kv: KVHandle, reason: str) -> None:
         self.counters.num_kv_fallbacks += 1

@@ -434,6 +434,20 @@ def test_a_decode_replica_that_dies_mid_stream_is_resumed_with_the_same_greedy_t
     assert recoveries(serve_instance, "crash", "decode_resumed") == before + 1
 
 
+def test_a_live_ingress_is_never_taken_for_dead(serve_instance):
+    """Workers check each request's ingress every second (serving/caller_watch.py): a stream of a
+    few seconds through a live ingress runs to its end."""
+    wait_healthy(serve_instance, "crash")
+    events = stream_chat(serve_instance["url"] + "/crash", {
+        "messages": [{"role": "user", "content": "Talk for a while."}], "temperature": 0, "max_tokens": 1200,
+        "ignore_eos": True, "stream_options": {"include_usage": True},
+    })
+    assert events[-1] == "[DONE]"
+    assert [e for e in events[:-1] if "error" in e] == []
+    assert events[-2]["usage"]["completion_tokens"] == 1200
+    assert [e["choices"][0]["finish_reason"] for e in events[:-2] if e["choices"][0]["finish_reason"]] == ["length"]
+
+
 def test_a_decode_replica_that_dies_again_while_resuming_ends_the_stream_with_an_error_event(serve_instance, reference):
     wait_healthy(serve_instance, "crash")
     prompt = "Another long story."
