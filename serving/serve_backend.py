@@ -83,6 +83,7 @@ class ServeBackend:
         self._kv_actors = kv_transfer_actor.ActorCache(config.app_name)
         self._caller = this_actor()  # named in each request: workers abort it if we die
         self._releases: set[asyncio.Task] = set()  # background KV releases, referenced until done
+        self._kv_nodes: set[str] = set()  # nodes whose KVTransfer actor has held our requests' KV
 
     # ---- Backend protocol --------------------------------------------------------------------
     async def model_info(self) -> ModelInfo:
@@ -119,7 +120,7 @@ class ServeBackend:
         await self._check_alive("prefill", self.prefill)
         response = self.prefill.prefill.remote(_routed(request))
         try:
-            result = await self._call(response, "prefill", on_cancel=self._abandon_prefill)
+            result = await self._call(response, "prefill", on_cancel=lambda r: self._abandon_prefill(r, request.request_id))
         except NoWorkerError as exc:
             if not isinstance(exc.__cause__, _ACTOR_ERRORS):
                 raise
@@ -133,6 +134,8 @@ class ServeBackend:
         if isinstance(result, WorkerError):
             raise result.to_exception()
         kv = result.kv
+        if kv is not None:
+            self._kv_nodes.add(kv.node_id)
         claimed = False
         try:
             yield result.output  # first token, before the KV moves
@@ -209,20 +212,26 @@ class ServeBackend:
             (on_cancel or _cancel)(response)
             raise
 
-    def _abandon_prefill(self, response) -> None:
+    def _abandon_prefill(self, response, request_id: str) -> None:
         """The client left while its prefill ran. Cancelling aborts it if it still runs (the
-        worker then frees its KV); if it had finished, its KV is on offer and only its result says
-        where: wait for that in the background and release it."""
+        worker then frees its KV). If it had finished, its KV is on offer, and only its result
+        says where; a cancelled response may not give the result back. So, in the background:
+        release it where the result says, or else under its id at every node's actor this
+        ingress has seen KV on (a release that comes first drops the offer when it comes)."""
         _cancel(response)
 
         async def release_if_finished() -> None:
             try:
                 result = await response
-            except Exception:  # noqa: BLE001 - cancelled in time (or failed): nothing was offered
-                return
+            except Exception:  # noqa: BLE001 - cancelled: in time, or with its result lost
+                result = None
             kv = getattr(result, "kv", None)  # a PrefillResult; a WorkerError has none
             if isinstance(kv, KVHandle):
                 await self._release_kv(kv)
+                return
+            nodes = self._kv_nodes or ({ray.get_runtime_context().get_node_id()} if ray.is_initialized() else set())
+            for node_id in nodes:
+                await self._release_kv(KVHandle(request_id, kv_transfer_actor.actor_name(self.config.app_name, node_id), node_id, 0, 0))
 
         task = asyncio.create_task(release_if_finished())
         self._releases.add(task)
