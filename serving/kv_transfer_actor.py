@@ -209,6 +209,17 @@ class ActorCache:
     def forget(self, node_id: str) -> None:
         self._actors.pop(node_id, None)
 
+    async def release(self, node_id: str, request_id: str) -> None:
+        """Release a request's KV at the node's actor (a tombstone if it is not offered yet).
+        Never raises: a release that fails is logged, and the KV's lease frees it anyway."""
+        try:
+            actor = await self.get(node_id)
+            await actor.release.remote(request_id)
+        except Exception as exc:  # noqa: BLE001 - its lease frees it anyway
+            if isinstance(exc, ACTOR_ERRORS):
+                self.forget(node_id)
+            logger.warning("releasing the KV of %s failed (%s); its lease will free it", request_id, exc)
+
 
 def kill_all(app_name: str) -> int:
     """Stop every KVTransfer actor of an app (they are detached: shutting Serve down leaves them)."""

@@ -151,7 +151,7 @@ class ServeBackend:
                 # Aborted before the decode worker took it: do not hold it until the lease ends.
                 # In the background: this may run in a cancelled stream's cleanup, and must never
                 # fail it (the request's billing and metrics come after).
-                task = asyncio.create_task(self._release_kv(kv))
+                task = asyncio.create_task(self._kv_actors.release(kv.node_id, kv.request_id))
                 self._releases.add(task)
                 task.add_done_callback(self._releases.discard)
 
@@ -159,15 +159,6 @@ class ServeBackend:
     def _recovered(self, kind: str) -> None:
         if self.on_recovery is not None:
             self.on_recovery(kind)
-
-    async def _release_kv(self, kv: KVHandle) -> None:
-        try:
-            actor = await self._kv_actors.get(kv.node_id)
-            await actor.release.remote(kv.request_id)
-        except Exception as exc:  # noqa: BLE001 - its lease frees it anyway
-            if isinstance(exc, kv_transfer_actor.ACTOR_ERRORS):
-                self._kv_actors.forget(kv.node_id)
-            logger.warning("releasing the KV of %s failed (%s); its lease will free it", kv.request_id, exc)
 
     async def _decode(self, request: WorkerRequest, kv: KVHandle | None, prior: list[int]) -> AsyncIterator[RequestOutput]:
         pool = "decode" if self.prefill is not None else "worker"
@@ -227,11 +218,11 @@ class ServeBackend:
                 result = None
             kv = getattr(result, "kv", None)  # a PrefillResult; a WorkerError has none
             if isinstance(kv, KVHandle):
-                await self._release_kv(kv)
+                await self._kv_actors.release(kv.node_id, kv.request_id)
                 return
             nodes = self._kv_nodes or ({ray.get_runtime_context().get_node_id()} if ray.is_initialized() else set())
             for node_id in nodes:
-                await self._release_kv(KVHandle(request_id, kv_transfer_actor.actor_name(self.config.app_name, node_id), node_id, 0, 0))
+                await self._kv_actors.release(node_id, request_id)
 
         task = asyncio.create_task(release_if_finished())
         self._releases.add(task)

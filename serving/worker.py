@@ -324,14 +324,7 @@ class EngineWorker:
 
     def _release_later(self, kv: KVHandle) -> None:
         """Release `kv` at its node's actor in the background (a tombstone if not offered yet)."""
-        async def release() -> None:
-            try:
-                actor = await self._kv_actors.get(kv.node_id)
-                await actor.release.remote(kv.request_id)
-            except Exception as exc:  # noqa: BLE001 - its lease frees it anyway
-                logger.warning("releasing the KV of %s failed (%s); its lease will free it", kv.request_id, exc)
-
-        task = asyncio.create_task(release())
+        task = asyncio.create_task(self._kv_actors.release(kv.node_id, kv.request_id))
         self._offers.add(task)
         task.add_done_callback(self._offers.discard)
 
