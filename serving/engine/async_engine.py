@@ -179,12 +179,15 @@ class AsyncEngine:
                     if not self._handle(command):
                         return
                 if engine.has_unfinished_requests():
-                    self._publish(engine.step())
+                    outputs = engine.step()
+                    self._stats = engine.stats()  # before the outputs: a caller that sees its end sees it
+                    self._publish(outputs)
                     for failure in engine.take_failures():
                         self._send(failure.request_id, failure)
-                # After a step, or after commands alone (a release on an idle engine frees blocks
-                # too): the snapshot and the cache's events are current when the loop waits.
-                self._stats = engine.stats()
+                else:
+                    # Commands alone (a release on an idle engine frees blocks too): the snapshot
+                    # is current when the loop waits.
+                    self._stats = engine.stats()
                 events = engine.take_kv_events()
                 if events:
                     self._notify(events)
