@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvrelay-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test-tools test test-fast serve bench peers clean chart
+.PHONY: install test-tools lint test test-fast serve bench peers clean chart
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,10 +48,13 @@ test-tools:
 
 install: $(STAMP) test-tools
 
-test: install
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: install lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: install lint
 	$(PY) -m pytest -m "not slow and not integration" $(PYTEST_ARGS)
 
 serve: install

@@ -3,7 +3,7 @@
     list_replicas(app)        every replica actor of the app, by deployment: Serve names them
                               `SERVE_REPLICA::<app>#<deployment>#<id>` in namespace "serve"
                               (ray.util.list_named_actors: no dashboard needed)
-    replica_stats(replica)    a worker replica's `stats()` (serving/worker.py: pid, num_free_blocks,
+    replica_stats(replica)    a worker replica's `stats()` (serving/deployments/engine_worker.py: pid, num_free_blocks,
                               num_blocks, num_held_exports, counters), plus what its engine holds
                               right now (`live_*`, read on the replica: stats() is the snapshot
                               after the engine's latest step); an ingress gives its pid only
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import ray
 
-from serving import kv_transfer_actor
+from serving.deployments import kv_transfer
 
 __all__ = [
     "DEPLOYMENTS", "ProbeError", "Replica", "kill_kv_transfer", "kill_replica", "kv_transfer_handle",
@@ -115,9 +115,9 @@ def _kv_transfer_actors(app: str):
     for node in ray.nodes():
         if not node.get("Alive"):
             continue
-        name = kv_transfer_actor.actor_name(app, node["NodeID"])
+        name = kv_transfer.actor_name(app, node["NodeID"])
         try:
-            yield name, ray.get_actor(name, namespace=kv_transfer_actor.NAMESPACE)
+            yield name, ray.get_actor(name, namespace=kv_transfer.NAMESPACE)
         except ValueError:
             continue  # none on this node
 
@@ -150,7 +150,7 @@ def kv_transfer_held(app: str, *, timeout_s: float = 30.0) -> dict[str, dict]:
 
 def kv_transfer_handle(app: str, node_id: str | None = None):
     node_id = node_id or ray.get_runtime_context().get_node_id()
-    return ray.get_actor(kv_transfer_actor.actor_name(app, node_id), namespace=kv_transfer_actor.NAMESPACE)
+    return ray.get_actor(kv_transfer.actor_name(app, node_id), namespace=kv_transfer.NAMESPACE)
 
 
 def replica_states(app: str) -> dict[str, dict[str, int]]:
@@ -193,5 +193,5 @@ def kill_kv_transfer(app: str, node_id: str | None = None) -> str:
     """Kill this node's KVTransfer actor; Ray restarts it (max_restarts=-1). Returns its name."""
     actor = kv_transfer_handle(app, node_id)
     ray.kill(actor, no_restart=False)
-    return kv_transfer_actor.actor_name(app, node_id or ray.get_runtime_context().get_node_id())
+    return kv_transfer.actor_name(app, node_id or ray.get_runtime_context().get_node_id())
 

@@ -484,7 +484,7 @@ def bench_engine(p: BenchParams, prompts: Prompts, model_dir: Path) -> tuple[Sys
         "num_preemptions": stats.num_preemptions,
         "torch_threads": torch.get_num_threads(),
     }
-    del engine
+    engine = None  # frees its KV cache before the next engine loads
     gc.collect()
     return SystemResult("engine", throughput, single, prefix, info=info), weight_bytes
 
@@ -534,7 +534,7 @@ def bench_transformers(p: BenchParams, prompts: Prompts, model_dir: Path) -> Sys
         "padding_side": "left",
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
     }
-    del model
+    model = None  # frees the weights
     gc.collect()
     return SystemResult("transformers", throughput, single, info=info)
 

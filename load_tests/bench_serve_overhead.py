@@ -369,7 +369,7 @@ def bench_served(config, prompts: Prompts, p: BenchParams, reference: PathResult
     import httpx
     from ray import serve
 
-    from serving import launcher
+    from cluster import launcher
 
     _progress(f"{config.mode}: deploying")
     start = time.monotonic()

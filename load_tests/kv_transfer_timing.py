@@ -83,7 +83,7 @@ class KVExporter:
     def __init__(self, engine_config, prompt: list[int]):
         import ray
 
-        from serving import kv_transfer_actor
+        from serving.deployments import kv_transfer
         from serving.engine.engine import LLMEngine
         from serving.engine.params import SamplingParams
 
@@ -92,8 +92,8 @@ class KVExporter:
         while self.engine.has_unfinished_requests():
             self.engine.step()
         node_id = ray.get_runtime_context().get_node_id()
-        self.actor_name = kv_transfer_actor.actor_name(KV_APP_NAME, node_id)
-        self.kv_actor = kv_transfer_actor.get_or_create(KV_APP_NAME, node_id)
+        self.actor_name = kv_transfer.actor_name(KV_APP_NAME, node_id)
+        self.kv_actor = kv_transfer.get_or_create(KV_APP_NAME, node_id)
 
     # As EngineWorker.prefill/_offer. This actor serves one call at a time, so running the
     # engine on the event loop blocks nobody.
@@ -126,9 +126,9 @@ class KVImporter:
         import ray
         import torch
 
-        from serving import kv_transfer_actor
+        from serving.deployments import kv_transfer
 
-        actor = ray.get_actor(actor_name, namespace=kv_transfer_actor.NAMESPACE)
+        actor = ray.get_actor(actor_name, namespace=kv_transfer.NAMESPACE)
         t0 = time.perf_counter()
         refs = await actor.claim.remote(request_id)
         t1 = time.perf_counter()
@@ -159,7 +159,7 @@ def measure_kv_transfer(engine_config, prompt: list[int], repeats: int) -> KVTra
     and as many memcpys. Needs a running Ray; starts and kills its own actors."""
     import ray
 
-    from serving import kv_transfer_actor
+    from serving.deployments import kv_transfer
 
     exporter = ray.remote(num_cpus=0.5)(KVExporter).remote(engine_config, prompt)
     importer = ray.remote(num_cpus=0.5)(KVImporter).remote(engine_config)
@@ -171,7 +171,7 @@ def measure_kv_transfer(engine_config, prompt: list[int], repeats: int) -> KVTra
             imported = ray.get(importer.claim_and_write.remote(request_id, offered["actor_name"], i == 0))
             samples.append({**offered, **imported})
         copy = ray.get(importer.memcpy.remote(samples[0]["num_bytes"], repeats))
-        ray.kill(ray.get_actor(samples[0]["actor_name"], namespace=kv_transfer_actor.NAMESPACE))
+        ray.kill(ray.get_actor(samples[0]["actor_name"], namespace=kv_transfer.NAMESPACE))
     finally:
         for actor in (exporter, importer):
             ray.kill(actor)

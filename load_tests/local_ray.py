@@ -32,8 +32,8 @@ def local_ray(command: str, progress: Callable[[str], None], *, start_serve: boo
     import ray
     from ray import serve
 
+    from cluster.launcher import ray_init_kwargs
     from serving.config import ServeConfig
-    from serving.launcher import ray_init_kwargs
 
     if ray.is_initialized():
         raise SystemExit(f"kvrelay {command} starts its own Ray: run it in a fresh process")

@@ -47,16 +47,16 @@ def serve_config(model_dir: Path, dtype: str, policy: str, *, num_replicas: int,
 
 
 def _request(request_id: str, token_ids: list[int], block_size: int):
+    from serving.api.pipeline import WorkerRequest
     from serving.engine.block_hash import hash_blocks
     from serving.engine.params import SamplingParams
-    from serving.frontend import WorkerRequest
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     return WorkerRequest(request_id, token_ids, params, block_hashes=hash_blocks(token_ids, block_size), block_size=block_size)
 
 
 async def _send(handle, request) -> tuple[float, object]:
-    from serving.errors import WorkerError
+    from serving.api.errors import WorkerError
 
     start = time.perf_counter()
     result = await handle.prefill.remote(request)
@@ -88,8 +88,8 @@ def run_policy(policy: str, workload: Workload, config, warmup: list[list[int]],
     """Deploy the app routed by `policy`, send the workload, tear the app down."""
     from ray import serve
 
-    from serving import kv_transfer_actor
-    from serving.app import build_app
+    from serving.deployments import kv_transfer
+    from serving.deployments.app import build_app
 
     app = config.app_name
     progress(f"real: {policy}: deploying {config.prefill.num_replicas} prefill replicas")
@@ -102,6 +102,6 @@ def run_policy(policy: str, workload: Workload, config, warmup: list[list[int]],
         records, seen = asyncio.run(_run_workload(handle, workload, warmup, 2 * config.routing.stats_period_s + 0.5))
     finally:
         serve.delete(app)
-        kv_transfer_actor.kill_all(app)
+        kv_transfer.kill_all(app)
     replicas = sorted(seen) + [f"(idle {i})" for i in range(config.prefill.num_replicas - len(seen))]
     return PolicyRun(policy, replicas, records), {"startup_s": startup_s}

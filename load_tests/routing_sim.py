@@ -7,7 +7,7 @@ prefill replicas, in simulated time. Pure Python, no Ray, no model.
                 ▼
     SimReplica: FIFO queue ──▶ one prefill at a time ──▶ first token (TTFT = finish - arrival)
                 BlockCache: KV blocks, prefix cached, LRU eviction
-                every stats_period_s: routing stats like serving/worker.py's (block-hash snapshot,
+                every stats_period_s: routing stats like serving/deployments/engine_worker.py's (block-hash snapshot,
                 queued prefill tokens, measured rate, running/waiting), which the routers see
                 until the next ones
 
@@ -191,7 +191,7 @@ class SimReplica:
         return queued
 
     def routing_stats(self, now: float) -> dict:
-        """What serving/worker.py `routing_stats` reports (the fields the routers read)."""
+        """What serving/deployments/engine_worker.py `routing_stats` reports (the fields the routers read)."""
         if self._snapshot[0] != self.cache.version:
             self._snapshot = (self.cache.version, self.cache.hashes())
         return {

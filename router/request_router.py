@@ -12,7 +12,7 @@ replica since that replica's last stats so a burst does not pile onto one replic
 stats catch up. The request's block hashes were computed once, at the ingress. All of that is
 Ray-free, in router/routing_state.py (`RouterState`); this module adapts it to Serve.
 
-Selected per deployment with `request_router_config` (see serving/app.py); parameters are the
+Selected per deployment with `request_router_config` (see serving/deployments/app.py); parameters are the
 policy's (router/policies.py) and arrive as `request_router_kwargs`.
 """
 
@@ -27,7 +27,7 @@ from ray.serve._private.request_router.request_router import FIFOMixin, RequestR
 
 from router.policies import LeastKVPolicy, PrefixCostPolicy, RouteRequest, build_policy
 from router.routing_state import RouterState, load_from_stats
-from serving.metrics import POOL_OF_DEPLOYMENT, record_routing_decision, register_router
+from serving.observability.metrics import POOL_OF_DEPLOYMENT, record_routing_decision, register_router
 
 __all__ = ["PrefixAwareRequestRouter", "KVAwareRequestRouter", "route_request_from_args", "load_from_stats"]
 
@@ -60,7 +60,7 @@ class _PolicyRouter(FIFOMixin, RequestRouter):
         self.state = RouterState(build_policy(policy or self.default_policy, **params))
         self.pool = POOL_OF_DEPLOYMENT.get(self.deployment_name, self.deployment_name)
         # Serve ships this class by value (its module globals are a copy in each process), so
-        # the registry the ingress's GET /metrics reads lives in serving.metrics.
+        # the registry the ingress's GET /metrics reads lives in serving.observability.metrics.
         register_router(self)
 
     @property

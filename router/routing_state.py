@@ -29,7 +29,7 @@ INFLIGHT_HORIZON_S = 30.0  # forget routed-token accounting older than this even
 
 
 def load_from_stats(replica_id: Hashable, stats: dict | None) -> ReplicaLoad:
-    """A replica's load figures from its routing stats (serving/worker.py `routing_stats`)."""
+    """A replica's load figures from its routing stats (serving/deployments/engine_worker.py `routing_stats`)."""
     stats = stats or {}
     return ReplicaLoad(
         replica_id=replica_id,

@@ -199,7 +199,7 @@ class FallbackConfig(_Strict):
 
 class DegradationConfig(_Strict):
     """What the ingress does when its pools refuse a request before its first token
-    (serving/degradation.py): route it to a fallback app, or shed it if its priority is low."""
+    (serving/api/degradation.py): route it to a fallback app, or shed it if its priority is low."""
 
     when: list[Literal["saturated", "down"]] = Field(
         default_factory=lambda: ["saturated", "down"], min_length=1,
@@ -256,7 +256,9 @@ class ServeConfig(_Strict):
         None, min_length=1, description="The name clients pass as `model`; default: `model`."
     )
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
-        "auto", description="Weights and KV dtype; auto: bfloat16 where this machine's bf16 matrix products are fast, else float32 (measured by each replica at start-up).",
+        "auto",
+        description="Weights and KV dtype; auto: bfloat16 where this machine's bf16 matrix products are fast, else float32 "
+        "(measured by each replica at start-up).",
     )
     device: str = Field("cpu", description="'cpu' or 'cuda[:N]'.")
     kv_cache_bytes: int | None = Field(None, gt=0, description="KV cache bytes per replica.")
@@ -294,7 +296,7 @@ class ServeConfig(_Strict):
     worker: PoolConfig = Field(default_factory=PoolConfig, description="Worker pool (colocated mode).")
     autoscaling_policy: str | None = Field(
         None, min_length=1,
-        description="Autoscaling policy YAML (deploy/autoscaling/*.yaml, router/policy_config.py), "
+        description="Autoscaling policy YAML (deploy/autoscaling/*.yaml, router/autoscaling/policy.py), "
         "relative to the config file when given there; the pools it has sections for scale on their "
         "own signals, the others keep num_replicas. null: fixed replicas.",
     )
@@ -317,7 +319,7 @@ class ServeConfig(_Strict):
     )
     pricing: str | None = Field(
         None, min_length=1,
-        description="Pricing YAML (deploy/pricing.yaml, serving/usage.py): per served model, the price "
+        description="Pricing YAML (deploy/pricing.yaml, serving/api/usage.py): per served model, the price "
         "per million input and output tokens; relative to the config file when given there. Each "
         "response then carries its cost. null: usage without cost.",
     )
@@ -326,7 +328,7 @@ class ServeConfig(_Strict):
     )
     degradation: DegradationConfig | None = Field(
         None,
-        description="Graceful degradation when a pool is saturated or down (serving/degradation.py): "
+        description="Graceful degradation when a pool is saturated or down (serving/api/degradation.py): "
         "a fallback app, shedding low-priority requests, or both. null: off (429 / 503).",
     )
 

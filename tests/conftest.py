@@ -11,9 +11,8 @@ Also the suite's hygiene, so a test passes on a fresh machine whatever ran befor
 - `_no_leaks` (module, autouse): after a module's fixtures are torn down, the environment, the
   working directory and Ray's connection are as they were before it; a leak fails the module's
   last test, naming what leaked.
-- `require_tool(name)`: the path of a binary a test needs (helm, promtool, prometheus). Missing, the
-  test skips, saying how to get it; under CI (`CI` set) it fails instead, since the Makefile
-  installs them there.
+
+Plain helpers (tiny-model builder, free ports, waiting, required tools) are in tests/helpers.py.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -29,61 +27,13 @@ import pytest
 import torch
 
 from serving.engine.model_loader import resolve_model_dir
+from tests.helpers import build_tiny_model, process_state, state_changes
 
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The built-in SmolLM2 converted to safetensors (converted once, then cached)."""
     return resolve_model_dir("smollm2-135m-instruct")
-
-
-def build_tiny_model(
-    out_dir: Path,
-    tokenizer_dir: Path,
-    *,
-    architecture: str = "llama",
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    tie_word_embeddings: bool = False,
-    rope_parameters: dict | None = None,
-    seed: int = 0,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    init_std: float = 0.15,
-) -> Path:
-    """A seeded random model with the default model's tokenizer (so text round-trips).
-
-    The init std is larger than usual so next-token distributions are peaked: greedy
-    comparisons then test the math, not which of two near-equal logits rounding favours.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    common = dict(
-        vocab_size=49152,
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 3,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=tie_word_embeddings,
-        initializer_range=init_std,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
-    )
-    torch.manual_seed(seed)
-    if architecture == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    model.save_pretrained(out_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, out_dir / name)
-    return out_dir
 
 
 @pytest.fixture(scope="session")
@@ -174,48 +124,9 @@ def own_ray_tmpdir(_ray_temp_root) -> Path:
     return path
 
 
-# Set by pytest and the libraries themselves and never put back (importing Ray sets
-# RAY_CLIENT_MODE=0; ray.init points Python's breakpoint() at Ray's debugger; torch's extension
-# builder sets its inductor cache dir): not ours to restore.
-_ENV_SET_BY_LIBRARIES = {"PYTEST_CURRENT_TEST", "PYTHONBREAKPOINT", "RAY_CLIENT_MODE", "TORCHINDUCTOR_CACHE_DIR"}
-
-
-def process_state() -> dict:
-    """What a test or fixture must leave as it found it."""
-    ray = sys.modules.get("ray")
-    return {
-        "environment": {k: v for k, v in os.environ.items() if k not in _ENV_SET_BY_LIBRARIES},
-        "working directory": os.getcwd(),
-        "Ray connected": bool(ray is not None and ray.is_initialized()),
-    }
-
-
-def state_changes(before: dict, after: dict) -> list[str]:
-    changes = []
-    for what in ("working directory", "Ray connected"):
-        if before[what] != after[what]:
-            changes.append(f"{what}: {before[what]!r} -> {after[what]!r}")
-    env_before, env_after = before["environment"], after["environment"]
-    for key in sorted(env_before.keys() | env_after.keys()):
-        if env_before.get(key) != env_after.get(key):
-            changes.append(f"${key}: {env_before.get(key)!r} -> {env_after.get(key)!r}")
-    return changes
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _no_leaks(_ray_temp_root):
     before = process_state()
     yield
     changes = state_changes(before, process_state())
     assert not changes, "this module's tests or fixtures left process state behind: " + "; ".join(changes)
-
-
-def require_tool(name: str, how: str) -> str:
-    """The path of the binary `name`; missing, skip (fail under CI) and say `how` to install it."""
-    path = shutil.which(name)
-    if path is None:
-        message = f"{name} is not installed: {how}"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message} (CI must run this test: `make test` installs {name})", pytrace=False)
-        pytest.skip(message)
-    return path

@@ -15,7 +15,7 @@ condition has held for `--for`:
     KVRelayQueueDeep                 waiting sequences per replica, the pool's mean > --max-queue-depth
 
 `--selector` adds label matchers to every series (e.g. `job="ray"` when Prometheus scrapes both
-Ray's export and an ingress). The metrics are kvrelay's own names (serving/metrics.py); Ray's
+Ray's export and an ingress). The metrics are kvrelay's own names (serving/observability/metrics.py); Ray's
 export needs the `ray_` prefix relabelled away, as deploy/prometheus/prometheus.yml does.
 """
 

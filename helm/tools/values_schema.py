@@ -4,7 +4,7 @@
     .venv/bin/python helm/tools/values_schema.py --check  # exit 1 if the file is stale
 
 The `serve` and `autoscaling.policy` sections are derived from the project's own pydantic models
-(serving.config.ServeConfig, router.policy_config.AutoscalingPolicyConfig): their keys, types,
+(serving.config.ServeConfig, router.autoscaling.policy.AutoscalingPolicyConfig): their keys, types,
 ranges and descriptions, so `helm install` rejects what the app would reject, and the schema
 cannot drift from the models (tests/helm/test_chart.py runs --check). The Kubernetes parts are
 written out below. Cross-field rules (min <= max) are checked by the templates or by the models.
@@ -23,9 +23,9 @@ from typing import Any, Literal
 import annotated_types
 from pydantic import BaseModel
 
-from router.policy_config import AutoscalingPolicyConfig
+from router.autoscaling.policy import AutoscalingPolicyConfig
 from serving.config import PoolConfig, ServeConfig
-from serving.usage import PricingConfig
+from serving.api.usage import PricingConfig
 
 __all__ = ["CHART_OWNED_SERVE_FIELDS", "SCHEMA_PATH", "values_schema"]
 
@@ -144,10 +144,10 @@ def values_schema() -> dict:
     serve["description"] = ("The Serve app's ServeConfig fields (serving/config.py), as in deploy/local.yaml; "
                             f"the chart sets {', '.join(sorted(CHART_OWNED_SERVE_FIELDS))} itself.")
     policy = _model_schema(AutoscalingPolicyConfig)
-    policy["description"] = "The autoscaling policy (router/policy_config.py), as in deploy/autoscaling/*.yaml."
+    policy["description"] = "The autoscaling policy (router/autoscaling/policy.py), as in deploy/autoscaling/*.yaml."
     pricing = _model_schema(PricingConfig)
     pricing.pop("required")  # {} (the default): no pricing file
-    pricing["description"] = "Pricing YAML (serving/usage.py), as in deploy/pricing.yaml; empty: no cost."
+    pricing["description"] = "Pricing YAML (serving/api/usage.py), as in deploy/pricing.yaml; empty: no cost."
     return {
         "$schema": "http://json-schema.org/draft-07/schema#",
         "title": "kvrelay chart values",

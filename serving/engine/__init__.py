@@ -10,7 +10,7 @@ from serving.engine.errors import (
     ModelLoadError,
     RequestFailedError,
 )
-from serving.engine.kv_transfer import KVLayout, KVPayload
+from serving.engine.kv_payload import KVLayout, KVPayload
 from serving.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from serving.engine.params import SamplingParams
 

@@ -32,7 +32,7 @@ from serving.engine.config import EngineConfig
 from serving.engine.engine import EngineStats, LLMEngine
 from serving.engine.errors import EngineDeadError
 from serving.engine.kv_events import KVEvent
-from serving.engine.kv_transfer import KVPayload
+from serving.engine.kv_payload import KVPayload
 from serving.engine.outputs import RequestOutput
 
 __all__ = ["AsyncEngine"]

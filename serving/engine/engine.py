@@ -30,7 +30,7 @@ from serving.engine.dtype_choice import choose_dtype
 from serving.engine.errors import InvalidRequestError, RequestFailedError
 from serving.engine.kv_cache import KVCache, available_memory_bytes, kv_bytes_per_token
 from serving.engine.kv_events import KVEvent
-from serving.engine.kv_transfer import KVLayout, KVPayload
+from serving.engine.kv_payload import KVLayout, KVPayload
 from serving.engine.model import LlamaModel
 from serving.engine.model_loader import load_model_spec, load_state_dict, load_tokenizer, resolve_model_dir
 from serving.engine.model_runner import ModelRunner

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from serving.engine.params import SamplingParams
 
 if TYPE_CHECKING:
-    from serving.engine.kv_transfer import KVPayload
+    from serving.engine.kv_payload import KVPayload
 
 __all__ = ["RequestStatus", "Sequence"]
 

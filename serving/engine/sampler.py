@@ -50,13 +50,13 @@ import torch
 from serving.engine.outputs import TokenLogprob
 from serving.engine.params import SamplingParams
 from serving.engine.sampling_ops import (
-    _put,
-    _take,
-    seed_from_key,
-    apply_penalties,
-    top_k_top_p_min_p,
     _filter,
     _inverse_cdf,
+    _put,
+    _take,
+    apply_penalties,
+    seed_from_key,
+    top_k_top_p_min_p,
 )
 
 __all__ = [

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from serving.engine.errors import ContextLengthError, InvalidRequestError
-from serving.engine.kv_transfer import KVLayout, KVPayload
+from serving.engine.kv_payload import KVLayout, KVPayload
 from serving.engine.params import SamplingParams
 
 __all__ = ["validate_request"]

@@ -9,7 +9,7 @@
     nodes     add_node x2                            sim.shutdown
     connect   ray.init(address)                      ray.shutdown
     serve     serve.start                            serve.shutdown
-    deploy    serve.run per app                      kv_transfer_actor.kill_all per app
+    deploy    serve.run per app                      kv_transfer.kill_all per app
 
 Each undo is registered the moment its step has happened, so a step that fails leaves the process
 as it found it (test_multinode.py makes each step fail in turn to show it).
@@ -60,8 +60,8 @@ def three_node_cluster(model_dir: Path, *, apps: tuple[str, ...] = ("multi", "co
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from serving import kv_transfer_actor
-    from serving.app import build_app
+    from serving.deployments import kv_transfer
+    from serving.deployments.app import build_app
 
     with pytest.MonkeyPatch.context() as mp, ExitStack() as undo:
         temp_root = Path(tempfile.mkdtemp(prefix="mn-", dir=os.environ.get("RAY_TMPDIR")))
@@ -93,7 +93,7 @@ def three_node_cluster(model_dir: Path, *, apps: tuple[str, ...] = ("multi", "co
             "coloc": app_config(model_dir, "coloc", mode="colocated"),
         }
         for name in apps:
-            undo.callback(kv_transfer_actor.kill_all, name)  # detached: Serve's shutdown leaves them
+            undo.callback(kv_transfer.kill_all, name)  # detached: Serve's shutdown leaves them
             serve.run(build_app(configs[name]), name=name, route_prefix=f"/{name}")
         yield {"url": f"http://127.0.0.1:{port}", "node_ids": node_ids}
 

@@ -8,12 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from cluster import local
 from cluster.local import MARKER_ENV, ClusterError, ClusterState, NodeProcess
+from tests.helpers import wait_until
 
 
 @pytest.fixture(autouse=True)
@@ -65,13 +65,6 @@ def _spawn_session(script: str, marker: str) -> int:
     return os.posix_spawn("/bin/sh", ["/bin/sh", "-c", script], env, setsid=True)
 
 
-def _wait_for(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_down_stops_only_the_marked_processes_of_recorded_sessions(tmp_path):
     marker = "test-" + os.urandom(4).hex()
     # In the session: a marked child (a worker that took its own process group, as Ray's do),
@@ -83,11 +76,11 @@ def test_down_stops_only_the_marked_processes_of_recorded_sessions(tmp_path):
     )
     other = _spawn_session("exec sleep 62", marker)
     try:
-        _wait_for(lambda: (tmp_path / "unmarked").exists() and len(local.session_members(leader, marker)) == 2)
+        wait_until(lambda: (tmp_path / "unmarked").exists() and len(local.session_members(leader, marker)) == 2, timeout_s=10, interval_s=0.05)
         unmarked = int((tmp_path / "unmarked").read_text())
         worker_pid = int((tmp_path / "worker").read_text())
         assert sorted(local.session_members(leader, marker)) == sorted([leader, worker_pid])
-        _wait_for(lambda: os.getpgid(worker_pid) == worker_pid)  # its own process group, as Ray's workers
+        wait_until(lambda: os.getpgid(worker_pid) == worker_pid, timeout_s=10, interval_s=0.05)  # its own process group, as Ray's workers
         state = ClusterState(name="t", marker=marker, base_dir=str(tmp_path / "base"), nodes=[NodeProcess("head", leader, "", "")])
         (tmp_path / "base").mkdir()
         local.state_path("t").parent.mkdir(parents=True)

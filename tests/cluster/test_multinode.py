@@ -38,9 +38,9 @@ def stats(app: str, deployment: str) -> dict:
 def kv_actor(app: str, node_id: str):
     import ray
 
-    from serving import kv_transfer_actor
+    from serving.deployments import kv_transfer
 
-    return ray.get_actor(kv_transfer_actor.actor_name(app, node_id), namespace=kv_transfer_actor.NAMESPACE)
+    return ray.get_actor(kv_transfer.actor_name(app, node_id), namespace=kv_transfer.NAMESPACE)
 
 
 def test_nodes_advertise_their_roles(cluster):

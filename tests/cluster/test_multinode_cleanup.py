@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.cluster.multinode import STEPS, three_node_cluster
-from tests.conftest import process_state, state_changes
+from tests.helpers import process_state, state_changes
 
 pytestmark = pytest.mark.integration
 

@@ -1,6 +1,6 @@
 """deploy/grafana and deploy/prometheus: the dashboard and the alert rules load, every PromQL
 expression they hold parses (promtool) and names only metrics the app exports
-(serving/metrics.py), the rules render with custom thresholds and fire at exactly those
+(serving/observability/metrics.py), the rules render with custom thresholds and fire at exactly those
 thresholds (`promtool test rules`), and the committed rules are the defaults' rendering.
 """
 
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serving.metrics import METRICS, series_names
-from tests.conftest import require_tool
+from serving.observability.metrics import METRICS, series_names
+from tests.helpers import REPO, require_tool
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DEPLOY = REPO / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "kvrelay-dashboard.json"
 ALERTS = DEPLOY / "prometheus" / "kvrelay-alerts.yaml"
 PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
@@ -92,7 +92,7 @@ def test_every_dashboard_query_names_an_exported_metric():
     for title, expr in exprs:
         names = metric_names(expr)
         assert names, (title, expr)
-        assert names <= exported, f"{title}: {sorted(names - exported)} not exported by serving/metrics.py"
+        assert names <= exported, f"{title}: {sorted(names - exported)} not exported by serving/observability/metrics.py"
         used |= names
     # every metric the app exports has a place on the dashboard
     assert {spec.name for spec in METRICS} <= {n.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum") for n in used}
@@ -179,8 +179,10 @@ def test_the_alerts_fire_at_their_thresholds(tmp_path):
     m = 'model="tiny"'
     series = [
         # TTFT: "bad" has every request at 2.5 s (> 1 s); "good" at 0.5 s.
-        *[{"series": f'kvrelay_ttft_seconds_bucket{{model="bad",le="{le}"}}', "values": f"0+{n}x20"} for le, n in (("0.5", 0), ("1.0", 0), ("2.5", 10), ("+Inf", 10))],
-        *[{"series": f'kvrelay_ttft_seconds_bucket{{model="good",le="{le}"}}', "values": f"0+{n}x20"} for le, n in (("0.5", 10), ("1.0", 10), ("2.5", 10), ("+Inf", 10))],
+        *[{"series": f'kvrelay_ttft_seconds_bucket{{model="bad",le="{le}"}}', "values": f"0+{n}x20"}
+          for le, n in (("0.5", 0), ("1.0", 0), ("2.5", 10), ("+Inf", 10))],
+        *[{"series": f'kvrelay_ttft_seconds_bucket{{model="good",le="{le}"}}', "values": f"0+{n}x20"}
+          for le, n in (("0.5", 10), ("1.0", 10), ("2.5", 10), ("+Inf", 10))],
         # TPOT 0.1 s: 10 tokens/s < 20
         *[{"series": f'kvrelay_tpot_seconds_bucket{{{m},le="{le}"}}', "values": f"0+{n}x20"} for le, n in (("0.05", 0), ("0.1", 10), ("+Inf", 10))],
         # errors: 1 in 10 requests is a 503 (10% > 5%)

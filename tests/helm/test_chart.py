@@ -29,13 +29,13 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from cluster.roles import REPLICA_SHARE, ROLE_LABEL, node_labels, node_resources
-from router.policy_config import load_policy
-from serving.app import build_app, config_from_args
-from serving.ops import APP_IMPORT_PATH
-from serving.usage import load_pricing
-from tests.conftest import require_tool
+from router.autoscaling.policy import load_policy
+from serving.deployments.app import build_app, config_from_args
+from cluster.dashboard import APP_IMPORT_PATH
+from serving.api.usage import load_pricing
+from tests.helpers import require_tool
+from tests.helpers import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvrelay"
 HERE = Path(__file__).resolve().parent
 # Kubernetes version the rendered objects must be valid for (helm v3.17 / kubectl v1.32 era).
@@ -257,7 +257,7 @@ def test_serve_config_loads_with_project_models(rendered, name, tmp_path, monkey
     serve_config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
     deploy = ServeDeploySchema.model_validate(serve_config)
     (app,) = deploy.applications
-    assert app.import_path == APP_IMPORT_PATH  # what `make serve` deploys (serving/ops.py)
+    assert app.import_path == APP_IMPORT_PATH  # what `make serve` deploys (cluster/dashboard.py)
     assert app.route_prefix == "/"
     args = dict(app.args)
 

@@ -4,7 +4,6 @@ configurations, the compute roof), and a smoke run on a tiny model."""
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from load_tests.bench_engine import (
     summarize,
 )
 from load_tests.roofline import GemmRoof
-from serving.cli import build_parser, main
+from serving.cli.dispatch import build_parser, main
 
 # Figures chosen to be exact in binary floating point.
 ENGINE = SystemResult(
@@ -172,7 +171,7 @@ def test_presets_and_overrides():
 
 
 def test_cli_parser_does_not_import_torch():
-    code = "import sys; from serving.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    code = "import sys; from serving.cli.dispatch import build_parser; build_parser(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

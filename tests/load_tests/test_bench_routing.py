@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,10 +16,10 @@ from load_tests.routing_metrics import PolicyRun, RequestRecord, percentile
 from load_tests.routing_sim import BlockCache, CostModel, SimConfig, oracle_hit_tokens, simulate
 from load_tests.routing_workload import Workload, WorkloadRequest, WorkloadSpec, make_workload
 from router.char_prefix_tree import token_text
-from serving.cli import build_parser, main
+from serving.cli.dispatch import build_parser, main
 from serving.engine.block_hash import hash_blocks
+from tests.helpers import REPO as REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 BS = 4  # tokens per block in the hand-built cases
 
 

@@ -26,9 +26,8 @@ from load_tests.bench_scenario import (
 from load_tests.bench_serve import RateRun, build_specs
 from load_tests.serve_client import RequestRecord
 from load_tests.serve_load import schedule
-from serving.cli import build_parser
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from serving.cli.dispatch import build_parser
+from tests.helpers import REPO as REPO_ROOT
 
 
 def record(i: int, kind: str, ttft_s: float, tpot_s: float, num_tokens: int = 11) -> RequestRecord:

@@ -9,13 +9,11 @@ import argparse
 import asyncio
 import json
 import math
-import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -34,9 +32,9 @@ from load_tests.serve_datasets import (
 from load_tests.serve_load import run_load, schedule
 from load_tests.serve_metrics import parse_slo, percentile, stats_ms, summarize_records
 from load_tests.serve_params import params_from_args
-from serving.cli import build_parser
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from serving.cli.dispatch import build_parser
+from tests.helpers import REPO as REPO_ROOT
+from tests.helpers import free_port
 
 
 # ---- the scripted fake server ----------------------------------------------------------------
@@ -384,9 +382,7 @@ class RealClock:
 def fake_server_url():
     import uvicorn
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     app = FakeOpenAI(lambda i: Script(0.05, [0.01] * 3), RealClock())
     server = uvicorn.Server(uvicorn.Config(app.asgi, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
                                             interface="asgi3"))
@@ -440,12 +436,12 @@ def test_client_against_the_kvrelay_openai_api(tiny_model_dir):
     """kvrelay's stream parses as the fake one does: usage counts every token (ignore_eos), chat
     and completions (token ids) both work, and a multi-turn history goes through the chat
     template. httpx.ASGITransport delivers the body at the end, so no timing is checked here."""
+    from serving.api.pipeline import Frontend
+    from serving.api.routes import OpenAIServer
     from serving.config import ServeConfig
+    from serving.deployments.local_backend import LocalBackend
     from serving.engine import EngineConfig
     from serving.engine.async_engine import AsyncEngine
-    from serving.frontend import Frontend
-    from serving.local_backend import LocalBackend
-    from serving.openai_api import OpenAIServer
 
     engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20,
                                       max_model_len=1024, num_threads=1))

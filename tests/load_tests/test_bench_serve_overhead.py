@@ -4,12 +4,10 @@ of the whole command (in-process, both served modes, KV transfer) on a tiny mode
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -24,9 +22,8 @@ from load_tests.bench_serve_overhead import (
     timing_from_sse,
 )
 from load_tests.kv_transfer_timing import KVTransferResult
-from serving.cli import build_parser
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from serving.cli.dispatch import build_parser
+from tests.helpers import REPO as REPO_ROOT
 
 # Figures chosen to be exact in binary floating point.
 R = RequestTiming

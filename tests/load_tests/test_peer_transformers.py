@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
-import socket
 import threading
 import time
 
@@ -23,6 +22,7 @@ from load_tests.peer_transformers import (
     _Row,
     build_app,
 )
+from tests.helpers import free_port
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 
@@ -33,9 +33,7 @@ def server_url(tiny_model_dir):
 
     # float32: batched (left-padded) and single greedy runs then agree token for token
     app = build_app(tiny_model_dir, "tiny", max_batch_size=4, dtype="float32")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

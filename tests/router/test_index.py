@@ -6,8 +6,8 @@ from router.index import CachedBlockSet, PrefixIndex, decode_hashes, encode_hash
 from serving.engine.block_hash import hash_blocks
 from serving.engine.block_manager import BlockManager
 from serving.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from serving.engine.request import Sequence
 from serving.engine.params import SamplingParams
+from serving.engine.request import Sequence
 
 
 def stored(*hashes):

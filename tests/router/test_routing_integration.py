@@ -10,10 +10,10 @@ from collections import Counter
 import pytest
 
 from load_tests.local_ray import free_port
+from serving.api.pipeline import WorkerRequest
 from serving.config import ServeConfig
 from serving.engine.block_hash import hash_blocks
 from serving.engine.params import SamplingParams
-from serving.frontend import WorkerRequest
 
 pytestmark = pytest.mark.integration
 
@@ -26,8 +26,8 @@ def prefill_handle(tmp_path_factory, tiny_model_dir):
     import ray
     from ray import serve
 
-    from serving import kv_transfer_actor
-    from serving.app import build_app
+    from serving.deployments import kv_transfer
+    from serving.deployments.app import build_app
 
     ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", _temp_dir=str(tmp_path_factory.mktemp("ray")))
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
@@ -39,7 +39,7 @@ def prefill_handle(tmp_path_factory, tiny_model_dir):
     )
     serve.run(build_app(config), name="routing", route_prefix="/routing")
     yield serve.get_deployment_handle("PrefillWorker", app_name="routing")
-    kv_transfer_actor.kill_all("routing")
+    kv_transfer.kill_all("routing")
     serve.shutdown()
     ray.shutdown()
 

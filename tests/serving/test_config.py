@@ -9,8 +9,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from serving.config import ConfigError, ServeConfig, load_config
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -88,12 +87,12 @@ def test_shipped_configs_load():
     serve_file = yaml.safe_load((REPO / "deploy/serve.yaml").read_text())
     schema = ServeDeploySchema.model_validate(serve_file)
     app = schema.applications[0]
-    assert app.import_path == "serving.app:build_app"
+    assert app.import_path == "serving.deployments.app:build_app"
     assert load_config(REPO / app.args["config"], env={}) == local
 
 
 def test_build_app_from_serve_args():
-    from serving.app import build_app, config_from_args
+    from serving.deployments.app import build_app, config_from_args
 
     config = config_from_args({"config": str(REPO / "deploy/local.yaml"), "mode": "colocated"})
     assert config.mode == "colocated"

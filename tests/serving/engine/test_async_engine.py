@@ -79,7 +79,7 @@ def test_leaving_the_stream_aborts_and_frees_blocks(async_engine):
 def test_export_through_the_async_api(async_engine):
     async def main():
         params = SamplingParams(temperature=0.0, max_tokens=1)
-        async for out in async_engine.generate("p", params=params, prompt_token_ids=list(range(10, 50)), hold_kv=True):
+        async for _ in async_engine.generate("p", params=params, prompt_token_ids=list(range(10, 50)), hold_kv=True):
             pass
         return await async_engine.export_kv("p")
 

@@ -8,14 +8,12 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from serving.engine import cpu_kernels
 from serving.engine.cpu_kernels import DISABLE_ENV, KernelPath, KernelStatus, build_dir, kernel_status
-
-REPO = Path(__file__).resolve().parents[3]
+from tests.helpers import REPO
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from serving.engine import EngineConfig, LLMEngine, ModelLoadError, SamplingParams
-from tests.conftest import build_tiny_model
+from tests.helpers import build_tiny_model
 
 PROMPTS = [
     "What is the capital of France?",

@@ -1,0 +1,363 @@
+"""The autoscaling policy YAML (`deploy/autoscaling/*.yaml`): one section per worker pool.
+
+    name: default                      # shows up in logs and in `kvrelay policy check`
+    prefill:                           # PrefillWorker   (absent: fixed replicas from ServeConfig)
+      min_replicas: 1
+      max_replicas: 4
+      targets: {ttft_p95_ms: 2000, queued_prefill_tokens_per_replica: 4096}
+      upscale_delay_s: 10              # ... windows, delays, step, hysteresis: see PoolPolicy
+    decode:                            # DecodeWorker
+      max_replicas: 4
+      targets: {num_seqs_per_replica: 32, kv_utilization: 0.85, tpot_p95_ms: 250}
+    worker:                            # Worker (colocated mode): any of the five targets
+
+Every target is per replica; a null target turns its signal off (at least one stays on). The
+decision that reads this is `router.autoscaling.decide.decide`; the Serve options it becomes are
+`router.autoscaling.decide.serve_autoscaling_config`.
+
+`load_policy(path)` raises `PolicyError` naming the file, each bad field, its value and the
+allowed values, in the layout of `serving.config.format_validation_error`, e.g.
+
+    deploy/autoscaling/bad.yaml: invalid autoscaling policy
+      prefill.max_step = 0: Input should be greater than or equal to 1 (allowed: >= 1 and <= 64)
+      decode.targets.tpot_ms = 200: unknown key; remove it or fix its spelling (allowed keys: ...)
+"""
+
+from __future__ import annotations
+
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import annotated_types
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "PoolName",
+    "PrefillTargets",
+    "DecodeTargets",
+    "WorkerTargets",
+    "PoolPolicy",
+    "PrefillPoolPolicy",
+    "DecodePoolPolicy",
+    "WorkerPoolPolicy",
+    "AutoscalingPolicyConfig",
+    "PolicyError",
+    "POOL_POLICIES",
+    "TARGET_SIGNALS",
+    "load_policy",
+    "parse_policy",
+    "format_policy_error",
+]
+
+PoolName = Literal["prefill", "decode", "worker"]
+
+
+class PolicyError(ValueError):
+    """A policy file is invalid; the message names the file, field, value and allowed values.
+
+    Not serving.config.ConfigError: this module stays free of torch (serving.config pulls in the
+    engine), because it is imported by the Serve controller and by `kvrelay policy`.
+    """
+
+# Target field -> the per-replica signal it bounds (the keys replicas report; see
+# serving/observability/worker_metrics.py). Every target is "this much per replica".
+TARGET_SIGNALS: dict[str, str] = {
+    "queued_prefill_tokens_per_replica": "queued_prefill_tokens",
+    "ttft_p95_ms": "ttft_p95_ms",
+    "num_seqs_per_replica": "num_seqs",
+    "kv_utilization": "kv_utilization",
+    "tpot_p95_ms": "tpot_p95_ms",
+}
+
+
+class _FieldError(ValueError):
+    """A cross-field check that failed on one field: reported under that field's path."""
+
+    def __init__(self, field: str, value: Any, message: str):
+        super().__init__(f"{field} = {value!r}: {message}")
+        self.field, self.value, self.message = field, value, message
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ---- targets ---------------------------------------------------------------------------------
+_TTFT = dict(
+    gt=0, le=600_000,
+    description="TTFT p95 per replica in ms (arrival at the engine to first token, over the "
+    "replica's recent requests). null: not a scaling signal.",
+)
+_QUEUED = dict(
+    ge=1, le=10_000_000,
+    description="Prompt tokens waiting to be prefilled per replica (waiting and running "
+    "sequences' uncomputed prompt tokens). null: not a scaling signal.",
+)
+_SEQS = dict(
+    gt=0, le=65_536,
+    description="Running + waiting sequences per replica. null: not a scaling signal.",
+)
+_KV = dict(
+    gt=0, le=1,
+    description="Fraction of the KV cache blocks in use per replica. null: not a scaling signal.",
+)
+_TPOT = dict(
+    gt=0, le=60_000,
+    description="TPOT p95 per replica in ms ((finish - first token) / (tokens - 1) over recent "
+    "requests). null: not a scaling signal.",
+)
+
+
+class _Targets(_Strict):
+    @model_validator(mode="after")
+    def _at_least_one(self):
+        if all(value is None for value in self.model_dump().values()):
+            raise ValueError(
+                f"every target is null; set at least one of {', '.join(type(self).model_fields)}"
+            )
+        return self
+
+    def by_signal(self) -> dict[str, float]:
+        """Signal name -> target, for the targets that are set."""
+        return {TARGET_SIGNALS[k]: float(v) for k, v in self.model_dump().items() if v is not None}
+
+
+class PrefillTargets(_Targets):
+    ttft_p95_ms: float | None = Field(2000.0, **_TTFT)
+    queued_prefill_tokens_per_replica: int | None = Field(4096, **_QUEUED)
+
+
+class DecodeTargets(_Targets):
+    num_seqs_per_replica: float | None = Field(32.0, **_SEQS)
+    kv_utilization: float | None = Field(0.85, **_KV)
+    tpot_p95_ms: float | None = Field(250.0, **_TPOT)
+
+
+class WorkerTargets(_Targets):
+    ttft_p95_ms: float | None = Field(2000.0, **_TTFT)
+    queued_prefill_tokens_per_replica: int | None = Field(4096, **_QUEUED)
+    num_seqs_per_replica: float | None = Field(32.0, **_SEQS)
+    kv_utilization: float | None = Field(0.85, **_KV)
+    tpot_p95_ms: float | None = Field(250.0, **_TPOT)
+
+
+# ---- pools -----------------------------------------------------------------------------------
+class PoolPolicy(_Strict):
+    """Bounds, windows and delays of one pool; `targets` is added per pool below."""
+
+    min_replicas: int = Field(
+        1, ge=1, le=256,
+        description="Fewest replicas (also the count at deploy). Scale to zero is not supported: "
+        "the signals come from the replicas themselves.",
+    )
+    max_replicas: int = Field(
+        ..., ge=1, le=256,
+        description="Most replicas. Each replica reserves its pool's num_cpus/num_gpus, so the "
+        "cluster must have room for max_replicas of them.",
+    )
+    max_step: int = Field(
+        2, ge=1, le=64, description="Most replicas added by one scale-up (scale-down is always one)."
+    )
+    window_s: float = Field(
+        30.0, ge=0.5, le=3600,
+        description="Each replica's signals are averaged over this many recent seconds "
+        "(Serve's look_back_period_s).",
+    )
+    metrics_interval_s: float = Field(
+        5.0, ge=0.1, le=60,
+        description="How often replicas push their signals to the Serve controller (Serve's "
+        "metrics_interval_s); must be below window_s.",
+    )
+    stale_after_s: float = Field(
+        30.0, ge=0.5, le=3600,
+        description="A replica whose newest sample is older than this counts as not reporting, "
+        "and the pool holds its size; at least 2 x metrics_interval_s.",
+    )
+    upscale_delay_s: float = Field(
+        10.0, ge=0, le=3600,
+        description="Demand must stay above capacity this long before a scale-up (a shorter "
+        "spike is ignored).",
+    )
+    upscale_cooldown_s: float = Field(
+        30.0, ge=0, le=3600,
+        description="Least time between two scale-ups: new replicas start and the latency "
+        "windows refresh before more are added.",
+    )
+    downscale_delay_s: float = Field(
+        120.0, ge=0, le=86_400,
+        description="Demand must stay below the downscale threshold this long before each "
+        "one-replica scale-down; the clock restarts after every scaling action.",
+    )
+    downscale_threshold: float = Field(
+        0.7, gt=0, lt=1,
+        description="Scale down only if, with one replica fewer, demand would stay at or below "
+        "this fraction of the targets (hysteresis against flapping).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.max_replicas < self.min_replicas:
+            raise _FieldError(
+                "max_replicas", self.max_replicas,
+                f"below min_replicas = {self.min_replicas} (allowed: >= {self.min_replicas} and <= 256)",
+            )
+        if self.metrics_interval_s >= self.window_s:
+            raise _FieldError(
+                "metrics_interval_s", self.metrics_interval_s,
+                f"not below window_s = {self.window_s} (allowed: >= 0.1 and < {self.window_s})",
+            )
+        if self.stale_after_s < 2 * self.metrics_interval_s:
+            raise _FieldError(
+                "stale_after_s", self.stale_after_s,
+                f"below 2 x metrics_interval_s, so fresh data would look stale (allowed: >= "
+                f"{2 * self.metrics_interval_s} and <= 3600)",
+            )
+        return self
+
+    def target_by_signal(self) -> dict[str, float]:
+        return self.targets.by_signal()  # type: ignore[attr-defined]  # every subclass has targets
+
+
+class PrefillPoolPolicy(PoolPolicy):
+    targets: PrefillTargets = Field(
+        default_factory=PrefillTargets, description="Per-replica targets of the prefill pool."
+    )
+
+
+class DecodePoolPolicy(PoolPolicy):
+    targets: DecodeTargets = Field(
+        default_factory=DecodeTargets, description="Per-replica targets of the decode pool."
+    )
+
+
+class WorkerPoolPolicy(PoolPolicy):
+    targets: WorkerTargets = Field(
+        default_factory=WorkerTargets, description="Per-replica targets of the colocated pool."
+    )
+
+
+POOL_POLICIES: dict[str, type[PoolPolicy]] = {
+    "prefill": PrefillPoolPolicy, "decode": DecodePoolPolicy, "worker": WorkerPoolPolicy,
+}
+
+
+class AutoscalingPolicyConfig(_Strict):
+    name: str = Field(
+        "default", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Policy name, for logs and metrics."
+    )
+    prefill: PrefillPoolPolicy | None = Field(None, description="PrefillWorker pool; null: fixed replicas.")
+    decode: DecodePoolPolicy | None = Field(None, description="DecodeWorker pool; null: fixed replicas.")
+    worker: WorkerPoolPolicy | None = Field(None, description="Worker pool (colocated); null: fixed replicas.")
+
+    @model_validator(mode="after")
+    def _some_pool(self):
+        if self.prefill is None and self.decode is None and self.worker is None:
+            raise ValueError("no pool is configured; add at least one of prefill, decode, worker")
+        return self
+
+    def pool(self, name: PoolName) -> PoolPolicy | None:
+        return getattr(self, name)
+
+
+# ---- loading ---------------------------------------------------------------------------------
+def load_policy(path: str | os.PathLike) -> AutoscalingPolicyConfig:
+    """Read and validate a policy file; every problem is a PolicyError naming the file."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise PolicyError(f"{path}: cannot read the autoscaling policy ({exc.strerror})") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise PolicyError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        kind = "empty" if data is None else type(data).__name__
+        raise PolicyError(f"{path}: the top level must be a mapping with prefill/decode/worker sections, got {kind}")
+    return parse_policy(data, str(path))
+
+
+def parse_policy(data: dict[str, Any], where: str = "policy") -> AutoscalingPolicyConfig:
+    try:
+        return AutoscalingPolicyConfig.model_validate(data)
+    except ValidationError as exc:
+        raise PolicyError(format_policy_error(exc, where)) from exc
+
+
+def format_policy_error(exc: ValidationError, where: str) -> str:
+    """serving.config.format_validation_error's layout, plus the allowed values of each field."""
+    lines = [f"{where}: invalid autoscaling policy"]
+    for err in exc.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        field = ".".join(loc) or "(top level)"
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) or err["type"] == "missing" else f" = {value!r}"
+        if err["type"] == "extra_forbidden":
+            keys = _field_names(loc[:-1])
+            hint = "unknown key; remove it or fix its spelling" + (f" (allowed keys: {', '.join(keys)})" if keys else "")
+        elif err["type"] == "value_error" and isinstance(err["ctx"]["error"], _FieldError):
+            error = err["ctx"]["error"]
+            field = ".".join((*loc, error.field))
+            shown, hint = f" = {error.value!r}", error.message
+        elif err["type"] == "value_error":
+            hint = str(err["ctx"]["error"])
+        else:
+            hint = err["msg"]
+            allowed = _allowed(loc)
+            if allowed:
+                hint += f" (allowed: {allowed})"
+        lines.append(f"  {field}{shown}: {hint}")
+    return "\n".join(lines)
+
+
+def _resolve(loc: tuple[str, ...]):
+    """The model class at `loc` and the FieldInfo of its last part (None where loc leaves models)."""
+    model: type[BaseModel] | None = AutoscalingPolicyConfig
+    info = None
+    for part in loc:
+        if model is None or part not in model.model_fields:
+            return None, None
+        info = model.model_fields[part]
+        model = _model_in(info.annotation)
+    return model, info
+
+
+def _model_in(annotation) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            found = _model_in(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _field_names(loc: tuple[str, ...]) -> list[str]:
+    if not loc:
+        return list(AutoscalingPolicyConfig.model_fields)
+    model, _ = _resolve(loc)
+    return list(model.model_fields) if model is not None else []
+
+
+def _allowed(loc: tuple[str, ...]) -> str:
+    # Pydantic appends the failing type to loc for unions ("prefill.targets.ttft_p95_ms.float").
+    for end in range(len(loc), 0, -1):
+        _, info = _resolve(loc[:end])
+        if info is not None:
+            break
+    else:
+        return ""
+    bounds = []
+    for meta in info.metadata:
+        for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            value = getattr(meta, attr, None)
+            if isinstance(meta, annotated_types.BaseMetadata) and value is not None:
+                bounds.append(f"{op} {value}")
+    if not bounds:
+        return ""
+    nullable = type(None) in typing.get_args(info.annotation)
+    return " and ".join(bounds) + (", or null" if nullable else "")

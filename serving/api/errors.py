@@ -1,0 +1,163 @@
+"""Errors of the serving layer and their one mapping to OpenAI's HTTP error body.
+
+    APIError                    carries status, type, param, code; rendered as {"error": {...}}
+    ├── (from InvalidRequestError)   400 invalid_request_error, `param` names the field
+    ├── (from ContextLengthError)    400 context_length_exceeded, both numbers in the message
+    ├── ModelNotFoundError           404 model_not_found
+    ├── QueueFullError               429 with Retry-After
+    ├── NoWorkerError                503 no replica of a pool is alive
+    ├── ShedError                    503 with Retry-After: shed by graceful degradation (serving/api/degradation.py)
+    ├── (from RequestFailedError)    500 request_failed: this request alone failed in a step
+    ├── (from EngineDeadError)       503 engine_dead: the replica's step loop stopped
+    └── AuthenticationError          401 invalid_api_key
+
+Workers never raise across Ray: they return `WorkerError` values, which the ingress turns back
+into the engine's exceptions (so a local engine and a remote one fail the same way), and only
+the HTTP layer maps exceptions to status codes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from serving.engine.errors import ContextLengthError, EngineDeadError, EngineError, InvalidRequestError, RequestFailedError
+
+__all__ = [
+    "APIError",
+    "ModelNotFoundError",
+    "QueueFullError",
+    "NoWorkerError",
+    "ShedError",
+    "AuthenticationError",
+    "WorkerError",
+    "error_status",
+    "to_api_error",
+]
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ModelNotFoundError(APIError):
+    def __init__(self, model: str, available: list[str]):
+        super().__init__(
+            404,
+            f"The model {model!r} does not exist. Available models: {', '.join(available)}.",
+            param="model", code="model_not_found",
+        )
+
+
+class QueueFullError(APIError):
+    def __init__(self, pool: str, retry_after_s: int = 1):
+        self.pool = pool
+        super().__init__(
+            429,
+            f"The {pool} pool's queues are full; retry after {retry_after_s} s.",
+            type="rate_limit_error", code="queue_full",
+            headers={"Retry-After": str(retry_after_s)},
+        )
+
+
+class NoWorkerError(APIError):
+    def __init__(self, pool: str, detail: str = ""):
+        self.pool = pool
+        message = f"No {pool} replica is alive to serve this request"
+        super().__init__(
+            503, message + (f": {detail}" if detail else "") + "; retry once the pool has recovered.",
+            type="service_unavailable_error", code="no_worker",
+        )
+
+
+class ShedError(APIError):
+    """A request graceful degradation refused because its priority is low while the pools are
+    saturated or down; `x-kvrelay-degraded` names which."""
+
+    def __init__(self, reason: str, priority: int, threshold: int, retry_after_s: int):
+        super().__init__(
+            503,
+            f"The pools are {reason}: requests with priority >= {threshold} are shed first (lower "
+            f"values are more important; this one has {priority}). Retry after {retry_after_s} s.",
+            type="service_unavailable_error", code="request_shed",
+            headers={"Retry-After": str(retry_after_s), "x-kvrelay-degraded": reason},
+        )
+
+
+class AuthenticationError(APIError):
+    def __init__(self, message: str):
+        super().__init__(401, message, type="invalid_request_error", code="invalid_api_key")
+
+
+@dataclass
+class WorkerError:
+    """An error a worker returns as a value (Ray would otherwise wrap and re-type it)."""
+
+    kind: str  # "invalid" | "context_length" | "failed" | "dead" | "internal"
+    message: str
+    param: str | None = None
+    num_tokens: int | None = None
+    limit: int | None = None
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> WorkerError:
+        if isinstance(exc, ContextLengthError):
+            return cls("context_length", exc.message, exc.param, exc.num_tokens, exc.limit)
+        if isinstance(exc, InvalidRequestError):
+            return cls("invalid", exc.message, exc.param)
+        if isinstance(exc, RequestFailedError):
+            return cls("failed", str(exc))
+        if isinstance(exc, EngineDeadError):
+            return cls("dead", str(exc))
+        return cls("internal", f"{type(exc).__name__}: {exc}")
+
+    def to_exception(self) -> Exception:
+        if self.kind == "context_length":
+            return ContextLengthError(self.param or "messages", self.message, num_tokens=self.num_tokens or 0, limit=self.limit or 0)
+        if self.kind == "invalid":
+            return InvalidRequestError(self.param or "request", self.message)
+        if self.kind == "failed":
+            return RequestFailedError(self.message)
+        if self.kind == "dead":
+            return EngineDeadError(self.message)
+        return RuntimeError(self.message)
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """The one place an exception becomes an HTTP status."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ContextLengthError):
+        return APIError(400, exc.message, param=exc.param, code="context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, f"{exc.param}: {exc.message}", param=exc.param, code="invalid_value")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), type="internal_error", code="request_failed")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"The engine stopped: {exc}", type="service_unavailable_error", code="engine_dead")
+    if isinstance(exc, EngineError):
+        return APIError(500, str(exc), type="internal_error")
+    return APIError(500, f"Internal error: {type(exc).__name__}: {exc}", type="internal_error")
+
+
+def error_status(exc: BaseException) -> int:
+    """The HTTP status a request failing with `exc` answers."""
+    return to_api_error(exc).status

@@ -1,0 +1,177 @@
+"""HTTP plumbing of the OpenAI API: parsing bodies into OpenAI-shaped errors, and streaming deltas
+as server-sent events.
+
+    read_json / parse_body    body bytes -> dict -> wire model; failures become APIErrors
+                              (422 + `detail` for malformed JSON, 400 naming the field otherwise)
+    first_delta / chain_deltas
+                              pull the first delta before answering, so a failure before any
+                              token is an HTTP status and not an SSE event
+    merge_deltas              interleave several prompts' streams (completions with a list prompt)
+    sse_response              `data: {...}` events, an `error` event on a late failure, `[DONE]`
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from serving.api.errors import APIError, to_api_error
+from serving.api.pipeline import ChoiceDelta
+
+__all__ = [
+    "read_json", "parse_body", "param_name", "split_prompts", "error_response", "finite_logprob",
+    "first_delta", "chain_deltas", "merge_deltas", "sse_response",
+]
+
+logger = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def read_json(request: Request, max_bytes: int) -> dict:
+    raw = await request.body()
+    if len(raw) > max_bytes:
+        raise APIError(413, f"The request body has {len(raw)} bytes; the limit is {max_bytes}.", code="request_too_large")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        error = APIError(422, f"The request body is not valid JSON: {exc}", code="invalid_json")
+        error.detail = [{"type": "json_invalid", "loc": ["body", getattr(exc, "pos", 0)], "msg": "JSON decode error", "input": {}, "ctx": {"error": str(exc)}}]
+        raise error from exc
+    if not isinstance(body, dict):
+        raise APIError(422, f"The request body must be a JSON object, got {type(body).__name__}.", code="invalid_json")
+    return body
+
+
+def parse_body(model, body: dict):
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = param_name(err["loc"])
+        value = err.get("input")
+        shown = "" if isinstance(value, (dict, list)) or err["type"] == "missing" else f" (got {value!r})"
+        error = APIError(400, f"{param}: {err['msg']}{shown}", param=param, code="invalid_value")
+        raise error from exc
+
+
+def param_name(loc: tuple) -> str:
+    # pydantic adds the union member's type to the path (`content.str`); keep only the fields.
+    name = ""
+    for part in loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif part in ("str", "list[TextPart]", "list[str]", "list[int]", "list[list[int]]", "int", "float", "bool", "function-after", "literal"):
+            continue
+        else:
+            name += ("." if name else "") + str(part)
+    return name or "body"
+
+
+def split_prompts(prompt) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def error_response(error: APIError) -> JSONResponse:
+    body = error.body()
+    detail = getattr(error, "detail", None)
+    if detail is not None:
+        body["detail"] = detail
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+def finite_logprob(value: float) -> float:
+    return max(value, -9999.0)  # -inf is not valid JSON; OpenAI reports -9999.0
+
+
+async def first_delta(deltas: AsyncIterator[ChoiceDelta]) -> ChoiceDelta | None:
+    """The first delta, so failures before any token become an HTTP status, not an SSE event."""
+    try:
+        return await anext(deltas)
+    except StopAsyncIteration:
+        return None
+    except BaseException:
+        await deltas.aclose()
+        raise
+
+
+async def chain_deltas(first: ChoiceDelta | None, rest: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
+    if first is not None:
+        yield first
+        async for delta in rest:
+            yield delta
+
+
+async def merge_deltas(streams: list[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[ChoiceDelta]:
+    """Interleave several prompts' deltas as they come; closing it closes them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream):
+        try:
+            async for item in stream:
+                await queue.put(item)
+            await queue.put(done)
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        # A pump still inside its stream owns it (aclose() from here raises "already running");
+        # cancelling the pump ends the stream, which aborts its request.
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+def sse_response(
+    chunks: AsyncIterator[dict], deltas: AsyncIterator[ChoiceDelta], on_close: Callable[[int, str | None], None],
+) -> StreamingResponse:
+    """`deltas` is closed explicitly: a disconnect can cancel us while `chunks` waits at a yield,
+    and closing it would not reach the generator it iterates over. `on_close(200, error)` runs
+    once the stream has ended, however it ended."""
+
+    async def body():
+        failure = None
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        except asyncio.CancelledError:
+            failure = "the client disconnected"
+            raise
+        except Exception as exc:
+            error = to_api_error(exc)
+            failure = error.message
+            logger.warning("stream failed after its first token: %s", error.message)
+            yield f"data: {json.dumps(error.body())}\n\n"
+        finally:
+            await chunks.aclose()
+            await deltas.aclose()
+            on_close(200, failure)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=_SSE_HEADERS)

@@ -1,0 +1,325 @@
+"""The ingress's request pipeline, independent of HTTP and of Ray.
+
+    messages ─chat template─▶ prompt ids ─validate─▶ Backend.generate(WorkerRequest)
+                                                          │ token ids (+ logprobs), per choice
+                   ChoiceDelta (text, tokens) ◀─detokenize, stop strings─┘
+
+Workers return token ids only (`SamplingParams.detokenize=False`, no stop strings). The ingress
+owns the text: one IncrementalDetokenizer and StopChecker per choice, fed from the prompt on.
+That is what makes stop strings correct across the prefill→decode hand-off, where the first
+token comes from one engine and the rest from another. A stop string ends the choice here;
+once every choice has ended the backend stream is closed, which aborts the request remotely.
+
+A Backend is where the tokens come from: `LocalBackend` (an in-process AsyncEngine, for tests
+and embedding) or `ServeBackend` (prefill/decode pools behind Serve handles).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from serving.api.protocol import ChatMessage, message_text
+from serving.engine.block_hash import hash_blocks
+from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.engine.errors import ContextLengthError, InvalidRequestError
+from serving.engine.outputs import RequestOutput, TokenLogprob
+from serving.engine.params import SamplingParams
+from serving.engine.stop_checker import StopChecker
+from serving.engine.validation import validate_request
+from serving.observability.tracing import RequestTrace
+
+__all__ = ["ModelInfo", "WorkerRequest", "Backend", "ChoiceDelta", "Usage", "Frontend"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the ingress must know of the workers' engines to validate a request."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    block_size: int
+
+
+@dataclass
+class WorkerRequest:
+    """What crosses from the ingress to a worker: ids and sampling params, no text."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.time)  # wall clock, comparable across nodes
+    # Routing: the prompt's chained block hashes, computed once at the ingress with the engines'
+    # block size and extra keys (router/index.py), and the session-affinity key (`user`).
+    block_hashes: list[int] = field(default_factory=list)
+    block_size: int = 16
+    session: str | None = None
+    # The ingress span's W3C context (serving/observability/tracing.py), so workers continue the trace; None
+    # when tracing is off.
+    trace_context: dict[str, str] | None = None
+    # The ingress replica that sent it (serving/deployments/caller_watch.py): workers abort it if that dies.
+    caller: tuple[str, str] | None = None
+
+
+class Backend(Protocol):
+    async def model_info(self) -> ModelInfo: ...
+
+    def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
+        """Token-id outputs; raises engine errors (InvalidRequestError, ...) or APIErrors.
+        Closing the iterator early aborts the request everywhere it runs."""
+        ...
+
+    async def health(self) -> dict[str, Any]:
+        """Per pool, whether a replica is alive; raises NoWorkerError when one is not."""
+        ...
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, other: Usage) -> None:
+        self.prompt_tokens += other.prompt_tokens
+        self.completion_tokens += other.completion_tokens
+        self.cached_tokens += other.cached_tokens
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+class _Choice:
+    """Text state of one choice at the ingress."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams):
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens
+        )
+        # Only stop strings are checked here; stop tokens, EOS and length are the engine's.
+        text_params = SamplingParams(
+            stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens, max_tokens=None,
+        )
+        self.checker = StopChecker(text_params, (), max_tokens=2**62)
+        self.num_tokens = 0
+        self.finished = False
+
+
+class Frontend:
+    def __init__(self, tokenizer, backend: Backend, model_name: str):
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.model_name = model_name
+        self._info: ModelInfo | None = None
+        self._info_lock = asyncio.Lock()
+
+    async def model_info(self) -> ModelInfo:
+        if self._info is None:
+            async with self._info_lock:
+                if self._info is None:
+                    self._info = await self.backend.model_info()
+        return self._info
+
+    # ---- prompts -----------------------------------------------------------------------------
+    def encode_chat(
+        self, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[int]:
+        conversation = [
+            {"role": "system" if m.role == "developer" else m.role, "content": message_text(m, i)}
+            for i, m in enumerate(messages)
+        ]
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidRequestError(
+                "messages", "this model has no chat template; use /v1/completions with a prompt"
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+        except Exception as exc:  # jinja2 errors from a template's raise_exception(...)
+            raise InvalidRequestError("messages", f"the chat template rejected them: {exc}") from exc
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt).input_ids
+        return list(prompt)
+
+    async def validate(self, prompt_ids: list[int], params: SamplingParams, *, prompt_param: str = "messages") -> None:
+        """`prompt_param` is the request field the prompt came from, named in errors about it
+        (the engine knows only token ids: it says "messages" or "prompt_token_ids")."""
+        info = await self.model_info()
+        try:
+            validate_request(
+                prompt_ids, [], params, hold_kv=False, kv_payload=None, vocab_size=info.vocab_size,
+                max_model_len=info.max_model_len, kv_layout=None,
+            )
+        except ContextLengthError as exc:
+            if exc.param != "messages" or prompt_param == "messages":
+                raise
+            raise ContextLengthError(prompt_param, exc.message, num_tokens=exc.num_tokens, limit=exc.limit) from None
+        except InvalidRequestError as exc:
+            if exc.param not in ("prompt", "prompt_token_ids") or exc.param == prompt_param:
+                raise
+            raise InvalidRequestError(prompt_param, exc.message) from None
+
+    # ---- generation --------------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        usage: Usage,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        index_offset: int = 0,
+        session: str | None = None,
+        trace: RequestTrace | None = None,
+    ) -> AsyncIterator[ChoiceDelta]:
+        """Validate, run and detokenize one prompt; `usage` is filled in as tokens arrive."""
+        await self.validate(prompt_ids, params)
+        usage.prompt_tokens += len(prompt_ids)
+        worker_params = replace(params, stop=[], include_stop_str_in_output=False, detokenize=False)
+        info = await self.model_info()
+        request = WorkerRequest(
+            request_id, prompt_ids, worker_params, priority, cache_salt,
+            block_hashes=hash_blocks(prompt_ids, info.block_size, (cache_salt,) if cache_salt else ()),
+            block_size=info.block_size, session=session,
+            trace_context=trace.carrier() if trace is not None else None,
+        )
+        choices = [_Choice(self.tokenizer, prompt_ids, params) for _ in range(params.n)]
+        stream = self.backend.generate(request)
+        num_cached: int | None = None  # from the first output: where the prompt was computed
+        detok = _DetokenizeTimer() if trace is not None else None
+        try:
+            async for out in stream:
+                if num_cached is None:
+                    num_cached = out.num_cached_tokens
+                for completion in out.outputs:
+                    choice = choices[completion.index]
+                    if choice.finished:
+                        continue
+                    if detok is not None:
+                        delta = detok.time(self._advance, choice, completion)
+                    else:
+                        delta = self._advance(choice, completion)
+                    usage.completion_tokens += len(delta.token_ids)
+                    delta.index += index_offset
+                    yield delta
+                if all(c.finished for c in choices):
+                    return
+        finally:
+            usage.cached_tokens += num_cached or 0
+            await stream.aclose()
+            if detok is not None:
+                detok.record(trace, request_id)
+
+    def _advance(self, choice: _Choice, completion) -> ChoiceDelta:
+        texts: list[str] = []
+        token_ids = completion.token_ids
+        logprobs = completion.logprobs
+        finish_reason = completion.finish_reason
+        stop_reason = completion.stop_reason
+        ends_on_stop_token = finish_reason == "stop" and not isinstance(stop_reason, str)
+        for i, token_id in enumerate(token_ids):
+            choice.num_tokens += 1
+            if ends_on_stop_token and i == len(token_ids) - 1:
+                break  # EOS / stop token: counted, not shown
+            result = choice.checker.check(token_id, choice.detokenizer.step([token_id]), choice.num_tokens)
+            texts.append(result.text)
+            if result.finished:
+                token_ids = token_ids[: i + 1]
+                logprobs = logprobs[: i + 1] if logprobs else logprobs
+                finish_reason, stop_reason = "stop", result.stop_reason
+                choice.finished = True
+                break
+        if not choice.finished and finish_reason is not None:
+            texts.append(choice.checker.flush() + choice.detokenizer.flush())
+            choice.finished = True
+        return ChoiceDelta(completion.index, "".join(texts), list(token_ids), logprobs, finish_reason, stop_reason)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes. A token holding part of a character decodes to U+FFFD, whose
+        UTF-8 (EF BF BD) is not its bytes; OpenAI's `bytes` exists to join such tokens."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if _BYTE_FALLBACK_PIECE.fullmatch(piece):  # SentencePiece: <0xF0>
+            return bytes([int(piece[3:5], 16)])
+        if all(c in _BYTE_LEVEL_CHARS for c in piece):  # byte-level BPE: one character per byte
+            return bytes(_BYTE_LEVEL_CHARS[c] for c in piece)
+        return text.encode("utf-8")
+
+
+
+class _DetokenizeTimer:
+    """The detokenize stage of one prompt (only when tracing): detokenization runs a little after
+    every engine step, so the span covers the first output to the last delta and
+    `kvrelay.detokenize.busy_ms` says how much of that was spent in it."""
+
+    def __init__(self):
+        self.start_ns: int | None = None
+        self.end_ns = 0
+        self.busy_ns = 0
+        self.num_tokens = 0
+
+    def time(self, advance, choice: _Choice, completion) -> ChoiceDelta:
+        start = time.time_ns()
+        if self.start_ns is None:
+            self.start_ns = start
+        delta = advance(choice, completion)
+        self.end_ns = time.time_ns()
+        self.busy_ns += self.end_ns - start
+        self.num_tokens += len(delta.token_ids)
+        return delta
+
+    def record(self, trace: RequestTrace, request_id: str) -> None:
+        if self.start_ns is not None:
+            trace.record("detokenize", self.start_ns, self.end_ns, {
+                "kvrelay.request_id": request_id, "kvrelay.detokenize.busy_ms": self.busy_ns / 1e6,
+                "kvrelay.detokenize.num_tokens": self.num_tokens,
+            })
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: printable bytes stand for themselves, the other
+    bytes are written as chr(256 + k) in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + k): b for k, b in enumerate(others)}
+
+
+_BYTE_LEVEL_CHARS = _byte_level_chars()
+_BYTE_FALLBACK_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")

@@ -1,0 +1,377 @@
+"""The OpenAI-compatible HTTP API: routes, response shapes, SSE, and the error mapping.
+
+    POST /v1/chat/completions   chat.completion / chat.completion.chunk (SSE)
+    POST /v1/completions        text_completion (SSE when stream)
+    GET  /v1/models             the served model
+    GET  /v1/usage              totals for the caller's API key, or every key's for an admin key
+    GET  /health                200 when every pool has a live replica, else 503
+    GET  /metrics               Prometheus exposition (serving/observability/metrics.py, serving/observability/export.py)
+
+Bodies are parsed by serving/api/http_io.py, not by FastAPI, so every failure has OpenAI's error shape:
+malformed JSON is a 422 with a `detail` list as FastAPI would give; a field of the wrong type or
+out of range is a 400 whose `param` names it. A streaming request is answered with an HTTP error
+status if it fails before its first token; after that, failures arrive as an SSE `error` event
+followed by `data: [DONE]`.
+
+Each request is billed to its API key (serving/api/usage.py) when its tokens are final: answered 200,
+or ended early (the client left, or it failed mid-generation) after its first token, for the
+tokens it got;
+with a pricing file its cost is in `usage.cost` and, unless streamed (headers leave before the
+tokens are known), in the `x-kvrelay-cost` header. With tracing on (serving/observability/tracing.py) each
+request is one trace: the `ingress` span covers it until its response or stream ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import prometheus_client
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+from serving.api.degradation import Degrader
+from serving.api.errors import APIError, AuthenticationError, ModelNotFoundError, error_status, to_api_error
+from serving.api.forwarding import Forwarder
+from serving.api.http_io import chain_deltas, error_response, finite_logprob, first_delta, merge_deltas, parse_body, read_json, split_prompts, sse_response
+from serving.api.pipeline import ChoiceDelta, Frontend, Usage
+from serving.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
+from serving.api.usage import ANONYMOUS, ModelPrice, RequestAccount, UsageLedger, load_pricing, redact_key
+from serving.config import ServeConfig
+from serving.engine.outputs import TokenLogprob
+from serving.observability import tracing
+from serving.observability.metrics import CLIENT_CLOSED, IngressMetrics, RequestRecord
+
+__all__ = ["OpenAIServer"]
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class _Call:
+    """One API request at the ingress: who pays for it, and its trace."""
+
+    account: RequestAccount
+    trace: tracing.RequestTrace | None
+    record: RequestRecord  # its metrics: recorded when its response or stream ends
+
+    def finish(self, status_code: int = 200, error: str | None = None) -> None:
+        """Its response is complete (built, or its stream ended): bill it, end its trace."""
+        self.account.settle()
+        if self.trace is not None:
+            usage = self.account.usage
+            if usage is not None:
+                self.trace.set({"gen_ai.usage.input_tokens": usage.prompt_tokens, "gen_ai.usage.output_tokens": usage.completion_tokens})
+            self.trace.end(status_code, error)
+
+
+class OpenAIServer:
+    """`price`: the served model's prices; default: from `config.pricing` (the deployment
+    passes them parsed, so replicas need not read the file). `fallback`: the transport to the
+    degradation fallback's app (serving/api/forwarding.py), None without one."""
+
+    def __init__(self, frontend: Frontend, config: ServeConfig, price: ModelPrice | None = None,
+                 fallback: Forwarder | None = None):
+        self.frontend = frontend
+        self.config = config
+        self.model_name = config.model_name
+        self._api_keys = frozenset(config.api_keys) | frozenset(config.admin_api_keys)
+        self._admin_keys = frozenset(config.admin_api_keys)
+        if price is None and config.pricing:
+            price = load_pricing(config.pricing).price_for(self.model_name, config.pricing)
+        self.price = price
+        self.usage = UsageLedger()
+        self._created = int(time.time())
+        self.metrics = IngressMetrics(self.model_name)
+        self.degrader = Degrader(config.degradation, self.model_name, self.metrics, fallback=fallback)
+
+    # ---- the ASGI app ------------------------------------------------------------------------
+    def build_app(self) -> FastAPI:
+        app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(APIError)
+        async def _api_error(request: Request, exc: APIError):
+            return error_response(exc)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            return await self._guard(request, self.degrader.wrap(request, self.chat_completions))
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await self._guard(request, self.degrader.wrap(request, self.completions))
+
+        @app.get("/v1/models")
+        async def models(request: Request):
+            self._authenticate(request)
+            return {"object": "list", "data": [self._model_card()]}
+
+        @app.get("/v1/models/{model:path}")
+        async def model(model: str, request: Request):
+            self._authenticate(request)
+            self._check_model(model)
+            return self._model_card()
+
+        @app.get("/v1/usage")
+        async def usage(request: Request):
+            return self._usage_report(self._authenticate(request))
+
+        @app.get("/metrics")
+        async def metrics():
+            # The 0.0.4 text format: what every Prometheus (and Ray's agent) reads.
+            body = prometheus_client.generate_latest(self.metrics.registry)
+            return Response(body, media_type=CONTENT_TYPE_PLAIN_0_0_4)
+
+        @app.get("/health")
+        async def health():
+            try:
+                pools = await self.frontend.backend.health()
+            except Exception as exc:
+                return error_response(to_api_error(exc))
+            return {"status": "ok", "pools": pools}
+
+        return app
+
+    async def _guard(self, request: Request, handler) -> Response:
+        trace = tracing.start_request(request.headers, {"http.request.method": request.method, "url.path": request.url.path})
+        record = self.metrics.start()
+        call: _Call | None = None
+        try:
+            key = self._authenticate(request)
+            body = await read_json(request, self.config.max_request_body_bytes)
+            call = _Call(RequestAccount(self.usage, key, self.price), trace, record)
+            response = await handler(body, call)
+        except asyncio.CancelledError:
+            if call is not None:
+                call.account.settle_if_generated()  # the client left: it pays for what it got
+            record.finish(CLIENT_CLOSED, "abort")
+            if trace is not None:
+                trace.end(499, "the client disconnected")
+            raise
+        except Exception as exc:
+            error = to_api_error(exc)
+            if call is not None:
+                call.account.settle_if_generated()  # failed mid-generation: the tokens so far
+            record.finish(error.status, "none")  # a no-op if it failed while generating
+            if error.status >= 500:
+                logger.exception("request failed: %s", error.message)
+            if trace is not None:
+                trace.set({"error.type": error.code or error.type})
+                trace.end(error.status, error.message if error.status >= 500 else None)
+            return error_response(error)
+        if not isinstance(response, StreamingResponse):
+            call.finish(response.status_code)  # a stream finishes when its body ends
+        return response
+
+    def _authenticate(self, request: Request) -> str:
+        """The caller's API key; ANONYMOUS when no keys are configured."""
+        if not self._api_keys:
+            return ANONYMOUS
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise AuthenticationError("Missing API key: send 'Authorization: Bearer <key>'.")
+        key = key.strip()
+        if key not in self._api_keys:
+            raise AuthenticationError("Incorrect API key provided.")
+        return key
+
+    def _usage_report(self, key: str) -> dict:
+        """This replica's totals: the caller's key, or every key for an admin key."""
+        is_admin = key in self._admin_keys
+        keys = sorted(set(self.usage.keys()) | {key}) if is_admin else [key]
+        currency = self.price.currency if self.price is not None else None
+        return {
+            "object": "list",
+            "scope": "all" if is_admin else "key",
+            "data": [{"object": "usage.api_key", "api_key": redact_key(k), **self.usage.totals(k).to_dict(currency)} for k in keys],
+            "total": self.usage.sum(keys).to_dict(currency),
+        }
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFoundError(model, [self.model_name])
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "kvrelay"}
+
+    # ---- chat --------------------------------------------------------------------------------
+    async def chat_completions(self, body: dict, call: _Call) -> Response:
+        request = parse_body(ChatCompletionRequest, body)
+        self._check_model(request.model)
+        params = sampling_params(request)
+        with tracing.stage(call.trace, "tokenize"):
+            prompt_ids = self.frontend.encode_chat(
+                request.messages, add_generation_prompt=request.add_generation_prompt,
+                chat_template_kwargs=request.chat_template_kwargs,
+            )
+            await self.frontend.validate(prompt_ids, params)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if call.trace is not None:
+            call.trace.set({"kvrelay.request_id": request_id, "gen_ai.request.model": self.model_name})
+        created = int(time.time())
+        usage = Usage()
+        call.account.track(lambda: usage)
+        deltas = self.frontend.generate(
+            request_id, prompt_ids, params, usage, priority=request.priority, cache_salt=request.cache_salt,
+            session=request.user, trace=call.trace,
+        )
+        deltas = self.metrics.track(call.record, deltas, prompt_tokens=len(prompt_ids), status_of=error_status)
+        base = {"id": request_id, "created": created, "model": self.model_name, "system_fingerprint": None}
+        want_logprobs = params.logprobs is not None
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            first = await first_delta(deltas)
+            return sse_response(self._chat_chunks(base, first, deltas, params.n, call.account, include_usage, want_logprobs), deltas, call.finish)
+
+        texts = [""] * params.n
+        finish: list[str | None] = [None] * params.n
+        logprobs: list[list] = [[] for _ in range(params.n)]
+        async for delta in deltas:
+            texts[delta.index] += delta.text
+            finish[delta.index] = delta.finish_reason or finish[delta.index]
+            if want_logprobs and delta.logprobs:
+                logprobs[delta.index] += self._chat_logprobs(delta.logprobs)
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": texts[i], "refusal": None},
+                "logprobs": {"content": logprobs[i]} if want_logprobs else None,
+                "finish_reason": finish[i],
+            }
+            for i in range(params.n)
+        ]
+        return JSONResponse(
+            {**base, "object": "chat.completion", "choices": choices, "usage": call.account.settle()},
+            headers=call.account.headers(),
+        )
+
+    async def _chat_chunks(
+        self, base: dict, first: ChoiceDelta | None, deltas: AsyncIterator[ChoiceDelta], n: int,
+        account: RequestAccount, include_usage: bool, want_logprobs: bool,
+    ) -> AsyncIterator[dict]:
+        base = {**base, "object": "chat.completion.chunk"}
+        extra = {"usage": None} if include_usage else {}
+        for i in range(n):
+            yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra}
+        async for delta in chain_deltas(first, deltas):
+            choice: dict[str, Any] = {"index": delta.index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}
+            if delta.text:
+                choice["delta"] = {"content": delta.text}
+            if want_logprobs and delta.logprobs:
+                choice["logprobs"] = {"content": self._chat_logprobs(delta.logprobs)}
+            if not delta.text and delta.finish_reason is None and choice["logprobs"] is None:
+                continue  # held back by the detokenizer or a possible stop string
+            yield {**base, "choices": [choice], **extra}
+        if include_usage:
+            yield {**base, "choices": [], "usage": account.settle()}
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprob]) -> list[dict]:
+        entries = []
+        for lp in logprobs:
+            entry = self._token_entry(lp.token_id, lp.logprob)
+            entry["top_logprobs"] = [self._token_entry(t, v) for t, v in lp.top]
+            entries.append(entry)
+        return entries
+
+    def _token_entry(self, token_id: int, logprob: float) -> dict:
+        text = self.frontend.token_text(token_id)
+        return {"token": text, "logprob": finite_logprob(logprob), "bytes": list(self.frontend.token_bytes(token_id))}
+
+    # ---- completions -------------------------------------------------------------------------
+    async def completions(self, body: dict, call: _Call) -> Response:
+        request = parse_body(CompletionRequest, body)
+        self._check_model(request.model)
+        params = sampling_params(request)
+        prompts = split_prompts(request.prompt)
+        if request.echo and request.stream:
+            raise APIError(400, "echo: is not supported with stream", param="echo", code="invalid_value")
+        with tracing.stage(call.trace, "tokenize"):
+            prompt_ids = [self.frontend.encode_prompt(p) for p in prompts]
+            for ids in prompt_ids:
+                await self.frontend.validate(ids, params, prompt_param="prompt")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        if call.trace is not None:
+            call.trace.set({"kvrelay.request_id": request_id, "gen_ai.request.model": self.model_name})
+        created = int(time.time())
+        usages = [Usage() for _ in prompts]
+        streams = [
+            self.frontend.generate(
+                f"{request_id}-{i}", ids, params, usages[i], priority=request.priority,
+                cache_salt=request.cache_salt, index_offset=i * params.n, session=request.user, trace=call.trace,
+            )
+            for i, ids in enumerate(prompt_ids)
+        ]
+        deltas = streams[0] if len(streams) == 1 else merge_deltas(streams)
+        deltas = self.metrics.track(call.record, deltas, prompt_tokens=sum(map(len, prompt_ids)), status_of=error_status)
+        base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name, "system_fingerprint": None}
+        num_choices = params.n * len(prompts)
+        want_logprobs = params.logprobs is not None
+
+        def total_usage() -> Usage:
+            total = Usage()
+            for u in usages:
+                total.add(u)
+            return total
+
+        call.account.track(total_usage)
+
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            first = await first_delta(deltas)
+
+            async def chunks():
+                extra = {"usage": None} if include_usage else {}
+                offsets = [0] * num_choices
+                async for delta in chain_deltas(first, deltas):
+                    lp = None
+                    if want_logprobs and delta.logprobs:
+                        lp = self._completion_logprobs(delta.logprobs, offsets[delta.index])
+                        offsets[delta.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                    if not delta.text and delta.finish_reason is None and lp is None:
+                        continue  # held back by the detokenizer or a possible stop string
+                    yield {**base, "choices": [{"index": delta.index, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason}], **extra}
+                if include_usage:
+                    yield {**base, "choices": [], "usage": call.account.settle()}
+
+            return sse_response(chunks(), deltas, call.finish)
+
+        echoed = [""] * num_choices
+        if request.echo:
+            for i, ids in enumerate(prompt_ids):
+                for j in range(params.n):
+                    echoed[i * params.n + j] = prompts[i] if isinstance(prompts[i], str) else self.frontend.tokenizer.decode(ids)
+        texts = list(echoed)
+        finish: list[str | None] = [None] * num_choices
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(num_choices)]
+        async for delta in deltas:
+            texts[delta.index] += delta.text
+            finish[delta.index] = delta.finish_reason or finish[delta.index]
+            if delta.logprobs:
+                logprobs[delta.index] += delta.logprobs
+        choices = [
+            {
+                "index": i,
+                "text": texts[i],
+                "logprobs": self._completion_logprobs(logprobs[i], len(echoed[i])) if want_logprobs else None,
+                "finish_reason": finish[i],
+            }
+            for i in range(num_choices)
+        ]
+        return JSONResponse({**base, "choices": choices, "usage": call.account.settle()}, headers=call.account.headers())
+
+    def _completion_logprobs(self, logprobs: list[TokenLogprob], offset: int) -> dict:
+        tokens, token_logprobs, top, text_offset = [], [], [], []
+        for lp in logprobs:
+            text = self.frontend.token_text(lp.token_id)
+            tokens.append(text)
+            token_logprobs.append(finite_logprob(lp.logprob))
+            top.append({self.frontend.token_text(t): finite_logprob(v) for t, v in lp.top})
+            text_offset.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}

@@ -1,0 +1,5 @@
+"""The `kvrelay` command."""
+
+from serving.cli.dispatch import main
+
+__all__ = ["main"]

@@ -1,0 +1,145 @@
+"""`kvrelay status`: pools, replicas and their states (from the dashboard), plus queue depth, KV
+usage and TTFT/TPOT p50/p95 per pool, KV hand-offs imported and recomputed, and recoveries (from
+the ingress's /metrics, Prometheus text).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import httpx
+
+from cluster.dashboard import pool_deployments
+
+__all__ = ["fetch_metrics", "histogram_quantile", "parse_metrics", "status_report"]
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+(\S+)')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
+    samples = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if match:
+            labels = dict(_LABEL.findall(match.group(3) or ""))
+            samples.append((match.group(1), labels, float(match.group(4))))
+    return samples
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """Prometheus' histogram_quantile over cumulative (upper bound, count) buckets."""
+    buckets = sorted(buckets)
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    rank = q * buckets[-1][1]
+    prev_bound, prev_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return prev_bound
+            if count == prev_count:
+                return bound
+            return prev_bound + (bound - prev_bound) * (rank - prev_count) / (count - prev_count)
+        prev_bound, prev_count = bound, count
+    return prev_bound
+
+
+def _sum_by(samples, name: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for metric, labels, value in samples:
+        if metric == name:
+            key = labels.get(label, "")
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def _quantiles(samples, name: str, label: str | None = None) -> dict[str, tuple[float | None, float | None]]:
+    groups: dict[str, dict[float, float]] = {}
+    for metric, labels, value in samples:
+        if metric == f"{name}_bucket":
+            key = labels.get(label, "") if label else ""
+            bound = float(labels.get("le", "inf").replace("+Inf", "inf"))
+            groups.setdefault(key, {})
+            groups[key][bound] = groups[key].get(bound, 0.0) + value
+    return {
+        key: (histogram_quantile(0.5, list(b.items())), histogram_quantile(0.95, list(b.items())))
+        for key, b in groups.items()
+    }
+
+
+def status_report(state: dict, app_name: str, metrics_text: str | None) -> str:
+    info = pool_deployments(state, app_name)
+    lines = [f"application {app_name}: {info['app_status']}", ""]
+    samples = parse_metrics(metrics_text) if metrics_text else []
+    running = _sum_by(samples, "kvrelay_num_requests_running", "pool")
+    waiting = _sum_by(samples, "kvrelay_num_requests_waiting", "pool")
+    kv = _sum_by(samples, "kvrelay_kv_cache_usage_ratio", "pool")
+    kv_count = {
+        pool: sum(1 for metric, labels, _ in samples if metric == "kvrelay_kv_cache_usage_ratio" and labels.get("pool") == pool)
+        for pool in kv
+    }
+    header = f"{'pool':<8} {'deployment':<14} {'status':<10} {'replicas':<22} {'running':>7} {'waiting':>7} {'kv use':>7}"
+    lines.append(header)
+    for pool, p in info["pools"].items():
+        replicas = ", ".join(f"{n} {s.lower()}" for s, n in sorted(p["replicas"].items())) or "none"
+        if p["autoscaling"]:
+            replicas += f" [{p['autoscaling'][0]}..{p['autoscaling'][1]}]"
+        kv_use = f"{kv[pool] / kv_count[pool]:.0%}" if pool in kv and kv_count.get(pool) else "-"
+        lines.append(
+            f"{pool:<8} {p['deployment']:<14} {str(p['status']):<10} {replicas:<22} "
+            f"{_fmt(running.get(pool)):>7} {_fmt(waiting.get(pool)):>7} {kv_use:>7}"
+        )
+    if samples:
+        lines.append("")
+        for label, name in (("TTFT", "kvrelay_ttft_seconds"), ("TPOT", "kvrelay_tpot_seconds"), ("E2E", "kvrelay_e2e_request_latency_seconds")):
+            q = _quantiles(samples, name).get("")
+            if q and q[0] is not None:
+                lines.append(f"{label:<5} p50 {q[0] * 1000:8.1f} ms   p95 {q[1] * 1000:8.1f} ms")
+    else:
+        lines += ["", "(no metrics: the ingress's /metrics was not reachable; pass --url)"]
+    handoff = _handoff_line(samples)
+    if handoff:
+        lines += ["", handoff]
+    kernels: dict[tuple[str, str, str], int] = {}
+    for metric, labels, value in samples:
+        if metric == "kvrelay_engine_kernel_info" and value == 1:
+            key = (labels.get("pool", ""), labels.get("kernel_path", ""), labels.get("reason", ""))
+            kernels[key] = kernels.get(key, 0) + 1
+    if kernels:
+        lines.append("")
+        for (pool, path, reason), count in sorted(kernels.items()):
+            lines.append(f"kernels  {pool:<8} {path} x{count} ({reason})")
+    return "\n".join(lines)
+
+
+def _handoff_line(samples) -> str | None:
+    """KV hand-offs imported and recomputed (by reason), and requests that survived a replica's
+    death: what to look at when the KVTransfer actor or a replica died."""
+    transfers = "kvrelay_kv_transfer_seconds"  # a histogram of the successful imports
+    imported = sum(v for m, _, v in samples if m == f"{transfers}_count")
+    fallbacks = _sum_by(samples, "kvrelay_kv_transfer_fallbacks_total", "reason")
+    recovered = _sum_by(samples, "kvrelay_recoveries_total", "kind")
+    if not imported and not fallbacks and not recovered:
+        return None
+    line = f"KV hand-off  {imported:g} imported, {sum(fallbacks.values()):g} recomputed"
+    if fallbacks:
+        line += " (" + ", ".join(f"{reason} {n:g}" for reason, n in sorted(fallbacks.items())) + ")"
+    if recovered:
+        line += "; recovered " + ", ".join(f"{kind} {n:g}" for kind, n in sorted(recovered.items()))
+    return line
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def fetch_metrics(api_url: str, *, timeout_s: float = 10.0) -> str | None:
+    try:
+        response = httpx.get(api_url.rstrip("/") + "/metrics", timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    return response.text if response.status_code == 200 else None

@@ -1,0 +1,108 @@
+"""`build_app`: the Serve application for a ServeConfig.
+
+    serve run serving.deployments.app:build_app config=deploy/local.yaml [mode=colocated decode.num_replicas=2]
+    kvrelay serve --config deploy/local.yaml
+
+`args` (from `serve run` / a Serve config file's `args:`) may name a YAML file under `config`
+and override fields with dotted keys; `KVRELAY_*` environment variables apply last.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from router.autoscaling.decide import serve_autoscaling_config
+from router.autoscaling.policy import load_policy
+from router.request_router import KVAwareRequestRouter, PrefixAwareRequestRouter
+from serving.api.usage import ModelPrice, load_pricing
+from serving.config import PoolConfig, RoutingConfig, ServeConfig, load_config
+from serving.deployments import faults
+from serving.deployments.replicas import DecodeWorker, OpenAIIngress, PrefillWorker, Worker
+from serving.observability import tracing
+
+__all__ = ["build_app", "config_from_args", "REPLICA_ENV"]
+
+# Serve runs a replica's user code on a second event loop in another thread, and a handle's router
+# on a third, by default: every request then crosses threads several times (measured: ~1 ms per
+# request through the ingress on this 2-core machine, within noise; kept because it removes two
+# thread hops per request). Our replicas never block their loop (the
+# engine steps in its own thread), so they run user code and routers on the replica's own loop.
+REPLICA_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+}
+
+
+def config_from_args(args: dict[str, Any] | None) -> ServeConfig:
+    args = dict(args or {})
+    path = args.pop("config", None)
+    return load_config(path, overrides=args)
+
+
+def build_app(args: dict[str, Any] | ServeConfig | None = None) -> Application:
+    config = args if isinstance(args, ServeConfig) else config_from_args(args)
+    data = config.model_dump(mode="json")
+    # Read here, so a bad file fails before anything deploys and replicas need not have it.
+    price = load_pricing(config.pricing).price_for(config.model_name, config.pricing) if config.pricing else None
+    ingress = OpenAIIngress.options(
+        num_replicas=config.ingress.num_replicas,
+        max_ongoing_requests=config.ingress.max_ongoing_requests,
+        ray_actor_options={"num_cpus": config.ingress.num_cpus, "runtime_env": {"env_vars": _replica_env()}},
+    )
+    policy = load_policy(config.autoscaling_policy) if config.autoscaling_policy else None
+    scaling = {pool: serve_autoscaling_config(pool, policy) if policy else None for pool in ("prefill", "decode", "worker")}
+    routing = config.routing
+    prefill_router = _router(PrefixAwareRequestRouter, routing.prefill_policy, routing.prefill_params, routing)
+    if config.mode == "colocated":
+        worker = _pool(Worker, config.worker, prefill_router, scaling["worker"]).bind(data)
+        return ingress.bind(data, None, worker, price=_price_data(price))
+    prefill = _pool(PrefillWorker, config.prefill, prefill_router, scaling["prefill"]).bind(data)
+    decode_router = _router(KVAwareRequestRouter, routing.decode_policy, routing.decode_params, routing)
+    decode = _pool(DecodeWorker, config.decode, decode_router, scaling["decode"]).bind(data)
+    return ingress.bind(data, prefill, decode, price=_price_data(price))
+
+
+def _replica_env() -> dict[str, str]:
+    """REPLICA_ENV plus the builder's OTEL_* variables (serving/observability/tracing.py) and KVRELAY_FAULTS
+    (serving/deployments/faults.py): replicas on a node started elsewhere would not otherwise see them. They
+    show in the Ray dashboard's runtime env: pass exporter credentials (OTEL_EXPORTER_OTLP_HEADERS)
+    another way if that matters."""
+    env = {**REPLICA_ENV, **tracing.otel_env()}
+    if os.environ.get(faults.ENV):  # fault injection, for tests and chaos runs (serving/deployments/faults.py)
+        faults.parse(os.environ[faults.ENV])  # a bad value fails here, not in every replica
+        env[faults.ENV] = os.environ[faults.ENV]
+    return env
+
+
+def _price_data(price: ModelPrice | None) -> dict | None:
+    return price.model_dump(mode="json") if price is not None else None
+
+
+def _router(cls, policy: str, params: dict, routing: RoutingConfig) -> RequestRouterConfig:
+    return RequestRouterConfig(
+        request_router_class=cls,
+        request_router_kwargs={"policy": policy, **params},
+        request_routing_stats_period_s=routing.stats_period_s,
+        request_routing_stats_timeout_s=max(5.0, 4 * routing.stats_period_s),
+    )
+
+
+def _pool(deployment, pool: PoolConfig, router_config: RequestRouterConfig, autoscaling: dict | None = None):
+    actor_options: dict[str, Any] = {"num_cpus": pool.num_cpus, "runtime_env": {"env_vars": _replica_env()}}
+    if pool.num_gpus:
+        actor_options["num_gpus"] = pool.num_gpus
+    if pool.resources:
+        actor_options["resources"] = dict(pool.resources)
+    # With an autoscaling policy, Serve starts min_replicas and the policy moves the count.
+    replicas = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": pool.num_replicas}
+    return deployment.options(
+        **replicas,
+        max_ongoing_requests=pool.max_ongoing_requests,
+        max_queued_requests=pool.max_queued_requests,
+        ray_actor_options=actor_options,
+        request_router_config=router_config,
+    )

@@ -1,0 +1,58 @@
+"""LocalBackend: the Frontend's Backend over an in-process AsyncEngine (no Ray).
+
+For embedding the API in a process of one's own, for unit tests of the HTTP layer, and as the
+in-process reference the serving-overhead benchmark compares the Serve path against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from serving.api.errors import NoWorkerError
+from serving.api.pipeline import ModelInfo, WorkerRequest
+from serving.engine.async_engine import AsyncEngine
+from serving.engine.outputs import RequestOutput
+from serving.observability import tracing
+
+__all__ = ["LocalBackend", "model_info"]
+
+
+class LocalBackend:
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    async def model_info(self) -> ModelInfo:
+        return model_info(self.engine)
+
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
+        if not self.engine.is_alive:
+            raise NoWorkerError("engine", "its step loop has stopped")
+        trace = tracing.continue_trace(request.trace_context, "local", request.request_id)
+        last: RequestOutput | None = None
+        try:
+            # Closed explicitly, not left to garbage collection: closing it is what aborts the request.
+            async with aclosing(self.engine.generate(
+                request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
+                priority=request.priority, cache_salt=request.cache_salt,
+            )) as outputs:
+                async for out in outputs:
+                    last = out
+                    yield out
+        finally:
+            if trace is not None:
+                trace.engine_stages(last.metrics if last else None, prefill=True, decode=True, aborted=last is None or not last.finished)
+
+    async def health(self) -> dict[str, Any]:
+        if not self.engine.is_alive:
+            raise NoWorkerError("engine", "its step loop has stopped")
+        return {"engine": {"RUNNING": 1}}
+
+
+def model_info(engine: AsyncEngine) -> ModelInfo:
+    core = engine.engine
+    return ModelInfo(
+        vocab_size=core.vocab_size, max_model_len=core.max_model_len,
+        eos_token_ids=tuple(core.eos_token_ids), block_size=core.config.block_size,
+    )

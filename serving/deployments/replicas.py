@@ -1,0 +1,131 @@
+"""The Serve deployments: OpenAIIngress, PrefillWorker, DecodeWorker and (colocated) Worker.
+
+Each is a thin shell: the ingress wraps OpenAIServer (serving/api/routes.py) around a Frontend
+and a ServeBackend; the workers wrap EngineWorker (serving/deployments/engine_worker.py). Their options (replicas,
+CPUs, queue limits) are set by `serving.deployments.app.build_app` from the ServeConfig.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from serving.api.errors import WorkerError
+from serving.api.forwarding import ForwardedRequest, serve_forwarded
+from serving.api.pipeline import Frontend, ModelInfo, WorkerRequest
+from serving.config import ServeConfig
+from serving.deployments.cpu_pinning import cores_for_rank, pin_process
+from serving.deployments.kv_transfer import KVHandle
+from serving.observability import tracing
+from serving.observability.metrics import WorkerMetrics
+
+__all__ = ["OpenAIIngress", "PrefillWorker", "DecodeWorker", "Worker"]
+
+logger = logging.getLogger(__name__)
+
+
+class _WorkerDeployment:
+    role = "worker"
+
+    def __init__(self, config: dict):
+        from serving.deployments.engine_worker import EngineWorker
+
+        cfg = ServeConfig.model_validate(config)
+        tracing.setup(self.role)
+        pool = {"prefill": cfg.prefill, "decode": cfg.decode}.get(self.role, cfg.worker)
+        context = serve.get_replica_context()
+        local_rank = context.rank.local_rank if context.rank is not None else 0  # rank on this node
+        cores = cores_for_rank(pool.cpu_affinity, local_rank)
+        if cores is not None:  # before the engine starts its threads: they inherit the mask
+            pin_process(cores, what=f"{self.role} replica (local rank {local_rank})")
+        metrics = WorkerMetrics(cfg.model_name, self.role, context.replica_id.unique_id)
+        self.worker = EngineWorker(self.role, cfg.engine_config(pool), cfg.kv_transfer, cfg.app_name, metrics)
+
+    def model_info(self) -> ModelInfo:
+        return self.worker.model_info()
+
+    def stats(self) -> dict:
+        return self.worker.stats()
+
+    def check_health(self) -> None:
+        self.worker.check_health()
+
+    def record_routing_stats(self) -> dict:
+        return self.worker.routing_stats()
+
+    async def generate(
+        self, request: WorkerRequest, kv: KVHandle | None = None, prior_output_token_ids: list[int] | None = None
+    ) -> AsyncIterator:
+        async for out in self.worker.generate(request, kv, prior_output_token_ids):
+            yield out
+
+    def __del__(self):
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            worker.shutdown()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve calls this every window_s / 5 and pushes the values to the controller, where the
+        pool's autoscaling policy (router/autoscaling/decide.py) reads them."""
+        return self.worker.autoscaling_stats()
+
+
+@serve.deployment(name="PrefillWorker")
+class PrefillWorker(_WorkerDeployment):
+    role = "prefill"
+
+    async def prefill(self, request: WorkerRequest):
+        result = await self.worker.prefill(request)
+        if not isinstance(result, WorkerError):
+            result.replica = serve.get_replica_context().replica_id.unique_id
+        return result
+
+
+@serve.deployment(name="DecodeWorker")
+class DecodeWorker(_WorkerDeployment):
+    role = "decode"
+
+
+@serve.deployment(name="Worker")
+class Worker(_WorkerDeployment):
+    role = "worker"
+
+
+@serve.deployment(name="OpenAIIngress")
+@serve.ingress()
+class OpenAIIngress:
+    def __init__(self, config: dict, prefill, decode, price: dict | None = None):
+        from serving.api.routes import OpenAIServer
+        from serving.api.usage import ModelPrice
+        from serving.deployments.fallback import FallbackClient
+        from serving.deployments.serve_backend import ServeBackend
+        from serving.engine.model_loader import load_tokenizer, resolve_model_dir
+        from serving.observability.export import export_serve_pools
+
+        cfg = ServeConfig.model_validate(config)
+        tracing.setup("ingress")
+        tokenizer = load_tokenizer(resolve_model_dir(cfg.model))
+        self.backend = ServeBackend(cfg, prefill=prefill, decode=decode)
+        model_price = ModelPrice.model_validate(price) if price is not None else None
+        fallback = cfg.degradation.fallback if cfg.degradation is not None else None
+        self.server = OpenAIServer(Frontend(tokenizer, self.backend, cfg.model_name), cfg, model_price,
+                                   FallbackClient(fallback.app) if fallback is not None else None)
+        self.backend.on_recovery = self.server.metrics.recovered
+        self.pool_view = export_serve_pools(self.server.metrics, cfg.app_name, (prefill, decode))
+
+    def __serve_build_asgi_app__(self):
+        self.asgi_app = self.server.build_app()
+        return self.asgi_app
+
+    async def forward(self, request: ForwardedRequest) -> AsyncIterator:
+        """A request another kvrelay app degraded to this one (serving/deployments/fallback.py), answered by
+        this app's HTTP routes as if it had come over HTTP: a ResponseStart, then body bytes."""
+        async for message in serve_forwarded(self.asgi_app, request):
+            yield message
+
+    def __del__(self):
+        if getattr(self, "pool_view", None) is not None:
+            self.pool_view.stop()
+        tracing.flush()  # the last requests' spans

@@ -1,0 +1,278 @@
+"""ServeBackend: the ingress's path to the worker pools, through Serve deployment handles.
+
+    disaggregated:  prefill.prefill(req) ──first token──▶ yield (the client sees it now)
+                                         └─KVHandle──▶ decode.generate(req, kv, prior=[first])
+                                                        ──tokens──▶ yield ...
+    colocated, n > 1, or fewer prompt tokens than min_remote_prefill_tokens:
+                    decode.generate(req)  (the pool's engine prefills and decodes)
+
+Failures, each with one outcome:
+- a pool's queues are full (Serve's BackPressureError)        → QueueFullError (429)
+- a pool has no running replica (controller status)           → NoWorkerError (503)
+- the decode replica dies mid-stream (n = 1)                  → resumed once on a replica from the
+  tokens streamed so far (its prompt is recomputed); if that fails too, the error is raised and
+  the client gets an SSE error event
+- the prefill replica dies before the first token            → the decode pool computes the prompt
+  (both counted by `on_recovery`: kvrelay_recoveries_total)
+- the client goes away                                        → the open handle call is
+  cancelled (the replica's engine aborts and frees blocks) and unclaimed KV is released
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from typing import Any
+
+import ray
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
+
+from serving.api.errors import NoWorkerError, QueueFullError, WorkerError
+from serving.api.pipeline import ModelInfo, WorkerRequest
+from serving.config import ServeConfig
+from serving.deployments import faults, kv_transfer
+from serving.deployments.caller_watch import this_actor
+from serving.deployments.kv_transfer import KVHandle
+from serving.engine.outputs import RequestOutput
+from serving.observability.tracing import ROUTE_START_KEY
+
+__all__ = ["ServeBackend"]
+
+logger = logging.getLogger(__name__)
+
+_ACTOR_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, DeploymentUnavailableError)
+
+
+def _serve_status(app_name: str) -> dict[str, dict[str, int]]:
+    """This app's deployment name → replica states, from the Serve controller (blocking; call in a
+    thread). Only this app's: every kvrelay app has a DecodeWorker (or Worker), and a fallback
+    app's (serving/api/degradation.py) must not stand for ours."""
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    return {name: dict(d.replica_states) for name, d in app.deployments.items()} if app is not None else {}
+
+
+class ServeBackend:
+    def __init__(
+        self,
+        config: ServeConfig,
+        *,
+        prefill=None,
+        decode,
+        status_fn: Callable[[], dict[str, dict[str, int]]] | None = None,
+        status_ttl_s: float = 1.0,
+        on_recovery: Callable[[str], None] | None = None,
+    ):
+        self.config = config
+        self.prefill = prefill  # None in colocated mode
+        self.decode = decode
+        self._pools = {"prefill": prefill, "decode": decode} if prefill is not None else {"worker": decode}
+        self._status_fn = status_fn or functools.partial(_serve_status, config.app_name)
+        self._status_ttl_s = status_ttl_s
+        self._status: dict[str, dict[str, int]] | None = None
+        self._status_time = 0.0
+        self._status_lock = asyncio.Lock()
+        self._refresh_task: asyncio.Task | None = None
+        self.num_resumed = 0
+        self.on_recovery = on_recovery  # (kind) for each request that survived a replica's death
+        self._kv_actors = kv_transfer.ActorCache(config.app_name)
+        self._caller = this_actor()  # named in each request: workers abort it if we die
+        self._releases: set[asyncio.Task] = set()  # background KV releases, referenced until done
+        self._kv_nodes: set[str] = set()  # nodes whose KVTransfer actor has held our requests' KV
+
+    # ---- Backend protocol --------------------------------------------------------------------
+    async def model_info(self) -> ModelInfo:
+        for pool, handle in self._pools.items():  # a handle call waits for a replica that may never come
+            await self._check_alive(pool, handle)
+        infos = [await self._call(handle.model_info.remote(), pool) for pool, handle in self._pools.items()]
+        limit = min(info.max_model_len for info in infos)
+        return replace(infos[0], max_model_len=limit)
+
+    async def health(self) -> dict[str, Any]:
+        return {pool: await self._check_alive(pool, handle) for pool, handle in self._pools.items()}
+
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
+        if self._caller is not None:
+            request = replace(request, caller=tuple(self._caller))
+        num_tokens = 0
+        async for out in self._generate(request):
+            yield out
+            num_tokens += sum(len(c.token_ids) for c in out.outputs)
+            faults.reached("ingress.after_tokens", num_tokens)
+
+    async def _generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
+        prompt_len = len(request.prompt_token_ids)
+        local = (
+            self.prefill is None
+            or request.params.n > 1
+            or prompt_len < self.config.min_remote_prefill_tokens
+        )
+        if local:
+            async for out in self._decode(request, None, []):
+                yield out
+            return
+
+        await self._check_alive("prefill", self.prefill)
+        response = self.prefill.prefill.remote(_routed(request))
+        try:
+            result = await self._call(response, "prefill", on_cancel=lambda r: self._abandon_prefill(r, request.request_id))
+        except NoWorkerError as exc:
+            if not isinstance(exc.__cause__, _ACTOR_ERRORS):
+                raise
+            # The replica died with the request, before its first token: the decode pool
+            # computes the prompt (its engine prefills as in colocated mode).
+            logger.warning("prefill replica died before the first token of %s (%s); prefilling on the decode pool",
+                           request.request_id, type(exc.__cause__).__name__)
+            self._recovered("prefill_on_decode")
+            async for out in self._decode(request, None, []):
+                yield out
+            return
+        if isinstance(result, WorkerError):
+            raise result.to_exception()
+        kv = result.kv
+        if kv is not None:
+            self._kv_nodes.add(kv.node_id)
+        claimed = False
+        try:
+            yield result.output  # first token, before the KV moves
+            if result.output.finished:
+                return
+            prior = list(result.output.outputs[0].token_ids)
+            async for out in self._decode(request, kv, prior):
+                claimed = True
+                yield out
+            claimed = True
+        finally:
+            if kv is not None and not claimed:
+                # Aborted before the decode worker took it: do not hold it until the lease ends.
+                # In the background: this may run in a cancelled stream's cleanup, and must never
+                # fail it (the request's billing and metrics come after).
+                task = asyncio.create_task(self._kv_actors.release(kv.node_id, kv.request_id))
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _recovered(self, kind: str) -> None:
+        if self.on_recovery is not None:
+            self.on_recovery(kind)
+
+    async def _decode(self, request: WorkerRequest, kv: KVHandle | None, prior: list[int]) -> AsyncIterator[RequestOutput]:
+        pool = "decode" if self.prefill is not None else "worker"
+        await self._check_alive(pool, self.decode)
+        generated: list[int] = []
+        attempts = 2 if request.params.n == 1 else 1
+        for attempt in range(attempts):
+            stream = self.decode.options(stream=True).generate.remote(_routed(request), kv, prior + generated)
+            is_open = True  # the handle call has not ended on its own: cancel it when we leave
+            try:
+                async for item in stream:
+                    if isinstance(item, WorkerError):
+                        raise item.to_exception()
+                    if request.params.n == 1:
+                        generated += item.outputs[0].token_ids if item.outputs else []
+                    yield item
+                is_open = False
+                return
+            except BackPressureError as exc:
+                is_open = False
+                raise QueueFullError(pool) from exc
+            except _ACTOR_ERRORS as exc:
+                is_open = False
+                if attempt + 1 == attempts:
+                    raise NoWorkerError(pool, f"the replica serving this request died ({type(exc).__name__})") from exc
+                logger.warning("%s replica died mid-stream for %s; resuming from %d tokens", pool, request.request_id, len(prior) + len(generated))
+                self.num_resumed += 1
+                self._recovered("decode_resumed")
+                kv = None  # the KV was claimed by the dead replica; recompute from the tokens
+            finally:
+                if is_open:
+                    _cancel(stream)
+
+    async def _call(self, response, pool: str, on_cancel: Callable[[Any], None] | None = None):
+        try:
+            return await response
+        except BackPressureError as exc:
+            raise QueueFullError(pool) from exc
+        except _ACTOR_ERRORS as exc:
+            raise NoWorkerError(pool, type(exc).__name__) from exc
+        except (asyncio.CancelledError, RequestCancelledError):
+            (on_cancel or _cancel)(response)
+            raise
+
+    def _abandon_prefill(self, response, request_id: str) -> None:
+        """The client left while its prefill ran. Cancelling aborts it if it still runs (the
+        worker then frees its KV). If it had finished, its KV is on offer, and only its result
+        says where; a cancelled response may not give the result back. So, in the background:
+        release it where the result says, or else under its id at every node's actor this
+        ingress has seen KV on (a release that comes first drops the offer when it comes)."""
+        _cancel(response)
+
+        async def release_if_finished() -> None:
+            try:
+                result = await response
+            except Exception:  # noqa: BLE001 - cancelled: in time, or with its result lost
+                result = None
+            kv = getattr(result, "kv", None)  # a PrefillResult; a WorkerError has none
+            if isinstance(kv, KVHandle):
+                await self._kv_actors.release(kv.node_id, kv.request_id)
+                return
+            nodes = self._kv_nodes or ({ray.get_runtime_context().get_node_id()} if ray.is_initialized() else set())
+            for node_id in nodes:
+                await self._kv_actors.release(node_id, request_id)
+
+        task = asyncio.create_task(release_if_finished())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _check_alive(self, pool: str, handle) -> dict[str, int]:
+        status = await self._replica_states()
+        states = status.get(handle.deployment_name)
+        if states is None:
+            return {}  # unknown to the controller (e.g. tests with stub handles): do not block
+        if states.get("RUNNING", 0) == 0:
+            detail = ", ".join(f"{n} {s.lower()}" for s, n in sorted(states.items())) or "no replicas"
+            raise NoWorkerError(pool, detail)
+        return states
+
+    async def _replica_states(self) -> dict[str, dict[str, int]]:
+        """The controller's view, refreshed in the background once older than the TTL: a request
+        waits for the controller (~17 ms) only when there is no view yet."""
+        if self._status is None:
+            async with self._status_lock:
+                if self._status is None:
+                    await self._refresh_status()
+        elif time.monotonic() - self._status_time >= self._status_ttl_s and (
+            self._refresh_task is None or self._refresh_task.done()
+        ):
+            self._refresh_task = asyncio.create_task(self._refresh_status())
+        return self._status
+
+    async def _refresh_status(self) -> None:
+        try:
+            self._status = await asyncio.to_thread(self._status_fn)
+        except Exception as exc:  # noqa: BLE001 - the controller being slow must not fail requests
+            logger.warning("could not read Serve status (%s); assuming pools are up", exc)
+            self._status = self._status or {}
+        self._status_time = time.monotonic()
+
+
+def _routed(request: WorkerRequest) -> WorkerRequest:
+    """With tracing, a copy stamped with when this handle call starts: the worker ends the
+    route span when the call reaches it (serving/observability/tracing.py)."""
+    if request.trace_context is None:
+        return request
+    return replace(request, trace_context={**request.trace_context, ROUTE_START_KEY: str(time.time_ns())})
+
+
+def _cancel(response) -> None:
+    """Cancel a handle call we are abandoning (the replica aborts it and frees its blocks).
+    Best effort: a call that already failed re-raises its error from cancel()."""
+    try:
+        response.cancel()
+    except Exception as exc:  # noqa: BLE001 - it ended on its own; nothing left to cancel
+        logger.debug("cancel of %s: %s", response, exc)

@@ -1,0 +1,474 @@
+"""Every kvrelay metric, defined once (`METRICS`), and the recorders that feed them.
+
+    ingress replica                                   worker replica (prefill / decode / worker)
+    ───────────────                                   ──────────────────────────────────────────
+    RequestRecord, one per HTTP request               WorkerMetrics
+      each delta: a clock read, token counts            first token: queue time, prefill time
+      end: TTFT, TPOT, ITLs, E2E, status, tokens        KV claim: transfer time, bytes, fallback
+        ──▶ IngressMetrics                              refresh(EngineStats) once per routing-
+    routers: each decision ──▶ routing counter            stats period: gauges, counter deltas
+    pool view (controller, every few s) ──▶ gauges
+                    │                                                 │
+                    └──────────▶ Instruments ◀────────────────────────┘
+                 a prometheus_client registry of the process's recorder, and
+                 ray.util.metrics (when the process is connected to Ray)
+
+Two exports of the same definitions:
+
+- Ray: every process records what it sees through `ray.util.metrics`; Ray's metrics agent on
+  each node exports it, with Ray's `ray_` prefix (`ray_kvrelay_ttft_seconds_bucket`) and its
+  own labels (`WorkerId`, `NodeAddress`, ...), to the Ray dashboard and to any Prometheus that
+  reads Ray's service-discovery file. `deploy/prometheus/prometheus.yml` renames
+  `ray_kvrelay_*` back to `kvrelay_*` so the dashboard and alerts use one set of names.
+- `GET /metrics` on the ingress (serving/observability/export.py): this ingress replica's registry in
+  the exposition format, plus the workers' metrics as their replicas last reported them in the
+  routing stats this ingress's routers receive (every `routing.stats_period_s`).
+
+Nothing here does I/O on the hot path: a request's latencies are kept in the RequestRecord and
+recorded when it ends; engine gauges and counters are sampled once per stats period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol
+
+import prometheus_client
+from prometheus_client import CollectorRegistry
+
+if TYPE_CHECKING:
+    from serving.engine.engine import EngineStats
+    from serving.engine.outputs import RequestMetrics
+
+__all__ = [
+    "MetricSpec",
+    "METRICS",
+    "BY_NAME",
+    "POOL_OF_DEPLOYMENT",
+    "CLIENT_CLOSED",
+    "Instruments",
+    "IngressMetrics",
+    "RequestRecord",
+    "WorkerMetrics",
+    "series_names",
+    "record_routing_decision",
+    "record_autoscaler_decision",
+    "register_router",
+    "live_routers",
+]
+
+logger = logging.getLogger(__name__)
+
+# `_created` samples double every counter and histogram in the exposition and nothing here reads
+# them; the registries here are the ones our replicas own.
+prometheus_client.disable_created_metrics()
+
+Kind = Literal["counter", "gauge", "histogram"]
+Where = Literal["ingress", "worker", "controller"]
+
+CLIENT_CLOSED = 499  # status of a request whose client went away (nginx's convention)
+POOL_OF_DEPLOYMENT = {"PrefillWorker": "prefill", "DecodeWorker": "decode", "Worker": "worker"}
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str  # counters end in _total
+    kind: Kind
+    description: str
+    labels: tuple[str, ...]
+    recorded_at: Where
+    buckets: tuple[float, ...] = ()
+
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 240.0, 480.0)
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+_M, _MPR = ("model",), ("model", "pool", "replica")
+
+METRICS: tuple[MetricSpec, ...] = (
+    # ---- the ingress: requests as the client sees them --------------------------------------
+    MetricSpec("kvrelay_ttft_seconds", "histogram",
+               "Time to first token: request received at the ingress to its first generated token.",
+               _M, "ingress", _TTFT_BUCKETS),
+    MetricSpec("kvrelay_tpot_seconds", "histogram",
+               "Time per output token after the first: (E2E - TTFT) / (output tokens - 1) of the longest choice; "
+               "completed requests with 2+ tokens.",
+               _M, "ingress", _TOKEN_BUCKETS),
+    MetricSpec("kvrelay_inter_token_latency_seconds", "histogram",
+               "Every gap between consecutive token-carrying chunks of a completed request.",
+               _M, "ingress", _TOKEN_BUCKETS),
+    MetricSpec("kvrelay_e2e_request_latency_seconds", "histogram", "Request received to its last token, completed requests.", _M, "ingress", _E2E_BUCKETS),
+    MetricSpec("kvrelay_requests_total", "counter",
+               "HTTP requests to the completion APIs, by status (499: the client went away) and finish reason of "
+               "choice 0 (stop, length, abort, error; none: rejected before generation).",
+               ("model", "status", "finish_reason"), "ingress"),
+    MetricSpec("kvrelay_prompt_tokens_total", "counter", "Prompt tokens of requests that reached generation.", _M, "ingress"),
+    MetricSpec("kvrelay_generation_tokens_total", "counter", "Generated tokens delivered to the ingress (every choice).", _M, "ingress"),
+    MetricSpec("kvrelay_recoveries_total", "counter",
+               "Requests that survived a replica's death: decode_resumed (a decode replica died mid-stream; resumed "
+               "on another from the tokens so far), prefill_on_decode (a prefill replica died before the first "
+               "token; the decode pool computed the prompt).",
+               ("model", "kind"), "ingress"),
+    MetricSpec("kvrelay_degraded_requests_total", "counter",
+               "Requests graceful degradation handled after the model's pools refused them before their first token "
+               "(reason: saturated, down), by target (the fallback's model, or none when shed) and outcome (served: "
+               "the fallback answered 2xx; failed: it answered an error or could not be reached; shed: 503 with "
+               "Retry-After).",
+               ("model", "reason", "target", "outcome"), "ingress"),
+    MetricSpec("kvrelay_routing_decisions_total", "counter",
+               "Replica choices of the ingress's request routers, by policy and reason.",
+               ("pool", "policy", "reason"), "ingress"),
+    MetricSpec("kvrelay_replicas", "gauge",
+               "Replicas of a pool by Serve replica state (the controller's view, read every few seconds).",
+               ("model", "pool", "state"), "ingress"),
+    MetricSpec("kvrelay_desired_replicas", "gauge",
+               "The pool's target replica count: the autoscaling policy's latest decision, or the fixed "
+               "num_replicas.",
+               ("model", "pool"), "ingress"),
+    # ---- the workers: engines and KV transfer -----------------------------------------------
+    MetricSpec("kvrelay_queue_time_seconds", "histogram", "Arrival at this engine to its first scheduling.", _MPR, "worker", _TTFT_BUCKETS),
+    MetricSpec("kvrelay_prefill_time_seconds", "histogram",
+               "First scheduling to first token, where this engine computed the prompt (not after a KV import).",
+               _MPR, "worker", _TTFT_BUCKETS),
+    MetricSpec("kvrelay_kv_transfer_seconds", "histogram",
+               "Decode side: claiming a request's KV until the payload is in hand (successful imports).",
+               _MPR, "worker", _TRANSFER_BUCKETS),
+    MetricSpec("kvrelay_kv_transfer_bytes_total", "counter",
+               "KV payload bytes exported (prefill side) or imported (decode side).",
+               (*_MPR, "direction"), "worker"),
+    MetricSpec("kvrelay_kv_transfer_fallbacks_total", "counter",
+               "KV imports that failed or timed out, so the prompt was recomputed, by reason.",
+               (*_MPR, "reason"), "worker"),
+    MetricSpec("kvrelay_prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.", _MPR, "worker"),
+    MetricSpec("kvrelay_prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache.", _MPR, "worker"),
+    MetricSpec("kvrelay_preemptions_total", "counter", "Sequences preempted (their KV freed, to be recomputed).", _MPR, "worker"),
+    MetricSpec("kvrelay_num_requests_running", "gauge", "Sequences in the engine's running batch.", _MPR, "worker"),
+    MetricSpec("kvrelay_num_requests_waiting", "gauge", "Sequences waiting in the engine's queue.", _MPR, "worker"),
+    MetricSpec("kvrelay_kv_cache_usage_ratio", "gauge", "Fraction of the engine's KV blocks in use (0..1).", _MPR, "worker"),
+    MetricSpec("kvrelay_engine_kernel_info", "gauge",
+               "1 for the kernel path the engine runs (kernel_path: native or pytorch) and why (reason), so a silent"
+               " fallback shows.",
+               (*_MPR, "kernel_path", "reason"), "worker"),
+    # ---- the Serve controller ---------------------------------------------------------------
+    MetricSpec("kvrelay_autoscaler_decisions_total", "counter",
+               "Autoscaling decisions that changed a pool's replica count, by action (up, down, clamp). Ray export "
+               "only.",
+               ("pool", "action"), "controller"),
+)
+BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
+assert len(BY_NAME) == len(METRICS), "a metric is defined twice"
+
+
+def series_names(spec: MetricSpec) -> tuple[str, ...]:
+    """The sample names a metric has in the exposition format."""
+    if spec.kind == "histogram":
+        return tuple(spec.name + s for s in ("_bucket", "_sum", "_count"))
+    return (spec.name,)
+
+
+# ---- instruments -----------------------------------------------------------------------------
+_ray_metrics: dict[str, object] = {}  # one per process and name: Ray registers names globally
+
+
+def _ray_metric(spec: MetricSpec):
+    metric = _ray_metrics.get(spec.name)
+    if metric is None:
+        from ray.util import metrics as ray_metrics
+
+        if spec.kind == "counter":
+            metric = ray_metrics.Counter(spec.name, spec.description, tag_keys=spec.labels)
+        elif spec.kind == "gauge":
+            metric = ray_metrics.Gauge(spec.name, spec.description, tag_keys=spec.labels)
+        else:
+            metric = ray_metrics.Histogram(spec.name, spec.description, list(spec.buckets), tag_keys=spec.labels)
+        _ray_metrics[spec.name] = metric
+    return metric
+
+
+def _ray_connected() -> bool:
+    import ray
+
+    return ray.is_initialized()
+
+
+def _prom_metric(spec: MetricSpec, registry: CollectorRegistry):
+    if spec.kind == "counter":
+        return prometheus_client.Counter(spec.name, spec.description, spec.labels, registry=registry)
+    if spec.kind == "gauge":
+        return prometheus_client.Gauge(spec.name, spec.description, spec.labels, registry=registry)
+    return prometheus_client.Histogram(spec.name, spec.description, spec.labels, registry=registry, buckets=spec.buckets)
+
+
+class Instruments:
+    """The metrics of one recorder: its own prometheus_client registry, and Ray's instruments
+    when `use_ray` (default: whether this process is connected to Ray). `labels` are applied to
+    every record; the rest come with each call."""
+
+    def __init__(self, names: Iterable[str], labels: Mapping[str, str] | None = None, *, use_ray: bool | None = None):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.labels = dict(labels or {})
+        specs = [BY_NAME[name] for name in names]
+        self._prom = {spec.name: _prom_metric(spec, self.registry) for spec in specs}
+        for spec in specs:  # a series with only the fixed labels shows from the start, at 0
+            if set(spec.labels) <= self.labels.keys() and spec.kind != "gauge":
+                self._prom[spec.name].labels(**self.labels)
+        self.use_ray = _ray_connected() if use_ray is None else use_ray
+        self._ray = {spec.name: _ray_metric(spec) for spec in specs} if self.use_ray else {}
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        if value <= 0:
+            return
+        tags = {**self.labels, **labels}
+        self._prom[name].labels(**tags).inc(value)
+        if self.use_ray:
+            self._ray[name].inc(value, tags=tags)
+
+    def observe(self, name: str, values: Iterable[float], **labels: str) -> None:
+        tags = {**self.labels, **labels}
+        child = self._prom[name].labels(**tags)
+        ray_metric = self._ray.get(name)
+        for value in values:
+            child.observe(value)
+            if ray_metric is not None:
+                ray_metric.observe(value, tags=tags)
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        tags = {**self.labels, **labels}
+        self._prom[name].labels(**tags).set(value)
+        if self.use_ray:
+            self._ray[name].set(value, tags=tags)
+
+
+def _ray_inc(name: str, labels: dict[str, str]) -> None:
+    """A count from a process with no registry of ours (routers, the Serve controller)."""
+    if not _ray_connected():
+        return
+    try:
+        _ray_metric(BY_NAME[name]).inc(1.0, tags=labels)
+    except Exception:  # metrics must never fail a routing or scaling decision
+        logger.debug("recording %s failed", name, exc_info=True)
+
+
+_routers: weakref.WeakSet = weakref.WeakSet()
+
+
+def register_router(router) -> None:
+    """A request router of this process (router/request_router.py), for GET /metrics to read."""
+    _routers.add(router)
+
+
+def live_routers() -> list:
+    return list(_routers)
+
+
+def record_routing_decision(pool: str, policy: str, reason: str) -> None:
+    """One router decision (Ray export; /metrics reads the routers' own counts)."""
+    _ray_inc("kvrelay_routing_decisions_total", {"pool": pool, "policy": policy, "reason": reason})
+
+
+def record_autoscaler_decision(pool: str, action: str) -> None:
+    """An autoscaling decision that changed the pool's count (runs in the Serve controller)."""
+    _ray_inc("kvrelay_autoscaler_decisions_total", {"pool": pool, "action": action})
+
+
+# ---- the ingress -----------------------------------------------------------------------------
+_INGRESS = tuple(spec.name for spec in METRICS if spec.recorded_at == "ingress" and spec.name != "kvrelay_routing_decisions_total")
+_REPLICA_STATES = ("RUNNING", "STARTING", "UPDATING", "RECOVERING", "STOPPING")
+
+
+class Delta(Protocol):
+    """What a request's record reads of each piece of output (the ingress's ChoiceDelta)."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+class RequestRecord:
+    """One HTTP request at the ingress, timed as its client sees it; recorded once, at finish."""
+
+    def __init__(self, metrics: IngressMetrics):
+        self._metrics = metrics
+        self.start = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.gaps_s: list[float] = []
+        self.tokens_by_choice: dict[int, int] = {}
+        self.finish_reasons: dict[int, str] = {}
+        self.prompt_tokens: int | None = None  # set when generation starts
+        self.is_finished = False
+        self._is_holding = False
+        self._held: tuple[int, str, float] | None = None
+
+    def on_delta(self, delta: Delta) -> None:
+        if delta.token_ids:
+            now = time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            else:
+                self.gaps_s.append(now - self.last_token_at)
+            self.last_token_at = now
+            self.tokens_by_choice[delta.index] = self.tokens_by_choice.get(delta.index, 0) + len(delta.token_ids)
+        if delta.finish_reason is not None:
+            self.finish_reasons[delta.index] = delta.finish_reason
+
+    def finish(self, status: int, finish_reason: str | None = None) -> None:
+        """Record the request (only the first call counts). `finish_reason` None: choice 0's."""
+        if self.is_finished:
+            return
+        self.is_finished = True
+        if finish_reason is None:
+            finish_reason = self.finish_reasons[min(self.finish_reasons)] if self.finish_reasons else "none"
+        if self._is_holding:
+            self._held = (status, finish_reason, time.monotonic())
+            return
+        self._metrics.record(self, status, finish_reason, time.monotonic())
+
+    def hold(self) -> None:
+        """Keep the next finish() instead of recording it, until release(): graceful degradation
+        (serving/api/degradation.py) may still send a request the pools refused elsewhere."""
+        self._is_holding = True
+
+    def release(self, *, keep: bool = True) -> None:
+        """Stop holding. `keep`: record the held finish, if any; else forget it, and the record
+        may be finished again (shed here) or never (served, and counted, by a fallback app)."""
+        held, self._held, self._is_holding = self._held, None, False
+        if held is None:
+            return
+        if keep:
+            self._metrics.record(self, *held)
+        else:
+            self.is_finished = False
+
+
+class IngressMetrics:
+    """The ingress replica's request-level metrics and pool gauges; `registry` is what
+    GET /metrics renders (serving/observability/export.py adds the routers' and workers' view)."""
+
+    def __init__(self, model: str, *, use_ray: bool | None = None):
+        self.model = model
+        self.instruments = Instruments(_INGRESS, {"model": model}, use_ray=use_ray)
+        self.registry = self.instruments.registry
+
+    def start(self) -> RequestRecord:
+        return RequestRecord(self)
+
+    async def track(
+        self, record: RequestRecord, deltas: AsyncIterator[Delta], *, prompt_tokens: int,
+        status_of: Callable[[BaseException], int],
+    ) -> AsyncIterator[Delta]:
+        """Pass `deltas` through, timing them; closing this closes `deltas` (which aborts the
+        request). The request is recorded when the stream ends, fails (with the HTTP status
+        `status_of` gives the error) or is closed."""
+        record.prompt_tokens = prompt_tokens
+        status, finish_reason = 200, None
+        try:
+            async with aclosing(deltas):
+                async for delta in deltas:
+                    record.on_delta(delta)
+                    yield delta
+        except (asyncio.CancelledError, GeneratorExit):
+            status, finish_reason = CLIENT_CLOSED, "abort"
+            raise
+        except Exception as exc:
+            status, finish_reason = status_of(exc), "error"
+            raise
+        finally:
+            record.finish(status, finish_reason)
+
+    def recovered(self, kind: str) -> None:
+        """A request survived a replica's death (ServeBackend): `kind` as kvrelay_recoveries_total."""
+        self.instruments.inc("kvrelay_recoveries_total", kind=kind)
+
+    def degraded(self, reason: str, target: str, outcome: str) -> None:
+        """Graceful degradation handled a refused request: labels as kvrelay_degraded_requests_total."""
+        self.instruments.inc("kvrelay_degraded_requests_total", reason=reason, target=target, outcome=outcome)
+
+    def record(self, r: RequestRecord, status: int, finish_reason: str, now: float) -> None:
+        ins = self.instruments
+        ins.inc("kvrelay_requests_total", status=str(status), finish_reason=finish_reason)
+        if r.prompt_tokens:
+            ins.inc("kvrelay_prompt_tokens_total", r.prompt_tokens)
+        ins.inc("kvrelay_generation_tokens_total", sum(r.tokens_by_choice.values()))
+        if r.first_token_at is None:
+            return
+        ins.observe("kvrelay_ttft_seconds", [r.first_token_at - r.start])
+        if status != 200 or finish_reason in ("abort", "error"):
+            return
+        ins.observe("kvrelay_e2e_request_latency_seconds", [now - r.start])
+        ins.observe("kvrelay_inter_token_latency_seconds", r.gaps_s)
+        num_tokens = max(r.tokens_by_choice.values())
+        if num_tokens >= 2:
+            ins.observe("kvrelay_tpot_seconds", [(now - r.first_token_at) / (num_tokens - 1)])
+
+    def set_pool(self, pool: str, replica_states: Mapping[str, int], desired: int | None) -> None:
+        """The controller's view of one pool: replicas by state, and its target count."""
+        for state in {*_REPLICA_STATES, *replica_states}:
+            self.instruments.set("kvrelay_replicas", float(replica_states.get(state, 0)), pool=pool, state=state)
+        if desired is not None:
+            self.instruments.set("kvrelay_desired_replicas", float(desired), pool=pool)
+
+
+# ---- the workers -----------------------------------------------------------------------------
+_WORKER = tuple(spec.name for spec in METRICS if spec.recorded_at == "worker")
+# EngineStats cumulative counts, recorded as deltas.
+_ENGINE_COUNTERS = {
+    "prefix_cache_query_tokens": "kvrelay_prefix_cache_queried_tokens_total",
+    "prefix_cache_hit_tokens": "kvrelay_prefix_cache_hit_tokens_total",
+    "num_preemptions": "kvrelay_preemptions_total",
+}
+
+
+class WorkerMetrics:
+    """One worker replica's metrics, labelled with its model, pool and replica."""
+
+    def __init__(self, model: str, pool: str, replica: str, *, use_ray: bool | None = None):
+        self.instruments = Instruments(_WORKER, {"model": model, "pool": pool, "replica": replica}, use_ray=use_ray)
+        self._seen = dict.fromkeys(_ENGINE_COUNTERS, 0)
+
+    def first_token(self, m: RequestMetrics | None, *, computed_prompt: bool) -> None:
+        """A request's first output at this engine (engine monotonic times); nothing without a
+        token (aborted first)."""
+        if m is None or m.first_scheduled_time is None or m.first_token_time is None:
+            return
+        self.instruments.observe("kvrelay_queue_time_seconds", [max(0.0, m.first_scheduled_time - m.arrival_time)])
+        if computed_prompt:
+            self.instruments.observe("kvrelay_prefill_time_seconds", [max(0.0, m.first_token_time - m.first_scheduled_time)])
+
+    def kv_exported(self, num_bytes: int) -> None:
+        self.instruments.inc("kvrelay_kv_transfer_bytes_total", num_bytes, direction="export")
+
+    def kv_imported(self, seconds: float, num_bytes: int) -> None:
+        self.instruments.observe("kvrelay_kv_transfer_seconds", [seconds])
+        self.instruments.inc("kvrelay_kv_transfer_bytes_total", num_bytes, direction="import")
+
+    def kv_fallback(self, reason: str) -> None:
+        self.instruments.inc("kvrelay_kv_transfer_fallbacks_total", reason=reason)
+
+    def refresh(self, stats: EngineStats) -> None:
+        """Sample the engine: gauges, and what its cumulative counters gained since last time."""
+        ins = self.instruments
+        ins.set("kvrelay_num_requests_running", float(stats.num_running))
+        ins.set("kvrelay_num_requests_waiting", float(stats.num_waiting))
+        ins.set("kvrelay_kv_cache_usage_ratio", float(stats.kv_cache_usage))
+        ins.set("kvrelay_engine_kernel_info", 1.0, kernel_path=stats.kernel_path, reason=stats.kernel_reason)
+        for field_name, metric in _ENGINE_COUNTERS.items():
+            value = getattr(stats, field_name)
+            ins.inc(metric, value - self._seen[field_name])
+            self._seen[field_name] = value
+
+    def snapshot(self) -> list[tuple[str, str, str, list[tuple[str, dict[str, str], float]]]]:
+        """This replica's metrics as plain values (family, type, help, samples), for the
+        routing stats: the ingress's GET /metrics re-exports them (serving/observability/export.py)."""
+        return [
+            (family.name, family.type, family.documentation, [(s.name, dict(s.labels), s.value) for s in family.samples])
+            for family in self.instruments.registry.collect()
+        ]

@@ -1,0 +1,128 @@
+"""What tests share besides fixtures (those are in conftest.py): the repository root, a tiny random
+model builder, a free TCP port, waiting for a condition, a required binary, and the process state
+a module must leave as it found it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], T], *, timeout_s: float = 60.0, interval_s: float = 0.1) -> T:
+    """The first truthy value of `predicate()`, polled every `interval_s`; AssertionError naming
+    the last value after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s (last value {value!r})")
+        time.sleep(interval_s)
+
+
+def build_tiny_model(
+    out_dir: Path,
+    tokenizer_dir: Path,
+    *,
+    architecture: str = "llama",
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    tie_word_embeddings: bool = False,
+    rope_parameters: dict | None = None,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    init_std: float = 0.15,
+) -> Path:
+    """A seeded random model with the default model's tokenizer (so text round-trips).
+
+    The init std is larger than usual so next-token distributions are peaked: greedy
+    comparisons then test the math, not which of two near-equal logits rounding favours.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        vocab_size=49152,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 3,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=init_std,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
+    )
+    torch.manual_seed(seed)
+    if architecture == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    model.save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
+
+
+# Set by pytest and the libraries themselves and never put back (importing Ray sets
+# RAY_CLIENT_MODE=0; ray.init points Python's breakpoint() at Ray's debugger; torch's extension
+# builder sets its inductor cache dir): not ours to restore.
+_ENV_SET_BY_LIBRARIES = {"PYTEST_CURRENT_TEST", "PYTHONBREAKPOINT", "RAY_CLIENT_MODE", "TORCHINDUCTOR_CACHE_DIR"}
+
+
+def process_state() -> dict:
+    """What a test or fixture must leave as it found it."""
+    ray = sys.modules.get("ray")
+    return {
+        "environment": {k: v for k, v in os.environ.items() if k not in _ENV_SET_BY_LIBRARIES},
+        "working directory": os.getcwd(),
+        "Ray connected": bool(ray is not None and ray.is_initialized()),
+    }
+
+
+def state_changes(before: dict, after: dict) -> list[str]:
+    changes = []
+    for what in ("working directory", "Ray connected"):
+        if before[what] != after[what]:
+            changes.append(f"{what}: {before[what]!r} -> {after[what]!r}")
+    env_before, env_after = before["environment"], after["environment"]
+    for key in sorted(env_before.keys() | env_after.keys()):
+        if env_before.get(key) != env_after.get(key):
+            changes.append(f"${key}: {env_before.get(key)!r} -> {env_after.get(key)!r}")
+    return changes
+
+
+def require_tool(name: str, how: str) -> str:
+    """The path of the binary `name`; missing, skip (fail under CI) and say `how` to install it."""
+    path = shutil.which(name)
+    if path is None:
+        message = f"{name} is not installed: {how}"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message} (CI must run this test: `make test` installs {name})", pytrace=False)
+        pytest.skip(message)
+    return path

@@ -1,0 +1,85 @@
+"""`kvrelay status` against a recorded dashboard answer and a recorded /metrics page."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from cluster.dashboard import OpsError
+from serving.cli import status
+from tests.helpers import REPO
+
+DATA = REPO / "tests" / "cluster" / "data" / "serve_applications.json"
+
+METRICS = """\
+# HELP kvrelay_ttft_seconds time to first token
+# TYPE kvrelay_ttft_seconds histogram
+kvrelay_ttft_seconds_bucket{model="m",le="0.1"} 2.0
+kvrelay_ttft_seconds_bucket{model="m",le="0.2"} 6.0
+kvrelay_ttft_seconds_bucket{model="m",le="0.4"} 10.0
+kvrelay_ttft_seconds_bucket{model="m",le="+Inf"} 10.0
+kvrelay_ttft_seconds_count{model="m"} 10.0
+kvrelay_num_requests_running{pool="decode",replica="a"} 3.0
+kvrelay_num_requests_running{pool="decode",replica="b"} 2.0
+kvrelay_num_requests_waiting{pool="prefill",replica="c"} 4.0
+kvrelay_kv_cache_usage_ratio{pool="decode",replica="a"} 0.5
+kvrelay_kv_cache_usage_ratio{pool="decode",replica="b"} 0.25
+kvrelay_engine_kernel_info{pool="decode",replica="a",kernel_path="native",reason="loaded from the cache /c"} 1.0
+kvrelay_engine_kernel_info{pool="decode",replica="b",kernel_path="native",reason="loaded from the cache /c"} 1.0
+kvrelay_engine_kernel_info{pool="prefill",replica="c",kernel_path="pytorch",reason="KVRELAY_DISABLE_NATIVE=1"} 1.0
+kvrelay_kv_transfer_seconds_count{pool="decode",replica="a"} 40.0
+kvrelay_kv_transfer_seconds_count{pool="decode",replica="b"} 30.0
+kvrelay_kv_transfer_fallbacks_total{pool="decode",replica="a",reason="error"} 2.0
+kvrelay_kv_transfer_fallbacks_total{pool="decode",replica="b",reason="error"} 1.0
+kvrelay_kv_transfer_fallbacks_total{pool="decode",replica="b",reason="timeout"} 4.0
+kvrelay_recoveries_total{model="m",kind="decode_resumed"} 1.0
+"""
+
+
+def recorded() -> dict:
+    return json.loads(DATA.read_text())
+
+
+def test_status_report_lines():
+    report = status.status_report(recorded(), "kvrelay", METRICS).splitlines()
+    assert report[0] == "application kvrelay: RUNNING"
+    assert report[3].split() == ["prefill", "PrefillWorker", "HEALTHY", "1", "running", "[1..1]", "-", "4", "-"]
+    assert report[4].split() == ["decode", "DecodeWorker", "HEALTHY", "1", "running", "[1..1]", "5", "-", "38%"]
+    assert report[5].split() == ["ingress", "OpenAIIngress", "HEALTHY", "1", "running", "-", "-", "-"]
+    # p50: rank 5 in (0.1, 0.2] holding counts 2..6 -> 0.1 + 0.1 * 3/4;
+    # p95: rank 9.5 in (0.2, 0.4] holding counts 6..10 -> 0.2 + 0.2 * 3.5/4
+    assert report[7] == "TTFT  p50    175.0 ms   p95    375.0 ms"
+    # Each pool's kernel path and why, counted over its replicas: a fallback cannot hide.
+    # The KVTransfer actor's or a replica's death shows: imports, recomputes by reason, recoveries.
+    assert report[-5:-3] == ["", "KV hand-off  70 imported, 7 recomputed (error 3, timeout 4); recovered decode_resumed 1"]
+    assert report[-3:] == [
+        "",
+        "kernels  decode   native x2 (loaded from the cache /c)",
+        "kernels  prefill  pytorch x1 (KVRELAY_DISABLE_NATIVE=1)",
+    ]
+
+
+def test_status_without_metrics_says_so():
+    assert status.status_report(recorded(), "kvrelay", None).endswith(
+        "(no metrics: the ingress's /metrics was not reachable; pass --url)"
+    )
+    with pytest.raises(OpsError, match="no Serve application 'other' \\(found: kvrelay\\)"):
+        status.status_report(recorded(), "other", None)
+
+
+def test_histogram_quantile():
+    buckets = [(1.0, 0.0), (2.0, 10.0), (float("inf"), 10.0)]
+    assert status.histogram_quantile(0.5, buckets) == 1.5
+    assert status.histogram_quantile(0.5, [(1.0, 0.0), (float("inf"), 0.0)]) is None
+    assert status.histogram_quantile(0.99, [(1.0, 5.0), (float("inf"), 10.0)]) == 1.0  # +Inf: the last finite bound
+
+
+def test_status_reads_only_metrics_the_app_exports():
+    from serving.observability.metrics import METRICS
+
+    exported = {spec.name for spec in METRICS}
+    used = set(re.findall(r'"(kvrelay_[a-z_]+)"', Path(status.__file__).read_text()))
+    assert used and used <= exported, used - exported

@@ -1,0 +1,547 @@
+"""The app on a local Ray: disaggregated and colocated, real clients, and every failure outcome.
+
+One Ray (with its dashboard, for the state API) and one Serve instance for the module, with four
+apps on one HTTP port under different route prefixes:
+
+    /disagg   prefill + decode pools, KV through the KVTransfer actor
+    /coloc    one Worker pool
+    /faults   disaggregated, KV lease 1 s and a KV-claim timeout so short every import times out
+    /queue    colocated, one ongoing + one queued request per replica (for 429)
+    /crash    disaggregated, with faults (serving/deployments/faults.py) a test arms by deleting its file:
+              a replica then exits at that point, once
+
+All use a tiny random model in float32, so greedy outputs are compared token for token with the
+engine run in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+from pathlib import Path
+from unittest import mock
+
+import httpx
+import openai
+import pytest
+
+from load_tests.local_ray import free_port
+from serving.api.pipeline import Frontend, WorkerRequest
+from serving.api.protocol import ChatMessage
+from serving.cli.status import parse_metrics
+from serving.config import ServeConfig
+from serving.deployments import faults, kv_transfer
+from serving.engine.config import EngineConfig
+from serving.engine.engine import LLMEngine
+from serving.engine.params import SamplingParams
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.integration
+
+KV_BYTES = 16 * 2**20
+MAX_TOKENS = 24
+
+
+def app_config(model_dir, name: str, **overrides) -> ServeConfig:
+    small = {"num_cpus": 0.1, "num_threads": 1}
+    base = dict(
+        model=str(model_dir), served_model_name="tiny", dtype="float32", kv_cache_bytes=KV_BYTES,
+        app_name=name, prefill=small, decode=small, worker=small, ingress={"num_cpus": 0.05},
+    )
+    base.update(overrides)
+    return ServeConfig.model_validate(base)
+
+
+@pytest.fixture(scope="module")
+def serve_instance(tmp_path_factory, tiny_model_dir):
+    import ray
+    from ray import serve
+
+    from serving.deployments.app import build_app
+
+    ray.init(
+        num_cpus=8, include_dashboard=True, dashboard_port=free_port(), logging_level="WARNING",
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+    )
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    faults_dir = tmp_path_factory.mktemp("faults")
+    crash_faults = [
+        {"point": "decode.after_tokens", "count": 2, "once": str(faults_dir / "decode")},
+        {"point": "decode.after_tokens", "count": 2, "once": str(faults_dir / "decode-again")},
+        {"point": "prefill.before_first_token", "once": str(faults_dir / "prefill")},
+        {"point": "ingress.after_tokens", "count": 3, "once": str(faults_dir / "ingress")},
+    ]
+    for fault in crash_faults:
+        Path(fault["once"]).touch()  # disarmed
+    configs = {
+        "disagg": app_config(tiny_model_dir, "disagg"),
+        "coloc": app_config(tiny_model_dir, "coloc", mode="colocated"),
+        "faults": app_config(tiny_model_dir, "faults", kv_transfer={"lease_s": 1.0, "timeout_s": 1e-9}),
+        "queue": app_config(
+            tiny_model_dir, "queue", mode="colocated",
+            worker={"num_cpus": 0.1, "num_threads": 1, "max_ongoing_requests": 1, "max_queued_requests": 1},
+        ),
+    }
+    for name, config in configs.items():
+        serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+    crash = app_config(tiny_model_dir, "crash")
+    with mock.patch.dict(os.environ, {faults.ENV: json.dumps(crash_faults)}):
+        crash_app = build_app(crash)
+    serve.run(crash_app, name="crash", route_prefix="/crash")
+    configs["crash"] = crash
+    yield {"url": f"http://127.0.0.1:{port}", "configs": configs, "faults": faults_dir}
+    from serving.deployments import kv_transfer
+
+    for name in configs:
+        kv_transfer.kill_all(name)
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """The engine in this process, and the chat template applied the way the ingress does."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=KV_BYTES))
+    frontend = Frontend(engine.tokenizer, backend=None, model_name="tiny")
+
+    def greedy(content: str, max_tokens: int = MAX_TOKENS, **params) -> tuple[list[int], str]:
+        ids = frontend.encode_chat([ChatMessage(role="user", content=content)])
+        out = engine.generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens, **params))[0]
+        return out.outputs[0].token_ids, out.outputs[0].text
+
+    return greedy
+
+
+def handle(app: str, deployment: str):
+    from ray import serve
+
+    return serve.get_deployment_handle(deployment, app_name=app)
+
+
+def stats(app: str, deployment: str) -> dict:
+    return handle(app, deployment).stats.remote().result(timeout_s=30)
+
+
+def kv_actor_stats(app: str) -> dict:
+    import ray
+
+    from serving.deployments import kv_transfer
+
+    node_id = ray.get_runtime_context().get_node_id()
+    actor = ray.get_actor(kv_transfer.actor_name(app, node_id), namespace=kv_transfer.NAMESPACE)
+    return ray.get(actor.stats.remote(), timeout=30)
+
+
+def sse_events(lines) -> list:
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# ---- real clients ----------------------------------------------------------------------------
+@pytest.mark.parametrize("app", ["disagg", "coloc"])
+def test_openai_sdk_greedy_equals_engine(serve_instance, reference, app):
+    client = openai.OpenAI(base_url=f"{serve_instance['url']}/{app}/v1", api_key="unused", max_retries=0)
+    prompt = "Tell me about the ocean."
+    token_ids, text = reference(prompt)
+
+    response = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=MAX_TOKENS,
+    )
+    assert response.choices[0].message.content == text
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == len(token_ids) == MAX_TOKENS
+
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=MAX_TOKENS,
+        stream=True, stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_httpx_completions_and_models(serve_instance, reference):
+    url = serve_instance["url"] + "/disagg"
+    with httpx.Client(base_url=url, timeout=60) as client:
+        assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+        assert client.get("/health").json() == {"status": "ok", "pools": {"prefill": {"RUNNING": 1}, "decode": {"RUNNING": 1}}}
+        response = client.post("/v1/completions", json={"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
+        body = response.json()
+        assert response.status_code == 200, body
+        assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 8
+        missing = client.post("/v1/chat/completions", json={"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_disaggregated_equals_colocated_with_stop_string(serve_instance, reference):
+    """The stop string spans the prefill→decode hand-off: the ingress owns the text."""
+    _, text = reference("Write a poem.")
+    stop = text[1:6]  # starts inside the first token's text, ends in decode's tokens
+    results = {}
+    for app in ("disagg", "coloc"):
+        with httpx.Client(base_url=serve_instance["url"] + f"/{app}", timeout=60) as client:
+            body = client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Write a poem."}], "temperature": 0,
+                "max_tokens": MAX_TOKENS, "stop": [stop],
+            }).json()
+        results[app] = (body["choices"][0]["message"]["content"], body["choices"][0]["finish_reason"])
+    assert results["disagg"] == results["coloc"] == (text[: text.index(stop)], "stop")
+
+
+def test_kv_crosses_through_the_transfer_actor(serve_instance, reference):
+    before = stats("disagg", "DecodeWorker")
+    actor_before = kv_actor_stats("disagg")
+    _, text = reference("What is a KV cache?")
+    with httpx.Client(base_url=serve_instance["url"] + "/disagg", timeout=60) as client:
+        body = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "What is a KV cache?"}], "temperature": 0, "max_tokens": MAX_TOKENS,
+        }).json()
+    assert body["choices"][0]["message"]["content"] == text
+    after = stats("disagg", "DecodeWorker")
+    assert after["num_kv_imports"] == before["num_kv_imports"] + 1
+    assert after["num_kv_fallbacks"] == before["num_kv_fallbacks"]
+    actor_after = kv_actor_stats("disagg")
+    assert actor_after["num_claimed"] == actor_before["num_claimed"] + 1
+    assert actor_after["num_held"] == 0
+
+
+# ---- failure outcomes ------------------------------------------------------------------------
+def test_kv_claim_timeout_recomputes_with_the_same_output(serve_instance, reference):
+    before = stats("faults", "DecodeWorker")
+    _, text = reference("Explain transfer timeouts.")
+    with httpx.Client(base_url=serve_instance["url"] + "/faults", timeout=60) as client:
+        body = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Explain transfer timeouts."}], "temperature": 0, "max_tokens": MAX_TOKENS,
+        }).json()
+    assert body["choices"][0]["message"]["content"] == text
+    after = stats("faults", "DecodeWorker")
+    assert after["num_kv_fallbacks"] == before["num_kv_fallbacks"] + 1
+    assert after["fallback_reasons"].get("timeout", 0) == before["fallback_reasons"].get("timeout", 0) + 1
+    assert after["num_kv_imports"] == before["num_kv_imports"]
+    # The timed-out worker released the KV instead of leaving it to the lease.
+    wait_until(lambda: kv_actor_stats("faults")["num_held"] == 0, timeout_s=10)
+
+
+def test_kv_lost_before_claim_recomputes(serve_instance, tiny_model_dir, reference):
+    """The KV is gone (released) when the decode worker claims it: it recomputes, same tokens."""
+    import ray
+
+    from serving.engine.model_loader import load_tokenizer
+
+    token_ids, _ = reference("Lost KV.")
+
+    frontend = Frontend(load_tokenizer(tiny_model_dir), None, "tiny")
+    ids = frontend.encode_chat([ChatMessage(role="user", content="Lost KV.")])
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, detokenize=False)
+    request = WorkerRequest("lost-kv-1", ids, params)
+    result = handle("disagg", "PrefillWorker").prefill.remote(request).result(timeout_s=30)
+    assert result.kv is not None and result.kv.num_tokens == len(ids)
+    from serving.deployments import kv_transfer
+
+    actor = ray.get_actor(result.kv.actor_name, namespace=kv_transfer.NAMESPACE)
+    # The offer follows the first token; release once it is held.
+    wait_until(lambda: kv_actor_stats("disagg")["num_held"] == 1, timeout_s=10)
+    assert ray.get(actor.release.remote("lost-kv-1")) is True
+
+    before = stats("disagg", "DecodeWorker")
+    first = result.output.outputs[0].token_ids
+    gen = handle("disagg", "DecodeWorker").options(stream=True).generate.remote(request, result.kv, first)
+    rest = [t for out in gen for t in out.outputs[0].token_ids]
+    assert first + rest == token_ids
+    after = stats("disagg", "DecodeWorker")
+    assert after["fallback_reasons"].get("released", 0) == before["fallback_reasons"].get("released", 0) + 1
+
+
+def test_unclaimed_kv_is_freed_when_its_lease_ends(serve_instance, tiny_model_dir):
+    from serving.engine.model_loader import load_tokenizer
+
+    frontend = Frontend(load_tokenizer(tiny_model_dir), None, "tiny")
+    ids = frontend.encode_chat([ChatMessage(role="user", content="Nobody claims this KV.")])
+    before = kv_actor_stats("faults")
+    request = WorkerRequest("lease-1", ids, SamplingParams(temperature=0, max_tokens=8, detokenize=False))
+    result = handle("faults", "PrefillWorker").prefill.remote(request).result(timeout_s=30)
+    assert result.kv is not None
+    held = wait_until(lambda: (s := kv_actor_stats("faults"))["num_held"] == before["num_held"] + 1 and s, timeout_s=10)
+    assert held["bytes_held"] == result.kv.num_bytes
+    after = wait_until(lambda: (s := kv_actor_stats("faults"))["num_held"] == 0 and s, timeout_s=15)
+    assert after["num_expired"] == before["num_expired"] + 1
+    assert after["bytes_held"] == 0
+
+
+def test_client_disconnect_frees_every_block(serve_instance):
+    baseline = {d: stats("disagg", d)["num_free_blocks"] for d in ("PrefillWorker", "DecodeWorker")}
+    url = serve_instance["url"] + "/disagg"
+    with httpx.Client(base_url=url, timeout=60) as client:
+        with client.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Talk for a long time."}], "temperature": 0,
+            "max_tokens": 2000, "ignore_eos": True, "stream": True,
+        }) as response:
+            assert response.status_code == 200
+            seen = 0
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                if seen == 4:
+                    break  # leave: the connection closes mid-stream
+
+    def settled():
+        current = {d: stats("disagg", d) for d in baseline}
+        return all(
+            s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_blocks"] == baseline[d]
+            for d, s in current.items()
+        ) and current
+
+    current = wait_until(settled, timeout_s=30)
+    assert current["DecodeWorker"]["num_generated_tokens"] < 2000
+    assert kv_actor_stats("disagg")["num_held"] == 0
+
+
+def test_bad_request_does_not_disturb_the_batch(serve_instance, reference, tiny_model_dir):
+    """A worker-level bad request (token id outside the vocabulary) among good streams."""
+    prompts = ["First question?", "Second question?", "Third question?"]
+    expected = [reference(p)[1] for p in prompts]
+
+    async def good(client, prompt):
+        response = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": MAX_TOKENS,
+        })
+        return response.json()["choices"][0]["message"]["content"]
+
+    async def bad():
+        request = WorkerRequest("bad-1", [1, 2, 10**9], SamplingParams(temperature=0, max_tokens=4, detokenize=False))
+        gen = handle("disagg", "DecodeWorker").options(stream=True).generate.remote(request, None, [])
+        return [item async for item in gen]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=serve_instance["url"] + "/disagg", timeout=60) as client:
+            return await asyncio.gather(*(good(client, p) for p in prompts), bad())
+
+    *texts, bad_items = asyncio.run(run())
+    assert texts == expected
+    assert len(bad_items) == 1
+    assert bad_items[0].kind == "invalid" and bad_items[0].param == "prompt_token_ids"
+    assert "not in the vocabulary" in bad_items[0].message
+
+
+def test_queue_full_answers_429_with_retry_after(serve_instance):
+    body = {"messages": [{"role": "user", "content": "Keep going."}], "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    async def one(client):
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return response.status_code, response.headers.get("retry-after"), response.json()
+            async for _ in response.aiter_lines():
+                pass
+            return 200, None, None
+
+    async def run():
+        async with httpx.AsyncClient(base_url=serve_instance["url"] + "/queue", timeout=120) as client:
+            return await asyncio.gather(*(one(client) for _ in range(4)))
+
+    results = asyncio.run(run())
+    rejected = [r for r in results if r[0] == 429]
+    assert rejected, results
+    assert all(r[1] == "1" and r[2]["error"]["code"] == "queue_full" for r in rejected)
+    assert any(r[0] == 200 for r in results)
+
+
+# ---- replicas and the KVTransfer actor die ----------------------------------------------------
+def arm(serve_instance, fault: str) -> Path:
+    """Arm one of /crash's faults: the next replica to reach it exits (once)."""
+    marker = serve_instance["faults"] / fault
+    marker.unlink()
+    return marker
+
+
+def wait_healthy(serve_instance, app: str) -> None:
+    """Every deployment of the app has its one replica alive and running again (after a test
+    killed one). The controller notices a dead replica only at its next health check, so its
+    status alone can still say HEALTHY: count the live replica actors too."""
+    from ray import serve
+    from ray.util.state import list_actors
+
+    def healthy():
+        status = serve.status().applications[app]
+        if status.status != "RUNNING" or any(d.status != "HEALTHY" for d in status.deployments.values()):
+            return False
+        alive = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+        replicas = [a for a in alive if a.class_name.startswith(f"ServeReplica:{app}:")]
+        if len(replicas) != len(status.deployments):
+            return False
+        return httpx.get(f"{serve_instance['url']}/{app}/health", timeout=10).status_code == 200
+
+    wait_until(healthy, timeout_s=120, interval_s=0.5)
+
+
+def recoveries(serve_instance, app: str, kind: str) -> float:
+    text = httpx.get(f"{serve_instance['url']}/{app}/metrics", timeout=10).text
+    return sum(v for n, labels, v in parse_metrics(text) if n == "kvrelay_recoveries_total" and labels.get("kind") == kind)
+
+
+def stream_chat(url: str, body: dict) -> list:
+    with httpx.Client(base_url=url, timeout=httpx.Timeout(120)) as client:
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+            assert response.status_code == 200
+            return sse_events(response.iter_lines())
+
+
+def streamed_text(payloads: list) -> str:
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in payloads if "choices" in e)
+
+
+def test_a_decode_replica_that_dies_mid_stream_is_resumed_with_the_same_greedy_text(serve_instance, reference):
+    """The decode replica exits after streaming two tokens: the request resumes on the restarted
+    replica from the three tokens the client has (prefill's and decode's two), and the client gets
+    exactly the greedy text, once, with no error; the resume is counted."""
+    wait_healthy(serve_instance, "crash")
+    prompt = "A long story, please."
+    _, text = reference(prompt, max_tokens=40, ignore_eos=True)
+    before = recoveries(serve_instance, "crash", "decode_resumed")
+    marker = arm(serve_instance, "decode")
+    events = stream_chat(serve_instance["url"] + "/crash", {
+        "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 40, "ignore_eos": True,
+    })
+    assert marker.exists()  # the fault fired
+    assert events[-1] == "[DONE]"
+    payloads = events[:-1]
+    assert [e for e in payloads if "error" in e] == []
+    assert streamed_text(payloads) == text
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+    assert recoveries(serve_instance, "crash", "decode_resumed") == before + 1
+
+
+def test_a_live_ingress_is_never_taken_for_dead(serve_instance):
+    """Workers check each request's ingress every second (serving/deployments/caller_watch.py): a stream of a
+    few seconds through a live ingress runs to its end."""
+    wait_healthy(serve_instance, "crash")
+    events = stream_chat(serve_instance["url"] + "/crash", {
+        "messages": [{"role": "user", "content": "Talk for a while."}], "temperature": 0, "max_tokens": 1200,
+        "ignore_eos": True, "stream_options": {"include_usage": True},
+    })
+    assert events[-1] == "[DONE]"
+    assert [e for e in events[:-1] if "error" in e] == []
+    assert events[-2]["usage"]["completion_tokens"] == 1200
+    assert [e["choices"][0]["finish_reason"] for e in events[:-2] if e["choices"][0]["finish_reason"]] == ["length"]
+
+
+def test_a_decode_replica_that_dies_again_while_resuming_ends_the_stream_with_an_error_event(serve_instance, reference):
+    wait_healthy(serve_instance, "crash")
+    prompt = "Another long story."
+    _, text = reference(prompt, max_tokens=40, ignore_eos=True)
+    arm(serve_instance, "decode")
+    arm(serve_instance, "decode-again")
+    events = stream_chat(serve_instance["url"] + "/crash", {
+        "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 40, "ignore_eos": True,
+    })
+    assert events[-1] == "[DONE]"
+    *tokens, error = events[:-1]
+    assert error["error"]["code"] == "no_worker"
+    assert "the replica serving this request died" in error["error"]["message"]
+    assert all("choices" in e for e in tokens)
+    assert text.startswith(streamed_text(tokens))  # what came before the error was right
+
+
+def test_a_prefill_replica_that_dies_before_the_first_token_is_replaced_by_the_decode_pool(serve_instance, reference):
+    wait_healthy(serve_instance, "crash")
+    prompt = "Prefill, then die."
+    _, text = reference(prompt)
+    before = recoveries(serve_instance, "crash", "prefill_on_decode")
+    marker = arm(serve_instance, "prefill")
+    response = httpx.post(serve_instance["url"] + "/crash/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": MAX_TOKENS,
+    }, timeout=120)
+    assert marker.exists()
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == text
+    assert recoveries(serve_instance, "crash", "prefill_on_decode") == before + 1
+
+
+def test_when_the_ingress_dies_its_request_is_aborted_everywhere_and_every_block_returns(serve_instance):
+    """The ingress exits holding a stream of 2000 tokens: the decode worker must not generate
+    them for nobody (it aborts within about a second; 2000 tokens take about 5 s here); its
+    engine and the prefill's go back to their free blocks."""
+    wait_healthy(serve_instance, "crash")
+    baseline = {d: stats("crash", d) for d in ("PrefillWorker", "DecodeWorker")}
+    marker = arm(serve_instance, "ingress")
+    got: list[str] = []
+    with httpx.Client(base_url=serve_instance["url"] + "/crash", timeout=httpx.Timeout(120)) as client:
+        try:
+            with client.stream("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Talk for a long time."}], "temperature": 0,
+                "max_tokens": 2000, "ignore_eos": True, "stream": True,
+            }) as response:
+                for line in response.iter_lines():
+                    got.append(line)
+        except httpx.HTTPError:
+            pass  # the connection dropped with the ingress
+    assert marker.exists()
+
+    keys = ("num_running", "num_waiting", "num_held_exports", "num_free_blocks")
+    expected = {d: (0, 0, 0, s["num_free_blocks"]) for d, s in baseline.items()}
+    seen = {}
+
+    def settled():
+        current = {d: stats("crash", d) for d in baseline}
+        seen.update({d: tuple(s[k] for k in keys) for d, s in current.items()})
+        return seen == expected and current
+
+    try:
+        current = wait_until(settled, timeout_s=60, interval_s=0.5)
+    except AssertionError:
+        raise AssertionError(f"{keys}: {seen}, expected {expected}") from None
+    generated = current["DecodeWorker"]["num_generated_tokens"] - baseline["DecodeWorker"]["num_generated_tokens"]
+    assert generated < 2000, f"the decode worker generated all {generated} tokens for a client nobody serves"
+    wait_healthy(serve_instance, "crash")
+
+
+@pytest.mark.parametrize("restart", [True, False], ids=["ray-restarts-it", "killed-for-good"])
+def test_the_kv_transfer_actor_dies_mid_load_and_imports_resume(serve_instance, reference, restart):
+    """Requests keep coming while the KVTransfer actor is killed: every one answers with the
+    greedy text (a request caught by the kill recomputes its prompt), and KV imports resume within
+    a bound, through the restarted actor, or a new one when it was killed for good."""
+    import ray
+
+    prompts = [f"Question number {i}?" for i in range(6)]
+    expected = {p: reference(p)[1] for p in prompts}
+    node_id = ray.get_runtime_context().get_node_id()
+    name = kv_transfer.actor_name("disagg", node_id)
+    results: list[tuple[str, int, str]] = []
+    stop = threading.Event()
+
+    def client():
+        with httpx.Client(base_url=serve_instance["url"] + "/disagg", timeout=120) as http:
+            i = 0
+            while not stop.is_set():
+                prompt = prompts[i % len(prompts)]
+                response = http.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": MAX_TOKENS,
+                })
+                body = response.json()
+                results.append((prompt, response.status_code, body["choices"][0]["message"]["content"] if response.status_code == 200 else body))
+                i += 1
+
+    threads = [threading.Thread(target=client) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: len(results) >= 6, timeout_s=60)
+        ray.kill(ray.get_actor(name, namespace=kv_transfer.NAMESPACE), no_restart=not restart)
+        imports_at_kill = stats("disagg", "DecodeWorker")["num_kv_imports"]
+        # Imports resume: later requests find the KV through the (restarted or new) actor.
+        wait_until(lambda: stats("disagg", "DecodeWorker")["num_kv_imports"] >= imports_at_kill + 3, timeout_s=60, interval_s=0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert all(status == 200 and text == expected[prompt] for prompt, status, text in results), results
+    wait_until(lambda: kv_actor_stats("disagg")["num_held"] == 0, timeout_s=30)

@@ -1,0 +1,231 @@
+"""ServeBackend's pool checks, without Ray: a pool with no running replica answers 503 at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serving.api.errors import NoWorkerError, to_api_error
+from serving.api.pipeline import WorkerRequest
+from serving.config import ServeConfig
+from serving.deployments.serve_backend import ServeBackend
+from serving.engine.params import SamplingParams
+
+
+class StubHandle:
+    def __init__(self, deployment_name: str):
+        self.deployment_name = deployment_name
+
+
+def backend(states: dict, *, colocated: bool = False) -> tuple[ServeBackend, list]:
+    calls = []
+
+    def status_fn():
+        calls.append(1)
+        return states
+
+    if colocated:
+        b = ServeBackend(ServeConfig(mode="colocated"), decode=StubHandle("Worker"), status_fn=status_fn)
+    else:
+        b = ServeBackend(ServeConfig(), prefill=StubHandle("PrefillWorker"), decode=StubHandle("DecodeWorker"), status_fn=status_fn)
+    return b, calls
+
+
+async def first(iterator):
+    async for item in iterator:
+        return item
+
+
+def test_health_reports_replica_states():
+    b, _ = backend({"PrefillWorker": {"RUNNING": 2}, "DecodeWorker": {"RUNNING": 1, "STARTING": 1}})
+    assert asyncio.run(b.health()) == {"prefill": {"RUNNING": 2}, "decode": {"RUNNING": 1, "STARTING": 1}}
+
+
+def test_no_running_decode_replica_is_503_naming_the_pool():
+    b, _ = backend({"PrefillWorker": {"RUNNING": 1}, "DecodeWorker": {"STARTING": 1, "UNHEALTHY": 1}})
+    with pytest.raises(NoWorkerError) as info:
+        asyncio.run(b.health())
+    error = to_api_error(info.value)
+    assert error.status == 503 and error.code == "no_worker"
+    assert error.message == (
+        "No decode replica is alive to serve this request: 1 starting, 1 unhealthy; "
+        "retry once the pool has recovered."
+    )
+
+
+def test_generate_fails_fast_when_the_prefill_pool_is_down():
+    b, _ = backend({"PrefillWorker": {}, "DecodeWorker": {"RUNNING": 1}})
+    request = WorkerRequest("r1", [1, 2, 3], SamplingParams(max_tokens=4))
+    with pytest.raises(NoWorkerError, match="No prefill replica is alive to serve this request: no replicas;"):
+        asyncio.run(first(b.generate(request)))
+
+
+def test_colocated_pool_is_called_worker():
+    b, _ = backend({"Worker": {}}, colocated=True)
+    with pytest.raises(NoWorkerError, match="No worker replica"):
+        asyncio.run(b.health())
+
+
+def test_status_is_cached_between_requests():
+    b, calls = backend({"PrefillWorker": {"RUNNING": 1}, "DecodeWorker": {"RUNNING": 1}})
+
+    async def twice():
+        await b.health()
+        await b.health()
+
+    asyncio.run(twice())
+    assert len(calls) == 1
+
+
+def test_unreadable_status_does_not_fail_requests():
+    def broken():
+        raise ConnectionError("controller unreachable")
+
+    b = ServeBackend(ServeConfig(), prefill=StubHandle("PrefillWorker"), decode=StubHandle("DecodeWorker"), status_fn=broken)
+    assert asyncio.run(b.health()) == {"prefill": {}, "decode": {}}
+
+
+# ---- routing between the pools, with recording stub handles ------------------------------------
+class _Call:
+    def __init__(self, value):
+        self._value = value
+
+    def __await__(self):
+        async def value():
+            return self._value
+
+        return value().__await__()
+
+    def cancel(self):
+        pass
+
+
+class _Stream:
+    def __init__(self, items):
+        self._items = list(items)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self._items:
+            raise StopAsyncIteration
+        return self._items.pop(0)
+
+    def cancel(self):
+        pass
+
+
+class _Method:
+    def __init__(self, owner, name):
+        self.owner, self.name = owner, name
+
+    def remote(self, *args):
+        self.owner.calls.append((self.name, args))
+        return self.owner.reply(self.name, args)
+
+
+class RecordingHandle(StubHandle):
+    def __init__(self, deployment_name, reply):
+        super().__init__(deployment_name)
+        self.calls = []
+        self.reply = reply
+
+    def options(self, **_):
+        return self
+
+    def __getattr__(self, name):
+        return _Method(self, name)
+
+
+def _output(token_ids, finish_reason=None):
+    from serving.engine.outputs import CompletionOutput, RequestOutput
+
+    return RequestOutput("r", [CompletionOutput(0, "", token_ids, None, finish_reason)], finish_reason is not None, 3, 0)
+
+
+def pools(first_finish=None):
+    from serving.deployments.engine_worker import PrefillResult
+    from serving.deployments.kv_transfer import KVHandle
+
+    kv = None if first_finish else KVHandle("r", "KVTransfer:x:n", "n", 3, 100)
+    prefill = RecordingHandle("PrefillWorker", lambda name, args: _Call(PrefillResult(_output([7], first_finish), kv)))
+    decode = RecordingHandle("DecodeWorker", lambda name, args: _Stream([_output([8]), _output([9], "length")]))
+    config = ServeConfig(min_remote_prefill_tokens=4)
+    status = {"PrefillWorker": {"RUNNING": 1}, "DecodeWorker": {"RUNNING": 1}}
+    return ServeBackend(config, prefill=prefill, decode=decode, status_fn=lambda: status), prefill, decode, kv
+
+
+async def collect(iterator):
+    return [out.outputs[0].token_ids for out in [item async for item in iterator]]
+
+
+def test_long_prompt_prefills_remotely_and_hands_the_kv_to_decode():
+    backend_, prefill, decode, kv = pools()
+    request = WorkerRequest("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3))
+    assert asyncio.run(collect(backend_.generate(request))) == [[7], [8], [9]]
+    assert prefill.calls == [("prefill", (request,))]
+    assert decode.calls == [("generate", (request, kv, [7]))]
+
+
+def test_short_prompt_and_n_above_one_stay_on_the_decode_worker():
+    backend_, prefill, decode, _ = pools()
+    short = WorkerRequest("r", [1, 2, 3], SamplingParams(max_tokens=3))
+    assert asyncio.run(collect(backend_.generate(short))) == [[8], [9]]
+    several = WorkerRequest("r2", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=3, n=2))
+    asyncio.run(collect(backend_.generate(several)))
+    assert prefill.calls == []
+    assert decode.calls == [("generate", (short, None, [])), ("generate", (several, None, []))]
+
+
+def test_request_finished_by_prefill_never_reaches_decode():
+    backend_, prefill, decode, _ = pools(first_finish="stop")
+    request = WorkerRequest("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3))
+    assert asyncio.run(collect(backend_.generate(request))) == [[7]]
+    assert len(prefill.calls) == 1 and decode.calls == []
+
+
+def test_worker_error_value_becomes_the_engine_exception():
+    from serving.api.errors import WorkerError
+    from serving.engine.errors import ContextLengthError
+
+    backend_, prefill, _, _ = pools()
+    prefill.reply = lambda name, args: _Call(WorkerError("context_length", "too long", "messages", 9000, 8192))
+    request = WorkerRequest("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3))
+    with pytest.raises(ContextLengthError) as info:
+        asyncio.run(collect(backend_.generate(request)))
+    assert (info.value.param, info.value.num_tokens, info.value.limit) == ("messages", 9000, 8192)
+
+
+# ---- the controller's view is this app's -------------------------------------------------------
+def test_replica_states_are_read_for_this_app_only(monkeypatch):
+    """Every kvrelay app has a DecodeWorker: a fallback app's (serving/api/degradation.py) running
+    replicas must not hide that ours are gone."""
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    def app(**deployments):
+        return SimpleNamespace(deployments={n: SimpleNamespace(replica_states=s) for n, s in deployments.items()})
+
+    status = SimpleNamespace(applications={
+        "big": app(PrefillWorker={"RUNNING": 1}, DecodeWorker={"STARTING": 1}),
+        "small": app(PrefillWorker={"RUNNING": 1}, DecodeWorker={"RUNNING": 2}),
+    })
+    monkeypatch.setattr(serve, "status", lambda: status)
+    b = ServeBackend(ServeConfig(app_name="big"), prefill=StubHandle("PrefillWorker"), decode=StubHandle("DecodeWorker"))
+    with pytest.raises(NoWorkerError, match="No decode replica is alive to serve this request: 1 starting;"):
+        asyncio.run(b.health())
+    small = ServeBackend(ServeConfig(app_name="small"), prefill=StubHandle("PrefillWorker"), decode=StubHandle("DecodeWorker"))
+    assert asyncio.run(small.health()) == {"prefill": {"RUNNING": 1}, "decode": {"RUNNING": 2}}
+
+
+def test_model_info_fails_fast_when_a_pool_never_came_up():
+    """Without the check, the handle call would wait for a replica forever (the first request
+    of an app whose pool cannot be placed); a 503 can be degraded."""
+    backend_, prefill, decode, _ = pools()
+    backend_._status_fn = lambda: {"PrefillWorker": {"RUNNING": 1}, "DecodeWorker": {"STARTING": 1}}
+    with pytest.raises(NoWorkerError, match="No decode replica"):
+        asyncio.run(backend_.model_info())
+    assert prefill.calls == [] and decode.calls == []

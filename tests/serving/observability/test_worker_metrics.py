@@ -1,0 +1,77 @@
+"""A worker's autoscaling signals: latency windows, per-request TTFT/TPOT, the reported dict."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from router.autoscaling.decide import SIGNALS
+from serving.engine.engine import EngineStats
+from serving.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from serving.observability.worker_metrics import LatencyWindow, RequestLatencies, autoscaling_stats
+
+
+def output(tokens: int, *, arrival: float, first: float | None, finished: float | None, reason: str | None = None):
+    return RequestOutput(
+        "r", [CompletionOutput(0, "", [7] * tokens, finish_reason=reason)], finished is not None, 10, 0,
+        RequestMetrics(arrival_time=arrival, first_token_time=first, finished_time=finished),
+    )
+
+
+def test_percentile_is_nearest_rank_over_the_window():
+    window = LatencyWindow(window_s=10.0)
+    assert window.percentile(95, now=0.0) is None
+    for i, value in enumerate(range(1, 21)):  # 1..20 ms at t = 0..19
+        window.add(float(value), now=float(i))
+    assert window.percentile(95, now=19.0) == 20.0  # window t >= 9: 10..20, rank ceil(0.95 * 11) = 11
+    assert window.percentile(50, now=19.0) == 15.0
+    assert window.percentile(95, now=25.0) == 20.0  # t >= 15: 16..20
+    assert window.percentile(95, now=40.0) is None
+
+
+def test_window_keeps_at_most_max_samples():
+    window = LatencyWindow(window_s=100.0, max_samples=3)
+    for value in (50.0, 1.0, 2.0, 3.0):
+        window.add(value, now=0.0)
+    assert window.percentile(100, now=0.0) == 3.0
+
+
+def test_ttft_at_the_first_token_and_tpot_at_the_finish():
+    latencies = RequestLatencies(window_s=1e9)
+    tracker = latencies.track()
+    tracker.observe(output(0, arrival=10.0, first=None, finished=None))
+    tracker.observe(output(1, arrival=10.0, first=10.25, finished=None))
+    assert latencies.ttft_ms.percentile(100) == 250.0 and latencies.tpot_ms.percentile(100) is None
+    tracker.observe(output(4, arrival=10.0, first=10.25, finished=10.75, reason="length"))
+    assert latencies.ttft_ms.percentile(100) == 250.0  # once per request
+    assert latencies.tpot_ms.percentile(100) == 125.0  # (10.75 - 10.25) / (5 - 1)
+
+
+def test_continued_requests_have_no_ttft_and_count_every_token_as_a_gap():
+    latencies = RequestLatencies(window_s=1e9)
+    tracker = latencies.track(continues=True)  # the first token came from the prefill worker
+    tracker.observe(output(4, arrival=20.0, first=20.125, finished=20.5, reason="stop"))
+    assert latencies.ttft_ms.percentile(100) is None
+    assert latencies.tpot_ms.percentile(100) == 125.0  # (20.5 - 20.0) / 4
+
+
+def test_aborted_and_single_token_requests_give_no_tpot():
+    latencies = RequestLatencies(window_s=1e9)
+    latencies.track().observe(output(3, arrival=0.0, first=0.1, finished=0.5, reason="abort"))
+    latencies.track().observe(output(1, arrival=0.0, first=0.2, finished=0.2, reason="length"))  # a prefill
+    assert latencies.tpot_ms.percentile(100) is None
+    assert latencies.ttft_ms.percentile(100) == 200.0
+
+
+def test_autoscaling_stats_reports_every_signal():
+    stats = EngineStats(
+        num_running=3, num_waiting=2, num_blocks=100, num_free_blocks=40, kv_cache_usage=0.6, num_preemptions=0,
+        prefix_cache_query_tokens=0, prefix_cache_hit_tokens=0, num_computed_tokens=0, num_generated_tokens=0,
+        num_held_exports=0, num_queued_prefill_tokens=1234,
+    )
+    latencies = RequestLatencies()
+    assert autoscaling_stats(stats, latencies) == {
+        "queued_prefill_tokens": 1234.0, "ttft_p95_ms": 0.0, "num_seqs": 5.0, "kv_utilization": 0.6, "tpot_p95_ms": 0.0,
+    }
+    latencies.ttft_ms.add(80.0)
+    assert autoscaling_stats(replace(stats, num_waiting=0), latencies)["ttft_p95_ms"] == 80.0
+    assert tuple(autoscaling_stats(stats, latencies)) == SIGNALS
