@@ -26,6 +26,7 @@ Every function blocks (GCS and actor round trips): call them from a thread, not 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import ray
@@ -75,6 +76,7 @@ def list_replicas(app: str) -> list[Replica]:
 
 def _read_on_replica(replica_actor) -> dict:
     """Runs inside the replica's process (via __ray_call__)."""
+    import dataclasses as _dc
     import os as _os
 
     impl = getattr(replica_actor, "_replica_impl", None)
@@ -88,7 +90,8 @@ def _read_on_replica(replica_actor) -> dict:
     worker = getattr(deployment, "worker", None)
     if worker is None:
         return out  # the ingress
-    out.update(deployment.stats())
+    stats = deployment.stats()  # a WorkerStats, flattened for the report
+    out.update(role=stats.role, node_id=stats.node_id, **_dc.asdict(stats.engine), **_dc.asdict(stats.counters))
     engine = getattr(getattr(worker, "engine", None), "engine", None)  # AsyncEngine.engine: the LLMEngine
     block_manager = getattr(engine, "block_manager", None)
     if block_manager is not None:
@@ -131,7 +134,7 @@ def _ask(name: str, ref, timeout_s: float):
 
 def kv_transfer_stats(app: str, *, timeout_s: float = 30.0) -> dict[str, dict]:
     """actor name -> its stats(), for each node's KVTransfer actor that exists."""
-    return {name: _ask(name, actor.stats.remote(), timeout_s) for name, actor in _kv_transfer_actors(app)}
+    return {name: dataclasses.asdict(_ask(name, actor.stats.remote(), timeout_s)) for name, actor in _kv_transfer_actors(app)}
 
 
 def _held_on_actor(actor) -> dict:

@@ -47,7 +47,7 @@ def serve_config(model_dir: Path, dtype: str, policy: str, *, num_replicas: int,
 
 
 def _request(request_id: str, token_ids: list[int], block_size: int):
-    from serving.api.pipeline import WorkerRequest
+    from serving.deployments.messages import WorkerRequest
     from serving.engine.block_hash import hash_blocks
     from serving.engine.params import SamplingParams
 
@@ -56,7 +56,7 @@ def _request(request_id: str, token_ids: list[int], block_size: int):
 
 
 async def _send(handle, request) -> tuple[float, object]:
-    from serving.api.errors import WorkerError
+    from serving.deployments.messages import WorkerError
 
     start = time.perf_counter()
     result = await handle.prefill.remote(request)

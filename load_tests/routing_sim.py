@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from load_tests.routing_metrics import PolicyRun, RequestRecord
 from load_tests.routing_workload import Workload, WorkloadRequest
 from router.policies import POLICIES, RouteRequest, build_policy
+from router.replica_stats import RoutingStats
 from router.routing_state import RouterState
 
 __all__ = ["CostModel", "SimConfig", "BlockCache", "SimReplica", "simulate", "oracle_hit_tokens", "make_policy"]
@@ -190,19 +191,19 @@ class SimReplica:
             queued += request.num_prompt_tokens - cached * self.cache.block_size
         return queued
 
-    def routing_stats(self, now: float) -> dict:
-        """What serving/deployments/engine_worker.py `routing_stats` reports (the fields the routers read)."""
+    def routing_stats(self, now: float) -> RoutingStats:
+        """What a worker reports (serving/deployments/engine_worker.py `routing_stats`), the fields the routers read."""
         if self._snapshot[0] != self.cache.version:
             self._snapshot = (self.cache.version, self.cache.hashes())
-        return {
-            "kv_version": self.cache.version,
-            "kv_hashes": self._snapshot[1],  # PrefixIndex.update copies it
-            "time": now,
-            "num_queued_prefill_tokens": self.queued_prefill_tokens(now),
-            "prefill_tokens_per_s": self.prefill_tokens_per_s,
-            "num_running": int(self.running is not None),
-            "num_waiting": len(self.queue),
-        }
+        return RoutingStats(
+            kv_version=self.cache.version,
+            kv_hashes=self._snapshot[1],  # PrefixIndex.update copies it
+            time=now,
+            num_queued_prefill_tokens=self.queued_prefill_tokens(now),
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            num_running=int(self.running is not None),
+            num_waiting=len(self.queue),
+        )
 
 
 def make_policy(name: str, params: dict | None = None, seed: int = 0):

@@ -60,8 +60,9 @@ class CachedBlockSet:
         if changed or len(self.hashes) != before:
             self.version += 1
 
-    def snapshot(self) -> dict:
-        return {"kv_version": self.version, "kv_hashes": encode_hashes(self.hashes)}
+    def snapshot(self) -> tuple[int, bytes]:
+        """(version, the encoded hashes): RoutingStats.kv_version and kv_hashes."""
+        return self.version, encode_hashes(self.hashes)
 
 
 class PrefixIndex:

@@ -20,35 +20,48 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator, Sequence
+from typing import Protocol, runtime_checkable
 
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
 
 from router.policies import LeastKVPolicy, PrefixCostPolicy, RouteRequest, build_policy
-from router.routing_state import RouterState, load_from_stats
+from router.replica_stats import MetricFamily, RoutingStats
+from router.routing_state import RouterState
 from serving.observability.metrics import POOL_OF_DEPLOYMENT, record_routing_decision, register_router
 
-__all__ = ["PrefixAwareRequestRouter", "KVAwareRequestRouter", "route_request_from_args", "load_from_stats"]
+__all__ = ["PrefixAwareRequestRouter", "KVAwareRequestRouter", "Routable", "route_request_from_args"]
 
 logger = logging.getLogger(__name__)
 
 
+@runtime_checkable
+class Routable(Protocol):
+    """What the routers read of a worker call's first argument (a WorkerRequest,
+    serving/deployments/messages.py): its prompt, computed once at the ingress."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    block_hashes: Sequence[int]
+    block_size: int
+    session: str | None
+
+
 def route_request_from_args(pending_request: PendingRequest | None) -> RouteRequest | None:
-    """The RouteRequest of a worker call (`prefill(request)` / `generate(request, ...)`)."""
-    if pending_request is None or not pending_request.args:
+    """The RouteRequest of a worker call (`prefill(request)` / `generate(request, ...)`); None for
+    a control call (stats, model_info), which any replica answers."""
+    if pending_request is None or not pending_request.args or not isinstance(pending_request.args[0], Routable):
         return None
     request = pending_request.args[0]
-    token_ids = getattr(request, "prompt_token_ids", None)
-    if token_ids is None:
-        return None
     return RouteRequest(
         request_id=request.request_id,
-        num_prompt_tokens=len(token_ids),
-        block_hashes=getattr(request, "block_hashes", None) or (),
-        block_size=getattr(request, "block_size", 16),
-        session=getattr(request, "session", None),
-        token_ids=token_ids,
+        num_prompt_tokens=len(request.prompt_token_ids),
+        block_hashes=request.block_hashes,
+        block_size=request.block_size,
+        session=request.session,
+        token_ids=request.prompt_token_ids,
     )
 
 
@@ -77,7 +90,8 @@ class _PolicyRouter(FIFOMixin, RequestRouter):
             return [candidate_replicas]
         by_id = {replica.replica_id: replica for replica in candidate_replicas}
         decision = self.state.route(
-            request, [(replica.replica_id, replica.routing_stats) for replica in candidate_replicas], time.time(),
+            request, [(replica.replica_id, RoutingStats.from_wire(replica.routing_stats)) for replica in candidate_replicas],
+            time.time(),
             known_replicas=self._all_replica_ids(),
         )
         record_routing_decision(self.pool, self.state.policy.name, decision.reason)
@@ -86,6 +100,22 @@ class _PolicyRouter(FIFOMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
         self.state.remove(replica_id)
+
+    # ---- what GET /metrics reads (serving/observability/export.py RoutersCollector) -----------------
+    @property
+    def policy_name(self) -> str:
+        return self.state.policy.name
+
+    def decision_counts(self) -> dict[str, int]:
+        """Routing decisions of this router so far, by reason."""
+        return dict(self.state.decisions)
+
+    def replica_metrics(self) -> Iterator[tuple[object, tuple[MetricFamily, ...]]]:
+        """(replica id, its metric families) of each replica in the pool, from its newest stats."""
+        for replica_id, replica in list(self.curr_replicas.items()):
+            stats = RoutingStats.from_wire(replica.routing_stats)
+            if stats is not None:
+                yield replica_id, stats.metrics
 
     def _all_replica_ids(self) -> set:
         return {replica.replica_id for replica in self._replicas_list} if hasattr(self, "_replicas_list") else set()

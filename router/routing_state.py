@@ -22,24 +22,25 @@ from collections.abc import Hashable, Iterable, Sequence
 
 from router.index import PrefixIndex
 from router.policies import Decision, ReplicaLoad, RouteRequest
+from router.replica_stats import RoutingStats
 
-__all__ = ["RouterState", "InflightTokens", "load_from_stats", "INFLIGHT_HORIZON_S"]
+__all__ = ["RouterState", "InflightTokens", "RoutingStats", "load_from_stats", "INFLIGHT_HORIZON_S"]
 
 INFLIGHT_HORIZON_S = 30.0  # forget routed-token accounting older than this even without stats
 
 
-def load_from_stats(replica_id: Hashable, stats: dict | None) -> ReplicaLoad:
-    """A replica's load figures from its routing stats (serving/deployments/engine_worker.py `routing_stats`)."""
-    stats = stats or {}
+def load_from_stats(replica_id: Hashable, stats: RoutingStats | None) -> ReplicaLoad:
+    """A replica's load figures from its routing stats (all zero before its first report)."""
+    stats = stats or RoutingStats()
     return ReplicaLoad(
         replica_id=replica_id,
-        queued_prefill_tokens=int(stats.get("num_queued_prefill_tokens", 0)),
-        prefill_tokens_per_s=float(stats.get("prefill_tokens_per_s", 0.0)),
-        num_running=int(stats.get("num_running", 0)),
-        num_waiting=int(stats.get("num_waiting", 0)),
-        num_free_blocks=int(stats.get("num_free_blocks", 0)),
-        num_blocks=int(stats.get("num_blocks", 0)),
-        kv_usage=float(stats.get("kv_cache_usage", 0.0)),
+        queued_prefill_tokens=stats.num_queued_prefill_tokens,
+        prefill_tokens_per_s=stats.prefill_tokens_per_s,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_free_blocks=stats.num_free_blocks,
+        num_blocks=stats.num_blocks,
+        kv_usage=stats.kv_cache_usage,
     )
 
 
@@ -79,7 +80,7 @@ class RouterState:
     def route(
         self,
         request: RouteRequest,
-        candidates: Sequence[tuple[Hashable, dict | None]],
+        candidates: Sequence[tuple[Hashable, RoutingStats | None]],
         now: float,
         *,
         known_replicas: Iterable[Hashable] = (),
@@ -96,15 +97,12 @@ class RouterState:
             self.index.note_routed(decision.chosen, request.block_hashes)
         return decision
 
-    def load(self, replica_id: Hashable, stats: dict | None, now: float) -> ReplicaLoad:
+    def load(self, replica_id: Hashable, stats: RoutingStats | None, now: float) -> ReplicaLoad:
         """Feed the index from the stats' snapshot; the load figures plus unreported tokens."""
-        stats = stats or {}
-        if "kv_hashes" in stats:
-            self.index.update(
-                replica_id, int(stats.get("kv_version", 0)), stats["kv_hashes"], epoch=int(stats.get("epoch", 0)),
-            )
+        if stats is not None and stats.kv_hashes is not None:
+            self.index.update(replica_id, stats.kv_version, stats.kv_hashes, epoch=stats.epoch)
         load = load_from_stats(replica_id, stats)
-        load.queued_prefill_tokens += self.inflight.unreported(replica_id, float(stats.get("time", 0.0)), now)
+        load.queued_prefill_tokens += self.inflight.unreported(replica_id, stats.time if stats is not None else 0.0, now)
         return load
 
     def remove(self, replica_id: Hashable) -> None:

@@ -64,8 +64,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# What every replica reports (record_autoscaling_stats keys), all per replica.
-SIGNALS = ("queued_prefill_tokens", "ttft_p95_ms", "num_seqs", "kv_utilization", "tpot_p95_ms")
 _STATE_PREFIX = "kvrelay."  # our keys in Serve's policy_state, which also holds Serve's own
 _EPS = 1e-9
 
@@ -80,6 +78,15 @@ class ReplicaSignals:
     num_seqs: float | None = None  # running + waiting sequences
     kv_utilization: float | None = None
     tpot_p95_ms: float | None = None
+
+    def to_wire(self) -> dict[str, float]:
+        """What a replica's record_autoscaling_stats returns: Serve keeps a time series per key
+        (and its controller unpickles them without our packages, hence plain floats)."""
+        return {signal: float(getattr(self, signal) or 0.0) for signal in SIGNALS}
+
+
+# What every replica reports (record_autoscaling_stats keys), all per replica.
+SIGNALS = tuple(f.name for f in fields(ReplicaSignals) if f.name != "updated_at")
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,12 @@
     ├── (from EngineDeadError)       503 engine_dead: the replica's step loop stopped
     └── AuthenticationError          401 invalid_api_key
 
-Workers never raise across Ray: they return `WorkerError` values, which the ingress turns back
-into the engine's exceptions (so a local engine and a remote one fail the same way), and only
-the HTTP layer maps exceptions to status codes.
+Workers never raise across Ray: they return `WorkerError` values (serving/deployments/messages.py),
+which the ingress turns back into the engine's exceptions (so a local engine and a remote one fail
+the same way), and only the HTTP layer maps exceptions to status codes.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from serving.engine.errors import ContextLengthError, EngineDeadError, EngineError, InvalidRequestError, RequestFailedError
 
@@ -29,7 +27,6 @@ __all__ = [
     "NoWorkerError",
     "ShedError",
     "AuthenticationError",
-    "WorkerError",
     "error_status",
     "to_api_error",
 ]
@@ -105,40 +102,6 @@ class ShedError(APIError):
 class AuthenticationError(APIError):
     def __init__(self, message: str):
         super().__init__(401, message, type="invalid_request_error", code="invalid_api_key")
-
-
-@dataclass
-class WorkerError:
-    """An error a worker returns as a value (Ray would otherwise wrap and re-type it)."""
-
-    kind: str  # "invalid" | "context_length" | "failed" | "dead" | "internal"
-    message: str
-    param: str | None = None
-    num_tokens: int | None = None
-    limit: int | None = None
-
-    @classmethod
-    def from_exception(cls, exc: BaseException) -> WorkerError:
-        if isinstance(exc, ContextLengthError):
-            return cls("context_length", exc.message, exc.param, exc.num_tokens, exc.limit)
-        if isinstance(exc, InvalidRequestError):
-            return cls("invalid", exc.message, exc.param)
-        if isinstance(exc, RequestFailedError):
-            return cls("failed", str(exc))
-        if isinstance(exc, EngineDeadError):
-            return cls("dead", str(exc))
-        return cls("internal", f"{type(exc).__name__}: {exc}")
-
-    def to_exception(self) -> Exception:
-        if self.kind == "context_length":
-            return ContextLengthError(self.param or "messages", self.message, num_tokens=self.num_tokens or 0, limit=self.limit or 0)
-        if self.kind == "invalid":
-            return InvalidRequestError(self.param or "request", self.message)
-        if self.kind == "failed":
-            return RequestFailedError(self.message)
-        if self.kind == "dead":
-            return EngineDeadError(self.message)
-        return RuntimeError(self.message)
 
 
 def to_api_error(exc: BaseException) -> APIError:

@@ -1,6 +1,6 @@
 """The ingress's request pipeline, independent of HTTP and of Ray.
 
-    messages ─chat template─▶ prompt ids ─validate─▶ Backend.generate(WorkerRequest)
+    messages ─chat template─▶ prompt ids ─validate─▶ Backend.generate(GenerateRequest)
                                                           │ token ids (+ logprobs), per choice
                    ChoiceDelta (text, tokens) ◀─detokenize, stop strings─┘
 
@@ -31,27 +31,18 @@ from serving.engine.errors import ContextLengthError, InvalidRequestError
 from serving.engine.outputs import RequestOutput, TokenLogprob
 from serving.engine.params import SamplingParams
 from serving.engine.stop_checker import StopChecker
-from serving.engine.validation import validate_request
+from serving.engine.validation import ModelInfo, validate_request
 from serving.observability.tracing import RequestTrace
 
-__all__ = ["ModelInfo", "WorkerRequest", "Backend", "ChoiceDelta", "Usage", "Frontend"]
+__all__ = ["GenerateRequest", "Backend", "ChoiceDelta", "Usage", "Frontend"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the ingress must know of the workers' engines to validate a request."""
-
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    block_size: int
-
-
 @dataclass
-class WorkerRequest:
-    """What crosses from the ingress to a worker: ids and sampling params, no text."""
+class GenerateRequest:
+    """What the pipeline asks a Backend to generate: ids and sampling params, no text. The Serve
+    backend sends it to the workers as a WorkerRequest (serving/deployments/messages.py)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -64,17 +55,15 @@ class WorkerRequest:
     block_hashes: list[int] = field(default_factory=list)
     block_size: int = 16
     session: str | None = None
-    # The ingress span's W3C context (serving/observability/tracing.py), so workers continue the trace; None
-    # when tracing is off.
+    # The ingress span's W3C context (serving/observability/tracing.py), so workers continue the
+    # trace; None when tracing is off.
     trace_context: dict[str, str] | None = None
-    # The ingress replica that sent it (serving/deployments/caller_watch.py): workers abort it if that dies.
-    caller: tuple[str, str] | None = None
 
 
 class Backend(Protocol):
     async def model_info(self) -> ModelInfo: ...
 
-    def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Token-id outputs; raises engine errors (InvalidRequestError, ...) or APIErrors.
         Closing the iterator early aborts the request everywhere it runs."""
         ...
@@ -210,7 +199,7 @@ class Frontend:
         usage.prompt_tokens += len(prompt_ids)
         worker_params = replace(params, stop=[], include_stop_str_in_output=False, detokenize=False)
         info = await self.model_info()
-        request = WorkerRequest(
+        request = GenerateRequest(
             request_id, prompt_ids, worker_params, priority, cache_salt,
             block_hashes=hash_blocks(prompt_ids, info.block_size, (cache_salt,) if cache_salt else ()),
             block_size=info.block_size, session=session,

@@ -20,20 +20,16 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterator
-from typing import NamedTuple
 
 import ray
 
-__all__ = ["Caller", "CallerWatch", "this_actor"]
+from serving.deployments.messages import Caller
+
+__all__ = ["CallerWatch", "this_actor"]
 
 _SERVE_NAMESPACE = "serve"  # where Serve names its replica actors (ray.serve._private.constants)
 
 logger = logging.getLogger(__name__)
-
-
-class Caller(NamedTuple):
-    actor_name: str
-    namespace: str
 
 
 def this_actor() -> Caller | None:

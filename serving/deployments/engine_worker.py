@@ -25,64 +25,44 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 
 import ray
 
+from router.autoscaling.decide import ReplicaSignals
 from router.index import CachedBlockSet
-from serving.api.errors import WorkerError
-from serving.api.pipeline import ModelInfo, WorkerRequest
+from router.replica_stats import RoutingStats
 from serving.config import KVTransferConfig
 from serving.deployments import faults, kv_transfer
-from serving.deployments.caller_watch import Caller, CallerWatch
-from serving.deployments.kv_transfer import KVHandle
-from serving.deployments.local_backend import model_info
+from serving.deployments.caller_watch import CallerWatch
+from serving.deployments.messages import ClaimMiss, KVHandle, PrefillResult, WorkerError, WorkerRequest, WorkerStats
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.config import EngineConfig
+from serving.engine.engine import EngineStats
 from serving.engine.errors import EngineError
 from serving.engine.kv_payload import KVPayload
 from serving.engine.outputs import RequestOutput
+from serving.engine.validation import ModelInfo
 from serving.observability import tracing
-from serving.observability.metrics import WorkerMetrics
-from serving.observability.worker_metrics import RequestLatencies, autoscaling_stats
+from serving.observability.worker_metrics import RequestLatencies, WorkerRecorder
 
-__all__ = ["EngineWorker", "PrefillResult", "WorkerCounters"]
+__all__ = ["EngineWorker", "replica_signals"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PrefillResult:
-    output: RequestOutput  # the first token; `finished` when the request needs no decode
-    kv: KVHandle | None  # None when finished
-    replica: str = ""  # which prefill replica computed it (Serve's replica id)
-
-
-@dataclass
-class WorkerCounters:
-    num_prefills: int = 0
-    num_kv_exports: int = 0
-    kv_export_bytes: int = 0
-    num_kv_imports: int = 0
-    kv_import_bytes: int = 0
-    kv_import_seconds: float = 0.0
-    num_kv_fallbacks: int = 0  # imports that failed or timed out: the prompt was recomputed
-    fallback_reasons: dict[str, int] = field(default_factory=dict)
 
 
 class EngineWorker:
     def __init__(
         self, role: str, engine_config: EngineConfig, kv_config: KVTransferConfig, app_name: str,
-        metrics: WorkerMetrics | None = None,
+        recorder: WorkerRecorder | None = None,
     ):
         self.role = role
         self.app_name = app_name
         self.kv_config = kv_config
         self.engine = AsyncEngine(engine_config)
-        self.counters = WorkerCounters()
-        # Prometheus / Ray metrics (serving/observability/metrics.py); the engine is sampled in routing_stats.
-        self.metrics = metrics or WorkerMetrics(engine_config.model, role, "")
-        self.latencies = RequestLatencies()  # TTFT/TPOT windows, for autoscaling
+        # Metrics, counters and latency windows (serving/observability/worker_metrics.py); the
+        # engine is sampled in routing_stats.
+        self.recorder = recorder or WorkerRecorder(engine_config.model, role, "")
         self._kv_actors = kv_transfer.ActorCache(app_name)  # per node; looked up again after a failure
         self._offers: set[asyncio.Task] = set()  # background exports, referenced until done
         # The exact set of block hashes this engine holds, for the routers (router/index.py).
@@ -95,45 +75,44 @@ class EngineWorker:
 
     # ---- queries -----------------------------------------------------------------------------
     def model_info(self) -> ModelInfo:
-        return model_info(self.engine)
+        return ModelInfo.of(self.engine.engine)
 
-    def stats(self) -> dict:
-        return {
-            "role": self.role, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-            **asdict(self.engine.stats()), **asdict(self.counters),
-        }
+    def stats(self) -> WorkerStats:
+        return WorkerStats(self.role, os.getpid(), self._this_node(), self.engine.stats(),
+                           replace(self.recorder.counters, fallback_reasons=dict(self.recorder.counters.fallback_reasons)))
 
-    def routing_stats(self) -> dict:
+    def routing_stats(self) -> RoutingStats:
         """What the routers need (router/request_router.py): a versioned snapshot of the cached
         block hashes, and the load figures of the cost model."""
         with self._cached_blocks_lock:
-            snapshot = self._cached_blocks.snapshot()
+            kv_version, kv_hashes = self._cached_blocks.snapshot()
         stats = self.engine.stats()
         # Serve calls this every routing.stats_period_s: the engine's metrics are sampled here
         # and travel with the stats to the ingress's GET /metrics (serving/observability/export.py).
-        self.metrics.refresh(stats)
-        return {
-            **snapshot,
-            "epoch": self._epoch,
-            "time": time.time(),
-            "block_size": self.engine.engine.config.block_size,
-            "num_queued_prefill_tokens": stats.num_queued_prefill_tokens,
-            "prefill_tokens_per_s": stats.prefill_tokens_per_s,
-            "num_running": stats.num_running,
-            "num_waiting": stats.num_waiting,
-            "num_free_blocks": stats.num_free_blocks,
-            "num_blocks": stats.num_blocks,
-            "kv_cache_usage": stats.kv_cache_usage,
-            "metrics": self.metrics.snapshot(),
-        }
+        self.recorder.refresh(stats)
+        return RoutingStats(
+            epoch=self._epoch,
+            time=time.time(),
+            kv_version=kv_version,
+            kv_hashes=kv_hashes,
+            block_size=self.engine.engine.config.block_size,
+            num_queued_prefill_tokens=stats.num_queued_prefill_tokens,
+            prefill_tokens_per_s=stats.prefill_tokens_per_s,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_free_blocks=stats.num_free_blocks,
+            num_blocks=stats.num_blocks,
+            kv_cache_usage=stats.kv_cache_usage,
+            metrics=tuple(self.recorder.snapshot()),
+        )
 
     def _on_kv_events(self, events) -> None:
         with self._cached_blocks_lock:
             self._cached_blocks.apply(events)
 
-    def autoscaling_stats(self) -> dict[str, float]:
+    def autoscaling_signals(self) -> ReplicaSignals:
         """What the pool's autoscaling policy reads (router/autoscaling/decide.py); never blocks."""
-        return autoscaling_stats(self.engine.stats(), self.latencies)
+        return replica_signals(self.engine.stats(), self.recorder.latencies)
 
     def check_health(self) -> None:
         if not self.engine.is_alive:
@@ -149,9 +128,9 @@ class EngineWorker:
         last: RequestOutput | None = None
         handed_off = False
         ran = False  # the engine finished the request (its last output is then rewritten)
-        tracker = self.latencies.track()
+        tracker = self.recorder.track()
         faults.reached("prefill.before_first_token")
-        with self._callers.watch(_caller(request), request.request_id):
+        with self._callers.watch(request.caller, request.request_id):
             try:
                 async for out in self.engine.generate(
                     request.request_id, prompt_token_ids=request.prompt_token_ids, params=one,
@@ -160,8 +139,7 @@ class EngineWorker:
                     tracker.observe(out)
                     last = out
                 ran = last is not None and last.outputs[0].finish_reason != "abort"
-                self.counters.num_prefills += 1
-                self.metrics.first_token(last.metrics, computed_prompt=True)
+                self.recorder.prefilled(last.metrics)
                 completion = last.outputs[0]
                 if completion.finish_reason == "abort":
                     return PrefillResult(last, None)
@@ -171,7 +149,7 @@ class EngineWorker:
                 num_tokens = len(request.prompt_token_ids)
                 handle = KVHandle(
                     request.request_id, kv_transfer.actor_name(self.app_name, node_id),
-                    node_id, num_tokens, self._payload_bytes(num_tokens),
+                    node_id, num_tokens, self.engine.engine.kv_payload_bytes(num_tokens),
                 )
                 # The first token goes back now; the export and the offer follow in the background
                 # (the decode worker's claim waits for the offer), so TTFT does not pay for them.
@@ -191,12 +169,6 @@ class EngineWorker:
                 if not handed_off:
                     self.engine.release_kv_soon(request.request_id)  # no-op unless KV is still held
 
-    def _payload_bytes(self, num_tokens: int) -> int:
-        layout = self.engine.engine.kv_layout
-        num_blocks = -(-num_tokens // layout.block_size)
-        element_bytes = self.engine.engine.kv_cache.data.element_size()
-        return 2 * layout.num_layers * num_blocks * layout.num_kv_heads * layout.block_size * layout.head_dim * element_bytes
-
     async def _export_and_offer(self, request_id: str, trace: tracing.CarriedTrace | None = None) -> None:
         start_ns = time.time_ns() if trace is not None else 0
         node_id = self._this_node()
@@ -214,9 +186,7 @@ class EngineWorker:
                 trace.record("kv_transfer", start_ns, time.time_ns(), {"kvrelay.kv.side": "export"}, error=f"{type(exc).__name__}: {exc}")
             await self.engine.release_kv(request_id)
             return
-        self.counters.num_kv_exports += 1
-        self.counters.kv_export_bytes += payload.num_bytes
-        self.metrics.kv_exported(payload.num_bytes)
+        self.recorder.kv_exported(payload.num_bytes)
         if trace is not None:
             trace.record("kv_transfer", start_ns, time.time_ns(), {"kvrelay.kv.side": "export", "kvrelay.kv.bytes": payload.num_bytes})
 
@@ -248,10 +218,10 @@ class EngineWorker:
             trace.route_done()
         payload = await self._claim(kv, trace) if kv is not None else None
         imported = payload is not None
-        tracker = self.latencies.track(continues=bool(prior_output_token_ids))
+        tracker = self.recorder.track(continues=bool(prior_output_token_ids))
         last: RequestOutput | None = None
         num_streamed = 0
-        with self._callers.watch(_caller(request), request.request_id):
+        with self._callers.watch(request.caller, request.request_id):
             try:
                 async for out in self.engine.generate(
                     request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
@@ -261,7 +231,7 @@ class EngineWorker:
                     payload = None  # imported (or never needed); let the shared-memory view go
                     tracker.observe(out)
                     if last is None:  # a prompt not imported was computed here: its prefill time
-                        self.metrics.first_token(out.metrics, computed_prompt=not imported)
+                        self.recorder.first_token(out.metrics, computed_prompt=not imported)
                     last = out
                     yield out
                     num_streamed += sum(len(c.token_ids) for c in out.outputs)
@@ -293,10 +263,10 @@ class EngineWorker:
             actor = await self._kv_actors.get(kv.node_id)
             # The actor waits for the offer up to timeout_s; the margin covers the round trip.
             refs = await asyncio.wait_for(actor.claim.remote(kv.request_id, timeout_s), timeout_s + 5.0)
-            if isinstance(refs, str):
-                if refs == "timeout":
+            if isinstance(refs, ClaimMiss):
+                if refs is ClaimMiss.TIMEOUT:
                     actor.release.remote(kv.request_id)  # drop the offer when it comes
-                return self._fallback(kv, refs)
+                return self._fallback(kv, refs.value)
             remaining = max(0.0, timeout_s - (time.monotonic() - start))
             payload = await asyncio.wait_for(refs[0], remaining)
         except TimeoutError:
@@ -316,11 +286,7 @@ class EngineWorker:
                 self._release_later(kv)
             logger.warning("KV import of %s failed (%s)", kv.request_id, exc)
             return self._fallback(kv, "error")
-        elapsed_s = time.monotonic() - start
-        self.counters.num_kv_imports += 1
-        self.counters.kv_import_bytes += payload.num_bytes
-        self.counters.kv_import_seconds += elapsed_s
-        self.metrics.kv_imported(elapsed_s, payload.num_bytes)
+        self.recorder.kv_imported(time.monotonic() - start, payload.num_bytes)
         return payload
 
     def _release_later(self, kv: KVHandle) -> None:
@@ -330,9 +296,7 @@ class EngineWorker:
         task.add_done_callback(self._offers.discard)
 
     def _fallback(self, kv: KVHandle, reason: str) -> None:
-        self.counters.num_kv_fallbacks += 1
-        self.counters.fallback_reasons[reason] = self.counters.fallback_reasons.get(reason, 0) + 1
-        self.metrics.kv_fallback(reason)
+        self.recorder.kv_fallback(reason)
         logger.warning("KV of %s not imported (%s): recomputing its %d tokens", kv.request_id, reason, kv.num_tokens)
         return None
 
@@ -342,5 +306,15 @@ class EngineWorker:
         tracing.flush()
 
 
-def _caller(request: WorkerRequest) -> Caller | None:
-    return Caller(*request.caller) if request.caller else None
+def replica_signals(stats: EngineStats, latencies: RequestLatencies) -> ReplicaSignals:
+    """A replica's autoscaling signals from its engine's figures and its latency windows. TTFT and
+    TPOT p95 are 0.0 without a sample in the window: an idle replica puts no latency pressure on
+    the pool, and queued work shows in the queue signals."""
+    return ReplicaSignals(
+        queued_prefill_tokens=float(stats.num_queued_prefill_tokens),
+        ttft_p95_ms=latencies.ttft_ms.percentile(95) or 0.0,
+        num_seqs=float(stats.num_running + stats.num_waiting),
+        kv_utilization=float(stats.kv_cache_usage),
+        tpot_p95_ms=latencies.tpot_ms.percentile(95) or 0.0,
+    )
+

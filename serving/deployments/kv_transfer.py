@@ -34,27 +34,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-__all__ = ["KVTransfer", "KVHandle", "actor_name", "get_or_create", "NAMESPACE", "kill_all", "ACTOR_ERRORS", "ActorCache"]
+from serving.deployments.messages import ClaimMiss, KVTransferStats
+
+__all__ = ["KVTransfer", "actor_name", "get_or_create", "NAMESPACE", "kill_all", "ACTOR_ERRORS", "ActorCache"]
 
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "kvrelay"
-
-
-@dataclass(frozen=True)
-class KVHandle:
-    """Where a request's exported KV waits: small, travels with the request through the ingress."""
-
-    request_id: str
-    actor_name: str
-    node_id: str
-    num_tokens: int
-    num_bytes: int
 
 
 def actor_name(app_name: str, node_id: str) -> str:
@@ -68,7 +58,7 @@ class KVTransfer:
         self._held: dict[str, tuple[list[ray.ObjectRef], int, float]] = {}  # id -> refs, bytes, deadline
         # Ids released or expired before (or without) their offer, so a late offer is dropped
         # at once and a late claim learns why: id -> (reason, forget-after deadline).
-        self._gone: dict[str, tuple[str, float]] = {}
+        self._gone: dict[str, tuple[ClaimMiss, float]] = {}
         self._waiters: dict[str, asyncio.Event] = {}  # claims that arrived before their offer
         self._expiry_task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
@@ -92,10 +82,9 @@ class KVTransfer:
         self._wakeup.set()
         return True
 
-    async def claim(self, request_id: str, wait_s: float = 0.0) -> list[ray.ObjectRef] | str:
+    async def claim(self, request_id: str, wait_s: float = 0.0) -> list[ray.ObjectRef] | ClaimMiss:
         """Hand over the payload's reference (once), waiting up to `wait_s` for its offer (the
-        prefill worker offers after it has returned the first token). Otherwise the reason:
-        "timeout", "released", "expired"."""
+        prefill worker offers after it has returned the first token). Otherwise why not."""
         entry = self._held.pop(request_id, None)
         if entry is None and request_id not in self._gone and wait_s > 0:
             event = self._waiters.setdefault(request_id, asyncio.Event())
@@ -108,7 +97,7 @@ class KVTransfer:
             entry = self._held.pop(request_id, None)
         if entry is None:
             self.num_missed += 1
-            return self._gone.get(request_id, ("timeout", 0.0))[0]
+            return self._gone.get(request_id, (ClaimMiss.TIMEOUT, 0.0))[0]
         self.num_claimed += 1
         return entry[0]
 
@@ -117,25 +106,25 @@ class KVTransfer:
         now or when it is offered. True if it was held."""
         self._ensure_expiry_loop()
         entry = self._held.pop(request_id, None)
-        self._gone[request_id] = ("released", time.monotonic() + lease_s)
+        self._gone[request_id] = (ClaimMiss.RELEASED, time.monotonic() + lease_s)
         self._wake(request_id)
         if entry is None:
             return False
         self.num_released += 1
         return True
 
-    async def stats(self) -> dict:
-        return {
-            "node_id": self.node_id,
-            "num_held": len(self._held),
-            "bytes_held": sum(entry[1] for entry in self._held.values()),
-            "num_offered": self.num_offered,
-            "num_claimed": self.num_claimed,
-            "num_released": self.num_released,
-            "num_expired": self.num_expired,
-            "num_missed": self.num_missed,
-            "bytes_offered": self.bytes_offered,
-        }
+    async def stats(self) -> KVTransferStats:
+        return KVTransferStats(
+            node_id=self.node_id,
+            num_held=len(self._held),
+            bytes_held=sum(entry[1] for entry in self._held.values()),
+            num_offered=self.num_offered,
+            num_claimed=self.num_claimed,
+            num_released=self.num_released,
+            num_expired=self.num_expired,
+            num_missed=self.num_missed,
+            bytes_offered=self.bytes_offered,
+        )
 
     def _wake(self, request_id: str) -> None:
         event = self._waiters.get(request_id)
@@ -153,7 +142,7 @@ class KVTransfer:
             for request_id, (_, num_bytes, deadline) in list(self._held.items()):
                 if deadline <= now:
                     del self._held[request_id]
-                    self._gone[request_id] = ("expired", now + 60.0)
+                    self._gone[request_id] = (ClaimMiss.EXPIRED, now + 60.0)
                     self.num_expired += 1
                     logger.warning(
                         "KV of %s (%d bytes) was not claimed within its lease; freed", request_id, num_bytes

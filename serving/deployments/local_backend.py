@@ -11,12 +11,13 @@ from contextlib import aclosing
 from typing import Any
 
 from serving.api.errors import NoWorkerError
-from serving.api.pipeline import ModelInfo, WorkerRequest
+from serving.api.pipeline import GenerateRequest
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.outputs import RequestOutput
+from serving.engine.validation import ModelInfo
 from serving.observability import tracing
 
-__all__ = ["LocalBackend", "model_info"]
+__all__ = ["LocalBackend"]
 
 
 class LocalBackend:
@@ -24,9 +25,9 @@ class LocalBackend:
         self.engine = engine
 
     async def model_info(self) -> ModelInfo:
-        return model_info(self.engine)
+        return ModelInfo.of(self.engine.engine)
 
-    async def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if not self.engine.is_alive:
             raise NoWorkerError("engine", "its step loop has stopped")
         trace = tracing.continue_trace(request.trace_context, "local", request.request_id)
@@ -48,11 +49,3 @@ class LocalBackend:
         if not self.engine.is_alive:
             raise NoWorkerError("engine", "its step loop has stopped")
         return {"engine": {"RUNNING": 1}}
-
-
-def model_info(engine: AsyncEngine) -> ModelInfo:
-    core = engine.engine
-    return ModelInfo(
-        vocab_size=core.vocab_size, max_model_len=core.max_model_len,
-        eos_token_ids=tuple(core.eos_token_ids), block_size=core.config.block_size,
-    )

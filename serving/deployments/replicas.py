@@ -12,14 +12,13 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from serving.api.errors import WorkerError
 from serving.api.forwarding import ForwardedRequest, serve_forwarded
-from serving.api.pipeline import Frontend, ModelInfo, WorkerRequest
+from serving.api.pipeline import Frontend
 from serving.config import ServeConfig
 from serving.deployments.cpu_pinning import cores_for_rank, pin_process
-from serving.deployments.kv_transfer import KVHandle
+from serving.deployments.messages import KVHandle, ModelInfo, PrefillResult, WorkerError, WorkerRequest, WorkerStats
 from serving.observability import tracing
-from serving.observability.metrics import WorkerMetrics
+from serving.observability.worker_metrics import WorkerRecorder
 
 __all__ = ["OpenAIIngress", "PrefillWorker", "DecodeWorker", "Worker"]
 
@@ -40,20 +39,21 @@ class _WorkerDeployment:
         cores = cores_for_rank(pool.cpu_affinity, local_rank)
         if cores is not None:  # before the engine starts its threads: they inherit the mask
             pin_process(cores, what=f"{self.role} replica (local rank {local_rank})")
-        metrics = WorkerMetrics(cfg.model_name, self.role, context.replica_id.unique_id)
-        self.worker = EngineWorker(self.role, cfg.engine_config(pool), cfg.kv_transfer, cfg.app_name, metrics)
+        recorder = WorkerRecorder(cfg.model_name, self.role, context.replica_id.unique_id)
+        self.worker = EngineWorker(self.role, cfg.engine_config(pool), cfg.kv_transfer, cfg.app_name, recorder)
 
     def model_info(self) -> ModelInfo:
         return self.worker.model_info()
 
-    def stats(self) -> dict:
+    def stats(self) -> WorkerStats:
         return self.worker.stats()
 
     def check_health(self) -> None:
         self.worker.check_health()
 
     def record_routing_stats(self) -> dict:
-        return self.worker.routing_stats()
+        """Serve's wire form of RoutingStats (router/replica_stats.py)."""
+        return self.worker.routing_stats().to_wire()
 
     async def generate(
         self, request: WorkerRequest, kv: KVHandle | None = None, prior_output_token_ids: list[int] | None = None
@@ -68,17 +68,17 @@ class _WorkerDeployment:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve calls this every window_s / 5 and pushes the values to the controller, where the
-        pool's autoscaling policy (router/autoscaling/decide.py) reads them."""
-        return self.worker.autoscaling_stats()
+        pool's autoscaling policy (router/autoscaling/decide.py) reads them as ReplicaSignals."""
+        return self.worker.autoscaling_signals().to_wire()
 
 
 @serve.deployment(name="PrefillWorker")
 class PrefillWorker(_WorkerDeployment):
     role = "prefill"
 
-    async def prefill(self, request: WorkerRequest):
+    async def prefill(self, request: WorkerRequest) -> PrefillResult | WorkerError:
         result = await self.worker.prefill(request)
-        if not isinstance(result, WorkerError):
+        if isinstance(result, PrefillResult):
             result.replica = serve.get_replica_context().replica_id.unique_id
         return result
 

@@ -31,13 +31,14 @@ from typing import Any
 import ray
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 
-from serving.api.errors import NoWorkerError, QueueFullError, WorkerError
-from serving.api.pipeline import ModelInfo, WorkerRequest
+from serving.api.errors import NoWorkerError, QueueFullError
+from serving.api.pipeline import GenerateRequest
 from serving.config import ServeConfig
 from serving.deployments import faults, kv_transfer
 from serving.deployments.caller_watch import this_actor
-from serving.deployments.kv_transfer import KVHandle
+from serving.deployments.messages import KVHandle, PrefillResult, WorkerError, WorkerRequest
 from serving.engine.outputs import RequestOutput
+from serving.engine.validation import ModelInfo
 from serving.observability.tracing import ROUTE_START_KEY
 
 __all__ = ["ServeBackend"]
@@ -96,9 +97,8 @@ class ServeBackend:
     async def health(self) -> dict[str, Any]:
         return {pool: await self._check_alive(pool, handle) for pool, handle in self._pools.items()}
 
-    async def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
-        if self._caller is not None:
-            request = replace(request, caller=tuple(self._caller))
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        request = WorkerRequest.sent_by(request, self._caller)
         num_tokens = 0
         async for out in self._generate(request):
             yield out
@@ -217,9 +217,8 @@ class ServeBackend:
                 result = await response
             except Exception:  # noqa: BLE001 - cancelled: in time, or with its result lost
                 result = None
-            kv = getattr(result, "kv", None)  # a PrefillResult; a WorkerError has none
-            if isinstance(kv, KVHandle):
-                await self._kv_actors.release(kv.node_id, kv.request_id)
+            if isinstance(result, PrefillResult) and result.kv is not None:
+                await self._kv_actors.release(result.kv.node_id, result.kv.request_id)
                 return
             nodes = self._kv_nodes or ({ray.get_runtime_context().get_node_id()} if ray.is_initialized() else set())
             for node_id in nodes:

@@ -462,16 +462,11 @@ class LLMEngine:
         num_tokens = seq.num_computed_tokens
         num_blocks = -(-num_tokens // self.block_manager.block_size)
         kv = self.kv_cache.read_blocks(seq.block_ids[:num_blocks])
-        self.block_manager.update_hashes(seq)
-        full = num_tokens // self.block_manager.block_size
-        payload = KVPayload(
-            request_id=request_id,
-            token_ids=seq.token_ids[:num_tokens],
-            block_hashes=seq.block_hashes[:full],
-            layout=self.kv_layout,
-            kv=kv,
-        )
-        return payload
+        return KVPayload(request_id=request_id, token_ids=seq.token_ids[:num_tokens], layout=self.kv_layout, kv=kv)
+
+    def kv_payload_bytes(self, num_tokens: int) -> int:
+        """The size of the KV payload of `num_tokens` tokens (whole blocks), as export_kv makes it."""
+        return -(-num_tokens // self.config.block_size) * self.config.block_size * self.bytes_per_token
 
     def release_kv(self, request_id: str) -> bool:
         self._ready_exports.pop(request_id, None)

@@ -2,9 +2,9 @@
 
     payload.kv: [layers, 2 (K|V), num_blocks, kv_heads, block_size, head_dim]
 
-The payload holds the blocks covering `token_ids` (the last one may be partial) plus their
-chained hashes, so the importing engine can verify the tokens, skip blocks it already caches,
-and register the rest in its own prefix cache. Importing and continuing gives the same tokens
+The payload holds the blocks covering `token_ids` (the last one may be partial); the importing
+engine verifies the tokens, hashes the blocks itself, skips those it already caches and registers
+the rest in its own prefix cache. Importing and continuing gives the same tokens
 as never having moved.
 """
 
@@ -34,7 +34,6 @@ class KVLayout:
 class KVPayload:
     request_id: str
     token_ids: list[int]  # tokens whose KV is in `kv`
-    block_hashes: list[int]  # chained hashes of the full blocks (empty without prefix caching)
     layout: KVLayout
     kv: torch.Tensor
 
@@ -55,11 +54,11 @@ class KVPayload:
         raw = self.kv.contiguous().view(torch.uint8).numpy()
         return (
             _rebuild,
-            (self.request_id, self.token_ids, self.block_hashes, self.layout, raw, tuple(self.kv.shape)),
+            (self.request_id, self.token_ids, self.layout, raw, tuple(self.kv.shape)),
         )
 
 
-def _rebuild(request_id, token_ids, block_hashes, layout, raw: np.ndarray, shape) -> KVPayload:
+def _rebuild(request_id, token_ids, layout, raw: np.ndarray, shape) -> KVPayload:
     dtype = getattr(torch, layout.dtype)
     if not raw.size:
         kv = torch.empty(shape, dtype=dtype)
@@ -69,4 +68,4 @@ def _rebuild(request_id, token_ids, block_hashes, layout, raw: np.ndarray, shape
             # it without a copy is the point; the importer only reads it (into its own blocks).
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             kv = torch.from_numpy(raw).view(dtype).view(shape)
-    return KVPayload(request_id, list(token_ids), list(block_hashes), layout, kv)
+    return KVPayload(request_id, list(token_ids), layout, kv)

@@ -1,12 +1,31 @@
-"""Request validation: every check that must pass before anything is scheduled."""
+"""Request validation: every check that must pass before anything is scheduled, and ModelInfo,
+the limits a request is validated against (what the ingress must know of the workers' engines)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from serving.engine.errors import ContextLengthError, InvalidRequestError
 from serving.engine.kv_payload import KVLayout, KVPayload
 from serving.engine.params import SamplingParams
 
-__all__ = ["validate_request"]
+__all__ = ["ModelInfo", "validate_request"]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the ingress must know of the workers' engines to validate a request."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    block_size: int
+
+    @classmethod
+    def of(cls, engine) -> ModelInfo:
+        """The limits of an LLMEngine (serving/engine/engine.py)."""
+        return cls(vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
+                   eos_token_ids=tuple(engine.eos_token_ids), block_size=engine.config.block_size)
 
 
 def validate_request(

@@ -4,7 +4,7 @@
     │                                   tokens) and the pool gauges PoolView keeps
     ├─ RoutersCollector, at each scrape, for every request router in this process (one per pool):
     │     its decision counts       ─▶ kvrelay_routing_decisions_total{pool, policy, reason}
-    │     each replica's newest routing stats["metrics"] (WorkerMetrics.snapshot, sent every
+    │     each replica's newest RoutingStats.metrics (WorkerMetrics.snapshot, sent every
     │     routing.stats_period_s)  ─▶ that worker's histograms, counters and gauges, as reported
     └─ PoolView, a background task: the Serve controller's replicas per pool by state and the
           pool's target count, every `period_s`
@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Protocol
 
 from prometheus_client.core import Metric
 
@@ -33,11 +34,22 @@ logger = logging.getLogger(__name__)
 PoolStatus = dict[str, tuple[dict[str, int], int | None]]  # deployment → (replicas by state, target)
 
 
+class RouterView(Protocol):
+    """What the collector reads of a request router (router/request_router.py)."""
+
+    deployment_name: str
+    policy_name: str
+
+    def decision_counts(self) -> dict[str, int]: ...
+
+    def replica_metrics(self) -> Iterable[tuple[Hashable, Iterable[tuple[str, str, str, list]]]]: ...
+
+
 class RoutersCollector:
     """A prometheus_client collector over the request routers of this process
     (router/request_router.py registers them with serving.observability.metrics.register_router)."""
 
-    def __init__(self, routers: Callable[[], list] | None = None):
+    def __init__(self, routers: Callable[[], list[RouterView]] | None = None):
         self._routers = routers
 
     def collect(self):
@@ -47,13 +59,13 @@ class RoutersCollector:
         seen: set = set()
         for router in (self._routers or live_routers)():
             pool = POOL_OF_DEPLOYMENT.get(router.deployment_name, router.deployment_name)
-            for reason, count in list(router.state.decisions.items()):
-                decisions[(pool, router.state.policy.name, reason)] += count
-            for replica_id, replica in list(router.curr_replicas.items()):
+            for reason, count in router.decision_counts().items():
+                decisions[(pool, router.policy_name, reason)] += count
+            for replica_id, metric_families in router.replica_metrics():
                 if replica_id in seen:  # two handles to one pool see the same replicas
                     continue
                 seen.add(replica_id)
-                for name, kind, doc, samples in (replica.routing_stats or {}).get("metrics") or ():
+                for name, kind, doc, samples in metric_families:
                     family = families.get(name)
                     if family is None:
                         family = families[name] = Metric(name, doc, kind)

@@ -2,7 +2,7 @@
 
     ingress replica                                   worker replica (prefill / decode / worker)
     ───────────────                                   ──────────────────────────────────────────
-    RequestRecord, one per HTTP request               WorkerMetrics
+    RequestRecord, one per HTTP request               WorkerRecorder (observability/worker_metrics.py)
       each delta: a clock read, token counts            first token: queue time, prefill time
       end: TTFT, TPOT, ITLs, E2E, status, tokens        KV claim: transfer time, bytes, fallback
         ──▶ IngressMetrics                              refresh(EngineStats) once per routing-
@@ -37,14 +37,10 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal, Protocol
 
 import prometheus_client
 from prometheus_client import CollectorRegistry
-
-if TYPE_CHECKING:
-    from serving.engine.engine import EngineStats
-    from serving.engine.outputs import RequestMetrics
 
 __all__ = [
     "MetricSpec",
@@ -55,7 +51,6 @@ __all__ = [
     "Instruments",
     "IngressMetrics",
     "RequestRecord",
-    "WorkerMetrics",
     "series_names",
     "record_routing_decision",
     "record_autoscaler_decision",
@@ -415,60 +410,3 @@ class IngressMetrics:
             self.instruments.set("kvrelay_replicas", float(replica_states.get(state, 0)), pool=pool, state=state)
         if desired is not None:
             self.instruments.set("kvrelay_desired_replicas", float(desired), pool=pool)
-
-
-# ---- the workers -----------------------------------------------------------------------------
-_WORKER = tuple(spec.name for spec in METRICS if spec.recorded_at == "worker")
-# EngineStats cumulative counts, recorded as deltas.
-_ENGINE_COUNTERS = {
-    "prefix_cache_query_tokens": "kvrelay_prefix_cache_queried_tokens_total",
-    "prefix_cache_hit_tokens": "kvrelay_prefix_cache_hit_tokens_total",
-    "num_preemptions": "kvrelay_preemptions_total",
-}
-
-
-class WorkerMetrics:
-    """One worker replica's metrics, labelled with its model, pool and replica."""
-
-    def __init__(self, model: str, pool: str, replica: str, *, use_ray: bool | None = None):
-        self.instruments = Instruments(_WORKER, {"model": model, "pool": pool, "replica": replica}, use_ray=use_ray)
-        self._seen = dict.fromkeys(_ENGINE_COUNTERS, 0)
-
-    def first_token(self, m: RequestMetrics | None, *, computed_prompt: bool) -> None:
-        """A request's first output at this engine (engine monotonic times); nothing without a
-        token (aborted first)."""
-        if m is None or m.first_scheduled_time is None or m.first_token_time is None:
-            return
-        self.instruments.observe("kvrelay_queue_time_seconds", [max(0.0, m.first_scheduled_time - m.arrival_time)])
-        if computed_prompt:
-            self.instruments.observe("kvrelay_prefill_time_seconds", [max(0.0, m.first_token_time - m.first_scheduled_time)])
-
-    def kv_exported(self, num_bytes: int) -> None:
-        self.instruments.inc("kvrelay_kv_transfer_bytes_total", num_bytes, direction="export")
-
-    def kv_imported(self, seconds: float, num_bytes: int) -> None:
-        self.instruments.observe("kvrelay_kv_transfer_seconds", [seconds])
-        self.instruments.inc("kvrelay_kv_transfer_bytes_total", num_bytes, direction="import")
-
-    def kv_fallback(self, reason: str) -> None:
-        self.instruments.inc("kvrelay_kv_transfer_fallbacks_total", reason=reason)
-
-    def refresh(self, stats: EngineStats) -> None:
-        """Sample the engine: gauges, and what its cumulative counters gained since last time."""
-        ins = self.instruments
-        ins.set("kvrelay_num_requests_running", float(stats.num_running))
-        ins.set("kvrelay_num_requests_waiting", float(stats.num_waiting))
-        ins.set("kvrelay_kv_cache_usage_ratio", float(stats.kv_cache_usage))
-        ins.set("kvrelay_engine_kernel_info", 1.0, kernel_path=stats.kernel_path, reason=stats.kernel_reason)
-        for field_name, metric in _ENGINE_COUNTERS.items():
-            value = getattr(stats, field_name)
-            ins.inc(metric, value - self._seen[field_name])
-            self._seen[field_name] = value
-
-    def snapshot(self) -> list[tuple[str, str, str, list[tuple[str, dict[str, str], float]]]]:
-        """This replica's metrics as plain values (family, type, help, samples), for the
-        routing stats: the ingress's GET /metrics re-exports them (serving/observability/export.py)."""
-        return [
-            (family.name, family.type, family.documentation, [(s.name, dict(s.labels), s.value) for s in family.samples])
-            for family in self.instruments.registry.collect()
-        ]

@@ -1,9 +1,15 @@
-"""A worker replica's autoscaling signals (the keys of router.autoscaling.decide.SIGNALS).
+"""WorkerRecorder: everything a worker replica records, in one place.
 
-    EngineWorker.prefill / generate ── every output ──────▶ RequestLatencies (TTFT, TPOT windows)
-    AsyncEngine.stats() (after each step) ────────────────▶ queued prefill tokens, seqs, KV use
-                                   autoscaling_stats(...) ──▶ {signal: float}
-                                   (record_autoscaling_stats → the Serve controller)
+    EngineWorker ── first token, KV export / import / fallback ──▶ WorkerRecorder
+                                                                    ├─ Prometheus / Ray metrics
+                                                                    │  (the kvrelay_* worker series)
+                                                                    ├─ WorkerCounters (its stats())
+    each output ── track(...).observe(output) ─────────────────────▶└─ RequestLatencies: TTFT, TPOT
+                                                                       windows, for autoscaling
+    refresh(EngineStats), once per routing-stats period: engine gauges and counter deltas
+
+Autoscaling reads TTFT and TPOT from the windows (the deployment reports them with the engine's
+queue figures as router.autoscaling.decide.ReplicaSignals).
 
 TTFT is arrival at this engine to its first token. TPOT is (finish - first token) / (tokens - 1)
 over the tokens generated here; on a decode worker continuing a request whose first token came
@@ -19,13 +25,16 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from serving.observability.metrics import METRICS, Instruments
 
 if TYPE_CHECKING:
     from serving.engine.engine import EngineStats
-    from serving.engine.outputs import RequestOutput
+    from serving.engine.outputs import RequestMetrics, RequestOutput
 
-__all__ = ["LatencyWindow", "RequestLatencies", "RequestTracker", "autoscaling_stats", "LATENCY_WINDOW_S"]
+__all__ = ["LATENCY_WINDOW_S", "LatencyWindow", "RequestLatencies", "RequestTracker", "WorkerCounters", "WorkerRecorder"]
 
 LATENCY_WINDOW_S = 30.0  # matches the policies' default window_s
 _MAX_SAMPLES = 4096  # bounds memory and the sort at record time under heavy load
@@ -88,12 +97,91 @@ class RequestTracker:
             self._latencies.tpot_ms.add(1000 * (m.finished_time - m.first_token_time) / (self.num_tokens - 1))
 
 
-def autoscaling_stats(stats: EngineStats, latencies: RequestLatencies) -> dict[str, float]:
-    """The values router.autoscaling.decide reads, by signal name."""
-    return {
-        "queued_prefill_tokens": float(stats.num_queued_prefill_tokens),
-        "ttft_p95_ms": latencies.ttft_ms.percentile(95) or 0.0,
-        "num_seqs": float(stats.num_running + stats.num_waiting),
-        "kv_utilization": float(stats.kv_cache_usage),
-        "tpot_p95_ms": latencies.tpot_ms.percentile(95) or 0.0,
-    }
+_WORKER = tuple(spec.name for spec in METRICS if spec.recorded_at == "worker")
+# EngineStats cumulative counts, recorded as deltas.
+_ENGINE_COUNTERS = {
+    "prefix_cache_query_tokens": "kvrelay_prefix_cache_queried_tokens_total",
+    "prefix_cache_hit_tokens": "kvrelay_prefix_cache_hit_tokens_total",
+    "num_preemptions": "kvrelay_preemptions_total",
+}
+
+
+@dataclass
+class WorkerCounters:
+    """A worker's KV hand-off counts since it started (its stats())."""
+
+    num_prefills: int = 0
+    num_kv_exports: int = 0
+    kv_export_bytes: int = 0
+    num_kv_imports: int = 0
+    kv_import_bytes: int = 0
+    kv_import_seconds: float = 0.0
+    num_kv_fallbacks: int = 0  # imports that failed or timed out: the prompt was recomputed
+    fallback_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class WorkerRecorder:
+    """One worker replica's metrics (labelled with its model, pool and replica), counters and
+    latency windows; every event is recorded once, here."""
+
+    def __init__(self, model: str, pool: str, replica: str, *, use_ray: bool | None = None):
+        self.instruments = Instruments(_WORKER, {"model": model, "pool": pool, "replica": replica}, use_ray=use_ray)
+        self.counters = WorkerCounters()
+        self.latencies = RequestLatencies()
+        self._seen = dict.fromkeys(_ENGINE_COUNTERS, 0)
+
+    def track(self, *, continues: bool = False) -> RequestTracker:
+        """Follow one request's outputs for the latency windows (RequestLatencies.track)."""
+        return self.latencies.track(continues=continues)
+
+    def prefilled(self, m: RequestMetrics | None) -> None:
+        """A prefill worker computed a request's prompt and first token."""
+        self.counters.num_prefills += 1
+        self.first_token(m, computed_prompt=True)
+
+    def first_token(self, m: RequestMetrics | None, *, computed_prompt: bool) -> None:
+        """A request's first output at this engine (engine monotonic times); nothing without a
+        token (aborted first)."""
+        if m is None or m.first_scheduled_time is None or m.first_token_time is None:
+            return
+        self.instruments.observe("kvrelay_queue_time_seconds", [max(0.0, m.first_scheduled_time - m.arrival_time)])
+        if computed_prompt:
+            self.instruments.observe("kvrelay_prefill_time_seconds", [max(0.0, m.first_token_time - m.first_scheduled_time)])
+
+    def kv_exported(self, num_bytes: int) -> None:
+        self.counters.num_kv_exports += 1
+        self.counters.kv_export_bytes += num_bytes
+        self.instruments.inc("kvrelay_kv_transfer_bytes_total", num_bytes, direction="export")
+
+    def kv_imported(self, seconds: float, num_bytes: int) -> None:
+        self.counters.num_kv_imports += 1
+        self.counters.kv_import_bytes += num_bytes
+        self.counters.kv_import_seconds += seconds
+        self.instruments.observe("kvrelay_kv_transfer_seconds", [seconds])
+        self.instruments.inc("kvrelay_kv_transfer_bytes_total", num_bytes, direction="import")
+
+    def kv_fallback(self, reason: str) -> None:
+        """A KV import failed or timed out (`reason`): the prompt is recomputed."""
+        self.counters.num_kv_fallbacks += 1
+        self.counters.fallback_reasons[reason] = self.counters.fallback_reasons.get(reason, 0) + 1
+        self.instruments.inc("kvrelay_kv_transfer_fallbacks_total", reason=reason)
+
+    def refresh(self, stats: EngineStats) -> None:
+        """Sample the engine: gauges, and what its cumulative counters gained since last time."""
+        ins = self.instruments
+        ins.set("kvrelay_num_requests_running", float(stats.num_running))
+        ins.set("kvrelay_num_requests_waiting", float(stats.num_waiting))
+        ins.set("kvrelay_kv_cache_usage_ratio", float(stats.kv_cache_usage))
+        ins.set("kvrelay_engine_kernel_info", 1.0, kernel_path=stats.kernel_path, reason=stats.kernel_reason)
+        for field_name, metric in _ENGINE_COUNTERS.items():
+            value = getattr(stats, field_name)
+            ins.inc(metric, value - self._seen[field_name])
+            self._seen[field_name] = value
+
+    def snapshot(self) -> list[tuple[str, str, str, list[tuple[str, dict[str, str], float]]]]:
+        """This replica's metrics as plain values (family, type, help, samples), for the
+        routing stats: the ingress's GET /metrics re-exports them (serving/observability/export.py)."""
+        return [
+            (family.name, family.type, family.documentation, [(s.name, dict(s.labels), s.value) for s in family.samples])
+            for family in self.instruments.registry.collect()
+        ]

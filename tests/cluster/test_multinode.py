@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from cluster.roles import ROLE_LABEL, node_resources
+from serving.deployments.messages import WorkerStats
 from serving.engine.cpu_kernels import build_dir, kernel_status
 from tests.cluster.multinode import MAX_TOKENS, three_node_cluster
 
@@ -29,7 +30,7 @@ def cluster(tiny_model_dir):
         yield info
 
 
-def stats(app: str, deployment: str) -> dict:
+def stats(app: str, deployment: str) -> WorkerStats:
     from ray import serve
 
     return serve.get_deployment_handle(deployment, app_name=app).stats.remote().result(timeout_s=30)
@@ -55,8 +56,8 @@ def test_nodes_advertise_their_roles(cluster):
 
 
 def test_replicas_land_on_their_pools_nodes(cluster):
-    assert stats("multi", "PrefillWorker")["node_id"] == cluster["node_ids"]["prefill"]
-    assert stats("multi", "DecodeWorker")["node_id"] == cluster["node_ids"]["decode"]
+    assert stats("multi", "PrefillWorker").node_id == cluster["node_ids"]["prefill"]
+    assert stats("multi", "DecodeWorker").node_id == cluster["node_ids"]["decode"]
 
 
 def test_replicas_run_the_kernel_path_of_this_machine(cluster):
@@ -64,9 +65,9 @@ def test_replicas_run_the_kernel_path_of_this_machine(cluster):
     here = kernel_status()
     for app, deployment in (("multi", "PrefillWorker"), ("multi", "DecodeWorker"), ("coloc", "Worker")):
         replica = stats(app, deployment)
-        assert replica["kernel_path"] == here.path.value, (deployment, replica["kernel_reason"])
+        assert replica.engine.kernel_path == here.path.value, (deployment, replica.engine.kernel_reason)
         if here.path.value == "native":
-            assert replica["kernel_reason"] == f"loaded from the cache {build_dir()}"
+            assert replica.engine.kernel_reason == f"loaded from the cache {build_dir()}"
 
 
 def test_chat_crosses_nodes_and_equals_colocated(cluster):
@@ -86,13 +87,13 @@ def test_chat_crosses_nodes_and_equals_colocated(cluster):
     assert texts["multi"] == texts["coloc"]
 
     after = stats("multi", "DecodeWorker")
-    assert after["num_kv_imports"] == before["num_kv_imports"] + 1
-    assert after["num_kv_fallbacks"] == before["num_kv_fallbacks"] == 0
-    assert after["node_id"] == decode_node
+    assert after.counters.num_kv_imports == before.counters.num_kv_imports + 1
+    assert after.counters.num_kv_fallbacks == before.counters.num_kv_fallbacks == 0
+    assert after.node_id == decode_node
     # The KV waited in the prefill node's KVTransfer actor; the decode node never had one.
     held = ray.get(kv_actor("multi", prefill_node).stats.remote(), timeout=30)
-    assert held["node_id"] == prefill_node
-    assert (held["num_offered"], held["num_claimed"], held["num_held"]) == (1, 1, 0)
+    assert held.node_id == prefill_node
+    assert (held.num_offered, held.num_claimed, held.num_held) == (1, 1, 0)
     with pytest.raises(ValueError):
         kv_actor("multi", decode_node)
 

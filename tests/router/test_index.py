@@ -23,8 +23,8 @@ def test_cached_block_set_replays_events_and_versions():
     assert blocks.version == 2  # nothing happened: same snapshot
     blocks.apply([AllBlocksCleared(), stored(9)])
     assert blocks.hashes == {9} and blocks.version == 3
-    snapshot = blocks.snapshot()
-    assert snapshot["kv_version"] == 3 and decode_hashes(snapshot["kv_hashes"]) == {9}
+    version, encoded = blocks.snapshot()
+    assert version == 3 and decode_hashes(encoded) == {9}
 
 
 def test_hashes_round_trip_as_uint64_bytes():

@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 
 from load_tests.local_ray import free_port
-from serving.api.pipeline import WorkerRequest
 from serving.config import ServeConfig
+from serving.deployments.messages import WorkerRequest
 from serving.engine.block_hash import hash_blocks
 from serving.engine.params import SamplingParams
 

@@ -4,21 +4,22 @@ from __future__ import annotations
 
 from router.index import encode_hashes
 from router.policies import PrefixCostPolicy, RouteRequest
+from router.replica_stats import RoutingStats
 from router.routing_state import InflightTokens, RouterState, load_from_stats
 
 PREFIX = [11, 12, 13, 14]  # 4 blocks of 16 tokens
 
 
-def stats(time_s: float, queued: int = 0, hashes=(), version: int = 1) -> dict:
-    return {
-        "kv_version": version, "kv_hashes": encode_hashes(hashes), "time": time_s,
-        "num_queued_prefill_tokens": queued, "prefill_tokens_per_s": 1000.0, "num_running": 1,
-    }
+def stats(time_s: float, queued: int = 0, hashes=(), version: int = 1, **more) -> RoutingStats:
+    return RoutingStats(
+        kv_version=version, kv_hashes=encode_hashes(hashes), time=time_s,
+        num_queued_prefill_tokens=queued, prefill_tokens_per_s=1000.0, num_running=1, **more,
+    )
 
 
 def test_load_from_stats_defaults_and_fields():
     assert load_from_stats("a", None).queued_prefill_tokens == 0
-    load = load_from_stats("a", {**stats(0.0, queued=7), "num_free_blocks": 3, "kv_cache_usage": 0.5})
+    load = load_from_stats("a", stats(0.0, queued=7, num_free_blocks=3, kv_cache_usage=0.5))
     assert (load.queued_prefill_tokens, load.prefill_tokens_per_s, load.num_running) == (7, 1000.0, 1)
     assert (load.num_free_blocks, load.kv_usage) == (3, 0.5)
 
@@ -56,3 +57,11 @@ def test_route_forgets_replicas_that_left():
     assert state.index.replicas == ["b"]
     state.remove("b")
     assert state.index.replicas == []
+
+
+def test_routing_stats_round_trip_the_wire_and_ignore_unknown_keys():
+    sent = stats(2.5, queued=9, hashes=[7, 8], version=4, num_blocks=64, metrics=(("m", "gauge", "help", []),))
+    wire = sent.to_wire()
+    assert type(wire) is dict and RoutingStats.from_wire(wire) == sent
+    assert RoutingStats.from_wire({**wire, "added_by_a_newer_worker": 1}) == sent
+    assert RoutingStats.from_wire({}) is None and RoutingStats.from_wire(None) is None

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from load_tests.local_ray import free_port
-from serving.api.pipeline import WorkerRequest
 from serving.config import ServeConfig
+from serving.deployments.messages import WorkerRequest
 from serving.engine.params import SamplingParams
 
 pytestmark = pytest.mark.integration

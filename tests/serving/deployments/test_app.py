@@ -28,11 +28,12 @@ import openai
 import pytest
 
 from load_tests.local_ray import free_port
-from serving.api.pipeline import Frontend, WorkerRequest
+from serving.api.pipeline import Frontend
 from serving.api.protocol import ChatMessage
 from serving.cli.status import parse_metrics
 from serving.config import ServeConfig
 from serving.deployments import faults, kv_transfer
+from serving.deployments.messages import KVTransferStats, WorkerRequest, WorkerStats
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.params import SamplingParams
@@ -121,11 +122,11 @@ def handle(app: str, deployment: str):
     return serve.get_deployment_handle(deployment, app_name=app)
 
 
-def stats(app: str, deployment: str) -> dict:
+def stats(app: str, deployment: str) -> WorkerStats:
     return handle(app, deployment).stats.remote().result(timeout_s=30)
 
 
-def kv_actor_stats(app: str) -> dict:
+def kv_actor_stats(app: str) -> KVTransferStats:
     import ray
 
     from serving.deployments import kv_transfer
@@ -207,11 +208,11 @@ def test_kv_crosses_through_the_transfer_actor(serve_instance, reference):
         }).json()
     assert body["choices"][0]["message"]["content"] == text
     after = stats("disagg", "DecodeWorker")
-    assert after["num_kv_imports"] == before["num_kv_imports"] + 1
-    assert after["num_kv_fallbacks"] == before["num_kv_fallbacks"]
+    assert after.counters.num_kv_imports == before.counters.num_kv_imports + 1
+    assert after.counters.num_kv_fallbacks == before.counters.num_kv_fallbacks
     actor_after = kv_actor_stats("disagg")
-    assert actor_after["num_claimed"] == actor_before["num_claimed"] + 1
-    assert actor_after["num_held"] == 0
+    assert actor_after.num_claimed == actor_before.num_claimed + 1
+    assert actor_after.num_held == 0
 
 
 # ---- failure outcomes ------------------------------------------------------------------------
@@ -224,11 +225,11 @@ def test_kv_claim_timeout_recomputes_with_the_same_output(serve_instance, refere
         }).json()
     assert body["choices"][0]["message"]["content"] == text
     after = stats("faults", "DecodeWorker")
-    assert after["num_kv_fallbacks"] == before["num_kv_fallbacks"] + 1
-    assert after["fallback_reasons"].get("timeout", 0) == before["fallback_reasons"].get("timeout", 0) + 1
-    assert after["num_kv_imports"] == before["num_kv_imports"]
+    assert after.counters.num_kv_fallbacks == before.counters.num_kv_fallbacks + 1
+    assert after.counters.fallback_reasons.get("timeout", 0) == before.counters.fallback_reasons.get("timeout", 0) + 1
+    assert after.counters.num_kv_imports == before.counters.num_kv_imports
     # The timed-out worker released the KV instead of leaving it to the lease.
-    wait_until(lambda: kv_actor_stats("faults")["num_held"] == 0, timeout_s=10)
+    wait_until(lambda: kv_actor_stats("faults").num_held == 0, timeout_s=10)
 
 
 def test_kv_lost_before_claim_recomputes(serve_instance, tiny_model_dir, reference):
@@ -249,7 +250,7 @@ def test_kv_lost_before_claim_recomputes(serve_instance, tiny_model_dir, referen
 
     actor = ray.get_actor(result.kv.actor_name, namespace=kv_transfer.NAMESPACE)
     # The offer follows the first token; release once it is held.
-    wait_until(lambda: kv_actor_stats("disagg")["num_held"] == 1, timeout_s=10)
+    wait_until(lambda: kv_actor_stats("disagg").num_held == 1, timeout_s=10)
     assert ray.get(actor.release.remote("lost-kv-1")) is True
 
     before = stats("disagg", "DecodeWorker")
@@ -258,7 +259,7 @@ def test_kv_lost_before_claim_recomputes(serve_instance, tiny_model_dir, referen
     rest = [t for out in gen for t in out.outputs[0].token_ids]
     assert first + rest == token_ids
     after = stats("disagg", "DecodeWorker")
-    assert after["fallback_reasons"].get("released", 0) == before["fallback_reasons"].get("released", 0) + 1
+    assert after.counters.fallback_reasons.get("released", 0) == before.counters.fallback_reasons.get("released", 0) + 1
 
 
 def test_unclaimed_kv_is_freed_when_its_lease_ends(serve_instance, tiny_model_dir):
@@ -270,15 +271,15 @@ def test_unclaimed_kv_is_freed_when_its_lease_ends(serve_instance, tiny_model_di
     request = WorkerRequest("lease-1", ids, SamplingParams(temperature=0, max_tokens=8, detokenize=False))
     result = handle("faults", "PrefillWorker").prefill.remote(request).result(timeout_s=30)
     assert result.kv is not None
-    held = wait_until(lambda: (s := kv_actor_stats("faults"))["num_held"] == before["num_held"] + 1 and s, timeout_s=10)
-    assert held["bytes_held"] == result.kv.num_bytes
-    after = wait_until(lambda: (s := kv_actor_stats("faults"))["num_held"] == 0 and s, timeout_s=15)
-    assert after["num_expired"] == before["num_expired"] + 1
-    assert after["bytes_held"] == 0
+    held = wait_until(lambda: (s := kv_actor_stats("faults")).num_held == before.num_held + 1 and s, timeout_s=10)
+    assert held.bytes_held == result.kv.num_bytes
+    after = wait_until(lambda: (s := kv_actor_stats("faults")).num_held == 0 and s, timeout_s=15)
+    assert after.num_expired == before.num_expired + 1
+    assert after.bytes_held == 0
 
 
 def test_client_disconnect_frees_every_block(serve_instance):
-    baseline = {d: stats("disagg", d)["num_free_blocks"] for d in ("PrefillWorker", "DecodeWorker")}
+    baseline = {d: stats("disagg", d).engine.num_free_blocks for d in ("PrefillWorker", "DecodeWorker")}
     url = serve_instance["url"] + "/disagg"
     with httpx.Client(base_url=url, timeout=60) as client:
         with client.stream("POST", "/v1/chat/completions", json={
@@ -296,13 +297,13 @@ def test_client_disconnect_frees_every_block(serve_instance):
     def settled():
         current = {d: stats("disagg", d) for d in baseline}
         return all(
-            s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_blocks"] == baseline[d]
+            s.engine.num_running == 0 and s.engine.num_waiting == 0 and s.engine.num_free_blocks == baseline[d]
             for d, s in current.items()
         ) and current
 
     current = wait_until(settled, timeout_s=30)
-    assert current["DecodeWorker"]["num_generated_tokens"] < 2000
-    assert kv_actor_stats("disagg")["num_held"] == 0
+    assert current["DecodeWorker"].engine.num_generated_tokens < 2000
+    assert kv_actor_stats("disagg").num_held == 0
 
 
 def test_bad_request_does_not_disturb_the_batch(serve_instance, reference, tiny_model_dir):
@@ -487,19 +488,19 @@ def test_when_the_ingress_dies_its_request_is_aborted_everywhere_and_every_block
     assert marker.exists()
 
     keys = ("num_running", "num_waiting", "num_held_exports", "num_free_blocks")
-    expected = {d: (0, 0, 0, s["num_free_blocks"]) for d, s in baseline.items()}
+    expected = {d: (0, 0, 0, s.engine.num_free_blocks) for d, s in baseline.items()}
     seen = {}
 
     def settled():
         current = {d: stats("crash", d) for d in baseline}
-        seen.update({d: tuple(s[k] for k in keys) for d, s in current.items()})
+        seen.update({d: tuple(getattr(s.engine, k) for k in keys) for d, s in current.items()})
         return seen == expected and current
 
     try:
         current = wait_until(settled, timeout_s=60, interval_s=0.5)
     except AssertionError:
         raise AssertionError(f"{keys}: {seen}, expected {expected}") from None
-    generated = current["DecodeWorker"]["num_generated_tokens"] - baseline["DecodeWorker"]["num_generated_tokens"]
+    generated = current["DecodeWorker"].engine.num_generated_tokens - baseline["DecodeWorker"].engine.num_generated_tokens
     assert generated < 2000, f"the decode worker generated all {generated} tokens for a client nobody serves"
     wait_healthy(serve_instance, "crash")
 
@@ -536,12 +537,12 @@ def test_the_kv_transfer_actor_dies_mid_load_and_imports_resume(serve_instance, 
     try:
         wait_until(lambda: len(results) >= 6, timeout_s=60)
         ray.kill(ray.get_actor(name, namespace=kv_transfer.NAMESPACE), no_restart=not restart)
-        imports_at_kill = stats("disagg", "DecodeWorker")["num_kv_imports"]
+        imports_at_kill = stats("disagg", "DecodeWorker").counters.num_kv_imports
         # Imports resume: later requests find the KV through the (restarted or new) actor.
-        wait_until(lambda: stats("disagg", "DecodeWorker")["num_kv_imports"] >= imports_at_kill + 3, timeout_s=60, interval_s=0.5)
+        wait_until(lambda: stats("disagg", "DecodeWorker").counters.num_kv_imports >= imports_at_kill + 3, timeout_s=60, interval_s=0.5)
     finally:
         stop.set()
         for t in threads:
             t.join(120)
     assert all(status == 200 and text == expected[prompt] for prompt, status, text in results), results
-    wait_until(lambda: kv_actor_stats("disagg")["num_held"] == 0, timeout_s=30)
+    wait_until(lambda: kv_actor_stats("disagg").num_held == 0, timeout_s=30)

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from serving.api.errors import NoWorkerError, to_api_error
-from serving.api.pipeline import WorkerRequest
 from serving.config import ServeConfig
+from serving.deployments.messages import WorkerRequest
 from serving.deployments.serve_backend import ServeBackend
 from serving.engine.params import SamplingParams
 
@@ -146,8 +146,7 @@ def _output(token_ids, finish_reason=None):
 
 
 def pools(first_finish=None):
-    from serving.deployments.engine_worker import PrefillResult
-    from serving.deployments.kv_transfer import KVHandle
+    from serving.deployments.messages import KVHandle, PrefillResult
 
     kv = None if first_finish else KVHandle("r", "KVTransfer:x:n", "n", 3, 100)
     prefill = RecordingHandle("PrefillWorker", lambda name, args: _Call(PrefillResult(_output([7], first_finish), kv)))
@@ -187,11 +186,11 @@ def test_request_finished_by_prefill_never_reaches_decode():
 
 
 def test_worker_error_value_becomes_the_engine_exception():
-    from serving.api.errors import WorkerError
+    from serving.deployments.messages import WorkerError, WorkerErrorKind
     from serving.engine.errors import ContextLengthError
 
     backend_, prefill, _, _ = pools()
-    prefill.reply = lambda name, args: _Call(WorkerError("context_length", "too long", "messages", 9000, 8192))
+    prefill.reply = lambda name, args: _Call(WorkerError(WorkerErrorKind.CONTEXT_LENGTH, "too long", "messages", 9000, 8192))
     request = WorkerRequest("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3))
     with pytest.raises(ContextLengthError) as info:
         asyncio.run(collect(backend_.generate(request)))

@@ -19,8 +19,7 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.policies import build_policy
-from router.routing_state import RouterState
+from router.replica_stats import RoutingStats
 from serving.api.errors import QueueFullError, error_status
 from serving.api.pipeline import ChoiceDelta, Frontend
 from serving.api.routes import OpenAIServer
@@ -31,7 +30,8 @@ from serving.engine.async_engine import AsyncEngine
 from serving.engine.engine import EngineStats
 from serving.engine.outputs import RequestMetrics
 from serving.observability.export import PoolView, RoutersCollector
-from serving.observability.metrics import METRICS, IngressMetrics, WorkerMetrics, series_names
+from serving.observability.metrics import METRICS, IngressMetrics, series_names
+from serving.observability.worker_metrics import WorkerRecorder
 from tests.helpers import REPO
 
 MODEL = "tiny"
@@ -293,7 +293,7 @@ def engine_stats(**counts) -> EngineStats:
 
 
 def test_worker_metrics_record_exact_times_bytes_and_engine_deltas():
-    wm = WorkerMetrics(MODEL, "decode", "r1", use_ray=False)
+    wm = WorkerRecorder(MODEL, "decode", "r1", use_ray=False)
     wm.first_token(RequestMetrics(1.0, first_scheduled_time=1.25, first_token_time=2.0), computed_prompt=True)
     wm.first_token(RequestMetrics(1.0, first_scheduled_time=1.5, first_token_time=1.75), computed_prompt=False)
     wm.first_token(RequestMetrics(1.0, first_scheduled_time=1.5), computed_prompt=True)  # aborted before a token
@@ -319,24 +319,29 @@ def test_worker_metrics_record_exact_times_bytes_and_engine_deltas():
 
 
 def fake_router(deployment_name: str, policy: str, reasons: dict[str, int], replicas: dict) -> SimpleNamespace:
-    state = RouterState(build_policy(policy))
-    state.decisions.update(reasons)
-    return SimpleNamespace(
-        deployment_name=deployment_name, state=state,
-        curr_replicas={rid: SimpleNamespace(routing_stats=stats) for rid, stats in replicas.items()},
-    )
+    """The RouterView of a request router: its replicas' newest routing stats on the wire (None:
+    not reported yet)."""
+    def replica_metrics():
+        for replica_id, wire in replicas.items():
+            stats = RoutingStats.from_wire(wire)
+            if stats is not None:
+                yield replica_id, stats.metrics
+
+    return SimpleNamespace(deployment_name=deployment_name, policy_name=policy, decision_counts=lambda: dict(reasons),
+                           replica_metrics=replica_metrics)
 
 
 def test_metrics_endpoint_shows_routing_decisions_and_every_workers_last_report():
-    a, b = WorkerMetrics(MODEL, "prefill", "a", use_ray=False), WorkerMetrics(MODEL, "prefill", "b", use_ray=False)
-    c = WorkerMetrics(MODEL, "decode", "c", use_ray=False)
+    a, b = WorkerRecorder(MODEL, "prefill", "a", use_ray=False), WorkerRecorder(MODEL, "prefill", "b", use_ray=False)
+    c = WorkerRecorder(MODEL, "decode", "c", use_ray=False)
     for wm, queued in ((a, 1.0), (b, 2.0), (c, 4.0)):
         wm.first_token(RequestMetrics(0.0, first_scheduled_time=queued, first_token_time=queued + 1), computed_prompt=True)
+    wire = {name: RoutingStats(metrics=tuple(wm.snapshot())).to_wire() for name, wm in (("a", a), ("b", b), ("c", c))}
     routers = [
-        fake_router("PrefillWorker", "prefix_cost", {"prefix_hit": 3, "least_cost": 2}, {"a": {"metrics": a.snapshot()}, "b": {"metrics": b.snapshot()}}),
+        fake_router("PrefillWorker", "prefix_cost", {"prefix_hit": 3, "least_cost": 2}, {"a": wire["a"], "b": wire["b"]}),
         # a second handle to the same pool: its decisions add up, its replicas are not shown twice
-        fake_router("PrefillWorker", "prefix_cost", {"prefix_hit": 1}, {"a": {"metrics": a.snapshot()}, "new": None}),
-        fake_router("DecodeWorker", "least_kv", {"least_kv": 4}, {"c": {"metrics": c.snapshot()}}),
+        fake_router("PrefillWorker", "prefix_cost", {"prefix_hit": 1}, {"a": wire["a"], "new": {}}),
+        fake_router("DecodeWorker", "least_kv", {"least_kv": 4}, {"c": wire["c"]}),
     ]
     metrics = IngressMetrics(MODEL, use_ray=False)
     metrics.registry.register(RoutersCollector(lambda: routers))

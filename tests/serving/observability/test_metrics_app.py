@@ -27,7 +27,7 @@ from serving.api.pipeline import Frontend
 from serving.api.protocol import ChatMessage
 from serving.config import ServeConfig
 from serving.engine.config import EngineConfig
-from serving.engine.engine import LLMEngine
+from serving.engine.engine import EngineStats, LLMEngine
 from tests.helpers import REPO, require_tool, wait_until
 
 pytestmark = pytest.mark.integration
@@ -146,10 +146,10 @@ def chat(base: str, content: str, *, stream: bool = False) -> None:
         assert response.json()["usage"]["completion_tokens"] == MAX_TOKENS
 
 
-def engine_stats(app: str, deployment: str) -> dict:
+def engine_stats(app: str, deployment: str) -> EngineStats:
     from ray import serve
 
-    return serve.get_deployment_handle(deployment, app_name=app).stats.remote().result(timeout_s=30)
+    return serve.get_deployment_handle(deployment, app_name=app).stats.remote().result(timeout_s=30).engine
 
 
 def payload_bytes(num_prompt_tokens: int) -> int:
@@ -210,7 +210,7 @@ def test_metrics_move_by_exact_amounts_across_ingress_prefill_and_decode(cluster
         for metric, field in (("kvrelay_prefix_cache_queried_tokens_total", "prefix_cache_query_tokens"),
                               ("kvrelay_prefix_cache_hit_tokens_total", "prefix_cache_hit_tokens"),
                               ("kvrelay_preemptions_total", "num_preemptions")):
-            assert d(metric, pool=pool) == stats_after[deployment][field] - stats_before[deployment][field], (metric, pool)
+            assert d(metric, pool=pool) == getattr(stats_after[deployment], field) - getattr(stats_before[deployment], field), (metric, pool)
     assert d("kvrelay_prefix_cache_hit_tokens_total", pool="prefill") >= 16
     # gauges: one replica per pool, idle now; the controller's view (refreshed every 5 s)
     for pool in ("prefill", "decode"):

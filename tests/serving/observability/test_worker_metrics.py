@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from router.autoscaling.decide import SIGNALS
+from serving.deployments.engine_worker import replica_signals
 from serving.engine.engine import EngineStats
 from serving.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from serving.observability.worker_metrics import LatencyWindow, RequestLatencies, autoscaling_stats
+from serving.observability.worker_metrics import LatencyWindow, RequestLatencies
 
 
 def output(tokens: int, *, arrival: float, first: float | None, finished: float | None, reason: str | None = None):
@@ -62,16 +63,16 @@ def test_aborted_and_single_token_requests_give_no_tpot():
     assert latencies.ttft_ms.percentile(100) == 200.0
 
 
-def test_autoscaling_stats_reports_every_signal():
+def test_replica_signals_report_every_signal_on_the_wire():
     stats = EngineStats(
         num_running=3, num_waiting=2, num_blocks=100, num_free_blocks=40, kv_cache_usage=0.6, num_preemptions=0,
         prefix_cache_query_tokens=0, prefix_cache_hit_tokens=0, num_computed_tokens=0, num_generated_tokens=0,
         num_held_exports=0, num_queued_prefill_tokens=1234,
     )
     latencies = RequestLatencies()
-    assert autoscaling_stats(stats, latencies) == {
+    assert replica_signals(stats, latencies).to_wire() == {
         "queued_prefill_tokens": 1234.0, "ttft_p95_ms": 0.0, "num_seqs": 5.0, "kv_utilization": 0.6, "tpot_p95_ms": 0.0,
     }
     latencies.ttft_ms.add(80.0)
-    assert autoscaling_stats(replace(stats, num_waiting=0), latencies)["ttft_p95_ms"] == 80.0
-    assert tuple(autoscaling_stats(stats, latencies)) == SIGNALS
+    assert replica_signals(replace(stats, num_waiting=0), latencies).ttft_p95_ms == 80.0
+    assert tuple(replica_signals(stats, latencies).to_wire()) == SIGNALS

@@ -1,0 +1,58 @@
+"""RoutingStats: what a worker replica reports to the routers of its pool, typed at both ends.
+
+    worker (every routing.stats_period_s)                        router (each routing decision)
+    EngineWorker.routing_stats() ─▶ RoutingStats(...).to_wire()  RoutingStats.from_wire(replica.routing_stats)
+                                      │ Serve's record_routing_stats: through the controller
+                                      └───────────────────────────────────▶ RunningReplica.routing_stats
+
+Serve carries routing stats through its controller, which unpickles them without our packages on
+its path, so on the wire they are a dict of plain values (Serve's own contract for
+`record_routing_stats`). Only this class writes and reads that dict, by its field names: no
+string key is spelt anywhere else, and a field added here reaches both ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["RoutingStats"]
+
+# One metric family of a replica, as plain values: (name, type, help, [(sample name, labels, value)]).
+MetricFamily = tuple[str, str, str, list[tuple[str, dict[str, str], float]]]
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    epoch: int = 0  # orders an engine's snapshots after those of the engine it replaced
+    time: float = 0.0  # wall clock when taken: tokens routed after it are not in its queue yet
+    # The exact set of block hashes the engine holds (router/index.py CachedBlockSet), versioned.
+    kv_version: int = 0
+    # Encoded (router/index.py encode_hashes); a set where nothing crosses a process (the
+    # simulator); None: not reported.
+    kv_hashes: bytes | set[int] | None = None
+    block_size: int = 16
+    # The load figures of the cost model (router/policies.py).
+    num_queued_prefill_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    # The replica's metrics (WorkerMetrics.snapshot), which the ingress's GET /metrics re-exports
+    # (serving/observability/export.py): they ride along instead of a scrape of every replica.
+    metrics: tuple[MetricFamily, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any] | None) -> RoutingStats | None:
+        """None for a replica that has not reported yet (Serve gives an empty dict). Keys this
+        version does not know (a newer worker during a rolling update) are ignored."""
+        if not data:
+            return None
+        names = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in names})

@@ -1,0 +1,171 @@
+"""Every type that crosses a Ray boundary, in one place.
+
+    ingress ──WorkerRequest──▶ PrefillWorker.prefill ──PrefillResult (first token, KVHandle) | WorkerError──▶ ingress
+    ingress ──WorkerRequest, KVHandle, prior tokens──▶ DecodeWorker.generate
+                                       ──RequestOutput ... | WorkerError (a stream)──▶ ingress
+    prefill worker ──offer(request id, [ref to a KVPayload], bytes, lease)──▶ KVTransfer (its node's actor)
+    decode worker  ──claim(request id, wait)──▶ KVTransfer ──[ref] | ClaimMiss──▶ decode worker
+    any caller ──model_info()──▶ ModelInfo        ──stats()──▶ WorkerStats | KVTransferStats
+    worker ──record_routing_stats──▶ Serve controller ──▶ each router: RoutingStats
+    worker ──record_autoscaling_stats──▶ Serve controller ──▶ the pool's policy: ReplicaSignals
+    ingress ──ForwardedRequest──▶ the fallback app's ingress ──ResponseStart, body bytes──▶ ingress
+
+Defined here: what only the deployments send. Defined in a lower layer, because that layer builds
+or reads them and may not import this one, and named here so this list is complete:
+
+    SamplingParams, RequestOutput, KVPayload, ModelInfo, EngineStats   serving/engine
+    WorkerCounters                                                   serving/observability/worker_metrics.py
+    RoutingStats                                                     router/replica_stats.py
+    ReplicaSignals                                                   router/autoscaling/decide.py
+    GenerateRequest (WorkerRequest's fields), ForwardedRequest,
+    ResponseStart                                                    serving/api
+
+Errors cross as values (WorkerError), never raised: Ray would wrap and re-type them. Two
+messages go through Serve's controller, which unpickles them without our packages on its path:
+routing stats and autoscaling signals are plain dicts on the wire, written and read only by
+their classes' `to_wire` / `from_wire`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import NamedTuple
+
+from router.autoscaling.decide import ReplicaSignals
+from router.replica_stats import RoutingStats
+from serving.api.forwarding import ForwardedRequest, ResponseStart
+from serving.api.pipeline import GenerateRequest
+from serving.engine.engine import EngineStats
+from serving.engine.errors import ContextLengthError, EngineDeadError, InvalidRequestError, RequestFailedError
+from serving.engine.kv_payload import KVPayload
+from serving.engine.outputs import RequestOutput
+from serving.engine.params import SamplingParams
+from serving.engine.validation import ModelInfo
+from serving.observability.worker_metrics import WorkerCounters
+
+__all__ = [
+    # defined here
+    "Caller", "ClaimMiss", "KVHandle", "KVTransferStats", "PrefillResult", "WorkerError", "WorkerErrorKind",
+    "WorkerRequest", "WorkerStats",
+    # defined below this layer
+    "EngineStats", "ForwardedRequest", "GenerateRequest", "KVPayload", "ModelInfo", "ReplicaSignals", "RequestOutput",
+    "ResponseStart", "RoutingStats", "SamplingParams", "WorkerCounters",
+]
+
+
+# ---- ingress → worker --------------------------------------------------------------------------
+class Caller(NamedTuple):
+    """An ingress replica, by its Ray actor name and namespace (serving/deployments/caller_watch.py)."""
+
+    actor_name: str
+    namespace: str
+
+
+@dataclass
+class WorkerRequest(GenerateRequest):
+    """A GenerateRequest as the Serve backend sends it: with the ingress replica that sent it,
+    whose death makes the workers abort it (None outside a named actor: tests, local use)."""
+
+    caller: Caller | None = None
+
+    @classmethod
+    def sent_by(cls, request: GenerateRequest, caller: Caller | None) -> WorkerRequest:
+        return cls(**{f.name: getattr(request, f.name) for f in fields(GenerateRequest)}, caller=caller)
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """Where a request's exported KV waits (serving/deployments/kv_transfer.py): small, travels
+    with the request from the prefill worker through the ingress to the decode worker."""
+
+    request_id: str
+    actor_name: str
+    node_id: str
+    num_tokens: int
+    num_bytes: int
+
+
+# ---- worker → ingress --------------------------------------------------------------------------
+@dataclass
+class PrefillResult:
+    output: RequestOutput  # the first token; `finished` when the request needs no decode
+    kv: KVHandle | None  # None when finished
+    replica: str = ""  # which prefill replica computed it (Serve's replica id)
+
+
+class WorkerErrorKind(str, Enum):
+    INVALID = "invalid"  # InvalidRequestError: 400, naming the field
+    CONTEXT_LENGTH = "context_length"  # ContextLengthError: 400, with both numbers
+    FAILED = "failed"  # RequestFailedError: this request alone failed in a step (500)
+    DEAD = "dead"  # EngineDeadError: the replica's step loop stopped (503)
+    INTERNAL = "internal"  # anything else (500)
+
+
+@dataclass
+class WorkerError:
+    """An error a worker returns as a value; the ingress raises the engine's exception again, so a
+    remote engine fails exactly as a local one does."""
+
+    kind: WorkerErrorKind
+    message: str
+    param: str | None = None
+    num_tokens: int | None = None
+    limit: int | None = None
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> WorkerError:
+        if isinstance(exc, ContextLengthError):
+            return cls(WorkerErrorKind.CONTEXT_LENGTH, exc.message, exc.param, exc.num_tokens, exc.limit)
+        if isinstance(exc, InvalidRequestError):
+            return cls(WorkerErrorKind.INVALID, exc.message, exc.param)
+        if isinstance(exc, RequestFailedError):
+            return cls(WorkerErrorKind.FAILED, str(exc))
+        if isinstance(exc, EngineDeadError):
+            return cls(WorkerErrorKind.DEAD, str(exc))
+        return cls(WorkerErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def to_exception(self) -> Exception:
+        kind = self.kind
+        if kind is WorkerErrorKind.CONTEXT_LENGTH:
+            return ContextLengthError(self.param or "messages", self.message, num_tokens=self.num_tokens or 0, limit=self.limit or 0)
+        if kind is WorkerErrorKind.INVALID:
+            return InvalidRequestError(self.param or "request", self.message)
+        if kind is WorkerErrorKind.FAILED:
+            return RequestFailedError(self.message)
+        if kind is WorkerErrorKind.DEAD:
+            return EngineDeadError(self.message)
+        return RuntimeError(self.message)
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """A worker replica's `stats()`: who it is, its engine's figures, its hand-off counts."""
+
+    role: str
+    pid: int
+    node_id: str
+    engine: EngineStats
+    counters: WorkerCounters
+
+
+# ---- the KVTransfer actor ----------------------------------------------------------------------
+class ClaimMiss(str, Enum):
+    """Why a claim got no payload: the decode worker then recomputes the prompt."""
+
+    TIMEOUT = "timeout"  # not offered within the wait
+    RELEASED = "released"  # released first (the client left)
+    EXPIRED = "expired"  # offered, but its lease ran out before the claim
+
+
+@dataclass(frozen=True)
+class KVTransferStats:
+    node_id: str
+    num_held: int
+    bytes_held: int
+    num_offered: int
+    num_claimed: int
+    num_released: int
+    num_expired: int
+    num_missed: int  # claims that got nothing (timeout, released, expired)
+    bytes_offered: int
