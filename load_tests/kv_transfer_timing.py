@@ -1,8 +1,8 @@
 """The KV hand-off between a prefill and a decode engine, timed step by step, against a memcpy.
 
 The payload is a real one: the exporter's engine prefills a prompt with `hold_kv=True` and
-`export_kv` copies it out of the paged cache. It then moves the way EngineWorker moves it, between
-two actors on this node:
+`export_kv` copies it out of the paged cache. It then moves through the workers' own code (serving/deployments/kv_handoff.py:
+KVHandoff.offer and claim), between two actors on this node:
 
     exporter actor                      KVTransfer actor        importer actor
     export_kv  (timed, not part of `transfer`: reported on its own)
@@ -33,6 +33,13 @@ __all__ = ["KV_TRANSFER_STEPS", "KVExporter", "KVImporter", "KVTransferResult", 
 KV_TRANSFER_STEPS = ("put", "offer", "claim", "get", "write")
 KV_APP_NAME = "kvrelay-bench-kv"  # names this node's KVTransfer actor, apart from any app's
 KV_LEASE_S = 120.0
+
+
+def _handoff():
+    from serving.config import KVTransferConfig
+    from serving.deployments.kv_handoff import KVHandoff
+
+    return KVHandoff(KV_APP_NAME, KVTransferConfig(lease_s=KV_LEASE_S, timeout_s=30.0))
 
 
 @dataclass
@@ -83,7 +90,6 @@ class KVExporter:
     def __init__(self, engine_config, prompt: list[int]):
         import ray
 
-        from serving.deployments import kv_transfer
         from serving.engine.engine import LLMEngine
         from serving.engine.params import SamplingParams
 
@@ -91,11 +97,10 @@ class KVExporter:
         self.engine.add_request("kv", params=SamplingParams(temperature=0.0, max_tokens=1), prompt_token_ids=prompt, hold_kv=True)
         while self.engine.has_unfinished_requests():
             self.engine.step()
-        node_id = ray.get_runtime_context().get_node_id()
-        self.actor_name = kv_transfer.actor_name(KV_APP_NAME, node_id)
-        self.kv_actor = kv_transfer.get_or_create(KV_APP_NAME, node_id)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.kv = _handoff()
 
-    # As EngineWorker.prefill/_offer. This actor serves one call at a time, so running the
+    # As EngineWorker._export_and_offer. This actor serves one call at a time, so running the
     # engine on the event loop blocks nobody.
     async def offer(self, request_id: str) -> dict:
         import ray
@@ -105,10 +110,11 @@ class KVExporter:
         t1 = time.perf_counter()
         ref = await asyncio.to_thread(ray.put, payload)
         t2 = time.perf_counter()
-        await self.kv_actor.offer.remote(request_id, [ref], payload.num_bytes, KV_LEASE_S)
+        await self.kv.offer(self.node_id, request_id, ref, payload.num_bytes)
         t3 = time.perf_counter()
+        handle = self.kv.handle(request_id, self.node_id, payload.num_tokens, payload.num_bytes)
         return {
-            "export": t1 - t0, "put": t2 - t1, "offer": t3 - t2, "actor_name": self.actor_name,
+            "export": t1 - t0, "put": t2 - t1, "offer": t3 - t2, "handle": handle,
             "num_tokens": payload.num_tokens, "num_bytes": payload.num_bytes,
         }
 
@@ -120,18 +126,18 @@ class KVImporter:
         from serving.engine.engine import LLMEngine
 
         self.engine = LLMEngine(engine_config)  # sets this process's torch threads
+        self.kv = _handoff()
 
-    # As EngineWorker._claim, then LLMEngine._write_import's write_blocks.
-    async def claim_and_write(self, request_id: str, actor_name: str, verify: bool) -> dict:
-        import ray
+    # As KVHandoff.fetch (claim, then get), then LLMEngine._write_import's write_blocks.
+    async def claim_and_write(self, handle, verify: bool) -> dict:
         import torch
 
-        from serving.deployments import kv_transfer
-
-        actor = ray.get_actor(actor_name, namespace=kv_transfer.NAMESPACE)
+        await self.kv.actor(handle.node_id)  # looked up once per process, as a worker does
         t0 = time.perf_counter()
-        refs = await actor.claim.remote(request_id)
+        refs = await self.kv.claim(handle)
         t1 = time.perf_counter()
+        if not isinstance(refs, list):
+            raise RuntimeError(f"the claim of {handle.request_id} got no payload: {refs}")
         payload = await refs[0]
         t2 = time.perf_counter()
         block_ids = list(range(payload.num_blocks))  # the engine is idle: every block is free
@@ -168,10 +174,10 @@ def measure_kv_transfer(engine_config, prompt: list[int], repeats: int) -> KVTra
         for i in range(1 + repeats):
             request_id = f"kv-{i}"
             offered = ray.get(exporter.offer.remote(request_id))
-            imported = ray.get(importer.claim_and_write.remote(request_id, offered["actor_name"], i == 0))
+            imported = ray.get(importer.claim_and_write.remote(offered["handle"], i == 0))
             samples.append({**offered, **imported})
         copy = ray.get(importer.memcpy.remote(samples[0]["num_bytes"], repeats))
-        ray.kill(ray.get_actor(samples[0]["actor_name"], namespace=kv_transfer.NAMESPACE))
+        kv_transfer.kill_all(KV_APP_NAME)
     finally:
         for actor in (exporter, importer):
             ray.kill(actor)

@@ -33,9 +33,11 @@ from router.autoscaling.decide import ReplicaSignals
 from router.index import CachedBlockSet
 from router.replica_stats import RoutingStats
 from serving.config import KVTransferConfig
-from serving.deployments import faults, kv_transfer
+from serving.deployments import faults
 from serving.deployments.caller_watch import CallerWatch
-from serving.deployments.messages import ClaimMiss, KVHandle, PrefillResult, WorkerError, WorkerRequest, WorkerStats
+from serving.deployments.kv_handoff import KVHandoff
+from serving.deployments.kv_transfer import ACTOR_ERRORS
+from serving.deployments.messages import KVHandle, PrefillResult, WorkerError, WorkerRequest, WorkerStats
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.config import EngineConfig
 from serving.engine.engine import EngineStats
@@ -58,12 +60,11 @@ class EngineWorker:
     ):
         self.role = role
         self.app_name = app_name
-        self.kv_config = kv_config
         self.engine = AsyncEngine(engine_config)
         # Metrics, counters and latency windows (serving/observability/worker_metrics.py); the
         # engine is sampled in routing_stats.
         self.recorder = recorder or WorkerRecorder(engine_config.model, role, "")
-        self._kv_actors = kv_transfer.ActorCache(app_name)  # per node; looked up again after a failure
+        self.kv = KVHandoff(app_name, kv_config)
         self._offers: set[asyncio.Task] = set()  # background exports, referenced until done
         # The exact set of block hashes this engine holds, for the routers (router/index.py).
         self._cached_blocks = CachedBlockSet()
@@ -145,12 +146,9 @@ class EngineWorker:
                     return PrefillResult(last, None)
                 if completion.finish_reason == "stop" or params.max_tokens == 1:
                     return PrefillResult(last, None)
-                node_id = self._this_node()
                 num_tokens = len(request.prompt_token_ids)
-                handle = KVHandle(
-                    request.request_id, kv_transfer.actor_name(self.app_name, node_id),
-                    node_id, num_tokens, self.engine.engine.kv_payload_bytes(num_tokens),
-                )
+                handle = self.kv.handle(request.request_id, self._this_node(), num_tokens,
+                                        self.engine.engine.kv_payload_bytes(num_tokens))
                 # The first token goes back now; the export and the offer follow in the background
                 # (the decode worker's claim waits for the offer), so TTFT does not pay for them.
                 task = asyncio.create_task(self._export_and_offer(request.request_id, trace))
@@ -175,10 +173,9 @@ class EngineWorker:
         try:
             payload = await self.engine.export_kv(request_id)
             ref = await asyncio.to_thread(ray.put, payload)
-            await self._offer(node_id, request_id, ref, payload.num_bytes)
+            await self.kv.offer(node_id, request_id, ref, payload.num_bytes)
         except Exception as exc:  # noqa: BLE001 - the decode worker's claim fails and it recomputes
-            if isinstance(exc, kv_transfer.ACTOR_ERRORS):
-                self._kv_actors.forget(node_id)  # dead or restarting: look it up again next time
+            if isinstance(exc, ACTOR_ERRORS):
                 logger.warning("offering the KV of %s failed: the KVTransfer actor is gone (%s)", request_id, type(exc).__name__)
             else:
                 logger.exception("exporting the KV of %s failed", request_id)
@@ -189,20 +186,6 @@ class EngineWorker:
         self.recorder.kv_exported(payload.num_bytes)
         if trace is not None:
             trace.record("kv_transfer", start_ns, time.time_ns(), {"kvrelay.kv.side": "export", "kvrelay.kv.bytes": payload.num_bytes})
-
-    async def _offer(self, node_id: str, request_id: str, ref: ray.ObjectRef, num_bytes: int) -> None:
-        """Offer to the node's actor; if it died (Ray restarts it, empty), offer once more to
-        the restarted one, so the decode worker's claim still finds it."""
-        for attempt in range(2):
-            actor = await self._kv_actors.get(node_id)
-            try:
-                await actor.offer.remote(request_id, [ref], num_bytes, self.kv_config.lease_s)
-                return
-            except kv_transfer.ACTOR_ERRORS:
-                self._kv_actors.forget(node_id)
-                if attempt == 1:
-                    raise
-                logger.warning("the KVTransfer actor died while offering the KV of %s; offering again", request_id)
 
     def _this_node(self) -> str:
         if self._node_id is None:
@@ -244,61 +227,22 @@ class EngineWorker:
                     trace.engine_stages(last.metrics if last else None, prefill=not imported, decode=True, aborted=last is None or not last.finished)
 
     async def _claim(self, kv: KVHandle, trace: tracing.CarriedTrace | None = None) -> KVPayload | None:
-        if trace is None:
-            return await self._claim_kv(kv)
-        start_ns = time.time_ns()
-        payload = await self._claim_kv(kv)
-        attributes = {"kvrelay.kv.side": "import", "kvrelay.kv.imported": payload is not None}
-        if payload is not None:
-            attributes["kvrelay.kv.bytes"] = payload.num_bytes
-        trace.record("kv_transfer", start_ns, time.time_ns(), attributes,
-                     error=None if payload is not None else "not imported; the prompt is recomputed")
+        """The request's KV from the prefill worker, or None: recompute the prompt here."""
+        start, start_ns = time.monotonic(), time.time_ns()
+        fetched = await self.kv.fetch(kv)
+        payload = None if isinstance(fetched, str) else fetched
+        if payload is None:
+            self.recorder.kv_fallback(fetched)
+            logger.warning("KV of %s not imported (%s): recomputing its %d tokens", kv.request_id, fetched, kv.num_tokens)
+        else:
+            self.recorder.kv_imported(time.monotonic() - start, payload.num_bytes)
+        if trace is not None:
+            attributes = {"kvrelay.kv.side": "import", "kvrelay.kv.imported": payload is not None}
+            if payload is not None:
+                attributes["kvrelay.kv.bytes"] = payload.num_bytes
+            trace.record("kv_transfer", start_ns, time.time_ns(), attributes,
+                         error=None if payload is not None else "not imported; the prompt is recomputed")
         return payload
-
-    async def _claim_kv(self, kv: KVHandle) -> KVPayload | None:
-        start = time.monotonic()
-        timeout_s = self.kv_config.timeout_s
-        actor = None
-        try:
-            actor = await self._kv_actors.get(kv.node_id)
-            # The actor waits for the offer up to timeout_s; the margin covers the round trip.
-            refs = await asyncio.wait_for(actor.claim.remote(kv.request_id, timeout_s), timeout_s + 5.0)
-            if isinstance(refs, ClaimMiss):
-                if refs is ClaimMiss.TIMEOUT:
-                    actor.release.remote(kv.request_id)  # drop the offer when it comes
-                return self._fallback(kv, refs.value)
-            remaining = max(0.0, timeout_s - (time.monotonic() - start))
-            payload = await asyncio.wait_for(refs[0], remaining)
-        except TimeoutError:
-            if actor is not None:
-                actor.release.remote(kv.request_id)  # do not leave it held until the lease ends
-            return self._fallback(kv, "timeout")
-        except ray.exceptions.TaskCancelledError:
-            # The request is being cancelled (its client left during the hand-off): not a
-            # fallback. Drop the offer, now or when it comes.
-            self._release_later(kv)
-            raise asyncio.CancelledError() from None
-        except (ray.exceptions.RayError, ValueError) as exc:  # actor or object lost
-            if isinstance(exc, kv_transfer.ACTOR_ERRORS):
-                # Dead or restarting: look it up again next time, and tell the restarted actor to
-                # drop this request's offer, which the prefill worker makes again to it.
-                self._kv_actors.forget(kv.node_id)
-                self._release_later(kv)
-            logger.warning("KV import of %s failed (%s)", kv.request_id, exc)
-            return self._fallback(kv, "error")
-        self.recorder.kv_imported(time.monotonic() - start, payload.num_bytes)
-        return payload
-
-    def _release_later(self, kv: KVHandle) -> None:
-        """Release `kv` at its node's actor in the background (a tombstone if not offered yet)."""
-        task = asyncio.create_task(self._kv_actors.release(kv.node_id, kv.request_id))
-        self._offers.add(task)
-        task.add_done_callback(self._offers.discard)
-
-    def _fallback(self, kv: KVHandle, reason: str) -> None:
-        self.recorder.kv_fallback(reason)
-        logger.warning("KV of %s not imported (%s): recomputing its %d tokens", kv.request_id, reason, kv.num_tokens)
-        return None
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -1,4 +1,5 @@
-"""KVTransfer: one actor per node that holds exported KV until a decode worker claims it.
+"""KVTransfer: one actor per node that holds exported KV until a decode worker claims it (the
+actor's side of the KV hand-off; the callers' side is kv_handoff.py).
 
     PrefillWorker (node A)                 KVTransfer (node A)               DecodeWorker (node A|B)
     engine.export_kv ─▶ ray.put(payload) ──────────────▶ offer(id, [ref], lease)
@@ -25,8 +26,8 @@ exist yet (`get_if_exists`), pinned to that node, detached so it outlives any on
 
 If the actor dies, Ray restarts it (`max_restarts=-1`) with nothing held: offers and claims in
 flight fail, and those requests recompute their prompt on the decode worker (counted as KV
-fallbacks). A worker whose call fails with an actor error drops its handle and looks the actor
-up again (`get_or_create`), which also recreates one that was killed for good.
+fallbacks). A caller whose call fails with an actor error drops its handle and looks the actor
+up again (`get_or_create`, kv_handoff.py), which also recreates one that was killed for good.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from serving.deployments.messages import ClaimMiss, KVTransferStats
 
-__all__ = ["KVTransfer", "actor_name", "get_or_create", "NAMESPACE", "kill_all", "ACTOR_ERRORS", "ActorCache"]
+__all__ = ["KVTransfer", "actor_name", "get_or_create", "NAMESPACE", "kill_all", "ACTOR_ERRORS"]
 
 logger = logging.getLogger(__name__)
 
@@ -174,40 +175,6 @@ def get_or_create(app_name: str, node_id: str):
         get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(app_name, node_id)
-
-
-class ActorCache:
-    """The KVTransfer handles a process uses, per node, looked up once and again after a failure.
-
-    Lookups run in a thread (they block on the GCS). A caller that saw an actor error calls
-    `forget(node_id)`; the next `get` finds the restarted actor, or creates it again."""
-
-    def __init__(self, app_name: str):
-        self.app_name = app_name
-        self._actors: dict[str, object] = {}
-        self.num_lookups = 0
-
-    async def get(self, node_id: str):
-        actor = self._actors.get(node_id)
-        if actor is None:
-            actor = await asyncio.to_thread(get_or_create, self.app_name, node_id)
-            self._actors[node_id] = actor
-            self.num_lookups += 1
-        return actor
-
-    def forget(self, node_id: str) -> None:
-        self._actors.pop(node_id, None)
-
-    async def release(self, node_id: str, request_id: str) -> None:
-        """Release a request's KV at the node's actor (a tombstone if it is not offered yet).
-        Never raises: a release that fails is logged, and the KV's lease frees it anyway."""
-        try:
-            actor = await self.get(node_id)
-            await actor.release.remote(request_id)
-        except Exception as exc:  # noqa: BLE001 - its lease frees it anyway
-            if isinstance(exc, ACTOR_ERRORS):
-                self.forget(node_id)
-            logger.warning("releasing the KV of %s failed (%s); its lease will free it", request_id, exc)
 
 
 def kill_all(app_name: str) -> int:

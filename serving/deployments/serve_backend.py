@@ -34,8 +34,9 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from serving.api.errors import NoWorkerError, QueueFullError
 from serving.api.pipeline import GenerateRequest
 from serving.config import ServeConfig
-from serving.deployments import faults, kv_transfer
+from serving.deployments import faults
 from serving.deployments.caller_watch import this_actor
+from serving.deployments.kv_handoff import KVHandoff
 from serving.deployments.messages import KVHandle, PrefillResult, WorkerError, WorkerRequest
 from serving.engine.outputs import RequestOutput
 from serving.engine.validation import ModelInfo
@@ -81,9 +82,9 @@ class ServeBackend:
         self._refresh_task: asyncio.Task | None = None
         self.num_resumed = 0
         self.on_recovery = on_recovery  # (kind) for each request that survived a replica's death
-        self._kv_actors = kv_transfer.ActorCache(config.app_name)
+        self.kv = KVHandoff(config.app_name, config.kv_transfer)
         self._caller = this_actor()  # named in each request: workers abort it if we die
-        self._releases: set[asyncio.Task] = set()  # background KV releases, referenced until done
+        self._releases: set[asyncio.Task] = set()  # background lookups of abandoned prefills
         self._kv_nodes: set[str] = set()  # nodes whose KVTransfer actor has held our requests' KV
 
     # ---- Backend protocol --------------------------------------------------------------------
@@ -152,9 +153,7 @@ class ServeBackend:
                 # Aborted before the decode worker took it: do not hold it until the lease ends.
                 # In the background: this may run in a cancelled stream's cleanup, and must never
                 # fail it (the request's billing and metrics come after).
-                task = asyncio.create_task(self._kv_actors.release(kv.node_id, kv.request_id))
-                self._releases.add(task)
-                task.add_done_callback(self._releases.discard)
+                self.kv.release_soon(kv)
 
     # ---- internals ---------------------------------------------------------------------------
     def _recovered(self, kind: str) -> None:
@@ -218,11 +217,11 @@ class ServeBackend:
             except Exception:  # noqa: BLE001 - cancelled: in time, or with its result lost
                 result = None
             if isinstance(result, PrefillResult) and result.kv is not None:
-                await self._kv_actors.release(result.kv.node_id, result.kv.request_id)
+                await self.kv.release(result.kv.node_id, result.kv.request_id)
                 return
             nodes = self._kv_nodes or ({ray.get_runtime_context().get_node_id()} if ray.is_initialized() else set())
             for node_id in nodes:
-                await self._kv_actors.release(node_id, request_id)
+                await self.kv.release(node_id, request_id)
 
         task = asyncio.create_task(release_if_finished())
         self._releases.add(task)
