@@ -232,11 +232,11 @@ def _ray_bin() -> str:
 
 
 def _node_env() -> dict[str, str]:
-    from serving.config import _NON_CONFIG_ENV, ENV_PREFIX
+    from serving.config import ENV_PREFIX, NON_CONFIG_ENV
 
     # KVRELAY_* config overrides stay with the shell: the app's config comes from the driver
     # (`kvrelay serve` sends it whole), and the Serve controller on the head would apply them again.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX) or k in _NON_CONFIG_ENV - {MARKER_ENV}}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX) or k in NON_CONFIG_ENV - {MARKER_ENV}}
     env[MARKER_ENV] = uuid.uuid4().hex
     if "RAY_AUTH_MODE" not in env:
         # Ray only turns token auth on for a head by itself; joining nodes need it said.

@@ -184,10 +184,10 @@ def kvrelay_config(p: ScenarioParams, model_dir: Path, mode: str, port: int, *, 
     from serving.config import ServeConfig, apply_overrides
 
     cores = _cores()
-    pool = {"num_replicas": 1, "num_cpus": 0.5, "num_threads": 1}
+    pool = {"num_replicas": 1, "num_cpus": 0.5}
     data = {
         "model": str(model_dir), "served_model_name": served_name(p),
-        "dtype": p.dtype, "kv_cache_bytes": kv_cache_bytes or p.kv_cache_mib * 2**20, "mode": mode,
+        "engine": {"dtype": p.dtype, "kv_cache_bytes": kv_cache_bytes or p.kv_cache_mib * 2**20, "num_threads": 1}, "mode": mode,
         "app_name": app, "http": {"host": "127.0.0.1", "port": port},
         # prefill on the first core (each of its replicas on a core of its own), decode on the second
         "prefill": {**pool, "num_replicas": prefill_replicas, "cpu_affinity": cores[:prefill_replicas] if cores else []},

@@ -337,9 +337,9 @@ def serve_config(p: BenchParams, model_dir: Path, mode: str, port: int):
     """The app's ServeConfig: one replica per pool, one torch thread each."""
     from serving.config import ServeConfig
 
-    pool = {"num_replicas": 1, "num_cpus": 0.5, "num_threads": 1}
+    pool = {"num_replicas": 1, "num_cpus": 0.5}
     return ServeConfig.model_validate({
-        "model": str(model_dir), "dtype": p.dtype, "kv_cache_bytes": p.kv_cache_mib * 2**20,
+        "model": str(model_dir), "engine": {"dtype": p.dtype, "kv_cache_bytes": p.kv_cache_mib * 2**20, "num_threads": 1},
         "mode": mode, "app_name": f"kvrelay-bench-{mode}", "http": {"host": "127.0.0.1", "port": port},
         "prefill": pool, "decode": pool, "worker": pool,
     })

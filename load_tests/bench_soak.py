@@ -74,7 +74,7 @@ def soak_config(p: SoakParams, port: int):
     if p.model is not None:
         overrides["model"] = p.model
     if p.dtype is not None:
-        overrides["dtype"] = p.dtype
+        overrides["engine.dtype"] = p.dtype
     overrides.update(dict(p.overrides))
     return load_config(p.config, overrides=overrides)
 
@@ -176,7 +176,7 @@ def run(p: SoakParams, *, command: str = "") -> dict:
     app = config.app_name
     num_replicas = {"PrefillWorker": p.prefill_replicas, "DecodeWorker": p.decode_replicas,
                     "OpenAIIngress": config.ingress.num_replicas}
-    machine = hardware.machine_record(num_threads=config.prefill.num_threads)  # torch threads per replica
+    machine = hardware.machine_record(num_threads=config.engine_config(config.prefill).num_threads)  # torch threads per replica
     model_dir = resolve_model_dir(config.model)  # converts the default model once, before Ray starts
     mix = WorkloadMix(abort_fraction=p.abort_fraction)
     requests = build_workload(p.num_requests, mix, model=config.model_name, seed=p.seed)
@@ -220,7 +220,7 @@ def run(p: SoakParams, *, command: str = "") -> dict:
         verdict["passed"] = summary["passed"]
     header = (
         f"kvrelay bench soak{' --chaos' if p.is_chaos else ''}: {len(requests)} requests at concurrency {p.concurrency}, "
-        f"seed {p.seed}, deadline {p.deadline_s:g} s; {config.model} ({config.dtype}), disaggregated, "
+        f"seed {p.seed}, deadline {p.deadline_s:g} s; {config.model} ({config.engine.dtype}), disaggregated, "
         f"{p.prefill_replicas} prefill + {p.decode_replicas} decode replicas; app started in {server['startup_s']:.0f} s"
     )
     print(format_report(summary, header))

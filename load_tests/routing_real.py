@@ -36,11 +36,12 @@ def serve_config(model_dir: Path, dtype: str, policy: str, *, num_replicas: int,
     """Prefill pool of `num_replicas` (1 torch thread, 0.5 CPU each) routed by `policy`."""
     from serving.config import ServeConfig
 
-    small = {"num_replicas": 1, "num_cpus": 0.25, "num_threads": 1}
+    small = {"num_replicas": 1, "num_cpus": 0.25}
     return ServeConfig.model_validate({
-        "model": str(model_dir), "dtype": dtype, "kv_cache_bytes": kv_cache_bytes, "max_model_len": max_model_len,
+        "model": str(model_dir),
+        "engine": {"dtype": dtype, "kv_cache_bytes": kv_cache_bytes, "max_model_len": max_model_len, "num_threads": 1},
         "app_name": f"{APP_NAME}-{policy.replace('_', '-')}",
-        "prefill": {"num_replicas": num_replicas, "num_cpus": 0.5, "num_threads": 1},
+        "prefill": {"num_replicas": num_replicas, "num_cpus": 0.5},
         "decode": small, "ingress": {"num_cpus": 0.1},
         "routing": {"prefill_policy": policy, "prefill_params": params or {}, "stats_period_s": stats_period_s},
     })

@@ -1,6 +1,8 @@
 """The app's configuration: one pydantic model, loaded from YAML plus `KVRELAY_*` env overrides.
 
-    model / dtype / KV budget ─▶ every worker's EngineConfig (engine_config(pool))
+    model, engine (EngineConfig,  ─▶ every worker's EngineConfig (engine_config(pool)): the shared
+    serving defaults) + a pool's     `engine`, then the pool's own `engine` keys over it
+    own engine keys
     mode, min_remote_prefill_tokens ─▶ how the ingress routes a request
     prefill / decode / worker pools ─▶ Serve deployments (replicas, CPUs, torch threads)
     http, api_keys, kv_transfer ─▶ the proxy, the ingress, the KVTransfer actors
@@ -9,19 +11,24 @@
 Env overrides name a field path with `__` between levels, after the `KVRELAY_` prefix:
 `KVRELAY_MODE=colocated`, `KVRELAY_HTTP__PORT=8001`, `KVRELAY_DECODE__NUM_REPLICAS=2`,
 `KVRELAY_API_KEYS=key1,key2`. Values are parsed as YAML scalars (so `2`, `true`, `[a, b]`).
-Unknown keys, in the file or the environment, are errors that name the key and where it came from.
+Unknown keys, in the file or the environment, are errors that name the key and where it came from;
+a key that moved (the engine's settings moved under `engine:`) names its new path.
+
+The engine's settings are EngineConfig's (serving/engine/config.py), declared once there. Where
+serving wants another default than the engine alone, it is set in SERVING_ENGINE_DEFAULTS below,
+the one place.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, create_model, model_serializer, model_validator
 
-from serving.engine.config import EngineConfig
+from serving.engine.config import EngineConfig, StrictModel
 
 __all__ = [
     "ServeConfig",
@@ -34,6 +41,10 @@ __all__ = [
     "DegradationConfig",
     "FallbackConfig",
     "ConfigError",
+    "EngineOverrides",
+    "EngineSettings",
+    "SERVING_ENGINE_DEFAULTS",
+    "NON_CONFIG_ENV",
     "load_config",
     "parse_set_items",
     "apply_overrides",
@@ -42,18 +53,65 @@ __all__ = [
 
 ENV_PREFIX = "KVRELAY_"
 # KVRELAY_* variables that are not config fields.
-_NON_CONFIG_ENV = {"KVRELAY_CACHE_DIR", "KVRELAY_DISABLE_NATIVE", "KVRELAY_CONFIG", "KVRELAY_DEV_CLUSTER", "KVRELAY_FAULTS"}
+NON_CONFIG_ENV = {"KVRELAY_CACHE_DIR", "KVRELAY_DISABLE_NATIVE", "KVRELAY_CONFIG", "KVRELAY_DEV_CLUSTER", "KVRELAY_FAULTS"}
 
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the source, field, value and fix."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+# The engine defaults of a served app, where they differ from EngineConfig's (an engine alone,
+# e.g. in `kvrelay bench engine`, owns the machine; a replica shares it with the others).
+SERVING_ENGINE_DEFAULTS: dict[str, Any] = {
+    "kv_cache_memory_fraction": 0.05,  # several replicas per machine
+    "long_prefill_token_threshold": 256,  # a long prompt must not stall the other requests' TTFT
+    "num_threads": 1,  # torch threads per replica: Ray's logical CPUs are not cores
+}
+
+_POOLS = ("prefill", "decode", "worker")
+# Keys that moved (old path -> new path): an old config names them, the error says where to.
+MOVED_KEYS = {
+    **{name: f"engine.{name}" for name in EngineConfig.model_fields if name != "model"},
+    **{f"{pool}.num_threads": f"{pool}.engine.num_threads" for pool in _POOLS},
+}
 
 
-class PoolConfig(_Strict):
+class _Overrides(StrictModel):
+    """Keys left at None are not overridden, and not written when the config is dumped."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+def _engine_fields_model(name: str, doc: str, *, defaults: dict[str, Any] | None) -> type[StrictModel]:
+    """A model of EngineConfig's fields but `model` (the app's), built from EngineConfig so no
+    field is declared twice. `defaults` over EngineConfig's; None: every field optional (None),
+    so only the keys given count."""
+    fields: dict[str, Any] = {}
+    for field_name, field in EngineConfig.model_fields.items():
+        if field_name == "model":
+            continue
+        annotation = field.annotation
+        for constraint in field.metadata:  # ge, le, ...: checked here too, so errors name the key
+            annotation = Annotated[annotation, constraint]
+        if defaults is None:
+            fields[field_name] = (annotation | None, Field(None, description=field.description))
+        else:
+            fields[field_name] = (annotation, Field(defaults.get(field_name, field.default), description=field.description))
+    return create_model(name, __base__=StrictModel if defaults is not None else _Overrides, __doc__=doc, **fields)
+
+
+EngineSettings = _engine_fields_model(
+    "EngineSettings", "Every worker's engine settings (EngineConfig's, with the serving defaults).",
+    defaults=SERVING_ENGINE_DEFAULTS,
+)
+EngineOverrides = _engine_fields_model(
+    "EngineOverrides", "A pool's own engine settings; a key left null takes the app's `engine` value.", defaults=None,
+)
+
+
+class PoolConfig(StrictModel):
     """One worker pool (a Serve deployment wrapping engines)."""
 
     num_replicas: int = Field(
@@ -67,10 +125,11 @@ class PoolConfig(_Strict):
         "replicas share a small machine).",
     )
     num_gpus: float = Field(0, ge=0, le=16, description="GPUs per replica (CUDA engines).")
-    num_threads: int = Field(
-        1, ge=1, le=512,
-        description="torch threads per replica. Keep the sum over replicas at or below the "
-        "machine's cores: oversubscribed OpenMP threads spin against each other.",
+    engine: EngineOverrides = Field(
+        default_factory=EngineOverrides,
+        description="This pool's engine settings where they differ from the app's `engine`, e.g. "
+        "{num_threads: 2} (torch threads per replica: keep the sum over replicas at or below the "
+        "machine's cores, oversubscribed OpenMP threads spin against each other).",
     )
     max_ongoing_requests: int = Field(
         128, ge=1, description="Requests a replica works on at once (Serve's max_ongoing_requests)."
@@ -101,18 +160,18 @@ class PoolConfig(_Strict):
         return self
 
 
-class IngressConfig(_Strict):
+class IngressConfig(StrictModel):
     num_replicas: int = Field(1, ge=1, le=64, description="OpenAIIngress replicas.")
     num_cpus: float = Field(0.1, gt=0, le=64, description="Ray logical CPUs per ingress replica.")
     max_ongoing_requests: int = Field(1024, ge=1, description="Concurrent requests per ingress replica.")
 
 
-class HTTPConfig(_Strict):
+class HTTPConfig(StrictModel):
     host: str = Field("127.0.0.1", description="Address the Serve HTTP proxy binds.")
     port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI API.")
 
 
-class RayConfig(_Strict):
+class RayConfig(StrictModel):
     address: str | None = Field(
         None, description="Join this Ray cluster ('auto', 'ray://...'); default: start a local one."
     )
@@ -133,7 +192,7 @@ class RayConfig(_Strict):
     )
 
 
-class RoutingConfig(_Strict):
+class RoutingConfig(StrictModel):
     """Which replica of a pool gets each request (router/policies.py documents the policies)."""
 
     prefill_policy: Literal["prefix_cost", "pow2", "round_robin", "char_prefix_tree"] = Field(
@@ -169,7 +228,7 @@ class RoutingConfig(_Strict):
         return self
 
 
-class KVTransferConfig(_Strict):
+class KVTransferConfig(StrictModel):
     lease_s: float = Field(
         30.0, gt=0, le=3600,
         description="Exported KV not claimed by a decode worker within this time is freed.",
@@ -181,7 +240,7 @@ class KVTransferConfig(_Strict):
     )
 
 
-class FallbackConfig(_Strict):
+class FallbackConfig(StrictModel):
     """Another kvrelay Serve application in the same Ray cluster that takes degraded requests."""
 
     app: str = Field(
@@ -197,7 +256,7 @@ class FallbackConfig(_Strict):
     )
 
 
-class DegradationConfig(_Strict):
+class DegradationConfig(StrictModel):
     """What the ingress does when its pools refuse a request before its first token
     (serving/api/degradation.py): route it to a fallback app, or shed it if its priority is low."""
 
@@ -246,7 +305,7 @@ class DegradationConfig(_Strict):
         return self
 
 
-class ServeConfig(_Strict):
+class ServeConfig(StrictModel):
     # ---- model and engine --------------------------------------------------------------------
     model: str = Field(
         "smollm2-135m-instruct",
@@ -255,30 +314,11 @@ class ServeConfig(_Strict):
     served_model_name: str | None = Field(
         None, min_length=1, description="The name clients pass as `model`; default: `model`."
     )
-    dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
-        "auto",
-        description="Weights and KV dtype; auto: bfloat16 where this machine's bf16 matrix products are fast, else float32 "
-        "(measured by each replica at start-up).",
+    engine: EngineSettings = Field(
+        default_factory=EngineSettings,
+        description="Every worker's engine settings (serving/engine/config.py EngineConfig, but its "
+        "`model`, which is the app's, above); a pool's own `engine` keys go over them.",
     )
-    device: str = Field("cpu", description="'cpu' or 'cuda[:N]'.")
-    kv_cache_bytes: int | None = Field(None, gt=0, description="KV cache bytes per replica.")
-    kv_cache_memory_fraction: float = Field(
-        0.05, gt=0.0, le=0.95, description="KV budget per replica as a fraction of free memory."
-    )
-    max_model_len: int | None = Field(None, ge=16, description="Context window cap in tokens.")
-    block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
-    max_num_seqs: int = Field(128, ge=1, le=4096, description="Sequences per engine step.")
-    max_num_batched_tokens: int = Field(512, ge=1, description="Token budget per engine step.")
-    long_prefill_token_threshold: int = Field(
-        256, ge=0,
-        description="Prompts with more tokens than this left to compute are prefilled at most this "
-        "many tokens per step, one at a time (max_long_partial_prefills), so short prompts are not "
-        "queued behind a long one and decodes are not stalled by it (vLLM's option of the same "
-        "name). 0: off.",
-    )
-    max_long_partial_prefills: int = Field(1, ge=1, description="Long prompts prefilling at once per engine.")
-    enable_prefix_caching: bool = Field(True, description="Reuse the KV of shared prefixes.")
-    seed: int = Field(0, description="Sampler seed for requests without `seed`.")
 
     # ---- topology ----------------------------------------------------------------------------
     mode: Literal["disaggregated", "colocated"] = Field(
@@ -332,10 +372,31 @@ class ServeConfig(_Strict):
         "a fallback app, shedding low-priority requests, or both. null: off (429 / 503).",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys_and_the_model(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        moved = [old for old in MOVED_KEYS if _has_path(data, old.split("."))]
+        if moved:
+            raise ValueError("; ".join(
+                f"`{old}` moved to `{MOVED_KEYS[old]}` (env {ENV_PREFIX}{MOVED_KEYS[old].upper().replace('.', '__')})"
+                for old in moved
+            ))
+        engine = data.get("engine")
+        if isinstance(engine, dict) and "model" in engine:
+            raise ValueError(f"engine.model = {engine['model']!r}: the model is the app's; set the top-level `model`")
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        for where, build in (("engine", lambda: EngineConfig(model=self.model, **self.engine.model_dump())),
+                             *((f"{name}.engine", lambda pool=pool: self.engine_config(pool)) for name, pool in self.pools.items())):
+            try:
+                build()
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                raise ValueError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
         if any(not key for key in self.api_keys):
             raise ValueError("api_keys must not contain empty strings")
         if any(not key for key in self.admin_api_keys):
@@ -351,17 +412,15 @@ class ServeConfig(_Strict):
     def model_name(self) -> str:
         return self.served_model_name or self.model
 
+    @property
+    def pools(self) -> dict[str, PoolConfig]:
+        return {pool: getattr(self, pool) for pool in _POOLS}
+
     def engine_config(self, pool: PoolConfig) -> EngineConfig:
-        return EngineConfig(
-            model=self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
-            kv_cache_bytes=self.kv_cache_bytes, kv_cache_memory_fraction=self.kv_cache_memory_fraction,
-            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            max_long_partial_prefills=self.max_long_partial_prefills,
-            enable_prefix_caching=self.enable_prefix_caching, num_threads=pool.num_threads,
-            seed=self.seed,
-        )
+        """A pool's engine: the app's model and `engine`, then the pool's own keys over them."""
+        return EngineConfig.model_validate({
+            **self.engine.model_dump(), **pool.engine.model_dump(), "model": self.model,
+        })
 
 
 def load_config(
@@ -394,7 +453,7 @@ def load_config(
     apply_overrides(data, overrides or {})
     env_used = []
     for name, raw in sorted((os.environ if env is None else env).items()):
-        if not name.startswith(ENV_PREFIX) or name in _NON_CONFIG_ENV:
+        if not name.startswith(ENV_PREFIX) or name in NON_CONFIG_ENV:
             continue
         field_path = [part.lower() for part in name[len(ENV_PREFIX):].split("__")]
         _set_path(data, field_path, _parse_env_value(field_path, raw))
@@ -418,7 +477,7 @@ def format_validation_error(exc: ValidationError, where: str, *, env_prefix: str
             if env_prefix:
                 hint += f" (env: {env_prefix}{field.upper().replace('.', '__')})"
         else:
-            hint = err["msg"]
+            hint = err["msg"].removeprefix("Value error, ")
         value = err.get("input")
         shown = "" if isinstance(value, dict) else f" = {value!r}"
         lines.append(f"  {field}{shown}: {hint}")
@@ -441,6 +500,15 @@ def apply_overrides(data: dict, overrides: dict[str, Any]) -> dict:
     for key, value in overrides.items():
         _set_path(data, key.split("."), value)
     return data
+
+
+def _has_path(data: dict, parts: list[str]) -> bool:
+    node: Any = data
+    for part in parts:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def _set_path(data: dict, parts: list[str], value: Any) -> None:

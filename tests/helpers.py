@@ -20,6 +20,23 @@ REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 
 
+TINY_KV_BYTES = 16 * 2**20  # KV per replica of the tiny apps: ~1k tokens of the tiny model
+
+
+def tiny_app_config(model_dir, name: str, **overrides):
+    """A ServeConfig of the tiny model for tests that start Ray: float32 (exact), served as "tiny",
+    small CPU shares and one torch thread per replica, every pool; `overrides` replace top-level keys."""
+    from serving.config import ServeConfig
+
+    small = {"num_cpus": 0.1}
+    base = {
+        "model": str(model_dir), "served_model_name": "tiny",
+        "engine": {"dtype": "float32", "kv_cache_bytes": TINY_KV_BYTES, "num_threads": 1},
+        "app_name": name, "prefill": small, "decode": small, "worker": small, "ingress": {"num_cpus": 0.05},
+    }
+    return ServeConfig.model_validate({**base, **overrides})
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 nothing listens on now."""
     with socket.socket() as sock:

@@ -38,12 +38,17 @@ CHART_OWNED_POOL_FIELDS = {"resources"}
 
 def _type_schema(annotation: Any) -> dict:
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:  # a constrained type inside an optional one (EngineOverrides)
+        base, *metadata = typing.get_args(annotation)
+        schema = _type_schema(base)
+        return {**schema, **_constraints(metadata, schema)}
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         assert len(args) == 1, f"unsupported union {annotation}"
         inner = _type_schema(args[0])
         if "type" in inner:
-            return {**inner, "type": [inner["type"], "null"]}
+            kinds = inner["type"] if isinstance(inner["type"], list) else [inner["type"]]
+            return {**inner, "type": kinds if "null" in kinds else [*kinds, "null"]}
         return {"anyOf": [inner, {"type": "null"}]}
     if origin is Literal:
         return {"enum": list(typing.get_args(annotation))}

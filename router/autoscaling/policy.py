@@ -33,7 +33,9 @@ from typing import Any, Literal
 
 import annotated_types
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from serving.engine.config import StrictModel
 
 __all__ = [
     "PoolName",
@@ -82,10 +84,6 @@ class _FieldError(ValueError):
         self.field, self.value, self.message = field, value, message
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 # ---- targets ---------------------------------------------------------------------------------
 _TTFT = dict(
     gt=0, le=600_000,
@@ -112,7 +110,7 @@ _TPOT = dict(
 )
 
 
-class _Targets(_Strict):
+class _Targets(StrictModel):
     @model_validator(mode="after")
     def _at_least_one(self):
         if all(value is None for value in self.model_dump().values()):
@@ -146,7 +144,7 @@ class WorkerTargets(_Targets):
 
 
 # ---- pools -----------------------------------------------------------------------------------
-class PoolPolicy(_Strict):
+class PoolPolicy(StrictModel):
     """Bounds, windows and delays of one pool; `targets` is added per pool below."""
 
     min_replicas: int = Field(
@@ -245,7 +243,7 @@ POOL_POLICIES: dict[str, type[PoolPolicy]] = {
 }
 
 
-class AutoscalingPolicyConfig(_Strict):
+class AutoscalingPolicyConfig(StrictModel):
     name: str = Field(
         "default", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Policy name, for logs and metrics."
     )

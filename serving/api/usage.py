@@ -35,10 +35,11 @@ from decimal import Decimal
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from serving.api.pipeline import Usage
 from serving.config import ConfigError, format_validation_error
+from serving.engine.config import StrictModel
 
 __all__ = [
     "ModelPrice",
@@ -61,17 +62,13 @@ CURRENCY_HEADER = "x-kvrelay-cost-currency"
 _MILLION = Decimal(10**6)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelPrice(_Strict):
+class ModelPrice(StrictModel):
     input_per_million: Decimal = Field(ge=0, allow_inf_nan=False, description="Price of one million prompt (input) tokens.")
     output_per_million: Decimal = Field(ge=0, allow_inf_nan=False, description="Price of one million completion (output) tokens.")
     currency: str = Field("USD", pattern=r"^[A-Z]{3}$", description="ISO 4217 code of both prices.")
 
 
-class PricingConfig(_Strict):
+class PricingConfig(StrictModel):
     models: dict[str, ModelPrice] = Field(
         min_length=1, description="Per served model name (what clients pass as `model`), its prices."
     )

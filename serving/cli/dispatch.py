@@ -313,7 +313,7 @@ def _add_bench_scenario(targets) -> None:
     p.add_argument("--log-dir", metavar="DIR", help="subprocess servers' logs [a temp dir]")
     p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
                    help="override a field of every kvrelay app's config by its dotted path, after the scenario's own, "
-                   "e.g. --set long_prefill_token_threshold=512 --set worker.num_threads=2")
+                   "e.g. --set engine.long_prefill_token_threshold=512 --set worker.engine.num_threads=2")
 
 
 def _add_bench_soak(targets) -> None:

@@ -1,4 +1,5 @@
-"""Engine configuration: one pydantic model, unknown keys rejected."""
+"""Engine configuration: one pydantic model, unknown keys rejected; and StrictModel, the base of
+every config model of the project (the app's, the autoscaling policy's, the pricing file's)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,18 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["EngineConfig", "DTYPES"]
+__all__ = ["EngineConfig", "DTYPES", "StrictModel"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
-class EngineConfig(BaseModel):
+class StrictModel(BaseModel):
+    """Unknown keys are errors (they name the key), and a loaded config never changes."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+
+class EngineConfig(StrictModel):
     model: str = Field(
         "smollm2-135m-instruct",
         description="Built-in name, a .gguf file, or a local Hugging Face model directory.",

@@ -27,23 +27,12 @@ import pytest
 
 from cluster.roles import node_labels, node_resources, pin_pools
 from load_tests.local_ray import free_port
-from serving.config import ServeConfig
+from tests.helpers import tiny_app_config
 
-__all__ = ["MAX_TOKENS", "STEPS", "app_config", "three_node_cluster"]
+__all__ = ["MAX_TOKENS", "STEPS", "three_node_cluster"]
 
-KV_BYTES = 16 * 2**20
 MAX_TOKENS = 24
 OBJECT_STORE_BYTES = 128 * 2**20
-
-
-def app_config(model_dir, name: str, **overrides) -> ServeConfig:
-    small = {"num_cpus": 0.1, "num_threads": 1}
-    base = {
-        "model": str(model_dir), "served_model_name": "tiny", "dtype": "float32", "kv_cache_bytes": KV_BYTES,
-        "app_name": name, "prefill": small, "decode": small, "worker": small, "ingress": {"num_cpus": 0.05},
-    }
-    base.update(overrides)
-    return ServeConfig.model_validate(base)
 
 
 STEPS = ("head", "nodes", "connect", "serve", "deploy")
@@ -89,8 +78,8 @@ def three_node_cluster(model_dir: Path, *, apps: tuple[str, ...] = ("multi", "co
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         undo.callback(serve.shutdown)
         configs = {
-            "multi": pin_pools(app_config(model_dir, "multi")),
-            "coloc": app_config(model_dir, "coloc", mode="colocated"),
+            "multi": pin_pools(tiny_app_config(model_dir, "multi")),
+            "coloc": tiny_app_config(model_dir, "coloc", mode="colocated"),
         }
         for name in apps:
             undo.callback(kv_transfer.kill_all, name)  # detached: Serve's shutdown leaves them

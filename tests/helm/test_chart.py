@@ -245,7 +245,7 @@ def test_gpu_values_request_gpus(rendered):
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert group["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
     args = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["args"]
-    assert args["device"] == "cuda"
+    assert args["engine"]["device"] == "cuda"
     assert args["prefill"]["num_gpus"] == 1 and args["decode"]["num_gpus"] == 1
     assert args["model"] == "/models/Llama-3.2-3B-Instruct"
 

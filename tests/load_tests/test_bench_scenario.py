@@ -254,13 +254,14 @@ def test_set_overrides_every_kvrelay_config_after_the_scenarios_own(tmp_path):
     from load_tests.bench_scenario import kvrelay_config
     from load_tests.scenario_servers import ScenarioError
 
-    args = build_parser().parse_args(["bench", "scenario", "peers", "--set", "long_prefill_token_threshold=512",
-                                      "--set", "worker.num_threads=2"])
+    args = build_parser().parse_args(["bench", "scenario", "peers", "--set", "engine.long_prefill_token_threshold=512",
+                                      "--set", "worker.engine.num_threads=2"])
     p = params_from_args(args)
-    assert p.overrides == (("long_prefill_token_threshold", 512), ("worker.num_threads", 2))
+    assert p.overrides == (("engine.long_prefill_token_threshold", 512), ("worker.engine.num_threads", 2))
     config = kvrelay_config(p, tmp_path, "colocated", 8000, app="a")
-    assert config.long_prefill_token_threshold == 512
-    assert config.worker.num_threads == 2 and config.worker.num_replicas == 2  # the rest of the pool stays
+    assert config.engine.long_prefill_token_threshold == 512
+    assert config.engine.dtype == p.dtype  # the scenario's own engine keys stay
+    assert config.engine_config(config.worker).num_threads == 2 and config.worker.num_replicas == 2  # the rest of the pool stays
     bad = params_from_args(build_parser().parse_args(["bench", "scenario", "peers", "--set", "worker.num_thread=2"]))
     with pytest.raises(ScenarioError, match=r"(?s)--set worker.num_thread: .*worker.num_thread.*Extra inputs are not permitted"):
         kvrelay_config(bad, tmp_path, "colocated", 8000, app="a")

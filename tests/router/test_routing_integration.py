@@ -10,10 +10,10 @@ from collections import Counter
 import pytest
 
 from load_tests.local_ray import free_port
-from serving.config import ServeConfig
 from serving.deployments.messages import WorkerRequest
 from serving.engine.block_hash import hash_blocks
 from serving.engine.params import SamplingParams
+from tests.helpers import tiny_app_config
 
 pytestmark = pytest.mark.integration
 
@@ -31,12 +31,8 @@ def prefill_handle(tmp_path_factory, tiny_model_dir):
 
     ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", _temp_dir=str(tmp_path_factory.mktemp("ray")))
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
-    small = {"num_cpus": 0.1, "num_threads": 1}
-    config = ServeConfig(
-        model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=16 * 2**20, app_name="routing",
-        prefill={**small, "num_replicas": 2}, decode=small, ingress={"num_cpus": 0.05},
-        routing={"stats_period_s": 0.2},
-    )
+    config = tiny_app_config(tiny_model_dir, "routing", prefill={"num_cpus": 0.1, "num_replicas": 2},
+                             routing={"stats_period_s": 0.2})
     serve.run(build_app(config), name="routing", route_prefix="/routing")
     yield serve.get_deployment_handle("PrefillWorker", app_name="routing")
     kv_transfer.kill_all("routing")

@@ -8,7 +8,8 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from serving.config import ConfigError, ServeConfig, load_config
+from serving.config import SERVING_ENGINE_DEFAULTS, ConfigError, ServeConfig, load_config
+from serving.engine.config import EngineConfig
 from tests.helpers import REPO
 
 
@@ -57,12 +58,13 @@ def test_unknown_env_key_is_named_with_the_variable():
 
 
 def test_bad_value_names_field_value_and_range(tmp_path):
-    path = write(tmp_path, "kv_transfer:\n  lease_s: -1\nprefill:\n  num_threads: 0\n")
+    path = write(tmp_path, "kv_transfer:\n  lease_s: -1\nprefill:\n  engine: {num_threads: 0}\nengine:\n  max_num_seqs: 0\n")
     with pytest.raises(ConfigError) as info:
         load_config(path, env={})
     message = str(info.value)
     assert "kv_transfer.lease_s = -1: Input should be greater than 0" in message
-    assert "prefill.num_threads = 0: Input should be greater than or equal to 1" in message
+    assert "prefill.engine.num_threads = 0: Input should be greater than or equal to 1" in message
+    assert "engine.max_num_seqs = 0: Input should be greater than or equal to 1" in message
 
 
 def test_bad_yaml_and_missing_file(tmp_path):
@@ -75,15 +77,51 @@ def test_bad_yaml_and_missing_file(tmp_path):
 
 
 def test_engine_config_per_pool():
-    config = ServeConfig(kv_cache_bytes=2**26, dtype="float32", decode={"num_threads": 2})
+    config = ServeConfig.model_validate({
+        "model": "m", "engine": {"kv_cache_bytes": 2**26, "dtype": "float32"}, "decode": {"engine": {"num_threads": 2}},
+    })
     engine = config.engine_config(config.decode)
-    assert (engine.kv_cache_bytes, engine.dtype, engine.num_threads) == (2**26, "float32", 2)
+    assert (engine.model, engine.kv_cache_bytes, engine.dtype, engine.num_threads) == ("m", 2**26, "float32", 2)
     assert config.engine_config(config.prefill).num_threads == 1
+    # Serving's defaults where they differ from the engine's, and the engine's elsewhere.
+    assert config.engine.kv_cache_memory_fraction == SERVING_ENGINE_DEFAULTS["kv_cache_memory_fraction"] == 0.05
+    assert EngineConfig().kv_cache_memory_fraction == 0.1
+    assert config.engine.max_num_seqs == EngineConfig().max_num_seqs == 128
+    # A dumped config (the dashboard's copy, Helm's args) loads back to the same config: a pool's
+    # engine keys left unset are not written.
+    dumped = config.model_dump(mode="json")
+    assert dumped["decode"]["engine"] == {"num_threads": 2} and dumped["prefill"]["engine"] == {}
+    assert ServeConfig.model_validate(dumped) == config
+
+
+@pytest.mark.parametrize(("source", "given", "moved", "new", "variable"), [
+    ("file", "dtype: float32\n", "dtype", "engine.dtype", "KVRELAY_ENGINE__DTYPE"),
+    ("file", "decode:\n  num_threads: 2\n", "decode.num_threads", "decode.engine.num_threads", "KVRELAY_DECODE__ENGINE__NUM_THREADS"),
+    ("env", "KVRELAY_KV_CACHE_BYTES", "kv_cache_bytes", "engine.kv_cache_bytes", "KVRELAY_ENGINE__KV_CACHE_BYTES"),
+    ("overrides", "max_model_len", "max_model_len", "engine.max_model_len", "KVRELAY_ENGINE__MAX_MODEL_LEN"),
+])
+def test_a_moved_key_names_its_new_path(tmp_path, source, given, moved, new, variable):
+    with pytest.raises(ConfigError) as info:
+        if source == "file":
+            load_config(write(tmp_path, given), env={})
+        elif source == "env":
+            load_config(env={given: "1024"})
+        else:
+            load_config(overrides={given: 1024}, env={})
+    assert f"`{moved}` moved to `{new}` (env {variable})" in str(info.value)
+
+
+def test_the_model_is_the_apps_not_the_engines():
+    with pytest.raises(ConfigError, match="engine.model = 'x': the model is the app's; set the top-level `model`"):
+        load_config(overrides={"engine.model": "x"}, env={})
+    with pytest.raises(ConfigError, match="decode.engine.model = 'x': unknown key"):
+        load_config(overrides={"decode.engine.model": "x"}, env={})
 
 
 def test_shipped_configs_load():
     local = load_config(REPO / "deploy/local.yaml", env={})
-    assert (local.mode, local.http.port, local.kv_cache_bytes) == ("disaggregated", 8000, 256 * 2**20)
+    assert (local.mode, local.http.port, local.engine.kv_cache_bytes) == ("disaggregated", 8000, 256 * 2**20)
+    assert local.engine_config(local.worker).num_threads == 2 and local.engine_config(local.decode).num_threads == 1
     serve_file = yaml.safe_load((REPO / "deploy/serve.yaml").read_text())
     schema = ServeDeploySchema.model_validate(serve_file)
     app = schema.applications[0]

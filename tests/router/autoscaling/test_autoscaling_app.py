@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from load_tests.local_ray import free_port
-from serving.config import ServeConfig
 from serving.deployments.messages import WorkerRequest
 from serving.engine.params import SamplingParams
+from tests.helpers import tiny_app_config
 
 pytestmark = pytest.mark.integration
 
@@ -50,12 +50,8 @@ def app(tmp_path_factory, tiny_model_dir):
     policy.write_text(yaml.safe_dump(POLICY))
     ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", _temp_dir=str(tmp_path_factory.mktemp("ray")))
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
-    small = {"num_cpus": 0.1, "num_threads": 1}
-    config = ServeConfig(
-        model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=64 * 2**20, app_name=APP,
-        max_num_batched_tokens=32, prefill=small, decode=small, ingress={"num_cpus": 0.05},
-        autoscaling_policy=str(policy),
-    )
+    engine = {"dtype": "float32", "kv_cache_bytes": 64 * 2**20, "max_num_batched_tokens": 32, "num_threads": 1}
+    config = tiny_app_config(tiny_model_dir, APP, engine=engine, autoscaling_policy=str(policy))
     serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
     yield serve.get_deployment_handle("PrefillWorker", app_name=APP)
     kv_transfer.kill_all(APP)

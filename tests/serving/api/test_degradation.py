@@ -87,7 +87,7 @@ def test_the_shipped_serve_example_pairs_a_primary_with_its_fallback():
     ("text", "message"),
     [
         ("degradation:\n  when: [saturated]\n",
-         "degradation: Value error, nothing to do: set fallback (app and model), shed_priority_at_or_above, or both"),
+         "degradation: nothing to do: set fallback (app and model), shed_priority_at_or_above, or both"),
         ("degradation:\n  on: [saturated]\n  shed_priority_at_or_above: 5\n",
          "YAML reads the key `on:` as true: the field is `when:`"),
         ("degradation:\n  when: [full]\n  shed_priority_at_or_above: 5\n",

@@ -31,28 +31,16 @@ from load_tests.local_ray import free_port
 from serving.api.pipeline import Frontend
 from serving.api.protocol import ChatMessage
 from serving.cli.status import parse_metrics
-from serving.config import ServeConfig
 from serving.deployments import faults, kv_transfer
 from serving.deployments.messages import KVTransferStats, WorkerRequest, WorkerStats
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.params import SamplingParams
-from tests.helpers import wait_until
+from tests.helpers import TINY_KV_BYTES, tiny_app_config, wait_until
 
 pytestmark = pytest.mark.integration
 
-KV_BYTES = 16 * 2**20
 MAX_TOKENS = 24
-
-
-def app_config(model_dir, name: str, **overrides) -> ServeConfig:
-    small = {"num_cpus": 0.1, "num_threads": 1}
-    base = dict(
-        model=str(model_dir), served_model_name="tiny", dtype="float32", kv_cache_bytes=KV_BYTES,
-        app_name=name, prefill=small, decode=small, worker=small, ingress={"num_cpus": 0.05},
-    )
-    base.update(overrides)
-    return ServeConfig.model_validate(base)
 
 
 @pytest.fixture(scope="module")
@@ -78,17 +66,17 @@ def serve_instance(tmp_path_factory, tiny_model_dir):
     for fault in crash_faults:
         Path(fault["once"]).touch()  # disarmed
     configs = {
-        "disagg": app_config(tiny_model_dir, "disagg"),
-        "coloc": app_config(tiny_model_dir, "coloc", mode="colocated"),
-        "faults": app_config(tiny_model_dir, "faults", kv_transfer={"lease_s": 1.0, "timeout_s": 1e-9}),
-        "queue": app_config(
+        "disagg": tiny_app_config(tiny_model_dir, "disagg"),
+        "coloc": tiny_app_config(tiny_model_dir, "coloc", mode="colocated"),
+        "faults": tiny_app_config(tiny_model_dir, "faults", kv_transfer={"lease_s": 1.0, "timeout_s": 1e-9}),
+        "queue": tiny_app_config(
             tiny_model_dir, "queue", mode="colocated",
-            worker={"num_cpus": 0.1, "num_threads": 1, "max_ongoing_requests": 1, "max_queued_requests": 1},
+            worker={"num_cpus": 0.1, "max_ongoing_requests": 1, "max_queued_requests": 1},
         ),
     }
     for name, config in configs.items():
         serve.run(build_app(config), name=name, route_prefix=f"/{name}")
-    crash = app_config(tiny_model_dir, "crash")
+    crash = tiny_app_config(tiny_model_dir, "crash")
     with mock.patch.dict(os.environ, {faults.ENV: json.dumps(crash_faults)}):
         crash_app = build_app(crash)
     serve.run(crash_app, name="crash", route_prefix="/crash")
@@ -105,7 +93,7 @@ def serve_instance(tmp_path_factory, tiny_model_dir):
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     """The engine in this process, and the chat template applied the way the ingress does."""
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=KV_BYTES))
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=TINY_KV_BYTES))
     frontend = Frontend(engine.tokenizer, backend=None, model_name="tiny")
 
     def greedy(content: str, max_tokens: int = MAX_TOKENS, **params) -> tuple[list[int], str]:

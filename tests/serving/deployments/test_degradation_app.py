@@ -24,28 +24,18 @@ import pytest
 from load_tests.local_ray import free_port
 from serving.api.pipeline import Frontend
 from serving.api.protocol import ChatMessage
-from serving.config import ServeConfig
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.params import SamplingParams
-from tests.helpers import wait_until
+from tests.helpers import tiny_app_config, wait_until
 
 pytestmark = pytest.mark.integration
 
 KEY = "sk-degradation-integration"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+COLOCATED = {"mode": "colocated", "api_keys": [KEY]}  # each app: one Worker pool, behind the key
 MAX_TOKENS = 16
 DEGRADATION = {"fallback": {"app": "small", "model": "small"}, "shed_priority_at_or_above": 10, "retry_after_s": 7}
-
-
-def app_config(model_dir, name: str, **overrides) -> ServeConfig:
-    small = {"num_cpus": 0.1, "num_threads": 1}
-    base = dict(
-        model=str(model_dir), served_model_name="tiny", dtype="float32", kv_cache_bytes=16 * 2**20,
-        app_name=name, mode="colocated", worker=small, ingress={"num_cpus": 0.05}, api_keys=[KEY],
-    )
-    base.update(overrides)
-    return ServeConfig.model_validate(base)
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +49,12 @@ def serve_instance(tmp_path_factory, tiny_model_dir, tiny_fallback_model_dir):
     ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", _temp_dir=str(tmp_path_factory.mktemp("ray")))
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    worker = {"num_cpus": 0.1, "num_threads": 1}
+    worker = {"num_cpus": 0.1}
     configs = {
-        "small": app_config(tiny_fallback_model_dir, "small", served_model_name="small"),
-        "busy": app_config(tiny_model_dir, "busy", degradation=DEGRADATION,
+        "small": tiny_app_config(tiny_fallback_model_dir, "small", served_model_name="small", **COLOCATED),
+        "busy": tiny_app_config(tiny_model_dir, "busy", degradation=DEGRADATION, **COLOCATED,
                            worker={**worker, "max_ongoing_requests": 1, "max_queued_requests": 1}),
-        "dead": app_config(tiny_model_dir, "dead", degradation=DEGRADATION,
+        "dead": tiny_app_config(tiny_model_dir, "dead", degradation=DEGRADATION, **COLOCATED,
                            worker={**worker, "resources": {"kvrelay_nowhere": 0.01}}),
     }
     for name in ("small", "busy"):

@@ -25,24 +25,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from load_tests.local_ray import free_port
 from serving.api.pipeline import Frontend
 from serving.api.protocol import ChatMessage
-from serving.config import ServeConfig
 from serving.engine.config import EngineConfig
 from serving.engine.engine import EngineStats, LLMEngine
-from tests.helpers import REPO, require_tool, wait_until
+from tests.helpers import REPO, TINY_KV_BYTES, require_tool, tiny_app_config, wait_until
 
 pytestmark = pytest.mark.integration
 
 MAX_TOKENS = 6
-KV_BYTES = 16 * 2**20
 PROMETHEUS_HOW = "it comes with the Debian package `prometheus` (`make install` installs it where apt-get exists)"
-
-
-def app_config(model_dir, name: str, **overrides) -> ServeConfig:
-    small = {"num_cpus": 0.1, "num_threads": 1}
-    return ServeConfig.model_validate(dict(
-        model=str(model_dir), served_model_name="tiny", dtype="float32", kv_cache_bytes=KV_BYTES,
-        app_name=name, prefill=small, decode=small, ingress={"num_cpus": 0.05}, **overrides,
-    ))
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +51,8 @@ def cluster(tmp_path_factory, tiny_model_dir):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     apps = {
-        "m": app_config(tiny_model_dir, "metrics"),
-        "f": app_config(tiny_model_dir, "metricsfaults", kv_transfer={"lease_s": 1.0, "timeout_s": 1e-9}),
+        "m": tiny_app_config(tiny_model_dir, "metrics"),
+        "f": tiny_app_config(tiny_model_dir, "metricsfaults", kv_transfer={"lease_s": 1.0, "timeout_s": 1e-9}),
     }
     for prefix, config in apps.items():
         serve.run(build_app(config), name=config.app_name, route_prefix=f"/{prefix}")
@@ -80,7 +70,7 @@ def cluster(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def prompt_ids(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=KV_BYTES))
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=TINY_KV_BYTES))
     frontend = Frontend(engine.tokenizer, backend=None, model_name="tiny")
     return lambda content: frontend.encode_chat([ChatMessage(role="user", content=content)])
 

@@ -33,7 +33,7 @@ from serving.engine import EngineConfig
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.outputs import RequestMetrics
 from serving.observability import tracing
-from tests.helpers import wait_until
+from tests.helpers import tiny_app_config, wait_until
 
 MODEL = "tiny"
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -392,11 +392,7 @@ def traced_app(tmp_path_factory, tiny_model_dir):
     ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", _temp_dir=str(tmp_path_factory.mktemp("ray")))
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    small = {"num_cpus": 0.1, "num_threads": 1}
-    config = ServeConfig.model_validate(dict(
-        model=str(tiny_model_dir), served_model_name=MODEL, dtype="float32", kv_cache_bytes=16 * 2**20,
-        app_name="traced", prefill=small, decode=small, ingress={"num_cpus": 0.05},
-    ))
+    config = tiny_app_config(tiny_model_dir, "traced", served_model_name=MODEL)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
