@@ -146,7 +146,7 @@ def _group(role: str) -> dict:
 
 def values_schema() -> dict:
     serve = _model_schema(ServeConfig, exclude=CHART_OWNED_SERVE_FIELDS)
-    serve["description"] = ("The Serve app's ServeConfig fields (serving/config.py), as in deploy/local.yaml; "
+    serve["description"] = ("The Serve app's ServeConfig fields (serving/config/), as in deploy/local.yaml; "
                             f"the chart sets {', '.join(sorted(CHART_OWNED_SERVE_FIELDS))} itself.")
     policy = _model_schema(AutoscalingPolicyConfig)
     policy["description"] = "The autoscaling policy (router/autoscaling/policy.py), as in deploy/autoscaling/*.yaml."

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from fastapi import Request
     from fastapi.responses import Response
 
-    from serving.observability.metrics import IngressMetrics
+    from serving.observability.ingress_metrics import IngressMetrics
 
 __all__ = [
     "Reason",

@@ -50,8 +50,10 @@ async def read_json(request: Request, max_bytes: int) -> dict:
 
 
 def parse_body(model, body: dict):
+    """The request as `model`; a 400 naming the first bad field. Unknown top-level fields are
+    ignored, as OpenAI does, and named in a debug log line."""
     try:
-        return model.model_validate(body)
+        request = model.model_validate(body)
     except ValidationError as exc:
         err = exc.errors()[0]
         param = param_name(err["loc"])
@@ -59,6 +61,9 @@ def parse_body(model, body: dict):
         shown = "" if isinstance(value, (dict, list)) or err["type"] == "missing" else f" (got {value!r})"
         error = APIError(400, f"{param}: {err['msg']}{shown}", param=param, code="invalid_value")
         raise error from exc
+    if request.ignored_fields:
+        logger.debug("request fields ignored: %s", ", ".join(request.ignored_fields))
+    return request
 
 
 def param_name(loc: tuple) -> str:

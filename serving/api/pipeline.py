@@ -31,7 +31,7 @@ from serving.engine.errors import ContextLengthError, InvalidRequestError
 from serving.engine.outputs import RequestOutput, TokenLogprob
 from serving.engine.params import SamplingParams
 from serving.engine.stop_checker import StopChecker
-from serving.engine.validation import ModelInfo, validate_request
+from serving.engine.validation import ModelInfo, check_request
 from serving.observability.tracing import RequestTrace
 
 __all__ = ["GenerateRequest", "Backend", "ChoiceDelta", "Usage", "Frontend"]
@@ -107,15 +107,9 @@ class _Choice:
     """Text state of one choice at the ingress."""
 
     def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams):
-        self.detokenizer = IncrementalDetokenizer(
-            tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens
-        )
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
         # Only stop strings are checked here; stop tokens, EOS and length are the engine's.
-        text_params = SamplingParams(
-            stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
-            min_tokens=params.min_tokens, max_tokens=None,
-        )
-        self.checker = StopChecker(text_params, (), max_tokens=2**62)
+        self.checker = StopChecker.for_text(params)
         self.num_tokens = 0
         self.finished = False
 
@@ -163,11 +157,13 @@ class Frontend:
         return list(prompt)
 
     async def validate(self, prompt_ids: list[int], params: SamplingParams, *, prompt_param: str = "messages") -> None:
-        """`prompt_param` is the request field the prompt came from, named in errors about it
-        (the engine knows only token ids: it says "messages" or "prompt_token_ids")."""
+        """The request's one validation, against the workers' limits, before it is generated
+        (the sampling parameters were checked as they were built). `prompt_param` is the request
+        field the prompt came from, named in errors about it (the engine knows only token ids:
+        it says "messages" or "prompt_token_ids")."""
         info = await self.model_info()
         try:
-            validate_request(
+            check_request(
                 prompt_ids, [], params, hold_kv=False, kv_payload=None, vocab_size=info.vocab_size,
                 max_model_len=info.max_model_len, kv_layout=None,
             )
@@ -194,8 +190,9 @@ class Frontend:
         session: str | None = None,
         trace: RequestTrace | None = None,
     ) -> AsyncIterator[ChoiceDelta]:
-        """Validate, run and detokenize one prompt; `usage` is filled in as tokens arrive."""
-        await self.validate(prompt_ids, params)
+        """Run and detokenize one prompt that `validate` passed; `usage` is filled in as tokens
+        arrive. The workers get the parameters without what the ingress does itself (stop
+        strings, detokenizing): their one change of shape."""
         usage.prompt_tokens += len(prompt_ids)
         worker_params = replace(params, stop=[], include_stop_str_in_output=False, detokenize=False)
         info = await self.model_info()

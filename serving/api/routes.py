@@ -46,7 +46,7 @@ from serving.api.usage import ANONYMOUS, ModelPrice, RequestAccount, UsageLedger
 from serving.config import ServeConfig
 from serving.engine.outputs import TokenLogprob
 from serving.observability import tracing
-from serving.observability.metrics import CLIENT_CLOSED, IngressMetrics, RequestRecord
+from serving.observability.ingress_metrics import CLIENT_CLOSED, IngressMetrics, RequestRecord
 
 __all__ = ["OpenAIServer"]
 

@@ -1,4 +1,4 @@
-"""Pinning a worker replica's process to cores (a pool's `cpu_affinity`, serving/config.py).
+"""Pinning a worker replica's process to cores (a pool's `cpu_affinity`, serving/config/).
 
 On a small machine, a prefill replica and a decode replica that float over the same cores slow
 each other down as much as a colocated engine would: the point of disaggregation is lost. Pinning

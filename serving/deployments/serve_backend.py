@@ -80,7 +80,6 @@ class ServeBackend:
         self._status_time = 0.0
         self._status_lock = asyncio.Lock()
         self._refresh_task: asyncio.Task | None = None
-        self.num_resumed = 0
         self.on_recovery = on_recovery  # (kind) for each request that survived a replica's death
         self.kv = KVHandoff(config.app_name, config.kv_transfer)
         self._caller = this_actor()  # named in each request: workers abort it if we die
@@ -185,7 +184,6 @@ class ServeBackend:
                 if attempt + 1 == attempts:
                     raise NoWorkerError(pool, f"the replica serving this request died ({type(exc).__name__})") from exc
                 logger.warning("%s replica died mid-stream for %s; resuming from %d tokens", pool, request.request_id, len(prior) + len(generated))
-                self.num_resumed += 1
                 self._recovered("decode_resumed")
                 kv = None  # the KV was claimed by the dead replica; recompute from the tokens
             finally:

@@ -20,7 +20,7 @@ import logging
 from collections import OrderedDict
 
 from serving.engine.block_hash import ROOT_HASH, hash_blocks
-from serving.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from serving.engine.kv_events import BlockRemoved, BlockStored, KVEvent
 from serving.engine.request import Sequence
 
 __all__ = ["Block", "BlockManager"]
@@ -64,17 +64,9 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
-
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events
-
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """New blocks `seq` needs to hold `num_tokens` tokens in total."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_ids))
 
     # ---- prefix cache -------------------------------------------------------------------------
     def update_hashes(self, seq: Sequence) -> None:
@@ -209,12 +201,4 @@ class BlockManager:
         seq.block_ids = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (blocks in use keep their data)."""
-        for block in self.blocks:
-            block.block_hash = None
-            block.token_ids = None
-        self._cached.clear()
-        self._events.append(AllBlocksCleared())
 

@@ -104,16 +104,8 @@ def _tokenizer_facts(tokenizer: Any) -> _TokenizerFacts:
 class IncrementalDetokenizer:
     """Streams the text of one sequence's output tokens; see the module docstring."""
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        prompt_token_ids: list[int],
-        *,
-        skip_special_tokens: bool = True,
-    ):
-        # `prompt_token_ids` is accepted for interface parity with engines that decode with
-        # prompt context; the module docstring says why it is not part of the window.
-        del prompt_token_ids
+    def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True):
+        # No prompt context: the module docstring says why the prompt is not part of the window.
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         facts = _tokenizer_facts(tokenizer)

@@ -40,7 +40,7 @@ from serving.engine.request import RequestStatus, Sequence
 from serving.engine.sampler import Sampler, SamplingRow
 from serving.engine.scheduler import Scheduler
 from serving.engine.stop_checker import StopChecker
-from serving.engine.validation import validate_request
+from serving.engine.validation import check_request
 
 __all__ = ["LLMEngine", "EngineStats"]
 
@@ -73,7 +73,7 @@ class EngineStats:
 @dataclass
 class _SeqState:
     seq: Sequence
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: the caller detokenizes (params.detokenize False)
     stop_checker: StopChecker
     finish_reason: str | None = None
 
@@ -207,7 +207,7 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer(prompt).input_ids
         prompt_token_ids = list(prompt_token_ids)
         prior = list(prior_output_token_ids or [])
-        validate_request(
+        check_request(
             prompt_token_ids, prior, params, hold_kv=hold_kv, kv_payload=kv_payload,
             vocab_size=self.vocab_size, max_model_len=self.max_model_len, kv_layout=self.kv_layout,
         )
@@ -225,16 +225,10 @@ class LLMEngine:
             )
             for token_id in prior:
                 seq.append_token(token_id)
-            states.append(
-                _SeqState(
-                    seq,
-                    IncrementalDetokenizer(
-                        self.tokenizer, prompt_token_ids + prior,
-                        skip_special_tokens=params.skip_special_tokens,
-                    ),
-                    StopChecker(params, self.eos_token_ids, max_tokens),
-                )
-            )
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+            ) if params.detokenize else None
+            states.append(_SeqState(seq, detokenizer, StopChecker.for_params(params, self.eos_token_ids, max_tokens)))
         request = _Request(request_id, states, num_prompt, arrival)
         first = states[0].seq
         first.pending_import = kv_payload
@@ -392,13 +386,13 @@ class LLMEngine:
         self.num_generated_tokens += 1
         if seq.index == 0 and request.waiting_children:
             self._fork_children(seq, request)
-        text = state.detokenizer.step([token_id]) if seq.params.detokenize else ""
+        text = state.detokenizer.step([token_id]) if state.detokenizer is not None else ""
         result = state.stop_checker.check(token_id, text, seq.num_output_tokens)
         delta = CompletionOutput(seq.index, result.text, [token_id], [logprob] if logprob else None)
         if result.finish_reason is None and seq.num_tokens >= self.max_model_len:
             result.finish_reason = "length"
         if result.finish_reason is not None:
-            if not isinstance(result.stop_reason, str) and seq.params.detokenize:
+            if not isinstance(result.stop_reason, str) and state.detokenizer is not None:
                 # Not cut by a stop string: release what was held back for a possible match.
                 delta.text += state.stop_checker.flush() + state.detokenizer.flush()
             delta.finish_reason = result.finish_reason

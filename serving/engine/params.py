@@ -1,4 +1,11 @@
-"""Per-request sampling and stopping parameters, validated before anything is scheduled."""
+"""Per-request sampling and stopping parameters, valid by construction.
+
+A SamplingParams that exists has every field in range: `__post_init__` checks them (raising
+InvalidRequestError that names the field), so the ingress, which builds one from the wire request,
+validates them once, and no later layer checks them again (a copy made with `replace` is checked
+as it is made; one unpickled on a worker is the ingress's, already checked). What depends on the
+model (token ids within its vocabulary) is `check_vocab`, which the engine's invariant checks run.
+"""
 
 from __future__ import annotations
 
@@ -52,6 +59,7 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._check_ranges()
 
     @property
     def is_greedy(self) -> bool:
@@ -65,7 +73,7 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
-    def validate(self, *, vocab_size: int) -> None:
+    def _check_ranges(self) -> None:
         """Raise InvalidRequestError naming the first bad field and its allowed range."""
         _check_int("n", self.n, lo=1, hi=128)
         if self.max_tokens is not None:
@@ -87,28 +95,24 @@ class SamplingParams:
             _check_int("seed", self.seed, lo=-(2**63), hi=2**63 - 1)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_TOP_LOGPROBS)
-        if self.logit_bias:
-            for token_id, bias in self.logit_bias.items():
-                if not 0 <= token_id < vocab_size:
-                    raise InvalidRequestError(
-                        "logit_bias",
-                        f"token id {token_id} is not in the vocabulary (0..{vocab_size - 1})",
-                    )
-                if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
-                    raise InvalidRequestError(
-                        "logit_bias", f"bias for token {token_id} must be in [-100, 100], got {bias}"
-                    )
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise InvalidRequestError("logit_bias", f"bias for token {token_id} must be in [-100, 100], got {bias}")
         for token_id in self.stop_token_ids:
-            if not (isinstance(token_id, int) and 0 <= token_id < vocab_size):
-                raise InvalidRequestError(
-                    "stop_token_ids",
-                    f"token id {token_id} is not in the vocabulary (0..{vocab_size - 1})",
-                )
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise InvalidRequestError("stop_token_ids", f"token ids are integers, got {token_id!r}")
         if len(self.stop) > 16:
             raise InvalidRequestError("stop", f"at most 16 stop strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop", "stop strings must be non-empty strings")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError for a token id (logit_bias, stop_token_ids) outside the vocabulary."""
+        for name, token_ids in (("logit_bias", self.logit_bias or {}), ("stop_token_ids", self.stop_token_ids)):
+            for token_id in token_ids:
+                if not 0 <= token_id < vocab_size:
+                    raise InvalidRequestError(name, f"token id {token_id} is not in the vocabulary (0..{vocab_size - 1})")
 
 
 def _check_int(name: str, value: object, *, lo: int | None = None, hi: int | None = None) -> None:

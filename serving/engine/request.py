@@ -65,7 +65,6 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # hashes of full blocks, in order
     num_committed_blocks: int = 0  # leading blocks whose KV is computed and registered by hash
     num_preemptions: int = 0
-    stop_reason: str | int | None = None
     pending_import: KVPayload | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -39,10 +39,6 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     kv_imports: list[Sequence] = field(default_factory=list)  # write seq.pending_import first
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
 
 class Scheduler:
     def __init__(
@@ -62,10 +58,6 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []  # sorted by sort_key
         self.num_preemptions = 0
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     def add(self, seq: Sequence) -> None:
         seq.status = RequestStatus.WAITING if seq.num_preemptions == 0 else RequestStatus.PREEMPTED

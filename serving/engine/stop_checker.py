@@ -26,6 +26,10 @@ A match found later always starts inside the held suffix, so cutting there never
 released text. Holding is done even before `min_tokens`, so a match that straddles the
 `min_tokens` boundary is also safe.
 
+Two configurations of one class: the engine's (`for_params`: stop tokens, EOS, length, and the
+stop strings when it detokenizes) and the ingress's (`for_text`: stop strings only, on the text it
+detokenizes itself; the token rules stay the engine's, whose finish it receives).
+
 Use, with an `IncrementalDetokenizer` per sequence:
 
     delta = detokenizer.step([token_id])
@@ -64,12 +68,16 @@ class StopResult:
 class StopChecker:
     """Stop-token, stop-string and length checks for one sequence; see the module docstring."""
 
-    def __init__(self, params: SamplingParams, eos_token_ids: tuple[int, ...], max_tokens: int):
-        self._stop_strings = tuple(params.stop)
-        self._stop_token_ids = frozenset(params.stop_token_ids)
-        self._eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)
-        self._include_stop_str = params.include_stop_str_in_output
-        self._min_tokens = params.min_tokens
+    def __init__(
+        self, *, stop_strings: tuple[str, ...] = (), stop_token_ids: frozenset[int] = frozenset(),
+        eos_token_ids: frozenset[int] = frozenset(), include_stop_str: bool = False, min_tokens: int = 0,
+        max_tokens: int | None = None,
+    ):
+        self._stop_strings = stop_strings
+        self._stop_token_ids = stop_token_ids
+        self._eos_token_ids = eos_token_ids
+        self._include_stop_str = include_stop_str
+        self._min_tokens = min_tokens
         self._max_tokens = max_tokens
         # Only the unreleased text is kept for matching: a later match always starts inside
         # the held suffix (module docstring), never in released text.
@@ -77,6 +85,21 @@ class StopChecker:
         self._held = ""
         self._finish_reason: str | None = None
         self._is_flushed = False
+
+    @classmethod
+    def for_params(cls, params: SamplingParams, eos_token_ids: tuple[int, ...], max_tokens: int) -> StopChecker:
+        """The engine's: every rule, stop strings only when it detokenizes (it has no text otherwise)."""
+        return cls(
+            stop_strings=tuple(params.stop) if params.detokenize else (), stop_token_ids=frozenset(params.stop_token_ids),
+            eos_token_ids=frozenset(() if params.ignore_eos else eos_token_ids),
+            include_stop_str=params.include_stop_str_in_output, min_tokens=params.min_tokens, max_tokens=max_tokens,
+        )
+
+    @classmethod
+    def for_text(cls, params: SamplingParams) -> StopChecker:
+        """The ingress's: stop strings only, on text it detokenizes from the engine's tokens."""
+        return cls(stop_strings=tuple(params.stop), include_stop_str=params.include_stop_str_in_output,
+                   min_tokens=params.min_tokens)
 
     @property
     def text(self) -> str:
@@ -118,7 +141,7 @@ class StopChecker:
                 end = start + len(stop) if self._include_stop_str else start
                 return self._finish("stop", stop, unreleased[:end])
 
-        if num_output_tokens >= self._max_tokens:
+        if self._max_tokens is not None and num_output_tokens >= self._max_tokens:
             return self._finish("length", None, unreleased)
 
         num_held_chars = self._num_held_chars(unreleased)

@@ -1,5 +1,10 @@
-"""Request validation: every check that must pass before anything is scheduled, and ModelInfo,
-the limits a request is validated against (what the ingress must know of the workers' engines)."""
+"""The checks a request must pass before anything is scheduled, and ModelInfo, the limits they
+check against (what the ingress must know of the workers' engines).
+
+The ingress runs `check_request` once per request with the workers' ModelInfo, naming the
+client's fields; each engine runs it again on what it receives, as its invariants: cheap checks
+(lengths, token ids within its vocabulary, a KV payload that fits) without which it would fail
+or corrupt its cache. Sampling parameters are valid by construction (params.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from serving.engine.errors import ContextLengthError, InvalidRequestError
 from serving.engine.kv_payload import KVLayout, KVPayload
 from serving.engine.params import SamplingParams
 
-__all__ = ["ModelInfo", "validate_request"]
+__all__ = ["ModelInfo", "check_request"]
 
 
 @dataclass(frozen=True)
@@ -28,7 +33,7 @@ class ModelInfo:
                    eos_token_ids=tuple(engine.eos_token_ids), block_size=engine.config.block_size)
 
 
-def validate_request(
+def check_request(
     prompt: list[int],
     prior: list[int],
     params: SamplingParams,
@@ -47,7 +52,7 @@ def validate_request(
         raise InvalidRequestError(
             "prompt_token_ids", f"token id {bad[0]!r} is not in the vocabulary (0..{vocab_size - 1})"
         )
-    params.validate(vocab_size=vocab_size)
+    params.check_vocab(vocab_size)
     num_tokens = len(prompt) + len(prior)
     if num_tokens >= max_model_len:
         raise ContextLengthError(

@@ -25,7 +25,8 @@ from typing import Protocol
 
 from prometheus_client.core import Metric
 
-from serving.observability.metrics import BY_NAME, POOL_OF_DEPLOYMENT, IngressMetrics, live_routers
+from serving.observability.ingress_metrics import IngressMetrics
+from serving.observability.metrics import BY_NAME, POOL_OF_DEPLOYMENT, live_routers
 
 __all__ = ["RoutersCollector", "PoolView", "serve_pool_status", "export_serve_pools"]
 

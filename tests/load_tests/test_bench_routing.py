@@ -16,7 +16,8 @@ from load_tests.routing_metrics import PolicyRun, RequestRecord, percentile
 from load_tests.routing_sim import BlockCache, CostModel, SimConfig, oracle_hit_tokens, simulate
 from load_tests.routing_workload import Workload, WorkloadRequest, WorkloadSpec, make_workload
 from router.char_prefix_tree import token_text
-from serving.cli.dispatch import build_parser, main
+from serving.cli.dispatch import main
+from serving.cli.parser import build_parser
 from serving.engine.block_hash import hash_blocks
 from tests.helpers import REPO as REPO_ROOT
 

@@ -26,7 +26,7 @@ from load_tests.bench_scenario import (
 from load_tests.bench_serve import RateRun, build_specs
 from load_tests.serve_client import RequestRecord
 from load_tests.serve_load import schedule
-from serving.cli.dispatch import build_parser
+from serving.cli.parser import build_parser
 from tests.helpers import REPO as REPO_ROOT
 
 

@@ -32,7 +32,7 @@ from load_tests.serve_datasets import (
 from load_tests.serve_load import run_load, schedule
 from load_tests.serve_metrics import parse_slo, percentile, stats_ms, summarize_records
 from load_tests.serve_params import params_from_args
-from serving.cli.dispatch import build_parser
+from serving.cli.parser import build_parser
 from tests.helpers import REPO as REPO_ROOT
 from tests.helpers import free_port
 

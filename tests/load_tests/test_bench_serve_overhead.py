@@ -22,7 +22,7 @@ from load_tests.bench_serve_overhead import (
     timing_from_sse,
 )
 from load_tests.kv_transfer_timing import KVTransferResult
-from serving.cli.dispatch import build_parser
+from serving.cli.parser import build_parser
 from tests.helpers import REPO as REPO_ROOT
 
 # Figures chosen to be exact in binary floating point.

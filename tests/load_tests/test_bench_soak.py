@@ -24,7 +24,7 @@ from load_tests.soak_monitor import RssSample, rss_growth
 from load_tests.soak_params import params_from_args
 from load_tests.soak_report import Bounds, EndState, format_report, summarize
 from load_tests.soak_workload import AbortPoint, SoakRequest, WorkloadMix, build_workload
-from serving.cli.dispatch import build_parser
+from serving.cli.parser import build_parser
 from tests.helpers import REPO as REPO_ROOT
 
 
@@ -314,7 +314,7 @@ def test_replica_names_parse_for_this_app_only():
 
 
 def test_cli_parses_bench_soak_without_importing_ray():
-    code = ("import sys; from serving.cli.dispatch import build_parser; "
+    code = ("import sys; from serving.cli.parser import build_parser; "
             "build_parser().parse_args(['bench', 'soak', '--chaos']); print('ray' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
     assert out.stdout.split() == ["False", "False"]

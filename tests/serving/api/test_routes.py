@@ -832,12 +832,16 @@ async def test_a_body_over_the_limit_is_a_413(stack):
 
 
 @pytest.mark.asyncio
-async def test_unknown_fields_are_accepted_and_ignored(stack):
+async def test_unknown_fields_are_accepted_and_ignored(stack, caplog):
     plain = await chat(stack.app, temperature=0, max_tokens=5)
 
-    extra = await chat(stack.app, temperature=0, max_tokens=5, foo=1, service_tier="auto", metadata={"a": "b"})
+    with caplog.at_level(logging.DEBUG, logger="serving.api.http_io"):
+        extra = await chat(stack.app, temperature=0, max_tokens=5, foo=1, service_tier="auto", metadata={"a": "b"})
 
     assert extra["choices"] == plain["choices"] and extra["usage"] == plain["usage"]
+    assert [r.getMessage() for r in caplog.records if r.name == "serving.api.http_io"] == [
+        "request fields ignored: foo, metadata, service_tier",
+    ]
 
 
 @pytest.mark.asyncio

