@@ -97,7 +97,7 @@ def _read_on_replica(replica_actor) -> dict:
     if block_manager is not None:
         # Read off the step thread: exact while the engine is idle, which is when the soak reads it.
         out["live_num_free_blocks"] = block_manager.num_free_blocks
-        out["live_num_held_exports"] = len(getattr(engine, "_held", ()))
+        out["live_num_held_exports"] = len(engine.held_kv)
     out["is_engine_alive"] = bool(getattr(worker.engine, "is_alive", True))
     return out
 

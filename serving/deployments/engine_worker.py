@@ -40,10 +40,9 @@ from serving.deployments.kv_transfer import ACTOR_ERRORS
 from serving.deployments.messages import KVHandle, PrefillResult, WorkerError, WorkerRequest, WorkerStats
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.config import EngineConfig
-from serving.engine.engine import EngineStats
 from serving.engine.errors import EngineError
 from serving.engine.kv_payload import KVPayload
-from serving.engine.outputs import RequestOutput
+from serving.engine.outputs import EngineStats, RequestOutput
 from serving.engine.validation import ModelInfo
 from serving.observability import tracing
 from serving.observability.worker_metrics import RequestLatencies, WorkerRecorder

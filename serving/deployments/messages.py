@@ -13,7 +13,7 @@
 Defined here: what only the deployments send. Defined in a lower layer, because that layer builds
 or reads them and may not import this one, and named here so this list is complete:
 
-    SamplingParams, RequestOutput, KVPayload, ModelInfo, EngineStats   serving/engine
+    SamplingParams, RequestOutput, EngineStats, KVPayload, ModelInfo   serving/engine
     WorkerCounters                                                   serving/observability/worker_metrics.py
     RoutingStats                                                     router/replica_stats.py
     ReplicaSignals                                                   router/autoscaling/decide.py
@@ -36,10 +36,9 @@ from router.autoscaling.decide import ReplicaSignals
 from router.replica_stats import RoutingStats
 from serving.api.forwarding import ForwardedRequest, ResponseStart
 from serving.api.pipeline import GenerateRequest
-from serving.engine.engine import EngineStats
 from serving.engine.errors import ContextLengthError, EngineDeadError, InvalidRequestError, RequestFailedError
 from serving.engine.kv_payload import KVPayload
-from serving.engine.outputs import RequestOutput
+from serving.engine.outputs import EngineStats, RequestOutput
 from serving.engine.params import SamplingParams
 from serving.engine.validation import ModelInfo
 from serving.observability.worker_metrics import WorkerCounters

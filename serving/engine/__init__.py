@@ -1,7 +1,7 @@
 """kvrelay's inference engine: paged KV cache, continuous batching, prefix caching, sampling."""
 
 from serving.engine.config import EngineConfig
-from serving.engine.engine import EngineStats, LLMEngine
+from serving.engine.engine import LLMEngine
 from serving.engine.errors import (
     ContextLengthError,
     EngineDeadError,
@@ -11,7 +11,7 @@ from serving.engine.errors import (
     RequestFailedError,
 )
 from serving.engine.kv_payload import KVLayout, KVPayload
-from serving.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from serving.engine.outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
 from serving.engine.params import SamplingParams
 
 __all__ = [

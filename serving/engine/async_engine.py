@@ -29,11 +29,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from serving.engine.config import EngineConfig
-from serving.engine.engine import EngineStats, LLMEngine
+from serving.engine.engine import LLMEngine
 from serving.engine.errors import EngineDeadError
 from serving.engine.kv_events import KVEvent
 from serving.engine.kv_payload import KVPayload
-from serving.engine.outputs import RequestOutput
+from serving.engine.outputs import EngineStats, RequestOutput
 
 __all__ = ["AsyncEngine"]
 
@@ -106,7 +106,7 @@ class AsyncEngine:
         when the prompt finished, so it is handed over at once, not after the step now running
         (on a prefill worker, a long prompt's chunk: hundreds of ms); releasing the blocks is
         queued like an abort."""
-        payload = self.engine.take_ready_export(request_id)
+        payload = self.engine.held_kv.take_ready(request_id)
         if payload is None:
             return await self._call(lambda engine: engine.export_kv(request_id, release=release))
         if release:

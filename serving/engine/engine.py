@@ -24,50 +24,26 @@ import torch
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
-from serving.engine.cpu_kernels import KernelPath, KernelStatus, kernel_status
 from serving.engine.detokenizer import IncrementalDetokenizer
-from serving.engine.dtype_choice import choose_dtype
 from serving.engine.errors import InvalidRequestError, RequestFailedError
-from serving.engine.kv_cache import KVCache, available_memory_bytes, kv_bytes_per_token
+from serving.engine.held_kv import HeldKV
 from serving.engine.kv_events import KVEvent
 from serving.engine.kv_payload import KVLayout, KVPayload
-from serving.engine.model import LlamaModel
-from serving.engine.model_loader import load_model_spec, load_state_dict, load_tokenizer, resolve_model_dir
 from serving.engine.model_runner import ModelRunner
-from serving.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob, merge_outputs
+from serving.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob, merge_outputs
 from serving.engine.params import SamplingParams
 from serving.engine.request import RequestStatus, Sequence
 from serving.engine.sampler import Sampler, SamplingRow
 from serving.engine.scheduler import Scheduler
+from serving.engine.setup import build_parts
 from serving.engine.stop_checker import StopChecker
 from serving.engine.validation import check_request
 
-__all__ = ["LLMEngine", "EngineStats"]
+__all__ = ["LLMEngine"]
 
 logger = logging.getLogger(__name__)
 
 _MIN_RATE_TOKENS = 32  # steps with fewer prefill tokens say more about overhead than about rate
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_blocks: int
-    num_free_blocks: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_query_tokens: int
-    prefix_cache_hit_tokens: int
-    num_computed_tokens: int  # every token run through the model
-    num_generated_tokens: int
-    num_held_exports: int
-    num_queued_prefill_tokens: int = 0  # prompt tokens of waiting and running sequences not yet computed
-    prefill_tokens_per_s: float = 0.0  # measured over recent steps that ran prefill (EMA); 0 before any
-    dtype: str = ""  # the dtype that runs (config "auto" resolved) and why: dtype_choice.DtypeChoice
-    dtype_reason: str = ""
-    kernel_path: str = ""  # "native" or "pytorch" (cpu_kernels.KernelPath)
-    kernel_reason: str = ""  # why that path (cpu_kernels.KernelStatus.reason)
 
 
 @dataclass
@@ -93,60 +69,11 @@ class _Request:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None):
-        config = config or EngineConfig()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.device = torch.device(config.device)
-
-        model_dir = resolve_model_dir(config.model)
-        self.spec = load_model_spec(model_dir)
-        self.tokenizer = load_tokenizer(model_dir)
-        # `auto` is measured here, on the threads set above; from now on the config names the
-        # dtype that runs, which is also what the KV layout and the stats report.
-        self.dtype_choice = choose_dtype(config.dtype, self.device, hidden_size=self.spec.hidden_size)
-        config = config.model_copy(update={"dtype": self.dtype_choice.dtype})
-        self.config = config
-        dtype = config.torch_dtype
-        # Before the model: its weight layout follows the kernel path (model.py).
-        self.kernels = (
-            kernel_status() if self.device.type == "cpu"
-            else KernelStatus(KernelPath.PYTORCH, f"the native kernels are CPU-only; the device is {self.device}")
-        )
-        t0 = time.monotonic()
-        self.model = LlamaModel(self.spec, load_state_dict(model_dir), dtype=dtype, device=self.device)
-        logger.info(
-            "loaded %s (%s, %d layers) in %.2fs; dtype: %s; kernels: %s", config.model, self.spec.architecture,
-            self.spec.num_layers, time.monotonic() - t0, self.dtype_choice, self.kernels,
-        )
-
-        spec = self.spec
-        bytes_per_token = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)
-        budget = config.kv_cache_bytes or int(
-            available_memory_bytes(self.device) * config.kv_cache_memory_fraction
-        )
-        num_blocks = budget // (bytes_per_token * config.block_size)
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_bytes={budget} holds no block: one block of {config.block_size} tokens "
-                f"needs {bytes_per_token * config.block_size} bytes"
-            )
-        self.kv_cache = KVCache(
-            num_layers=spec.num_layers, num_blocks=num_blocks, block_size=config.block_size,
-            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype, device=self.device,
-        )
-        capacity = num_blocks * config.block_size
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %d bytes/token, %.1f MiB",
-            num_blocks, config.block_size, capacity, bytes_per_token, self.kv_cache.num_bytes / 2**20,
-        )
-        self.bytes_per_token = bytes_per_token
-        self.max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-        if capacity < self.max_model_len:
-            logger.warning(
-                "KV cache holds %d tokens, less than the context window %d: capping it",
-                capacity, self.max_model_len,
-            )
-            self.max_model_len = capacity
+        parts = build_parts(config or EngineConfig())  # model, dtype, kernels, KV cache (setup.py)
+        self.config, self.device, self.spec, self.tokenizer = parts.config, parts.device, parts.spec, parts.tokenizer
+        self.dtype_choice, self.kernels, self.model, self.kv_cache = parts.dtype_choice, parts.kernels, parts.model, parts.kv_cache
+        self.bytes_per_token, self.max_model_len = parts.bytes_per_token, parts.max_model_len
+        config, spec, num_blocks = self.config, self.spec, self.kv_cache.num_blocks
 
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
@@ -166,10 +93,7 @@ class LLMEngine:
             spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, config.dtype
         )
         self._requests: dict[str, _Request] = {}
-        self._held: dict[str, Sequence] = {}  # finished with hold_kv, blocks kept for export
-        # Their payloads, read out on the step thread the moment the prompt finished, so that
-        # `take_ready_export` hands one over without waiting behind the next step.
-        self._ready_exports: dict[str, KVPayload] = {}
+        self.held_kv = HeldKV(self.block_manager, self.kv_cache, self.kv_layout)  # hold_kv requests' KV
         self._pending_outputs: list[RequestOutput] = []
         self._failures: list[RequestFailedError] = []  # requests a step ended on their own error
         self.num_computed_tokens = 0
@@ -199,7 +123,7 @@ class LLMEngine:
         generated there (they count towards max_tokens and are not emitted again).
         """
         params = params or SamplingParams()
-        if request_id in self._requests or request_id in self._held:
+        if request_id in self._requests or request_id in self.held_kv:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         if prompt_token_ids is None:
             if prompt is None:
@@ -241,13 +165,10 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; its final output says finish_reason 'abort'."""
-        held = self._held.pop(request_id, None)
-        self._ready_exports.pop(request_id, None)
-        if held is not None:
-            self.block_manager.free(held)
+        was_held = self.held_kv.release(request_id)
         request = self._requests.get(request_id)
         if request is None:
-            return held is not None
+            return was_held
         outputs = []
         for state in request.seqs:
             if state.finish_reason is None:
@@ -278,7 +199,7 @@ class LLMEngine:
                 state.finish_reason = "error"
                 seq.status = RequestStatus.FINISHED_ABORTED
                 self.scheduler.remove(seq)
-            if seq.block_ids and self._held.get(request_id) is not seq:
+            if seq.block_ids and not self.held_kv.holds(seq):
                 self.block_manager.free(seq)
         request.waiting_children.clear()
         self.release_kv(request_id)
@@ -344,28 +265,11 @@ class LLMEngine:
         return outputs
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int | None, TokenLogprob | None]]:
-        """One (token, logprob) per row. If the batch fails, each row is sampled alone to find
-        the rows at fault: those requests fail, the others get their tokens. When every row of a
-        batch fails alone as well, no request is at fault (the logits are) and it raises."""
-        rows = [self._sampling_row(s) for s in seqs]
-        try:
-            sampled = self.sampler(logits, rows)
-            return list(zip(sampled.token_ids, sampled.logprobs))
-        except Exception as batch_error:
-            results: list[tuple[int | None, TokenLogprob | None]] = []
-            errors: list[tuple[Sequence, Exception]] = []
-            for i, (seq, row) in enumerate(zip(seqs, rows)):
-                try:
-                    one = self.sampler(logits[i : i + 1], [row])
-                    results.append((one.token_ids[0], one.logprobs[0]))
-                except Exception as exc:
-                    errors.append((seq, exc))
-                    results.append((None, None))
-            if len(seqs) > 1 and len(errors) == len(seqs):
-                raise batch_error
-            for seq, exc in errors:
-                self._fail_request(seq.request_id, "sampling", exc)
-            return results
+        """One (token, logprob) per row; a row at fault fails its request alone (Sampler.sample_each)."""
+        results, failures = self.sampler.sample_each(logits, [self._sampling_row(s) for s in seqs])
+        for failure in failures:
+            self._fail_request(seqs[failure.row].request_id, "sampling", failure.error)
+        return results
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.params
@@ -413,8 +317,7 @@ class LLMEngine:
         seq.status = status
         self.scheduler.remove(seq)
         if seq.hold_kv:
-            self._held[seq.request_id] = seq
-            self._ready_exports[seq.request_id] = self._payload(seq)
+            self.held_kv.hold(seq)
         else:
             self.block_manager.free(seq)
 
@@ -435,40 +338,17 @@ class LLMEngine:
             ),
         )
 
-    # ---- KV export / import ------------------------------------------------------------------
+    # ---- KV export / import (held_kv.py) ----------------------------------------------------
     def export_kv(self, request_id: str, *, release: bool = True) -> KVPayload:
         """The computed KV of a finished `hold_kv` request, as one contiguous payload."""
-        seq = self._held.get(request_id)
-        if seq is None:
-            raise KeyError(f"no held KV for request {request_id!r} (add it with hold_kv=True)")
-        payload = self._ready_exports.pop(request_id, None) or self._payload(seq)
-        if release:
-            self.release_kv(request_id)
-        return payload
+        return self.held_kv.export(request_id, release=release)
 
-    def take_ready_export(self, request_id: str) -> KVPayload | None:
-        """The payload of a finished `hold_kv` request, built when it finished; None if there is
-        none. Safe from any thread (one dict pop); the blocks stay held until `release_kv`."""
-        return self._ready_exports.pop(request_id, None)
-
-    def _payload(self, seq: Sequence) -> KVPayload:
-        request_id = seq.request_id
-        num_tokens = seq.num_computed_tokens
-        num_blocks = -(-num_tokens // self.block_manager.block_size)
-        kv = self.kv_cache.read_blocks(seq.block_ids[:num_blocks])
-        return KVPayload(request_id=request_id, token_ids=seq.token_ids[:num_tokens], layout=self.kv_layout, kv=kv)
+    def release_kv(self, request_id: str) -> bool:
+        return self.held_kv.release(request_id)
 
     def kv_payload_bytes(self, num_tokens: int) -> int:
         """The size of the KV payload of `num_tokens` tokens (whole blocks), as export_kv makes it."""
         return -(-num_tokens // self.config.block_size) * self.config.block_size * self.bytes_per_token
-
-    def release_kv(self, request_id: str) -> bool:
-        self._ready_exports.pop(request_id, None)
-        seq = self._held.pop(request_id, None)
-        if seq is None:
-            return False
-        self.block_manager.free(seq)
-        return True
 
     def _write_import(self, seq: Sequence) -> None:
         payload = seq.pending_import
@@ -493,7 +373,7 @@ class LLMEngine:
             prefix_cache_hit_tokens=bm.num_prefix_hit_tokens,
             num_computed_tokens=self.num_computed_tokens,
             num_generated_tokens=self.num_generated_tokens,
-            num_held_exports=len(self._held),
+            num_held_exports=len(self.held_kv),
             num_queued_prefill_tokens=sum(
                 max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
                 for seq in (*self.scheduler.waiting, *self.scheduler.running)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["TokenLogprob", "CompletionOutput", "RequestOutput", "RequestMetrics", "merge_outputs"]
+__all__ = ["TokenLogprob", "CompletionOutput", "RequestOutput", "RequestMetrics", "EngineStats", "merge_outputs"]
 
 
 @dataclass
@@ -76,3 +76,26 @@ def merge_outputs(acc: RequestOutput | None, new: RequestOutput) -> RequestOutpu
     acc.metrics = new.metrics
     acc.num_cached_tokens = new.num_cached_tokens
     return acc
+
+
+@dataclass
+class EngineStats:
+    """An engine's figures now (LLMEngine.stats): its queues, KV blocks, counters, and what runs."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    num_computed_tokens: int  # every token run through the model
+    num_generated_tokens: int
+    num_held_exports: int
+    num_queued_prefill_tokens: int = 0  # prompt tokens of waiting and running sequences not yet computed
+    prefill_tokens_per_s: float = 0.0  # measured over recent steps that ran prefill (EMA); 0 before any
+    dtype: str = ""  # the dtype that runs (config "auto" resolved) and why: dtype_choice.DtypeChoice
+    dtype_reason: str = ""
+    kernel_path: str = ""  # "native" or "pytorch" (cpu_kernels.KernelPath)
+    kernel_reason: str = ""  # why that path (cpu_kernels.KernelStatus.reason)

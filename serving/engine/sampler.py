@@ -63,6 +63,7 @@ __all__ = [
     "SamplingRow",
     "SamplerOutput",
     "Sampler",
+    "RowFailure",
     "apply_penalties",
     "top_k_top_p_min_p",
     "seed_from_key",
@@ -83,6 +84,14 @@ class SamplingRow:
 
 
 @dataclass
+class RowFailure:
+    """A row that failed when sampled alone: its request is at fault."""
+
+    row: int
+    error: Exception
+
+
+@dataclass
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]  # None where the row's params.logprobs is None
@@ -97,6 +106,30 @@ class Sampler:
             # From torch's default generator, so torch.manual_seed() makes a run reproducible.
             seed = int(torch.randint(0, 2**63 - 1, (1,)).item())
         self._generator = torch.Generator().manual_seed(seed)
+
+    def sample_each(
+        self, logits: torch.Tensor, rows: list[SamplingRow],
+    ) -> tuple[list[tuple[int | None, TokenLogprob | None]], list[RowFailure]]:
+        """One (token, logprob) per row, and the rows at fault. If the batch fails, each row is
+        sampled alone to find them: their results are (None, None), the others get their tokens.
+        When every row of a batch fails alone as well, no row is at fault (the logits are) and the
+        batch's error is raised."""
+        try:
+            sampled = self(logits, rows)
+            return list(zip(sampled.token_ids, sampled.logprobs)), []
+        except Exception as batch_error:
+            results: list[tuple[int | None, TokenLogprob | None]] = []
+            failures: list[RowFailure] = []
+            for i, row in enumerate(rows):
+                try:
+                    one = self(logits[i : i + 1], [row])
+                    results.append((one.token_ids[0], one.logprobs[0]))
+                except Exception as exc:
+                    failures.append(RowFailure(i, exc))
+                    results.append((None, None))
+            if len(rows) > 1 and len(failures) == len(rows):
+                raise batch_error
+            return results, failures
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (

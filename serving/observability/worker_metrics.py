@@ -31,8 +31,7 @@ from typing import TYPE_CHECKING
 from serving.observability.metrics import METRICS, Instruments
 
 if TYPE_CHECKING:
-    from serving.engine.engine import EngineStats
-    from serving.engine.outputs import RequestMetrics, RequestOutput
+    from serving.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 
 __all__ = ["LATENCY_WINDOW_S", "LatencyWindow", "RequestLatencies", "RequestTracker", "WorkerCounters", "WorkerRecorder"]
 

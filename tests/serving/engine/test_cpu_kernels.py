@@ -56,7 +56,7 @@ def test_the_engine_reports_its_kernel_path(fresh_process, tiny_model_dir, caplo
     from serving.engine import EngineConfig, LLMEngine
 
     fresh_process.setenv(DISABLE_ENV, "1")
-    with caplog.at_level(logging.INFO, logger="serving.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="serving.engine.setup"):
         engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=2**20))
     stats = engine.stats()
     assert (stats.kernel_path, stats.kernel_reason) == ("pytorch", "KVRELAY_DISABLE_NATIVE=1")

@@ -6,13 +6,13 @@ import logging
 
 import pytest
 
-import serving.engine.engine as engine_module
+import serving.engine.setup as setup_module
 from serving.engine import EngineConfig, LLMEngine
 
 
 def test_capacity_from_bytes_is_logged(tiny_model_dir, caplog):
     # tiny model: 2 layers x 2 KV heads x 16 head_dim x 4 bytes (fp32) x 2 (K and V) = 512 B/token
-    with caplog.at_level(logging.INFO, logger="serving.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="serving.engine.setup"):
         engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=100_000))
     assert engine.bytes_per_token == 512
     assert engine.block_manager.num_blocks == 100_000 // (512 * 16) == 12
@@ -21,7 +21,7 @@ def test_capacity_from_bytes_is_logged(tiny_model_dir, caplog):
 
 
 def test_capacity_from_memory_fraction(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda device: 8 * 2**20)
+    monkeypatch.setattr(setup_module, "available_memory_bytes", lambda device: 8 * 2**20)
     engine = LLMEngine(
         EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", kv_cache_memory_fraction=0.5)
     )

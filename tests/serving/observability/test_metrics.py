@@ -27,8 +27,7 @@ from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from serving.engine import EngineConfig
 from serving.engine.async_engine import AsyncEngine
-from serving.engine.engine import EngineStats
-from serving.engine.outputs import RequestMetrics
+from serving.engine.outputs import EngineStats, RequestMetrics
 from serving.observability.export import PoolView, RoutersCollector
 from serving.observability.ingress_metrics import IngressMetrics
 from serving.observability.metrics import METRICS, series_names

@@ -26,7 +26,8 @@ from load_tests.local_ray import free_port
 from serving.api.pipeline import Frontend
 from serving.api.protocol import ChatMessage
 from serving.engine.config import EngineConfig
-from serving.engine.engine import EngineStats, LLMEngine
+from serving.engine.engine import LLMEngine
+from serving.engine.outputs import EngineStats
 from tests.helpers import REPO, TINY_KV_BYTES, require_tool, tiny_app_config, wait_until
 
 pytestmark = pytest.mark.integration

@@ -6,8 +6,7 @@ from dataclasses import replace
 
 from router.autoscaling.decide import SIGNALS
 from serving.deployments.engine_worker import replica_signals
-from serving.engine.engine import EngineStats
-from serving.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from serving.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from serving.observability.worker_metrics import LatencyWindow, RequestLatencies
 
 

@@ -1,0 +1,86 @@
+"""What an LLMEngine is built from: the model's spec, tokenizer and weights, the dtype that runs
+(`auto` measured on this machine, dtype_choice.py), the kernel path (cpu_kernels.py), and the KV
+cache sized from the budget, with the context window capped by what it holds."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from serving.engine.config import EngineConfig
+from serving.engine.cpu_kernels import KernelPath, KernelStatus, kernel_status
+from serving.engine.dtype_choice import DtypeChoice, choose_dtype
+from serving.engine.kv_cache import KVCache, available_memory_bytes, kv_bytes_per_token
+from serving.engine.model import LlamaModel
+from serving.engine.model_loader import ModelSpec, load_model_spec, load_state_dict, load_tokenizer, resolve_model_dir
+
+__all__ = ["EngineParts", "build_parts"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    config: EngineConfig  # with the dtype that runs (not "auto")
+    device: torch.device
+    spec: ModelSpec
+    tokenizer: Any
+    dtype_choice: DtypeChoice
+    kernels: KernelStatus
+    model: LlamaModel
+    kv_cache: KVCache
+    bytes_per_token: int  # of KV
+    max_model_len: int  # the model's context window, capped by the KV cache's capacity
+
+
+def build_parts(config: EngineConfig) -> EngineParts:
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = torch.device(config.device)
+
+    model_dir = resolve_model_dir(config.model)
+    spec = load_model_spec(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    # `auto` is measured here, on the threads set above; from now on the config names the
+    # dtype that runs, which is also what the KV layout and the stats report.
+    dtype_choice = choose_dtype(config.dtype, device, hidden_size=spec.hidden_size)
+    config = config.model_copy(update={"dtype": dtype_choice.dtype})
+    dtype = config.torch_dtype
+    # Before the model: its weight layout follows the kernel path (model.py).
+    kernels = (
+        kernel_status() if device.type == "cpu"
+        else KernelStatus(KernelPath.PYTORCH, f"the native kernels are CPU-only; the device is {device}")
+    )
+    t0 = time.monotonic()
+    model = LlamaModel(spec, load_state_dict(model_dir), dtype=dtype, device=device)
+    logger.info(
+        "loaded %s (%s, %d layers) in %.2fs; dtype: %s; kernels: %s", config.model, spec.architecture,
+        spec.num_layers, time.monotonic() - t0, dtype_choice, kernels,
+    )
+
+    bytes_per_token = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)
+    budget = config.kv_cache_bytes or int(available_memory_bytes(device) * config.kv_cache_memory_fraction)
+    num_blocks = budget // (bytes_per_token * config.block_size)
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_bytes={budget} holds no block: one block of {config.block_size} tokens "
+            f"needs {bytes_per_token * config.block_size} bytes"
+        )
+    kv_cache = KVCache(
+        num_layers=spec.num_layers, num_blocks=num_blocks, block_size=config.block_size,
+        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype, device=device,
+    )
+    capacity = num_blocks * config.block_size
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens, %d bytes/token, %.1f MiB",
+        num_blocks, config.block_size, capacity, bytes_per_token, kv_cache.num_bytes / 2**20,
+    )
+    max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+    if capacity < max_model_len:
+        logger.warning("KV cache holds %d tokens, less than the context window %d: capping it", capacity, max_model_len)
+        max_model_len = capacity
+    return EngineParts(config, device, spec, tokenizer, dtype_choice, kernels, model, kv_cache, bytes_per_token, max_model_len)
