@@ -45,13 +45,13 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from load_tests import hardware
+from load_tests.common import StepLog, command_line, load_note, write_report
 from load_tests.peer_configs import (
     PEER_CONFIGS,
     PeerConfig,
@@ -354,17 +354,13 @@ def format_table(
         verdict = {True: "pass", False: "miss", None: "n/a"}[summary["targets"][t.key]["met"]]
         lines.append(f"{t.label:<34}{text:>10}{t.text:>10}{verdict:>8}")
     lines.append(f"{'compute roof fraction (engine)':<34}{_fmt(summary.get('compute_roof_fraction'), '.3f'):>10}")
-    if load_avg_1m is not None and load_avg_1m >= 0.5:
-        lines.append(f"note: 1-min load average {load_avg_1m:.2f} at start: other processes shared the CPU")
+    if load_note(load_avg_1m):
+        lines.append(load_note(load_avg_1m))
     return "\n".join(lines)
 
 
 # ---- measurements ----------------------------------------------------------------------------
-_T0 = time.monotonic()
-
-
-def _progress(message: str) -> None:
-    print(f"[bench {time.monotonic() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
+_progress = StepLog("bench")
 
 
 def _random_prompts(num: int, length: int, *, seed: int, vocab_size: int) -> list[list[int]]:
@@ -664,8 +660,7 @@ def params_from_args(args: argparse.Namespace) -> BenchParams:
 
 def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
     p = params_from_args(args)
-    report = run(p, command=" ".join(["kvrelay", *argv]))
+    report = run(p, command=command_line(argv))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-        _progress(f"wrote {args.json}")
+        _progress(f"wrote {write_report(args.json, report)}")
     return 0

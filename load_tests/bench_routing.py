@@ -30,13 +30,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from load_tests import hardware
 from load_tests.bench_engine import Target
+from load_tests.common import StepLog, command_line, load_note, write_report
 from load_tests.routing_metrics import PolicyRun
 from load_tests.routing_sim import CostModel, SimConfig, oracle_hit_tokens, simulate
 from load_tests.routing_workload import Workload, WorkloadSpec, make_workload
@@ -179,11 +179,7 @@ def format_table(p: BenchParams, headline: dict, summary: dict, sweep: dict[int,
 
 
 # ---- runs ------------------------------------------------------------------------------------
-_T0 = time.monotonic()
-
-
-def _progress(message: str) -> None:
-    print(f"[bench {time.monotonic() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
+_progress = StepLog("bench")
 
 
 def _cost_model(p: BenchParams) -> tuple[CostModel, dict]:
@@ -300,8 +296,8 @@ def run(p: BenchParams, *, command: str = "") -> dict:
     hardware.finish_machine_record(machine)
     summary = summarize(headline["figures"], headline["oracle_hit_rate"], source)
     print(format_table(p, headline, summary, sweep, simulated=simulated))
-    if machine["load_avg_1m_at_start"] >= 0.5 and not p.simulate:
-        print(f"note: 1-min load average {machine['load_avg_1m_at_start']:.2f} at start: other processes shared the CPU")
+    if load_note(machine["load_avg_1m_at_start"]) and not p.simulate:
+        print(load_note(machine["load_avg_1m_at_start"]))
     raw = {"simulation" if p.simulate else "real": {str(p.num_replicas): _to_json(headline)}}
     if p.simulate:
         raw["simulation"].update({str(n): _to_json(part) for n, part in sweep.items()})
@@ -364,8 +360,7 @@ def _key_value(item: str) -> tuple[str, object]:
 
 def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
     p = params_from_args(args)
-    report = run(p, command=" ".join(["kvrelay", *argv]))
+    report = run(p, command=command_line(argv))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-        _progress(f"wrote {args.json}")
+        _progress(f"wrote {write_report(args.json, report)}")
     return 0

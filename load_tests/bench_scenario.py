@@ -53,6 +53,7 @@ import httpx
 from load_tests import hardware
 from load_tests.bench_engine import Target
 from load_tests.bench_serve import RateRun, run_rates
+from load_tests.common import StepLog, command_line, write_report
 from load_tests.peer_configs import PEER_CONFIGS, best_config, env_overrides, label, parse_peer_configs
 from load_tests.scenario_servers import REPO, ScenarioError
 from load_tests.serve_client import RequestSpec, ServeClient
@@ -69,8 +70,7 @@ SYSTEMS = ("kvrelay-colocated", "kvrelay-disaggregated", *PEERS)
 CHAT_KINDS = {"chat", "random"}  # the chat stream: chat-burst's short requests, or the steady run's
 
 
-def _progress(message: str) -> None:
-    print(f"[bench scenario] {message}", file=sys.stderr, flush=True)
+_progress = StepLog("bench scenario")
 
 
 @dataclass(frozen=True)
@@ -615,14 +615,12 @@ def params_from_args(args: argparse.Namespace) -> ScenarioParams:
 def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
     p = params_from_args(args)
     try:
-        report, result = run(p, command=" ".join(["kvrelay", *argv]))
+        report, result = run(p, command=command_line(argv))
     except ScenarioError as exc:
         print(f"kvrelay bench scenario {p.name}: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+        path = write_report(args.json, report)
         _progress(f"wrote {path}")
         if not args.no_png:
             from load_tests.scenario_report import write_png

@@ -33,6 +33,7 @@ from pathlib import Path
 import httpx
 
 from load_tests import hardware
+from load_tests.common import command_line, write_report
 from load_tests.serve_client import (
     RequestRecord,
     RequestSpec,
@@ -188,7 +189,7 @@ def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
             print("[bench serve] matplotlib is not installed: no PNG report", file=sys.stderr)
         else:
             png = args.png or str(Path(args.json).with_suffix(".png"))
-    command = " ".join(["kvrelay", *_without_api_key(argv)])
+    command = command_line(_without_api_key(argv))
     try:
         report, runs = run(p, command=command)
     except ServeClientError as exc:
@@ -196,9 +197,7 @@ def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     report["config"]["png"] = png
     if args.json:  # before the PNG: a plotting failure must not lose the figures
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-        print(f"[bench serve] wrote {args.json}", file=sys.stderr)
+        print(f"[bench serve] wrote {write_report(args.json, report)}", file=sys.stderr)
     if png:
         from load_tests.serve_report import write_png
 

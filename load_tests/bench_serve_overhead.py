@@ -30,13 +30,13 @@ import dataclasses
 import gc
 import json
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from load_tests import hardware
 from load_tests.bench_engine import Target
+from load_tests.common import StepLog, command_line, load_note, write_report
 from load_tests.kv_transfer_timing import (
     KV_TRANSFER_STEPS,
     KVTransferResult,
@@ -229,8 +229,8 @@ def format_table(
             f"{'added TTFT / TPOT p50, colocated':<36}"
             f"{summary['added_ttft_ms_p50_colocated']:>10.1f} / {summary['added_tpot_ms_p50_colocated']:.2f} ms"
         )
-    if load_avg_1m is not None and load_avg_1m >= 0.5:
-        lines.append(f"note: 1-min load average {load_avg_1m:.2f} at start: other processes shared the CPU")
+    if load_note(load_avg_1m):
+        lines.append(load_note(load_avg_1m))
     return "\n".join(lines)
 
 
@@ -256,11 +256,7 @@ def timing_from_sse(start: float, events: list[tuple[float, dict]]) -> RequestTi
 
 
 # ---- measurements ----------------------------------------------------------------------------
-_T0 = time.monotonic()
-
-
-def _progress(message: str) -> None:
-    print(f"[bench {time.monotonic() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
+_progress = StepLog("bench")
 
 
 @dataclass
@@ -464,8 +460,7 @@ def params_from_args(args: argparse.Namespace) -> BenchParams:
 
 def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
     p = params_from_args(args)
-    report = run(p, command=" ".join(["kvrelay", *argv]))
+    report = run(p, command=command_line(argv))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-        _progress(f"wrote {args.json}")
+        _progress(f"wrote {write_report(args.json, report)}")
     return 0

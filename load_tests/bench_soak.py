@@ -32,15 +32,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
 from load_tests import app_probe, hardware
+from load_tests.common import StepLog, command_line, write_report
 from load_tests.local_ray import free_port, local_ray
 from load_tests.scenario_servers import kvrelay_server
 from load_tests.serve_load import Progress
@@ -56,11 +55,7 @@ __all__ = ["SoakParams", "add_arguments", "params_from_args", "run", "run_from_a
 WORKER_DEPLOYMENTS = ("PrefillWorker", "DecodeWorker")
 
 
-_T0 = time.monotonic()
-
-
-def _progress(message: str) -> None:
-    print(f"[bench soak {time.monotonic() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
+_progress = StepLog("bench soak", width=7)
 
 
 def soak_config(p: SoakParams, port: int):
@@ -252,12 +247,10 @@ def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
 
     p = params_from_args(args)
     try:
-        report = run(p, command=" ".join(["kvrelay", *argv]))
+        report = run(p, command=command_line(argv))
     except ConfigError as exc:
         print(f"kvrelay bench soak: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2, allow_nan=False, default=str) + "\n")
-        _progress(f"wrote {args.json}")
+        _progress(f"wrote {write_report(args.json, report, default=str)}")
     return 0 if report["summary"]["passed"] else 1

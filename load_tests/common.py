@@ -1,0 +1,45 @@
+"""What every `kvrelay bench` shares: its progress line on stderr, the command line it records, how
+it writes its JSON report, and the note on a machine that was not idle."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["StepLog", "command_line", "load_note", "write_report"]
+
+
+class StepLog:
+    """`progress("message")` prints `[LABEL  12.3s] message` to stderr, seconds since creation."""
+
+    def __init__(self, label: str, *, width: int = 6):
+        self.label = label
+        self.width = width
+        self.start = time.monotonic()
+
+    def __call__(self, message: str) -> None:
+        elapsed = time.monotonic() - self.start
+        print(f"[{self.label} {elapsed:{self.width}.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def command_line(argv: list[str]) -> str:
+    """The command a report says produced it."""
+    return " ".join(["kvrelay", *argv])
+
+
+def write_report(path: str | Path, report: dict, *, default: Any = None) -> Path:
+    """Write a report as JSON (NaN refused: it is not JSON), creating its folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, allow_nan=False, default=default) + "\n")
+    return path
+
+
+def load_note(load_avg_1m: float | None) -> str | None:
+    """A line for the table when other processes shared the CPU at the start (figures are then low)."""
+    if load_avg_1m is None or load_avg_1m < 0.5:
+        return None
+    return f"note: 1-min load average {load_avg_1m:.2f} at start: other processes shared the CPU"
