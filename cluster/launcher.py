@@ -29,8 +29,8 @@ def required_cpus(config: ServeConfig) -> float:
     names = ["worker"] if config.mode == "colocated" else ["prefill", "decode"]
     workers = 0.0
     for name in names:
-        pool = getattr(config, name)
-        pool_policy = getattr(policy, name, None) if policy is not None else None
+        pool = config.pools[name]
+        pool_policy = policy.pool(name) if policy is not None else None
         replicas = pool_policy.max_replicas if pool_policy is not None else pool.num_replicas
         workers += pool.num_cpus * replicas
     return workers + config.ingress.num_cpus * config.ingress.num_replicas

@@ -72,7 +72,7 @@ def pin_pools(config: ServeConfig) -> ServeConfig:
     resources a pool asks for are kept)."""
     updates = {}
     for pool_name, resource in ROLE_RESOURCES.items():
-        pool = getattr(config, pool_name)
+        pool = config.pools[pool_name]
         updates[pool_name] = pool.model_copy(update={"resources": {**pool.resources, resource: REPLICA_SHARE}})
     return config.model_copy(update=updates)
 

@@ -63,39 +63,40 @@ def main(argv: list[str] | None = None) -> int:
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse rejects unknown ones
 
 
+def _failed(command: str, exc: Exception) -> int:
+    """A command refused (bad config, policy, trace, ...): say why on stderr, exit status 2."""
+    print(f"{command}: {exc}", file=sys.stderr)
+    return 2
+
+
 def _serve(args) -> int:
     from serving.config import ConfigError, load_config, parse_set_items
 
     try:
         overrides = parse_set_items(args.set)
     except ConfigError as exc:
-        print(f"kvrelay serve: {exc}", file=sys.stderr)
-        return 2
+        return _failed("kvrelay serve", exc)
     try:
         config = load_config(args.config, overrides=overrides)
     except ConfigError as exc:
-        print(f"kvrelay serve: {exc}", file=sys.stderr)
-        return 2
+        return _failed("kvrelay serve", exc)
     if config.autoscaling_policy:  # fail before starting Ray
         from router.autoscaling.policy import PolicyError, load_policy
 
         try:
             load_policy(config.autoscaling_policy)
         except PolicyError as exc:
-            print(f"kvrelay serve: {exc}", file=sys.stderr)
-            return 2
+            return _failed("kvrelay serve", exc)
     if config.pricing:
         from serving.api.usage import load_pricing
 
         try:
             load_pricing(config.pricing)
         except (ConfigError, ValueError) as exc:
-            print(f"kvrelay serve: {exc}", file=sys.stderr)
-            return 2
+            return _failed("kvrelay serve", exc)
     from cluster.launcher import serve_forever
 
     return serve_forever(config)
-
 
 
 def _ops(args) -> int:
@@ -112,8 +113,7 @@ def _ops(args) -> int:
         else:
             print(dashboard.apply_policy(client, args.app, args.file))
     except (dashboard.OpsError, PolicyError) as exc:
-        print(f"kvrelay {args.command}: {exc}", file=sys.stderr)
-        return 2
+        return _failed(f"kvrelay {args.command}", exc)
     finally:
         client.close()
     return 0
@@ -134,8 +134,7 @@ def _cluster(args) -> int:
             state = local.down(args.name)
             print(f"kvrelay cluster: {args.name!r} is down ({len(state.nodes)} nodes stopped)")
     except local.ClusterError as exc:
-        print(f"kvrelay cluster {args.action}: {exc}", file=sys.stderr)
-        return 2
+        return _failed(f"kvrelay cluster {args.action}", exc)
     return 0
 
 
@@ -145,8 +144,7 @@ def _k8s(args) -> int:
     try:
         print(k8s.status(args.release, args.namespace, context=args.context))
     except k8s.K8sError as exc:
-        print(f"kvrelay k8s status: {exc}", file=sys.stderr)
-        return 2
+        return _failed("kvrelay k8s status", exc)
     return 0
 
 
@@ -159,8 +157,7 @@ def _policy(args) -> int:
     try:
         config = load_policy(args.file)
     except PolicyError as exc:
-        print(f"kvrelay policy: {exc}", file=sys.stderr)
-        return 2
+        return _failed("kvrelay policy", exc)
     if args.action == "check":
         print(f"# {args.file}: valid; the effective policy (null pool: fixed replicas, null target: signal off)")
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
@@ -174,8 +171,7 @@ def _policy(args) -> int:
     try:
         rows = read_trace(args.trace, required=tuple(pool.target_by_signal()))
     except TraceError as exc:
-        print(f"kvrelay policy: {exc}", file=sys.stderr)
-        return 2
+        return _failed("kvrelay policy", exc)
     print(f"# policy {config.name!r} ({args.file}), {pool_name} pool, trace {args.trace}")
     print(f"{'time_s':>8}  {'replicas':>8}  reason")
     for step in simulate(pool, rows):
