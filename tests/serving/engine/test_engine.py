@@ -284,15 +284,26 @@ def test_export_import_continues_identically(tiny_model_dir, seeded):
         (dict(top_k=-3), "top_k"),
         (dict(min_p=2.0), "min_p"),
         (dict(presence_penalty=3.0), "presence_penalty"),
-        (dict(logit_bias={10**6: 1.0}), "logit_bias"),
+        (dict(logit_bias={7: 101.0}), "logit_bias"),
         (dict(logprobs=21), "logprobs"),
         (dict(min_tokens=10, max_tokens=5), "min_tokens"),
-        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(stop=[""]), "stop"),
     ],
 )
-def test_invalid_requests_name_the_field(engine, kwargs, param):
+def test_sampling_params_are_valid_by_construction(kwargs, param):
+    """Checked once, where they are built (the ingress); no later layer checks the ranges again."""
     with pytest.raises(InvalidRequestError) as info:
-        engine.add_request("bad", params=SamplingParams(**kwargs), prompt_token_ids=[5, 6, 7])
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+
+
+@pytest.mark.parametrize(
+    "kwargs, param", [(dict(logit_bias={10**6: 1.0}), "logit_bias"), (dict(stop_token_ids=[-1]), "stop_token_ids")],
+)
+def test_token_ids_outside_the_vocabulary_are_refused_by_the_engine(engine, kwargs, param):
+    params = SamplingParams(**kwargs)  # valid in itself: only the model knows its vocabulary
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request("bad", params=params, prompt_token_ids=[5, 6, 7])
     assert info.value.param == param
     assert engine.stats().num_waiting == 0
 

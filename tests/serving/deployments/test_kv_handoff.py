@@ -1,0 +1,160 @@
+"""KVHandoff, the callers' side of the KV hand-off, against a fake KVTransfer actor: one lookup per
+node, an offer made again to a restarted actor, a fetch that says why it got nothing, releases in
+the background that never fail their caller."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray.exceptions
+
+from serving.config import KVTransferConfig
+from serving.deployments import kv_handoff
+from serving.deployments.kv_handoff import KVHandoff
+from serving.deployments.messages import ClaimMiss, KVHandle
+
+
+class _Method:
+    def __init__(self, actor, name):
+        self.actor, self.name = actor, name
+
+    def remote(self, *args):
+        self.actor.calls.append((self.name, args))
+        return self.actor.answer(self.name, args)
+
+
+class FakeActor:
+    """Answers like KVTransfer; `fail` makes the next calls of a method raise an actor error."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, tuple]] = []
+        self.fail: dict[str, int] = {}
+        self.claim_answer: object = ClaimMiss.TIMEOUT
+        self.payload: object = "payload"
+
+    def __getattr__(self, name):
+        if name in ("offer", "claim", "release"):
+            return _Method(self, name)
+        raise AttributeError(name)
+
+    async def answer(self, name, args):
+        if self.fail.get(name, 0) > 0:
+            self.fail[name] -= 1
+            raise ray.exceptions.ActorUnavailableError("the actor is restarting", None)
+        if name == "claim":
+            answer = self.claim_answer
+            if isinstance(answer, list):
+                return [self._ref()]
+            return answer
+        return True
+
+    def _ref(self):
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(self.payload)
+        return future
+
+
+@pytest.fixture
+def actor(monkeypatch):
+    """The node's actor: every lookup finds the same one (a restarted actor keeps its name)."""
+    the_actor = FakeActor()
+    the_actor.lookups = 0
+
+    def get_or_create(app_name, node_id):
+        the_actor.lookups += 1
+        return the_actor
+
+    monkeypatch.setattr(kv_handoff, "get_or_create", get_or_create)
+    return the_actor
+
+
+KV = KVHandle("r1", "KVTransfer:app:node", "node", num_tokens=40, num_bytes=1024)
+
+
+def handoff(**config) -> KVHandoff:
+    return KVHandoff("app", KVTransferConfig(**{"lease_s": 30.0, "timeout_s": 5.0, **config}))
+
+
+async def settled(kv: KVHandoff) -> None:
+    while kv._background:
+        await asyncio.sleep(0)
+
+
+def test_one_lookup_per_node_and_a_new_one_after_an_actor_error(actor):
+    async def main():
+        kv = handoff()
+        await kv.offer("node", "r1", "ref", 1024)
+        await kv.offer("node", "r2", "ref", 1024)
+        assert actor.lookups == 1
+        actor.fail["offer"] = 1  # died: the offer goes once more, to the restarted actor
+        await kv.offer("node", "r3", "ref", 1024)
+        assert actor.lookups == 2
+        assert actor.calls[-2:] == [("offer", ("r3", ["ref"], 1024, 30.0))] * 2
+        actor.fail["offer"] = 2  # dead twice: the offer fails (the decode worker recomputes)
+        with pytest.raises(ray.exceptions.ActorUnavailableError):
+            await kv.offer("node", "r4", "ref", 1024)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("miss", [ClaimMiss.RELEASED, ClaimMiss.EXPIRED])
+def test_a_fetch_that_gets_nothing_says_why(actor, miss):
+    async def main():
+        kv = handoff()
+        await kv.actor("node")
+        actor.claim_answer = miss
+        assert await kv.fetch(KV) == miss.value
+        await settled(kv)
+        assert [name for name, _ in actor.calls] == ["claim"]  # nothing to release
+
+    asyncio.run(main())
+
+
+def test_a_claim_that_timed_out_releases_the_late_offer(actor):
+    async def main():
+        kv = handoff()
+        await kv.actor("node")
+        actor.claim_answer = ClaimMiss.TIMEOUT
+        assert await kv.fetch(KV) == "timeout"
+        await settled(kv)
+        assert actor.calls == [("claim", ("r1", 5.0)), ("release", ("r1",))]
+
+    asyncio.run(main())
+
+
+def test_a_fetch_gets_the_payload(actor):
+    async def main():
+        kv = handoff()
+        await kv.actor("node")
+        actor.claim_answer = []
+        assert await kv.fetch(KV) == "payload"
+
+    asyncio.run(main())
+
+
+def test_an_actor_error_during_a_fetch_is_an_error_miss_that_looks_the_actor_up_again(actor):
+    async def main():
+        kv = handoff()
+        await kv.actor("node")
+        actor.fail["claim"] = 1
+        assert await kv.fetch(KV) == "error"
+        await settled(kv)
+        # The restarted actor, looked up again, is told to drop this request's offer, which the
+        # prefill worker makes again to it.
+        assert actor.lookups == 2 and actor.calls == [("claim", ("r1", 5.0)), ("release", ("r1",))]
+
+    asyncio.run(main())
+
+
+def test_a_release_never_raises(actor):
+    async def main():
+        kv = handoff()
+        await kv.actor("node")
+        actor.fail["release"] = 1
+        await kv.release("node", "r1")  # logged; the lease frees it
+        kv.release_soon(KV)
+        await settled(kv)
+        assert [name for name, _ in actor.calls] == ["release", "release"] and actor.lookups == 2
+
+    asyncio.run(main())
