@@ -34,6 +34,7 @@ from serving.engine.errors import EngineDeadError
 from serving.engine.kv_events import KVEvent
 from serving.engine.kv_payload import KVPayload
 from serving.engine.outputs import EngineStats, RequestOutput
+from serving.engine.params import SamplingParams
 
 __all__ = ["AsyncEngine"]
 
@@ -66,17 +67,30 @@ class AsyncEngine:
         """The snapshot taken after the latest step or command (never blocks)."""
         return self._stats
 
-    async def generate(self, request_id: str, **kwargs: Any) -> AsyncIterator[RequestOutput]:
-        """Add a request (kwargs as LLMEngine.add_request) and yield its outputs as they come.
-
-        Validation errors raise here, before the first output. Leaving the iteration early
-        aborts the request.
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        hold_kv: bool = False,
+        kv_payload: KVPayload | None = None,
+        prior_output_token_ids: list[int] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request (the arguments are LLMEngine.add_request's) and yield its outputs as
+        they come. The engine's refusals raise here, before the first output. Leaving the
+        iteration early aborts the request.
         """
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, stream)
         try:
-            await self._call(lambda engine: engine.add_request(request_id, **kwargs))
+            await self._call(lambda engine: engine.add_request(
+                request_id, params=params, prompt_token_ids=prompt_token_ids, priority=priority, cache_salt=cache_salt,
+                hold_kv=hold_kv, kv_payload=kv_payload, prior_output_token_ids=prior_output_token_ids,
+            ))
         except asyncio.CancelledError:
             # The add is queued and runs anyway: abort it right behind, or nobody reads it.
             self._streams.pop(request_id, None)

@@ -44,14 +44,14 @@ def test_concurrent_streams_match_the_sync_engine(async_engine, tiny_model_dir):
     assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
 
 
-def test_validation_error_raises_before_any_output(async_engine):
+def test_a_refused_request_raises_before_any_output(async_engine):
     async def main():
-        async for _ in async_engine.generate("bad", params=SamplingParams(top_p=2.0), prompt_token_ids=[1, 2]):
+        async for _ in async_engine.generate("bad", params=SamplingParams(), prompt_token_ids=[1, 10**9]):
             pass
 
     with pytest.raises(InvalidRequestError) as info:
         asyncio.run(main())
-    assert info.value.param == "top_p"
+    assert info.value.param == "prompt_token_ids"
 
 
 def test_leaving_the_stream_aborts_and_frees_blocks(async_engine):
