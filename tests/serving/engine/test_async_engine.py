@@ -11,6 +11,7 @@ import pytest
 
 from serving.engine import EngineConfig, EngineDeadError, InvalidRequestError, LLMEngine, RequestFailedError, SamplingParams
 from serving.engine.async_engine import AsyncEngine
+from serving.engine.sampler import Sampler
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -248,16 +249,22 @@ def test_a_cancelled_generate_does_not_leave_its_request_running(async_engine):
     assert stats.num_generated_tokens < 400
 
 
+class _FailingSampler(Sampler):
+    """The engine's sampler, failing on every batch with a row that `is_bad`."""
+
+    def __init__(self, real: Sampler, is_bad):
+        self.__dict__.update(real.__dict__)
+        self.is_bad = is_bad
+
+    def __call__(self, logits, rows):
+        if any(self.is_bad(row) for row in rows):
+            raise RuntimeError("simulated sampling failure")
+        return super().__call__(logits, rows)
+
+
 def _failing_rows(engine: LLMEngine, bad_seed: int) -> None:
     """Make the sampler fail on every row whose request has seed `bad_seed`."""
-    real = engine.sampler
-
-    def sampler(logits, rows):
-        if any(row.params.seed == bad_seed for row in rows):
-            raise RuntimeError("simulated sampling failure")
-        return real(logits, rows)
-
-    engine.sampler = sampler
+    engine.sampler = _FailingSampler(engine.sampler, lambda row: row.params.seed == bad_seed)
 
 
 def test_a_request_that_fails_in_the_step_fails_alone(async_engine):
@@ -318,10 +325,7 @@ async def collect_import(engine: AsyncEngine, request_id: str, payload) -> list[
 
 
 def test_a_failure_of_every_row_has_no_culprit_and_stops_the_engine(async_engine):
-    def sampler(logits, rows):
-        raise RuntimeError("simulated NaN logits")
-
-    async_engine.engine.sampler = sampler
+    async_engine.engine.sampler = _FailingSampler(async_engine.engine.sampler, lambda row: True)  # NaN logits, say
 
     async def main():
         return await asyncio.gather(collect(async_engine, "a", [1, 2, 3]), collect(async_engine, "b", [4, 5, 6]), return_exceptions=True)

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-import serving.engine.setup as setup_module
+import serving.engine.setup as engine_setup
 from serving.engine import EngineConfig, LLMEngine
 
 
@@ -21,7 +21,7 @@ def test_capacity_from_bytes_is_logged(tiny_model_dir, caplog):
 
 
 def test_capacity_from_memory_fraction(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(setup_module, "available_memory_bytes", lambda device: 8 * 2**20)
+    monkeypatch.setattr(engine_setup, "available_memory_bytes", lambda device: 8 * 2**20)
     engine = LLMEngine(
         EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", kv_cache_memory_fraction=0.5)
     )

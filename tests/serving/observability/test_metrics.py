@@ -206,7 +206,7 @@ async def test_rejected_requests_count_by_status_and_move_nothing_else(stack):
 async def test_request_latencies_are_the_clients_view(monkeypatch):
     metrics = IngressMetrics(MODEL, use_ray=False)
     # start 10.0; tokens at 10.5, 10.6 (two in one chunk), 10.8; the stream ends at 10.9
-    monkeypatch.setattr("serving.observability.metrics.time", Clock(10.0, 10.5, 10.6, 10.8, 10.9))
+    monkeypatch.setattr("serving.observability.ingress_metrics.time", Clock(10.0, 10.5, 10.6, 10.8, 10.9))
     record = metrics.start()
     deltas = stream(delta(0, [1]), delta(0, [2, 3]), delta(0, [4], "stop"))
     assert [d.token_ids async for d in metrics.track(record, deltas, prompt_tokens=7, status_of=error_status)] == [[1], [2, 3], [4]]
@@ -225,7 +225,7 @@ async def test_request_latencies_are_the_clients_view(monkeypatch):
 @pytest.mark.asyncio
 async def test_a_client_that_leaves_is_a_499_abort_with_its_ttft_only(monkeypatch):
     metrics = IngressMetrics(MODEL, use_ray=False)
-    monkeypatch.setattr("serving.observability.metrics.time", Clock(1.0, 1.25, 1.5, 9.0))
+    monkeypatch.setattr("serving.observability.ingress_metrics.time", Clock(1.0, 1.25, 1.5, 9.0))
     record = metrics.start()
     closed: list = []
     tracked = metrics.track(record, stream(delta(0, [1]), delta(0, [2]), hang=True, closed=closed), prompt_tokens=3, status_of=error_status)
