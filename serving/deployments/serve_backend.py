@@ -21,6 +21,7 @@ Failures, each with one outcome:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import time
@@ -221,7 +222,8 @@ class ServeBackend:
             for node_id in nodes:
                 await self.kv.release(node_id, request_id)
 
-        task = asyncio.create_task(release_if_finished())
+        # Outside the cancelled request's context, as KVHandoff's releases (kv_handoff.py).
+        task = asyncio.get_running_loop().create_task(release_if_finished(), context=contextvars.Context())
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 

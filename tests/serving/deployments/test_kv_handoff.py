@@ -158,3 +158,28 @@ def test_a_release_never_raises(actor):
         assert [name for name, _ in actor.calls] == ["release", "release"] and actor.lookups == 2
 
     asyncio.run(main())
+
+
+def test_a_release_runs_outside_the_context_of_the_request_being_cancelled(actor):
+    """Ray keeps an async actor's current task in a context variable and cancels the calls a
+    cancelled task made: a release made in a cancelled request's cleanup must not carry it."""
+    import contextvars
+
+    current_task = contextvars.ContextVar("current_task", default=None)
+    seen = []
+    real = actor.answer
+
+    async def answer(name, args):
+        seen.append((name, current_task.get()))
+        return await real(name, args)
+
+    actor.answer = answer
+
+    async def main():
+        kv = handoff()
+        current_task.set("the cancelled request")
+        kv.release_soon(KV)
+        await settled(kv)
+
+    asyncio.run(main())
+    assert seen == [("release", None)]
