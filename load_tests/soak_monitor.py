@@ -22,8 +22,10 @@ growth is reported beside it.
     requests ended:  0 ....... warm-up ....... W ─ base window ─ W+B ....... N-L ─ last window ─ N
     growth = (mean in the last window - mean in the base window) / mean in the base window
 
-    W = warmup_fraction x N, B = L = window_fraction x N (N: the run's requests). A process must
-    have samples in both windows (one that was restarted mid-run is reported as not measured);
+    W = warmup_fraction x N, B = L = window_fraction x N (N: the run's requests), counted from the
+    process's first sample: a replica started mid-run (a chaos kill's replacement) has its own
+    warm-up, loading its model and filling its caches, before its base window. A process must
+    have samples in both windows (one started too late for them is reported as not measured);
     `rss_growth_fraction` is the largest growth over the processes measured, so one leaking
     replica is not averaged away by the others.
 """
@@ -63,14 +65,14 @@ def _mean(values: list[int]) -> float:
 def rss_growth(samples: list[RssSample], num_requests: int, *, warmup_fraction: float, window_fraction: float,
                value: str = "anon_bytes") -> dict:
     """{"rss_growth_fraction": max over processes or None, "by_process": {pid: {...}}}."""
-    base_lo = warmup_fraction * num_requests
-    base_hi = base_lo + window_fraction * num_requests
     last_lo = (1.0 - window_fraction) * num_requests
     by_pid: dict[int, list[RssSample]] = {}
     for s in samples:
         by_pid.setdefault(s.pid, []).append(s)
     by_process = {}
     for pid, series in sorted(by_pid.items()):
+        base_lo = series[0].num_ended + warmup_fraction * num_requests  # after this process's own warm-up
+        base_hi = base_lo + window_fraction * num_requests
         base = [getattr(s, value) for s in series if base_lo <= s.num_ended < base_hi]
         last = [getattr(s, value) for s in series if s.num_ended >= last_lo]
         entry = {"deployment": series[0].deployment, "num_samples": len(series),

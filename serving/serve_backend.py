@@ -151,7 +151,7 @@ class ServeBackend:
                 # Aborted before the decode worker took it: do not hold it until the lease ends.
                 # In the background: this may run in a cancelled stream's cleanup, and must never
                 # fail it (the request's billing and metrics come after).
-                task = asyncio.create_task(self._kv_actors.release(kv.node_id, kv.request_id))
+                task = kv_transfer_actor.detached_task(self._kv_actors.release(kv.node_id, kv.request_id))
                 self._releases.add(task)
                 task.add_done_callback(self._releases.discard)
 
@@ -224,7 +224,7 @@ class ServeBackend:
             for node_id in nodes:
                 await self._kv_actors.release(node_id, request_id)
 
-        task = asyncio.create_task(release_if_finished())
+        task = kv_transfer_actor.detached_task(release_if_finished())
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 

@@ -324,7 +324,7 @@ class EngineWorker:
 
     def _release_later(self, kv: KVHandle) -> None:
         """Release `kv` at its node's actor in the background (a tombstone if not offered yet)."""
-        task = asyncio.create_task(self._kv_actors.release(kv.node_id, kv.request_id))
+        task = kv_transfer_actor.detached_task(self._kv_actors.release(kv.node_id, kv.request_id))
         self._offers.add(task)
         task.add_done_callback(self._offers.discard)
 

@@ -212,6 +212,18 @@ def test_rss_growth_compares_the_last_window_with_the_one_after_warm_up():
     assert rss_growth(restarted, 100, warmup_fraction=0.2, window_fraction=0.1)["rss_growth_fraction"] is None
 
 
+def test_a_replacement_replica_gets_its_own_warm_up():
+    """A replica started mid-run (a chaos kill's replacement) warms up from its first sample: its
+    model load and first requests are not compared with the end of the run."""
+    replacement = [RssSample(float(i), 10 * i, 4, "DecodeWorker", 0, v)
+                   for i, v in zip(range(3, 10), [100, 150, 200, 200, 200, 200, 200])]  # from 30 ended on
+    out = rss_growth(replacement, 100, warmup_fraction=0.2, window_fraction=0.1)
+    assert out["by_process"][4]["base_mean_bytes"] == 200  # at 50 ended: 30 + the 20 of warm-up
+    assert out["rss_growth_fraction"] == 0.0
+    late = [RssSample(float(i), 10 * i, 5, "DecodeWorker", 0, 100) for i in range(8, 10)]  # no room for both windows
+    assert rss_growth(late, 100, warmup_fraction=0.2, window_fraction=0.1)["by_process"][5]["growth_fraction"] is None
+
+
 # ---- the verdict -------------------------------------------------------------------------------
 def _worker(free, *, num_blocks=100, held=0, live_free=None, live_held=None, running=0, alive=True):
     return {"num_blocks": num_blocks, "num_free_blocks": free, "num_held_exports": held, "num_running": running,

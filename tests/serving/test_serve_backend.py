@@ -229,3 +229,25 @@ def test_model_info_fails_fast_when_a_pool_never_came_up():
     with pytest.raises(NoWorkerError, match="No decode replica"):
         asyncio.run(backend_.model_info())
     assert prefill.calls == [] and decode.calls == []
+
+
+def test_a_kv_release_runs_outside_the_context_of_the_request_being_cancelled():
+    """Ray keeps an async actor's current task in a context variable and cancels the calls a
+    cancelled task made: a release made in a cancelled request's cleanup must not carry it."""
+    import contextvars
+
+    from serving.kv_transfer_actor import detached_task
+
+    current_task = contextvars.ContextVar("current_task", default=None)
+
+    async def main():
+        current_task.set("the cancelled request")
+        seen = []
+
+        async def release():
+            seen.append(current_task.get())
+
+        await detached_task(release())
+        return seen
+
+    assert asyncio.run(main()) == [None]
