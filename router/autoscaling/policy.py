@@ -35,7 +35,7 @@ import annotated_types
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from serving.engine.config import StrictModel
+from serving.engine.strict import StrictModel
 
 __all__ = [
     "PoolName",

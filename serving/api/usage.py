@@ -39,7 +39,7 @@ from pydantic import Field, ValidationError
 
 from serving.api.pipeline import Usage
 from serving.config import ConfigError, format_validation_error
-from serving.engine.config import StrictModel
+from serving.engine.strict import StrictModel
 
 __all__ = [
     "ModelPrice",

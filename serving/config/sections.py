@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import annotated_types
 from pydantic import Field, create_model, model_serializer, model_validator
 
-from serving.engine.config import EngineConfig, StrictModel
+from serving.engine.config import EngineConfig
+from serving.engine.strict import StrictModel
 
 __all__ = [
-    "SERVING_ENGINE_DEFAULTS", "POOLS", "MOVED_KEYS", "EngineSettings", "EngineOverrides", "PoolConfig", "IngressConfig",
+    "SERVING_ENGINE_DEFAULTS", "SERVING_ENGINE_LIMITS", "POOLS", "MOVED_KEYS", "EngineSettings", "EngineOverrides", "PoolConfig", "IngressConfig",
     "HTTPConfig", "RayConfig", "RoutingConfig", "KVTransferConfig", "FallbackConfig", "DegradationConfig",
 ]
 
@@ -21,6 +23,19 @@ SERVING_ENGINE_DEFAULTS: dict[str, Any] = {
     "kv_cache_memory_fraction": 0.05,  # several replicas per machine
     "long_prefill_token_threshold": 256,  # a long prompt must not stall the other requests' TTFT
     "num_threads": 1,  # torch threads per replica: Ray's logical CPUs are not cores
+}
+
+# Tighter bounds than EngineConfig's where a served app needs them: a replica's context window
+# holds at least a chat template's worth of tokens, and its torch threads are set, never torch's
+# default of every core (several replicas share a machine).
+SERVING_ENGINE_LIMITS: dict[str, tuple[Any, ...]] = {
+    "max_model_len": (annotated_types.Ge(16),),
+    "num_threads": (annotated_types.Ge(1), annotated_types.Le(512)),
+}
+SERVING_ENGINE_TYPES: dict[str, Any] = {"num_threads": int}
+SERVING_ENGINE_DESCRIPTIONS = {
+    "num_threads": "torch intra-op threads per replica; keep the sum over a node's replicas at or below "
+    "its cores (oversubscribed OpenMP threads spin against each other).",
 }
 
 POOLS = ("prefill", "decode", "worker")
@@ -47,13 +62,14 @@ def _engine_fields_model(name: str, doc: str, *, defaults: dict[str, Any] | None
     for field_name, field in EngineConfig.model_fields.items():
         if field_name == "model":
             continue
-        annotation = field.annotation
-        for constraint in field.metadata:  # ge, le, ...: checked here too, so errors name the key
+        annotation = SERVING_ENGINE_TYPES.get(field_name, field.annotation)
+        # ge, le, ...: checked here too, so errors name the key; the serving limits after them.
+        for constraint in (*field.metadata, *SERVING_ENGINE_LIMITS.get(field_name, ())):
             annotation = Annotated[annotation, constraint]
         if defaults is None:
-            fields[field_name] = (annotation | None, Field(None, description=field.description))
+            fields[field_name] = (annotation | None, Field(None, description=SERVING_ENGINE_DESCRIPTIONS.get(field_name, field.description)))
         else:
-            fields[field_name] = (annotation, Field(defaults.get(field_name, field.default), description=field.description))
+            fields[field_name] = (annotation, Field(defaults.get(field_name, field.default), description=SERVING_ENGINE_DESCRIPTIONS.get(field_name, field.description)))
     return create_model(name, __base__=StrictModel if defaults is not None else _Overrides, __doc__=doc, **fields)
 
 

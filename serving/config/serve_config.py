@@ -19,7 +19,8 @@ from serving.config.sections import (
     RayConfig,
     RoutingConfig,
 )
-from serving.engine.config import EngineConfig, StrictModel
+from serving.engine.config import EngineConfig
+from serving.engine.strict import StrictModel
 
 __all__ = ["ServeConfig", "ENV_PREFIX"]
 
@@ -118,6 +119,14 @@ class ServeConfig(StrictModel):
             except ValidationError as exc:
                 err = exc.errors()[0]
                 raise ValueError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
+        prefill, decode = self.engine_config(self.prefill), self.engine_config(self.decode)
+        for key in HANDOFF_KEYS:  # the prefill pool's KV goes into the decode pool's cache
+            if getattr(prefill, key) != getattr(decode, key):
+                raise ValueError(
+                    f"prefill.engine.{key} = {getattr(prefill, key)!r} but decode.engine.{key} = "
+                    f"{getattr(decode, key)!r}: the pools hand KV over, so they must agree; set it in "
+                    f"`engine` for both"
+                )
         if any(not key for key in self.api_keys):
             raise ValueError("api_keys must not contain empty strings")
         if any(not key for key in self.admin_api_keys):
@@ -142,6 +151,11 @@ class ServeConfig(StrictModel):
         return EngineConfig.model_validate({
             **self.engine.model_dump(), **pool.engine.model_dump(), "model": self.model,
         })
+
+
+# Engine keys the prefill and decode pools must share: the KV layout, and the context window the
+# ingress checks a request against.
+HANDOFF_KEYS = ("block_size", "dtype", "max_model_len")
 
 
 def has_path(data: dict, parts: list[str]) -> bool:

@@ -1,22 +1,17 @@
-"""Engine configuration: one pydantic model, unknown keys rejected; and StrictModel, the base of
-every config model of the project (the app's, the autoscaling policy's, the pricing file's)."""
+"""Engine configuration: one pydantic model, unknown keys rejected (StrictModel, strict.py)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-__all__ = ["EngineConfig", "DTYPES", "StrictModel"]
+from serving.engine.strict import StrictModel
+
+__all__ = ["EngineConfig", "DTYPES"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-class StrictModel(BaseModel):
-    """Unknown keys are errors (they name the key), and a loaded config never changes."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class EngineConfig(StrictModel):
