@@ -76,7 +76,6 @@ def list_replicas(app: str) -> list[Replica]:
 
 def _read_on_replica(replica_actor) -> dict:
     """Runs inside the replica's process (via __ray_call__)."""
-    import dataclasses as _dc
     import os as _os
 
     impl = getattr(replica_actor, "_replica_impl", None)
@@ -91,7 +90,7 @@ def _read_on_replica(replica_actor) -> dict:
     if worker is None:
         return out  # the ingress
     stats = deployment.stats()  # a WorkerStats, flattened for the report
-    out.update(role=stats.role, node_id=stats.node_id, **_dc.asdict(stats.engine), **_dc.asdict(stats.counters))
+    out.update(stats.flat())
     engine = getattr(getattr(worker, "engine", None), "engine", None)  # AsyncEngine.engine: the LLMEngine
     block_manager = getattr(engine, "block_manager", None)
     if block_manager is not None:

@@ -379,7 +379,7 @@ def bench_served(config, prompts: Prompts, p: BenchParams, reference: PathResult
             timings = [_http_request(client, prompt, p.output_len) for prompt in prompts.timed]
         pools = ["PrefillWorker", "DecodeWorker"] if config.mode == "disaggregated" else ["Worker"]
         stats = {
-            name: dataclasses.asdict(serve.get_deployment_handle(name, app_name=config.app_name).stats.remote().result(timeout_s=60))
+            name: serve.get_deployment_handle(name, app_name=config.app_name).stats.remote().result(timeout_s=60).flat()
             for name in pools
         }
     finally:

@@ -21,6 +21,7 @@ RAY_NUM_CPUS = 4  # logical: the replicas ask for fractions; torch threads are s
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -1,7 +1,7 @@
 """The parameters of `kvrelay bench serve` and its command-line options.
 
 Kept apart from the benchmark so that `kvrelay --help` builds the parser without importing
-httpx or numpy (serving/cli/dispatch.py imports this module for every command).
+httpx or numpy (serving/cli/parser.py imports this module for every command).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class BenchParams:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `kvrelay bench serve` (serving/cli/dispatch.py adds them to its subparser)."""
+    """The options of `kvrelay bench serve` (serving/cli/parser.py adds them to its subparser)."""
     d = BenchParams()
     p.add_argument("--base-url", default=d.base_url, help="the server [%(default)s]")
     p.add_argument("--endpoint", choices=["chat", "completions"], default=d.endpoint,

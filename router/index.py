@@ -4,7 +4,7 @@
         Serve controller (routing stats, broadcast to every router) ──▶ PrefixIndex (router)
 
 Worker side, `CachedBlockSet` replays the engine's KV events (BlockStored adds hashes,
-BlockRemoved drops them, AllBlocksCleared empties it) and publishes versioned snapshots as
+BlockRemoved drops them) and publishes versioned snapshots as
 routing stats. Snapshots, not deltas: Serve broadcasts one routing-stats dict to every router
 (one per ingress replica), so nobody could consume a delta exactly once. A snapshot is 8 bytes
 per cached block (10k blocks: 80 KB).
@@ -26,7 +26,7 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from serving.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from serving.engine.kv_events import BlockRemoved, BlockStored, KVEvent
 
 __all__ = ["CachedBlockSet", "PrefixIndex", "encode_hashes", "decode_hashes"]
 
@@ -54,8 +54,6 @@ class CachedBlockSet:
                 self.hashes.update(event.block_hashes)
             elif isinstance(event, BlockRemoved):
                 self.hashes.difference_update(event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
-                self.hashes.clear()
             changed = True
         if changed or len(self.hashes) != before:
             self.version += 1

@@ -41,7 +41,7 @@ class RoutingStats:
     num_free_blocks: int = 0
     num_blocks: int = 0
     kv_cache_usage: float = 0.0
-    # The replica's metrics (WorkerMetrics.snapshot), which the ingress's GET /metrics re-exports
+    # The replica's metrics (WorkerRecorder.snapshot), which the ingress's GET /metrics re-exports
     # (serving/observability/export.py): they ride along instead of a scrape of every replica.
     metrics: tuple[MetricFamily, ...] = ()
 

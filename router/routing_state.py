@@ -24,7 +24,7 @@ from router.index import PrefixIndex
 from router.policies import Decision, ReplicaLoad, RouteRequest
 from router.replica_stats import RoutingStats
 
-__all__ = ["RouterState", "InflightTokens", "RoutingStats", "load_from_stats", "INFLIGHT_HORIZON_S"]
+__all__ = ["RouterState", "InflightTokens", "load_from_stats", "INFLIGHT_HORIZON_S"]
 
 INFLIGHT_HORIZON_S = 30.0  # forget routed-token accounting older than this even without stats
 

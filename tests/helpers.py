@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -35,13 +34,6 @@ def tiny_app_config(model_dir, name: str, **overrides):
         "app_name": name, "prefill": small, "decode": small, "worker": small, "ingress": {"num_cpus": 0.05},
     }
     return ServeConfig.model_validate({**base, **overrides})
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_until(predicate: Callable[[], T], *, timeout_s: float = 60.0, interval_s: float = 0.1) -> T:

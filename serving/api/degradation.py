@@ -139,8 +139,9 @@ Handler = Callable[[dict, Any], Awaitable["Response"]]  # OpenAIServer's (body, 
 class Degrader:
     """The ingress's side: wraps a completion handler of OpenAIServer, inside its `_guard` (so
     auth, body limits and error mapping stay where they are). `metrics` gets the counter;
-    `fallback` opens requests at the configured fallback app (a FallbackClient of
-    serving/deployments/fallback.py in a deployment); without one a request is shed instead."""
+    `fallback` opens requests at the configured fallback app (the Serve ingress passes a
+    FallbackClient, serving/deployments/fallback.py); without one (a server outside Serve, where
+    no other app exists) a request to degrade keeps the primary's refusal, counted as failed."""
 
     def __init__(
         self,

@@ -110,7 +110,7 @@ def message_text(message: ChatMessage, index: int) -> str:
 
 
 def sampling_params(request: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
-    """Translate the request's sampling fields; SamplingParams.validate checks the ranges."""
+    """Translate the request's sampling fields; SamplingParams checks the ranges when built."""
     if isinstance(request, ChatCompletionRequest):
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if request.top_logprobs is not None and not request.logprobs:

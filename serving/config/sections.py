@@ -62,14 +62,15 @@ def _engine_fields_model(name: str, doc: str, *, defaults: dict[str, Any] | None
     for field_name, field in EngineConfig.model_fields.items():
         if field_name == "model":
             continue
+        description = SERVING_ENGINE_DESCRIPTIONS.get(field_name, field.description)
         annotation = SERVING_ENGINE_TYPES.get(field_name, field.annotation)
         # ge, le, ...: checked here too, so errors name the key; the serving limits after them.
         for constraint in (*field.metadata, *SERVING_ENGINE_LIMITS.get(field_name, ())):
             annotation = Annotated[annotation, constraint]
         if defaults is None:
-            fields[field_name] = (annotation | None, Field(None, description=SERVING_ENGINE_DESCRIPTIONS.get(field_name, field.description)))
+            fields[field_name] = (annotation | None, Field(None, description=description))
         else:
-            fields[field_name] = (annotation, Field(defaults.get(field_name, field.default), description=SERVING_ENGINE_DESCRIPTIONS.get(field_name, field.description)))
+            fields[field_name] = (annotation, Field(defaults.get(field_name, field.default), description=description))
     return create_model(name, __base__=StrictModel if defaults is not None else _Overrides, __doc__=doc, **fields)
 
 

@@ -37,7 +37,7 @@ from serving.deployments import faults
 from serving.deployments.caller_watch import CallerWatch
 from serving.deployments.kv_handoff import KVHandoff
 from serving.deployments.kv_transfer import ACTOR_ERRORS
-from serving.deployments.messages import KVHandle, PrefillResult, WorkerError, WorkerRequest, WorkerStats
+from serving.deployments.messages import ClaimMiss, KVHandle, PrefillResult, WorkerError, WorkerRequest, WorkerStats
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.config import EngineConfig
 from serving.engine.errors import EngineError
@@ -229,10 +229,10 @@ class EngineWorker:
         """The request's KV from the prefill worker, or None: recompute the prompt here."""
         start, start_ns = time.monotonic(), time.time_ns()
         fetched = await self.kv.fetch(kv)
-        payload = None if isinstance(fetched, str) else fetched
+        payload = None if isinstance(fetched, ClaimMiss) else fetched
         if payload is None:
-            self.recorder.kv_fallback(fetched)
-            logger.warning("KV of %s not imported (%s): recomputing its %d tokens", kv.request_id, fetched, kv.num_tokens)
+            self.recorder.kv_fallback(fetched.value)
+            logger.warning("KV of %s not imported (%s): recomputing its %d tokens", kv.request_id, fetched.value, kv.num_tokens)
         else:
             self.recorder.kv_imported(time.monotonic() - start, payload.num_bytes)
         if trace is not None:

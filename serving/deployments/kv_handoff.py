@@ -23,16 +23,13 @@ import time
 import ray
 
 from serving.config import KVTransferConfig
-from serving.deployments.kv_transfer import ACTOR_ERRORS, actor_name, get_or_create
+from serving.deployments.kv_transfer import ACTOR_ERRORS, get_or_create
 from serving.deployments.messages import ClaimMiss, KVHandle
 from serving.engine.kv_payload import KVPayload
 
-__all__ = ["KVHandoff", "FetchMiss"]
+__all__ = ["KVHandoff"]
 
 logger = logging.getLogger(__name__)
-
-FetchMiss = str  # why a fetch got no payload: a ClaimMiss value, "timeout" or "error"
-
 
 class KVHandoff:
     def __init__(self, app_name: str, config: KVTransferConfig):
@@ -57,7 +54,7 @@ class KVHandoff:
 
     # ---- prefill side ------------------------------------------------------------------------
     def handle(self, request_id: str, node_id: str, num_tokens: int, num_bytes: int) -> KVHandle:
-        return KVHandle(request_id, actor_name(self.app_name, node_id), node_id, num_tokens, num_bytes)
+        return KVHandle(request_id, node_id, num_tokens, num_bytes)
 
     async def offer(self, node_id: str, request_id: str, ref: ray.ObjectRef, num_bytes: int) -> None:
         """Offer a payload's reference for `lease_s`. If the actor died, offer once more to the
@@ -80,24 +77,24 @@ class KVHandoff:
         actor = await self.actor(kv.node_id)
         timeout_s = self.config.timeout_s
         answer = await asyncio.wait_for(actor.claim.remote(kv.request_id, timeout_s), timeout_s + 5.0)
-        if answer is ClaimMiss.TIMEOUT:
+        if answer == ClaimMiss.TIMEOUT:
             self.release_soon(kv)  # drop the offer when it comes
         return answer
 
-    async def fetch(self, kv: KVHandle) -> KVPayload | FetchMiss:
+    async def fetch(self, kv: KVHandle) -> KVPayload | ClaimMiss:
         """Claim and get the payload within timeout_s, or why not (the caller recomputes the
         prompt). A cancelled caller (its client left during the hand-off) releases the offer and
         is cancelled, which is not a miss."""
         start = time.monotonic()
         try:
             answer = await self.claim(kv)
-            if isinstance(answer, ClaimMiss):
-                return answer.value
+            if isinstance(answer, str):  # a ClaimMiss (an actor of an older version: its value)
+                return ClaimMiss(answer)
             remaining = max(0.0, self.config.timeout_s - (time.monotonic() - start))
             return await asyncio.wait_for(answer[0], remaining)
         except TimeoutError:
             self.release_soon(kv)  # do not leave it held until the lease ends
-            return ClaimMiss.TIMEOUT.value
+            return ClaimMiss.TIMEOUT
         except ray.exceptions.TaskCancelledError:
             self.release_soon(kv)
             raise asyncio.CancelledError() from None
@@ -108,7 +105,7 @@ class KVHandoff:
                 self.forget(kv.node_id)
                 self.release_soon(kv)
             logger.warning("KV import of %s failed (%s)", kv.request_id, exc)
-            return "error"
+            return ClaimMiss.ERROR
 
     # ---- releases ----------------------------------------------------------------------------
     def release_soon(self, kv: KVHandle) -> None:

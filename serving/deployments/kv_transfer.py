@@ -3,7 +3,7 @@ actor's side of the KV hand-off; the callers' side is kv_handoff.py).
 
     PrefillWorker (node A)                 KVTransfer (node A)               DecodeWorker (node A|B)
     engine.export_kv ─▶ ray.put(payload) ──────────────▶ offer(id, [ref], lease)
-                    ◀──────── KVHandle(id, actor name, bytes) ───────────── (via the ingress)
+                    ◀──────── KVHandle(id, node, bytes) ────────────────── (via the ingress)
                                                  claim(id, wait) ◀──────────  get_actor(name)
                                                  [ref] ─────────────────────▶ await ref
                                                                              same node: plasma

@@ -28,9 +28,9 @@ their classes' `to_wire` / `from_wire`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from enum import Enum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from router.autoscaling.decide import ReplicaSignals
 from router.replica_stats import RoutingStats
@@ -79,8 +79,7 @@ class KVHandle:
     with the request from the prefill worker through the ingress to the decode worker."""
 
     request_id: str
-    actor_name: str
-    node_id: str
+    node_id: str  # its node's KVTransfer actor holds it (kv_transfer.actor_name)
     num_tokens: int
     num_bytes: int
 
@@ -147,6 +146,11 @@ class WorkerStats:
     engine: EngineStats
     counters: WorkerCounters
 
+    def flat(self) -> dict[str, Any]:
+        """One level, for a report (JSON): who, then the engine's and the counters' fields."""
+        return {"role": self.role, "pid": self.pid, "node_id": self.node_id,
+                **asdict(self.engine), **asdict(self.counters)}
+
 
 # ---- the KVTransfer actor ----------------------------------------------------------------------
 class ClaimMiss(str, Enum):
@@ -155,6 +159,7 @@ class ClaimMiss(str, Enum):
     TIMEOUT = "timeout"  # not offered within the wait
     RELEASED = "released"  # released first (the client left)
     EXPIRED = "expired"  # offered, but its lease ran out before the claim
+    ERROR = "error"  # the actor or the object was lost (the decode side's verdict, never the actor's)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,11 @@ _EXPORTS = {
     "SamplingParams": "serving.engine.params",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "CompletionOutput", "ContextLengthError", "EngineConfig", "EngineDeadError", "EngineError", "EngineStats",
+    "InvalidRequestError", "KVLayout", "KVPayload", "LLMEngine", "ModelLoadError", "RequestFailedError",
+    "RequestOutput", "SamplingParams", "TokenLogprob",
+]
 
 if TYPE_CHECKING:
     from serving.engine.config import EngineConfig

@@ -2,14 +2,14 @@
 
 Events carry block hashes (see block_hash.py), never block ids: hashes mean the same thing on
 every replica. A subscriber can rebuild the exact set of cached blocks from the stream:
-BlockStored adds hashes, BlockRemoved drops them, AllBlocksCleared drops everything.
+BlockStored adds hashes, BlockRemoved drops them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEvent"]
+__all__ = ["BlockStored", "BlockRemoved", "KVEvent"]
 
 
 @dataclass(frozen=True)
@@ -25,9 +25,4 @@ class BlockRemoved:
     block_hashes: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class AllBlocksCleared:
-    pass
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+KVEvent = BlockStored | BlockRemoved

@@ -4,7 +4,7 @@
     │                                   tokens) and the pool gauges PoolView keeps
     ├─ RoutersCollector, at each scrape, for every request router in this process (one per pool):
     │     its decision counts       ─▶ kvrelay_routing_decisions_total{pool, policy, reason}
-    │     each replica's newest RoutingStats.metrics (WorkerMetrics.snapshot, sent every
+    │     each replica's newest RoutingStats.metrics (WorkerRecorder.snapshot, sent every
     │     routing.stats_period_s)  ─▶ that worker's histograms, counters and gauges, as reported
     └─ PoolView, a background task: the Serve controller's replicas per pool by state and the
           pool's target count, every `period_s`

@@ -160,7 +160,8 @@ class WorkerRecorder:
         self.instruments.inc("kvrelay_kv_transfer_bytes_total", num_bytes, direction="import")
 
     def kv_fallback(self, reason: str) -> None:
-        """A KV import failed or timed out (`reason`): the prompt is recomputed."""
+        """A KV import failed or timed out (`reason`: the value of a ClaimMiss,
+        deployments/messages.py): the prompt is recomputed."""
         self.counters.num_kv_fallbacks += 1
         self.counters.fallback_reasons[reason] = self.counters.fallback_reasons.get(reason, 0) + 1
         self.instruments.inc("kvrelay_kv_transfer_fallbacks_total", reason=reason)

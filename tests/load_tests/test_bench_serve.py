@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from load_tests.bench_serve import BenchParams, format_table, run_rates
+from load_tests.local_ray import free_port
 from load_tests.serve_client import RequestSpec, ServeClient
 from load_tests.serve_datasets import (
     arrival_times,
@@ -34,7 +35,6 @@ from load_tests.serve_metrics import parse_slo, percentile, stats_ms, summarize_
 from load_tests.serve_params import params_from_args
 from serving.cli.parser import build_parser
 from tests.helpers import REPO as REPO_ROOT
-from tests.helpers import free_port
 
 
 # ---- the scripted fake server ----------------------------------------------------------------

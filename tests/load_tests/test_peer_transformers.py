@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from load_tests.local_ray import free_port
 from load_tests.peer_transformers import (
     BatchRunner,
     GenRequest,
@@ -22,7 +23,6 @@ from load_tests.peer_transformers import (
     _Row,
     build_app,
 )
-from tests.helpers import free_port
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from router.index import CachedBlockSet, PrefixIndex, decode_hashes, encode_hashes
 from serving.engine.block_hash import hash_blocks
 from serving.engine.block_manager import BlockManager
-from serving.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from serving.engine.kv_events import BlockRemoved, BlockStored
 from serving.engine.params import SamplingParams
 from serving.engine.request import Sequence
 
@@ -21,7 +21,7 @@ def test_cached_block_set_replays_events_and_versions():
     assert blocks.hashes == {1, 3, 4} and blocks.version == 2
     blocks.apply([])
     assert blocks.version == 2  # nothing happened: same snapshot
-    blocks.apply([AllBlocksCleared(), stored(9)])
+    blocks.apply([BlockRemoved((1, 3, 4)), stored(9)])
     assert blocks.hashes == {9} and blocks.version == 3
     version, encoded = blocks.snapshot()
     assert version == 3 and decode_hashes(encoded) == {9}

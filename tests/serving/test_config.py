@@ -111,6 +111,31 @@ def test_a_moved_key_names_its_new_path(tmp_path, source, given, moved, new, var
     assert f"`{moved}` moved to `{new}` (env {variable})" in str(info.value)
 
 
+def test_served_engines_keep_their_tighter_limits(tmp_path):
+    """A replica's threads are always set (torch's default is every core, and replicas share the
+    machine), and its context window holds a chat template."""
+    path = write(tmp_path, "engine:\n  num_threads: null\n  max_model_len: 8\ndecode:\n  engine: {num_threads: 513}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    message = str(info.value)
+    assert "engine.num_threads = None: Input should be a valid integer" in message
+    assert "engine.max_model_len = 8: Input should be greater than or equal to 16" in message
+    assert "decode.engine.num_threads = 513: Input should be less than or equal to 512" in message
+    # An engine alone may take torch's default and any window.
+    assert EngineConfig(num_threads=None, max_model_len=8).num_threads is None
+
+
+@pytest.mark.parametrize(("key", "value"), [("block_size", 32), ("dtype", "float32"), ("max_model_len", 512)])
+def test_the_pools_that_hand_kv_over_agree_on_its_layout_and_the_context_window(key, value):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides={f"prefill.engine.{key}": value}, env={})
+    decode = getattr(ServeConfig().engine_config(ServeConfig().decode), key)
+    assert (f"prefill.engine.{key} = {value!r} but decode.engine.{key} = {decode!r}: the pools hand KV over, "
+            "so they must agree; set it in `engine` for both") in str(info.value)
+    config = load_config(overrides={f"engine.{key}": value}, env={})
+    assert getattr(config.engine_config(config.prefill), key) == getattr(config.engine_config(config.decode), key) == value
+
+
 def test_the_model_is_the_apps_not_the_engines():
     with pytest.raises(ConfigError, match="engine.model = 'x': the model is the app's; set the top-level `model`"):
         load_config(overrides={"engine.model": "x"}, env={})

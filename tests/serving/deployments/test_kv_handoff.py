@@ -69,7 +69,7 @@ def actor(monkeypatch):
     return the_actor
 
 
-KV = KVHandle("r1", "KVTransfer:app:node", "node", num_tokens=40, num_bytes=1024)
+KV = KVHandle("r1", "node", num_tokens=40, num_bytes=1024)
 
 
 def handoff(**config) -> KVHandoff:
@@ -104,19 +104,21 @@ def test_a_fetch_that_gets_nothing_says_why(actor, miss):
         kv = handoff()
         await kv.actor("node")
         actor.claim_answer = miss
-        assert await kv.fetch(KV) == miss.value
+        assert await kv.fetch(KV) is miss
         await settled(kv)
         assert [name for name, _ in actor.calls] == ["claim"]  # nothing to release
 
     asyncio.run(main())
 
 
-def test_a_claim_that_timed_out_releases_the_late_offer(actor):
+# "timeout": the plain string a KVTransfer actor of 0.1.0 (detached, reused) answers.
+@pytest.mark.parametrize("answer", [ClaimMiss.TIMEOUT, "timeout"])
+def test_a_claim_that_timed_out_releases_the_late_offer(actor, answer):
     async def main():
         kv = handoff()
         await kv.actor("node")
-        actor.claim_answer = ClaimMiss.TIMEOUT
-        assert await kv.fetch(KV) == "timeout"
+        actor.claim_answer = answer
+        assert await kv.fetch(KV) is ClaimMiss.TIMEOUT
         await settled(kv)
         assert actor.calls == [("claim", ("r1", 5.0)), ("release", ("r1",))]
 
@@ -138,7 +140,7 @@ def test_an_actor_error_during_a_fetch_is_an_error_miss_that_looks_the_actor_up_
         kv = handoff()
         await kv.actor("node")
         actor.fail["claim"] = 1
-        assert await kv.fetch(KV) == "error"
+        assert await kv.fetch(KV) is ClaimMiss.ERROR
         await settled(kv)
         # The restarted actor, looked up again, is told to drop this request's offer, which the
         # prefill worker makes again to it.

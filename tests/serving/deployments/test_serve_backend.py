@@ -148,7 +148,7 @@ def _output(token_ids, finish_reason=None):
 def pools(first_finish=None):
     from serving.deployments.messages import KVHandle, PrefillResult
 
-    kv = None if first_finish else KVHandle("r", "KVTransfer:x:n", "n", 3, 100)
+    kv = None if first_finish else KVHandle("r", "n", 3, 100)
     prefill = RecordingHandle("PrefillWorker", lambda name, args: _Call(PrefillResult(_output([7], first_finish), kv)))
     decode = RecordingHandle("DecodeWorker", lambda name, args: _Stream([_output([8]), _output([9], "length")]))
     config = ServeConfig(min_remote_prefill_tokens=4)
