@@ -36,7 +36,7 @@ from pathlib import Path
 
 from load_tests import hardware
 from load_tests.bench_engine import Target
-from load_tests.common import StepLog, command_line, load_note, write_report
+from load_tests.common import StepLog, load_note, run_and_report
 from load_tests.kv_transfer_timing import (
     KV_TRANSFER_STEPS,
     KVTransferResult,
@@ -459,8 +459,4 @@ def params_from_args(args: argparse.Namespace) -> BenchParams:
 
 
 def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
-    p = params_from_args(args)
-    report = run(p, command=command_line(argv))
-    if args.json:
-        _progress(f"wrote {write_report(args.json, report)}")
-    return 0
+    return run_and_report(args, argv, params_from_args, run, _progress)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StepLog", "command_line", "load_note", "write_report"]
+__all__ = ["StepLog", "command_line", "load_note", "run_and_report", "write_report"]
 
 
 class StepLog:
@@ -43,3 +44,13 @@ def load_note(load_avg_1m: float | None) -> str | None:
     if load_avg_1m is None or load_avg_1m < 0.5:
         return None
     return f"note: 1-min load average {load_avg_1m:.2f} at start: other processes shared the CPU"
+
+
+def run_and_report(args: Any, argv: list[str], params_from_args: Callable[[Any], Any], run: Callable[..., dict],
+                   progress: Callable[[str], None]) -> int:
+    """A bench's `run_from_args` when it has nothing of its own to add: its parameters from the
+    command line, its run, and its report written to --json."""
+    report = run(params_from_args(args), command=command_line(argv))
+    if args.json:
+        progress(f"wrote {write_report(args.json, report)}")
+    return 0

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["RequestRecord", "PolicyRun", "percentile"]
+__all__ = ["RoutedRequest", "PolicyRun", "percentile"]
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -27,7 +27,9 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 @dataclass(frozen=True)
-class RequestRecord:
+class RoutedRequest:
+    """Where one request of a routing run went, and what the prefix cache saved it."""
+
     replica: str
     num_prompt_tokens: int
     num_cached_tokens: int
@@ -38,7 +40,7 @@ class RequestRecord:
 class PolicyRun:
     policy: str
     replicas: list[str]  # every replica of the pool, including ones that got nothing
-    records: list[RequestRecord]
+    records: list[RoutedRequest]
     decisions: dict[str, int] = field(default_factory=dict)  # by reason
 
     @property

@@ -23,7 +23,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from load_tests.routing_metrics import PolicyRun, RequestRecord
+from load_tests.routing_metrics import PolicyRun, RoutedRequest
 from load_tests.routing_workload import Workload
 
 __all__ = ["run_policy", "serve_config"]
@@ -79,7 +79,7 @@ async def _run_workload(handle, workload: Workload, warmup: list[list[int]], set
     async def one(request):
         await asyncio.sleep(max(0.0, request.arrival_s - (time.perf_counter() - start)))
         ttft_s, result = await _send(handle, _request(request.request_id, request.token_ids, bs))
-        return RequestRecord(result.replica, request.num_prompt_tokens, result.output.num_cached_tokens, ttft_s)
+        return RoutedRequest(result.replica, request.num_prompt_tokens, result.output.num_cached_tokens, ttft_s)
 
     records = await asyncio.gather(*(one(request) for request in workload.requests))
     return list(records), seen | {r.replica for r in records}

@@ -47,7 +47,7 @@ import random
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
-from load_tests.routing_metrics import PolicyRun, RequestRecord
+from load_tests.routing_metrics import PolicyRun, RoutedRequest
 from load_tests.routing_workload import Workload, WorkloadRequest
 from router.policies import POLICIES, RouteRequest, build_policy
 from router.replica_stats import RoutingStats
@@ -228,7 +228,7 @@ def simulate(
     for replica in replicas:  # each replica's stats timer runs at its own phase
         heapq.heappush(events, (rng.uniform(0, config.stats_period_s), _STATS, order, replica.name))
         order += 1
-    records: list[RequestRecord] = []
+    records: list[RoutedRequest] = []
     requests = workload.requests
     next_arrival = 0
 
@@ -246,7 +246,7 @@ def simulate(
             if kind == _FINISH:
                 job, next_job = replica.finish(now)
                 request = job.request
-                records.append(RequestRecord(name, request.num_prompt_tokens, job.num_cached_tokens, now - request.arrival_s))
+                records.append(RoutedRequest(name, request.num_prompt_tokens, job.num_cached_tokens, now - request.arrival_s))
                 started(next_job, name)
             elif next_arrival < len(requests):  # stats matter only while requests still arrive
                 latest[name] = replica.routing_stats(now)

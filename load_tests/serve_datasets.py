@@ -18,12 +18,11 @@ n words is about n tokens (plus the chat template's own); the server's count com
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
 from load_tests.serve_client import RequestSpec
-from load_tests.serve_params import DATASETS
+from load_tests.serve_params import DATASETS, LengthDist, parse_length
 
 __all__ = [
     "DATASETS", "LengthDist", "arrival_times", "chat_burst", "multi_turn", "parse_length",
@@ -55,47 +54,6 @@ _WORDS = [
     "got", "group", "often", "run", "important", "until", "children", "side", "feet", "car", "mile",
     "night", "walk", "white", "sea",
 ]
-
-
-@dataclass(frozen=True)
-class LengthDist:
-    """Token lengths: fixed (`low == high`), uniform over [low, high], or normal(mean, sd) clipped
-    to >= 1."""
-
-    kind: str  # "fixed", "uniform", "normal"
-    a: float  # fixed/uniform: low; normal: mean
-    b: float  # fixed/uniform: high; normal: sd
-
-    def sample(self, rng: np.random.Generator, n: int) -> list[int]:
-        if self.kind in ("fixed", "uniform"):
-            return rng.integers(int(self.a), int(self.b) + 1, n).tolist()
-        return np.maximum(1, np.rint(rng.normal(self.a, self.b, n))).astype(int).tolist()
-
-    @property
-    def mean(self) -> float:
-        return self.a if self.kind == "normal" else (self.a + self.b) / 2
-
-
-def parse_length(spec: str | int) -> LengthDist:
-    """`256` fixed, `128-512` uniform (inclusive), `normal:256:64` mean and sd; ValueError otherwise."""
-    text = str(spec).strip()
-    try:
-        if text.startswith("normal:"):
-            _, mean, sd = text.split(":")
-            dist = LengthDist("normal", float(mean), float(sd))
-            ok = dist.a >= 1 and dist.b >= 0
-        elif "-" in text:
-            low, high = (int(x) for x in text.split("-"))
-            dist = LengthDist("uniform", low, high)
-            ok = 1 <= low <= high
-        else:
-            dist = LengthDist("fixed", int(text), int(text))
-            ok = dist.a >= 1
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ValueError(f"length {text!r}: want N, LOW-HIGH or normal:MEAN:SD, lengths >= 1")
-    return dist
 
 
 def random_text(rng: np.random.Generator, num_tokens: int) -> str:

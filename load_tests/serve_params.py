@@ -11,8 +11,12 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["DATASETS", "BenchParams", "add_arguments", "params_from_args"]
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["DATASETS", "BenchParams", "LengthDist", "add_arguments", "params_from_args", "parse_length"]
 
 DATASETS = ("random", "shared-prefix", "multi-turn", "chat-burst")
 
@@ -93,8 +97,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
+@dataclass(frozen=True)
+class LengthDist:
+    """Token lengths: fixed (`low == high`), uniform over [low, high], or normal(mean, sd) clipped
+    to >= 1."""
+
+    kind: str  # "fixed", "uniform", "normal"
+    a: float  # fixed/uniform: low; normal: mean
+    b: float  # fixed/uniform: high; normal: sd
+
+    def sample(self, rng: np.random.Generator, n: int) -> list[int]:
+        import numpy as np
+
+        if self.kind in ("fixed", "uniform"):
+            return rng.integers(int(self.a), int(self.b) + 1, n).tolist()
+        return np.maximum(1, np.rint(rng.normal(self.a, self.b, n))).astype(int).tolist()
+
+    @property
+    def mean(self) -> float:
+        return self.a if self.kind == "normal" else (self.a + self.b) / 2
+
+
+def parse_length(spec: str | int) -> LengthDist:
+    """`256` fixed, `128-512` uniform (inclusive), `normal:256:64` mean and sd; ValueError otherwise."""
+    text = str(spec).strip()
+    try:
+        if text.startswith("normal:"):
+            _, mean, sd = text.split(":")
+            dist = LengthDist("normal", float(mean), float(sd))
+            ok = dist.a >= 1 and dist.b >= 0
+        elif "-" in text:
+            low, high = (int(x) for x in text.split("-"))
+            dist = LengthDist("uniform", low, high)
+            ok = 1 <= low <= high
+        else:
+            dist = LengthDist("fixed", int(text), int(text))
+            ok = dist.a >= 1
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"length {text!r}: want N, LOW-HIGH or normal:MEAN:SD, lengths >= 1")
+    return dist
+
+
 def params_from_args(args: argparse.Namespace) -> BenchParams:
-    from load_tests.serve_datasets import parse_length
     from load_tests.serve_metrics import parse_slo
 
     try:

@@ -12,7 +12,7 @@ import pytest
 
 from load_tests.bench_routing import REAL_QUICK, SIM_FULL, SIM_QUICK, params_from_args, policy_figures, summarize
 from load_tests.routing_calibration import CalibrationPoint, fit
-from load_tests.routing_metrics import PolicyRun, RequestRecord, percentile
+from load_tests.routing_metrics import PolicyRun, RoutedRequest, percentile
 from load_tests.routing_sim import BlockCache, CostModel, SimConfig, oracle_hit_tokens, simulate
 from load_tests.routing_workload import Workload, WorkloadRequest, WorkloadSpec, make_workload
 from router.char_prefix_tree import token_text
@@ -136,7 +136,7 @@ def test_percentile_and_calibration_fit():
 
 def run_of(policy: str, ttfts: list[float], loads: dict[str, tuple[int, int]]) -> PolicyRun:
     """loads: replica -> (prompt tokens, cached tokens), one request each, TTFTs in order."""
-    records = [RequestRecord(r, n, c, t) for (r, (n, c)), t in zip(loads.items(), ttfts)]
+    records = [RoutedRequest(r, n, c, t) for (r, (n, c)), t in zip(loads.items(), ttfts)]
     return PolicyRun(policy, list(loads), records)
 
 
