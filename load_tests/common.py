@@ -4,6 +4,7 @@ it writes its JSON report, and the note on a machine that was not idle."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -32,11 +33,22 @@ def command_line(argv: list[str]) -> str:
 
 
 def write_report(path: str | Path, report: dict, *, default: Any = None) -> Path:
-    """Write a report as JSON (NaN refused: it is not JSON), creating its folder."""
+    """Write a report as JSON, creating its folder. A NaN or infinity (not JSON) is written as
+    null, so a figure that could not be computed never loses the others."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, allow_nan=False, default=default) + "\n")
+    path.write_text(json.dumps(_finite(report), indent=2, allow_nan=False, default=default) + "\n")
     return path
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
 
 
 def load_note(load_avg_1m: float | None) -> str | None:
