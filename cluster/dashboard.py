@@ -35,6 +35,8 @@ __all__ = [
 ]
 
 APP_IMPORT_PATH = "serving.deployments.app:build_app"
+# Where older kvrelay versions had build_app: their apps' configs are not this version's.
+OLDER_IMPORT_PATHS = {"serving.app:build_app": "0.1"}
 POOLS = {"prefill": "PrefillWorker", "decode": "DecodeWorker", "worker": "Worker", "ingress": "OpenAIIngress"}
 
 
@@ -118,6 +120,12 @@ def _deployed_config(client: DashboardClient, app_name: str) -> tuple[dict, dict
         configs.append(deployed)
         if name == app_name:
             target = deployed
+    if target.get("import_path") in OLDER_IMPORT_PATHS:
+        raise OpsError(
+            f"application {app_name!r} runs kvrelay {OLDER_IMPORT_PATHS[target['import_path']]} (import path "
+            f"{target['import_path']!r}), older than this kvrelay command: use the command of the cluster's version, "
+            "or upgrade the cluster (`kvrelay serve`, `helm upgrade`)"
+        )
     if target.get("import_path") != APP_IMPORT_PATH:
         raise OpsError(f"application {app_name!r} is not a kvrelay app (import path {target.get('import_path')!r})")
     http = (state.get("http_options") or {})

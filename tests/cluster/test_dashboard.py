@@ -87,6 +87,21 @@ def test_scale_refuses_bad_counts_and_imperative_apps():
     assert fake.puts == []
 
 
+def test_an_app_of_an_older_kvrelay_is_named_as_such_and_left_alone():
+    state = recorded()
+    app = state["applications"]["kvrelay"]["deployed_app_config"]
+    app["import_path"] = "serving.app:build_app"
+    app["args"] = {"num_threads": 2}  # 0.1's layout: not this version's config
+    fake = FakeDashboard(state)
+    with pytest.raises(dashboard.OpsError) as info:
+        dashboard.scale(fake.client(), "kvrelay", "decode", 2)
+    assert str(info.value) == (
+        "application 'kvrelay' runs kvrelay 0.1 (import path 'serving.app:build_app'), older than this kvrelay "
+        "command: use the command of the cluster's version, or upgrade the cluster (`kvrelay serve`, `helm upgrade`)"
+    )
+    assert fake.puts == []
+
+
 def test_policy_apply_validates_first(tmp_path):
     fake = FakeDashboard(recorded())
     bad = tmp_path / "bad.yaml"
