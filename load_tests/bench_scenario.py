@@ -297,14 +297,15 @@ def _scrape_prefix_cache(base_url: str, settle_s: float) -> tuple[float, float]:
 
 
 def _run_prefix_routing(p: ScenarioParams, model_dir: Path, port: int, w: BenchParams) -> ScenarioResult:
+    import torch
+
     from load_tests.scenario_servers import kvrelay_server
-    from serving.engine.config import DTYPES
     from serving.engine.kv_cache import kv_bytes_per_token
     from serving.engine.model_loader import load_model_spec
 
     spec = load_model_spec(model_dir)
     kv_tokens = PREFIX_KV_TOKENS[p.smoke]
-    kv_bytes = kv_tokens * kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, DTYPES[p.dtype])
+    kv_bytes = kv_tokens * kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, getattr(torch, p.dtype))
     result = ScenarioResult()
     for policy in ("prefix_cost", "pow2"):
         config = kvrelay_config(p, model_dir, "disaggregated", port, app=f"kvrelay-scenario-{policy.replace('_', '-')}",

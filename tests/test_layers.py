@@ -80,3 +80,20 @@ def test_no_module_imports_from_a_layer_above_its_own():
 def test_layer_of_takes_the_longest_prefix(module, layer):
     index = layer_of(module)
     assert (None if index is None else LAYERS[index]) == layer
+
+
+# Loading a config or running an ops command needs no torch, no model code and no benchmark: the
+# Serve controller imports the autoscaling policy, `kvrelay status` and `scale` the config.
+LIGHT_MODULES = ("serving.config", "router.autoscaling.decide", "router.autoscaling.policy", "router.index",
+                 "serving.cli.dispatch", "cluster.dashboard")
+HEAVY = ("torch", "matplotlib", "load_tests", "serving.engine.engine")
+
+
+def test_configs_and_ops_commands_load_without_torch_or_the_benchmarks():
+    import subprocess
+    import sys
+
+    code = (f"import sys\nfor m in {LIGHT_MODULES!r}: __import__(m)\n"
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or m in {HEAVY!r}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import Field, model_validator
 
 from serving.engine.strict import StrictModel
 
-__all__ = ["EngineConfig", "DTYPES"]
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+__all__ = ["EngineConfig"]
 
 
 class EngineConfig(StrictModel):
@@ -61,5 +61,7 @@ class EngineConfig(StrictModel):
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch  # here: a config loads without torch (the router, the ops commands)
+
         assert self.dtype != "auto", "dtype auto is resolved by the engine (dtype_choice.choose_dtype)"
-        return DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
