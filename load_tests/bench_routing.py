@@ -235,17 +235,17 @@ def simulate_all(p: BenchParams, cost: CostModel, num_replicas: int, workload: W
 
 def _run_real(p: BenchParams, cost: CostModel, workload: Workload) -> dict:
     import numpy as np
+    import torch
 
     from load_tests import routing_real
     from load_tests.local_ray import local_ray
-    from serving.engine.config import DTYPES
     from serving.engine.kv_cache import kv_bytes_per_token
     from serving.engine.model_loader import load_model_spec, resolve_model_dir
 
     model_dir = resolve_model_dir(p.model)
     spec = load_model_spec(model_dir)
     num_blocks = p.kv_cache_tokens // p.block_size
-    kv_bytes = num_blocks * p.block_size * kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, DTYPES[p.dtype])
+    kv_bytes = num_blocks * p.block_size * kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, getattr(torch, p.dtype))
     warmup = np.random.default_rng([p.seed, 9]).integers(100, spec.vocab_size, (2 * p.num_replicas, 64)).tolist()
     runs, info = {}, {}
     with local_ray("bench routing", _progress, start_serve=True):
