@@ -355,7 +355,7 @@ def _soak(tiny_model_dir, tmp_path, *extra) -> tuple[dict, subprocess.CompletedP
     command = [sys.executable, "-m", "serving.cli", "bench", "soak", "--model", str(tiny_model_dir), "--dtype", "float32",
                "--concurrency", "16", "--no-progress", "--json", str(out),
                # a small KV cache, so long prompts at 16 in flight preempt: those paths must not leak either
-               "--set", f"kv_cache_bytes={4 * 2**20}", *extra]
+               "--set", f"engine.kv_cache_bytes={4 * 2**20}", *extra]
     proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, check=False)
     assert out.exists(), proc.stderr[-4000:]
     report = json.loads(out.read_text())

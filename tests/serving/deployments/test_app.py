@@ -236,7 +236,7 @@ def test_kv_lost_before_claim_recomputes(serve_instance, tiny_model_dir, referen
     assert result.kv is not None and result.kv.num_tokens == len(ids)
     from serving.deployments import kv_transfer
 
-    actor = ray.get_actor(result.kv.actor_name, namespace=kv_transfer.NAMESPACE)
+    actor = ray.get_actor(kv_transfer.actor_name("disagg", result.kv.node_id), namespace=kv_transfer.NAMESPACE)
     # The offer follows the first token; release once it is held.
     wait_until(lambda: kv_actor_stats("disagg").num_held == 1, timeout_s=10)
     assert ray.get(actor.release.remote("lost-kv-1")) is True
