@@ -236,9 +236,16 @@ def test_kv_lost_before_claim_recomputes(serve_instance, tiny_model_dir, referen
     assert result.kv is not None and result.kv.num_tokens == len(ids)
     from serving.deployments import kv_transfer
 
+    # The offer follows the first token (and creates the node's actor in a fresh app); release
+    # once it is held.
+    def held() -> bool:
+        try:
+            return kv_actor_stats("disagg").num_held == 1
+        except ValueError:  # no actor yet
+            return False
+
+    wait_until(held, timeout_s=10)
     actor = ray.get_actor(kv_transfer.actor_name("disagg", result.kv.node_id), namespace=kv_transfer.NAMESPACE)
-    # The offer follows the first token; release once it is held.
-    wait_until(lambda: kv_actor_stats("disagg").num_held == 1, timeout_s=10)
     assert ray.get(actor.release.remote("lost-kv-1")) is True
 
     before = stats("disagg", "DecodeWorker")
