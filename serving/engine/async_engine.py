@@ -8,6 +8,13 @@ Only the step thread touches the LLMEngine, so it needs no locks. Torch releases
 its kernels, so the event loop keeps serving while a step runs. A caller that stops iterating
 (client disconnect, cancellation) aborts its request, and the blocks are freed at once.
 
+A step's outputs reach each event loop in one wake-up (one `call_soon_threadsafe` per loop and
+step, not per request: with 16 streams that is 16 self-pipe writes and loop wake-ups fewer). A
+caller slower than the steps does not fall behind a queue of single-token outputs: the outputs
+waiting for it are merged into one (deltas concatenated, `merge_outputs`), so it gets everything
+so far in one item. Nothing waits to be merged: the first output, and any output a caller is
+already waiting for, goes out at once.
+
 Callers come and go at any moment; the step thread never depends on one still being there:
 - a command runs whether or not its caller still waits (a cancelled `release_kv` still releases),
   and its result is dropped if the caller has gone;
@@ -33,7 +40,7 @@ from serving.engine.engine import LLMEngine
 from serving.engine.errors import EngineDeadError
 from serving.engine.kv_events import KVEvent
 from serving.engine.kv_payload import KVPayload
-from serving.engine.outputs import EngineStats, RequestOutput
+from serving.engine.outputs import EngineStats, RequestOutput, merge_outputs
 from serving.engine.params import SamplingParams
 
 __all__ = ["AsyncEngine"]
@@ -100,11 +107,13 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             raise
         finished = False
+        held: BaseException | None = None  # an error taken off the queue while coalescing
         try:
             while not finished:
-                item = await stream.get()
+                item = held if held is not None else await stream.get()
                 if isinstance(item, BaseException):
                     raise item
+                item, held = _coalesce(item, stream)
                 finished = item.finished
                 yield item
         finally:
@@ -214,8 +223,19 @@ class AsyncEngine:
             self._fail_pending(dead)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs over: one wake-up per event loop (the streams of one replica
+        share its loop), not one per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
-            self._send(out.request_id, out)
+            target = self._streams.get(out.request_id)
+            if target is not None:  # else its caller has gone
+                by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, deliveries in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, deliveries)
+            except RuntimeError:  # its event loop has closed
+                for request_id in [rid for rid, (lp, _) in list(self._streams.items()) if lp is loop]:
+                    self._streams.pop(request_id, None)
 
     def _send(self, request_id: str, item: RequestOutput | BaseException) -> None:
         target = self._streams.get(request_id)
@@ -242,6 +262,25 @@ class AsyncEngine:
                 return
             if command is not _STOP and command[0] == "call":
                 _deliver(command[2], error=error)
+
+
+def _put_all(deliveries: list[tuple[asyncio.Queue, Any]]) -> None:
+    for stream, item in deliveries:
+        stream.put_nowait(item)
+
+
+def _coalesce(item: RequestOutput, stream: asyncio.Queue) -> tuple[RequestOutput, BaseException | None]:
+    """`item` with the outputs queued behind it merged in (a reader slower than the steps gets
+    everything so far at once), and the error that ended the merge, if one did (raised after
+    the merged output is yielded). Nothing follows a finished output."""
+    merged: RequestOutput | None = None
+    while not item.finished and not stream.empty():
+        nxt = stream.get_nowait()
+        if isinstance(nxt, BaseException):
+            return (merged or item), nxt
+        merged = merge_outputs(merged if merged is not None else merge_outputs(None, item), nxt)
+        item = merged
+    return item, None
 
 
 def _deliver(future: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:

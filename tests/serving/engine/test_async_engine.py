@@ -387,3 +387,57 @@ def test_stats_are_current_after_a_release_on_an_idle_engine(async_engine):
     held, released = asyncio.run(main())
     assert held.num_held_exports == 1 and held.num_free_blocks == held.num_blocks - 3
     assert released.num_held_exports == 0 and released.num_free_blocks == released.num_blocks
+
+
+def test_a_reader_slower_than_the_steps_gets_the_queued_outputs_merged(async_engine):
+    """A caller that sleeps through several steps gets one output with every token since its
+    last read (not a backlog of one-token items), and the tokens are exactly the engine's."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompt = [5, 6, 7, 8]
+    expected = LLMEngine(async_engine.engine.config).generate([prompt], params)[0].outputs[0].token_ids
+
+    async def main():
+        sizes, tokens = [], []
+        async for out in async_engine.generate("slow", params=params, prompt_token_ids=prompt):
+            sizes.append(len(out.outputs[0].token_ids))
+            tokens += out.outputs[0].token_ids
+            if len(sizes) == 1:
+                # Hold the reader until every later step's output waits in its queue.
+                queue = async_engine._streams["slow"][1]
+                for _ in range(3000):
+                    if queue.qsize() == 23:
+                        break
+                    await asyncio.sleep(0.01)
+        return sizes, tokens
+
+    sizes, tokens = asyncio.run(main())
+    assert tokens == expected
+    assert sizes == [1, 23]
+
+
+def test_coalescing_stops_at_an_error_and_raises_it_after_the_merged_output():
+    from serving.engine.async_engine import _coalesce
+    from serving.engine.outputs import CompletionOutput, RequestOutput
+
+    def out(token: int, finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", [CompletionOutput(0, f"t{token}", [token])], finished, 4, 0)
+
+    async def main():
+        stream: asyncio.Queue = asyncio.Queue()
+        for item in (out(2), out(3), RuntimeError("engine died"), out(9)):
+            stream.put_nowait(item)
+        merged, error = _coalesce(out(1), stream)
+        return merged, error, stream.qsize()
+
+    merged, error, left = asyncio.run(main())
+    assert merged.outputs[0].token_ids == [1, 2, 3] and merged.outputs[0].text == "t1t2t3"
+    assert isinstance(error, RuntimeError) and left == 1
+
+    async def finished_first():
+        stream: asyncio.Queue = asyncio.Queue()
+        stream.put_nowait(out(5))
+        merged, error = _coalesce(out(4, finished=True), stream)
+        return merged, error, stream.qsize()
+
+    merged, error, left = asyncio.run(finished_first())
+    assert merged.outputs[0].token_ids == [4] and merged.finished and error is None and left == 1
