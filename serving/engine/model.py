@@ -22,15 +22,12 @@ import torch.nn.functional as F
 from serving.engine.attention import AttentionMetadata, paged_attention
 from serving.engine.cpu_kernels import native_kernels
 from serving.engine.errors import ModelLoadError
+from serving.engine.linear_choice import LinearChoice, choose_linear
 from serving.engine.model_loader import ModelSpec
 
 __all__ = ["LlamaModel"]
 
 logger = logging.getLogger(__name__)
-
-# Up to this many rows, bf16 matrix products use the native GEMV (memory-bound regime).
-SMALL_M = 8
-
 
 _pack_support: bool | None = None
 
@@ -52,9 +49,10 @@ def _can_pack_bf16() -> bool:
 class _Linear:
     """y = x W^T + b, by whichever CPU routine is fastest for the number of rows.
 
-    A few rows (decoding a small batch) is memory-bound: the native bf16 GEMV streams W once.
-    More rows are compute-bound: oneDNN with W pre-packed in its blocked layout (bf16 on CPU)
-    runs ~1.3x faster at 64 rows than with the plain layout, with identical results.
+    A few rows (decoding a small batch) is memory-bound: the native kernel streams W once, and
+    runs up to `native_rows` rows (measured at start-up, linear_choice.py). More rows are
+    compute-bound: oneDNN with W pre-packed in its blocked layout (bf16 on CPU) runs ~1.3x
+    faster at 64 rows than with the plain layout, with identical results; else torch's GEMM.
     """
 
     __slots__ = ("weight", "bias", "packed")
@@ -64,9 +62,9 @@ class _Linear:
         self.bias = bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64) if pack else None
 
-    def __call__(self, x: torch.Tensor, kernels=None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, kernels=None, native_rows: int = 0) -> torch.Tensor:
         rows = x.shape[0]
-        if kernels is not None and 0 < rows <= SMALL_M and self.packed is not None:
+        if kernels is not None and 0 < rows <= native_rows:
             return kernels.small_m_linear(x, self.weight, self.bias)
         if self.packed is not None and rows > 0:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -157,6 +155,19 @@ class LlamaModel:
         lm_head = take("lm_head.weight", required=not spec.tie_word_embeddings)
         self.lm_head = _Linear(self.embed if lm_head is None else lm_head, None, pack=pack)
         self.cos, self.sin = _rope_tables(spec, device, dtype)
+        self.linear_choice = self._choose_linear()
+        self.native_rows = self.linear_choice.native_max_rows
+
+    def _choose_linear(self) -> LinearChoice:
+        """Up to how many rows the native kernel runs the linear layers, measured on this
+        model's weights (linear_choice.py)."""
+        kernels = native_kernels() if self.device.type == "cpu" else None
+        if kernels is None:
+            return LinearChoice(0, "no native kernels")
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return choose_linear(
+            linears, lambda lin, x: kernels.small_m_linear(x, lin.weight, lin.bias), lambda lin, x: lin(x), self.dtype,
+        )
 
     @property
     def num_weight_bytes(self) -> int:
@@ -197,16 +208,17 @@ class LlamaModel:
         cos = self.cos.index_select(0, positions)
         sin = self.sin.index_select(0, positions)
         delta = None
+        rows = self.native_rows
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = kernels.add_rms_norm(h, delta, layer.input_norm, eps)  # h += delta
-            qkv = layer.qkv(x, kernels)
+            qkv = layer.qkv(x, kernels, rows)
             kernels.rope_cache_write(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, spec.num_heads)
             q = qkv[:, : self.q_size].view(num_tokens, spec.num_heads, spec.head_dim)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
-            delta = layer.o(attn, kernels)
+            delta = layer.o(attn, kernels, rows)
             x = kernels.add_rms_norm(h, delta, layer.post_norm, eps)
-            act = kernels.silu_mul(layer.gate_up(x, kernels))
-            delta = layer.down(act, kernels)
+            act = kernels.silu_mul(layer.gate_up(x, kernels, rows))
+            delta = layer.down(act, kernels, rows)
         return kernels.add_rms_norm(h, delta, self.norm, eps)
 
     def _forward_torch(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
@@ -240,7 +252,7 @@ class LlamaModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         kernels = native_kernels() if self.device.type == "cpu" else None
-        return self.lm_head(hidden, kernels).float()
+        return self.lm_head(hidden, kernels, self.native_rows).float()
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

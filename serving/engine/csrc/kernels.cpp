@@ -403,19 +403,90 @@ void small_m_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* b
 
 }  // namespace
 
-// x: [M <= 8, K] bf16, w: [N, K] bf16 (nn.Linear layout), bias: [N] or None. Returns [M, N].
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline vfloat load_v(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// dot products of kMR rows of x with kNR rows of w, into out[kMR * kNR].
+template <int kMR, int kNR>
+inline void dot_tile(const float* x, const float* w, int64_t K, float* out) {
+  vfloat acc[kMR][kNR] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    vfloat wv[kNR];
+    for (int j = 0; j < kNR; ++j) wv[j] = load_v(w + j * K + k);
+    for (int i = 0; i < kMR; ++i) {
+      const vfloat xv = load_v(x + i * K + k);
+      for (int j = 0; j < kNR; ++j) acc[i][j] += xv * wv[j];
+    }
+  }
+  for (int i = 0; i < kMR; ++i)
+    for (int j = 0; j < kNR; ++j) {
+      float sum = 0.f;
+      for (int lane = 0; lane < kLanes; ++lane) sum += acc[i][j][lane];
+      for (int64_t kk = k; kk < K; ++kk) sum += x[i * K + kk] * w[j * K + kk];
+      out[i * kNR + j] = sum;
+    }
+}
+
+// The fp32 form of the same product, for any number of rows (the engine measures at start-up up
+// to how many it beats torch's GEMM here: serving/engine/linear_choice.py). Weight rows are taken
+// kNR at a time and stay in L1 while every kMR-row tile of x passes over them, so each weight
+// byte comes from memory once and each load feeds several multiply-adds.
+void small_m_linear_f32(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N,
+                        int64_t K) {
+  constexpr int kMR = 2, kNR = 4;
+  at::parallel_for(0, (N + kNR - 1) / kNR, 16, [&](int64_t begin, int64_t end) {
+    float out[kMR * kNR];
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const int64_t n0 = nb * kNR, nr = std::min<int64_t>(kNR, N - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+        const int64_t mr = std::min<int64_t>(kMR, M - m0);
+        if (nr == kNR && mr == kMR) {
+          dot_tile<kMR, kNR>(x + m0 * K, w + n0 * K, K, out);
+        } else {
+          for (int64_t i = 0; i < mr; ++i)
+            for (int64_t j = 0; j < nr; ++j) dot_tile<1, 1>(x + (m0 + i) * K, w + (n0 + j) * K, K, out + i * kNR + j);
+        }
+        for (int64_t i = 0; i < mr; ++i)
+          for (int64_t j = 0; j < nr; ++j)
+            y[(m0 + i) * N + n0 + j] = out[i * kNR + j] + (bias != nullptr ? bias[n0 + j] : 0.f);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x: [M, K] (bf16: M <= 8), w: [N, K] of x's dtype (nn.Linear layout), bias: [N] or None.
+// Returns [M, N].
 torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 only");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) <= 8 && x.size(1) == w.size(1), "x [M <= 8, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x and w must have one dtype");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "bf16 or fp32 only");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
   x = x.contiguous();
   TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
   auto y = torch::empty({x.size(0), w.size(0)}, x.options());
-  const uint16_t* b = nullptr;
   torch::Tensor bias_t;
-  if (bias.has_value()) {
-    bias_t = bias->contiguous();
-    b = reinterpret_cast<const uint16_t*>(bias_t.data_ptr<at::BFloat16>());
+  if (bias.has_value()) bias_t = bias->contiguous();
+  if (x.scalar_type() == at::kFloat) {
+    small_m_linear_f32(x.data_ptr<float>(), w.data_ptr<float>(), bias_t.defined() ? bias_t.data_ptr<float>() : nullptr,
+                       y.data_ptr<float>(), x.size(0), w.size(0), x.size(1));
+    return y;
   }
+  TORCH_CHECK(x.size(0) <= 8, "bf16: x [M <= 8, K]");
+  const uint16_t* b = bias_t.defined() ? reinterpret_cast<const uint16_t*>(bias_t.data_ptr<at::BFloat16>()) : nullptr;
   small_m_linear_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
                       reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), b,
                       reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), x.size(0), w.size(0),
@@ -423,10 +494,14 @@ torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor w, c10::optional<tor
   return y;
 }
 
+// Every kernel runs without the GIL (its tensors are converted before and its result after):
+// in a served replica the event loop that streams tokens and answers Serve shares the process
+// with the engine's step thread, and must not wait for a kernel.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache");
-  m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm");
-  m.def("rope_cache_write", &rope_cache_write, "RoPE on q/k in place + K/V cache write");
-  m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
-  m.def("small_m_linear", &small_m_linear, "bf16 x @ w.T (+ bias) for at most 8 rows");
+  using no_gil = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache", no_gil());
+  m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm", no_gil());
+  m.def("rope_cache_write", &rope_cache_write, "RoPE on q/k in place + K/V cache write", no_gil());
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up", no_gil());
+  m.def("small_m_linear", &small_m_linear, "x @ w.T (+ bias) for a few rows (bf16: at most 8)", no_gil());
 }

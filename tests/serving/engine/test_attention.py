@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -87,3 +89,44 @@ def test_small_m_linear_matches_torch_bf16(rows):
     got = kernels.small_m_linear(x, w, b).float()
     # one bf16 rounding of the product and one of the sum: well under 2% of the magnitude
     assert (got - expected).abs().max().item() <= 0.02 * expected.abs().max().item()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 17, 64])
+def test_small_m_linear_matches_torch_fp32(rows):
+    """Every tile shape (full 2x4 tiles, odd rows, a ragged last block of weight rows) and a K
+    that is not a multiple of the vector width: the same products as torch, to fp32 rounding."""
+    kernels = native_kernels()
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 203, generator=gen)
+    w = torch.randn(70, 203, generator=gen)  # 70 = 17 blocks of 4 rows + 2
+    b = torch.randn(70, generator=gen)
+    expected = F.linear(x.double(), w.double(), b.double())
+    for bias in (b, None):
+        got = kernels.small_m_linear(x, w, bias).double()
+        want = expected if bias is not None else expected - b.double()
+        assert got.shape == (rows, 70)
+        assert (got - want).abs().max().item() < 1e-4
+
+
+def test_linear_choice_takes_rows_up_to_the_first_where_native_is_not_faster():
+    from serving.engine.linear_choice import LinearChoice, choose_linear
+
+    class Lin:
+        def __init__(self):
+            self.weight = torch.zeros(8, 4)
+
+    # Fake timings: native sleeps 1 ms; torch 20 ms below 16 rows, nothing from 16 on.
+    def run_native(lin, x):
+        time.sleep(0.001)
+
+    def run_torch(lin, x):
+        if x.shape[0] < 16:
+            time.sleep(0.02)
+
+    choice = choose_linear([Lin()], run_native, run_torch, torch.float32)
+    assert choice.native_max_rows == 8
+    measured = [part.split(":")[0] for part in choice.reason.split("rows: ")[1].split(", ")]
+    assert measured == ["1", "2", "4", "8", "16"]  # stopped at the first loss
+    assert choose_linear([Lin()], run_native, run_torch, torch.float16) == LinearChoice(0, "no native kernel for torch.float16")
+    bf16 = choose_linear([Lin()], run_native, lambda lin, x: time.sleep(0.02), torch.bfloat16)
+    assert bf16.native_max_rows == 8  # the bf16 kernel's limit, however fast it is
