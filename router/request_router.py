@@ -80,6 +80,10 @@ class _PolicyRouter(FIFOMixin, RequestRouter):
     def deployment_name(self) -> str:
         return self._deployment_id.name
 
+    @property
+    def app_name(self) -> str:
+        return self._deployment_id.app_name
+
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:

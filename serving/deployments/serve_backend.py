@@ -3,8 +3,13 @@
     disaggregated:  prefill.prefill(req) ──first token──▶ yield (the client sees it now)
                                          └─KVHandle──▶ decode.generate(req, kv, prior=[first])
                                                         ──tokens──▶ yield ...
-    colocated, n > 1, or fewer prompt tokens than min_remote_prefill_tokens:
+    colocated, n > 1, or fewer uncached prompt tokens than min_remote_prefill_tokens:
                     decode.generate(req)  (the pool's engine prefills and decodes)
+
+A prompt's uncached tokens are those the decode pool would compute: its length less the longest
+prefix a decode replica holds, per the decode router's prefix index (router/index.py; a turn of
+a conversation finds the turns before it there). Before the router has seen the pool's stats
+nothing counts as cached.
 
 Failures, each with one outcome:
 - a pool's queues are full (Serve's BackPressureError)        → QueueFullError (429)
@@ -41,6 +46,7 @@ from serving.deployments.kv_handoff import KVHandoff
 from serving.deployments.messages import KVHandle, PrefillResult, WorkerError, WorkerRequest
 from serving.engine.outputs import RequestOutput
 from serving.engine.validation import ModelInfo
+from serving.observability.metrics import live_routers
 from serving.observability.tracing import ROUTE_START_KEY
 
 __all__ = ["ServeBackend"]
@@ -70,12 +76,15 @@ class ServeBackend:
         status_fn: Callable[[], dict[str, dict[str, int]]] | None = None,
         status_ttl_s: float = 1.0,
         on_recovery: Callable[[str], None] | None = None,
+        cached_tokens_fn: Callable[[WorkerRequest], int] | None = None,
     ):
         self.config = config
         self.prefill = prefill  # None in colocated mode
         self.decode = decode
         self._pools = {"prefill": prefill, "decode": decode} if prefill is not None else {"worker": decode}
         self._status_fn = status_fn or functools.partial(_serve_status, config.app_name)
+        # prompt tokens a decode replica already holds (its router's prefix index)
+        self._cached_tokens = cached_tokens_fn or self._decode_cached_tokens
         self._status_ttl_s = status_ttl_s
         self._status: dict[str, dict[str, int]] | None = None
         self._status_time = 0.0
@@ -107,12 +116,7 @@ class ServeBackend:
             faults.reached("ingress.after_tokens", num_tokens)
 
     async def _generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
-        prompt_len = len(request.prompt_token_ids)
-        local = (
-            self.prefill is None
-            or request.params.n > 1
-            or prompt_len < self.config.min_remote_prefill_tokens
-        )
+        local = self.prefill is None or request.params.n > 1 or self._uncached_tokens_below_threshold(request)
         if local:
             async for out in self._decode(request, None, []):
                 yield out
@@ -156,6 +160,25 @@ class ServeBackend:
                 self.kv.release_soon(kv)
 
     # ---- internals ---------------------------------------------------------------------------
+    def _uncached_tokens_below_threshold(self, request: WorkerRequest) -> bool:
+        threshold = self.config.min_remote_prefill_tokens
+        if threshold <= 0:
+            return False
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len < threshold:
+            return True
+        cached = min(self._cached_tokens(request), prompt_len - 1)  # the last token is always computed
+        return prompt_len - cached < threshold
+
+    def _decode_cached_tokens(self, request: WorkerRequest) -> int:
+        """The longest prefix of the prompt a decode replica holds, from the decode router of
+        this app in this process (router/request_router.py); 0 before it exists."""
+        name = self.decode.deployment_name
+        for router in live_routers():
+            if router.deployment_name == name and router.app_name == self.config.app_name:
+                return router.state.longest_cached_prefix(request.block_hashes) * request.block_size
+        return 0
+
     def _recovered(self, kind: str) -> None:
         if self.on_recovery is not None:
             self.on_recovery(kind)

@@ -145,15 +145,16 @@ def _output(token_ids, finish_reason=None):
     return RequestOutput("r", [CompletionOutput(0, "", token_ids, None, finish_reason)], finish_reason is not None, 3, 0)
 
 
-def pools(first_finish=None):
+def pools(first_finish=None, *, threshold=4, cached_tokens_fn=None):
     from serving.deployments.messages import KVHandle, PrefillResult
 
     kv = None if first_finish else KVHandle("r", "n", 3, 100)
     prefill = RecordingHandle("PrefillWorker", lambda name, args: _Call(PrefillResult(_output([7], first_finish), kv)))
     decode = RecordingHandle("DecodeWorker", lambda name, args: _Stream([_output([8]), _output([9], "length")]))
-    config = ServeConfig(min_remote_prefill_tokens=4)
+    config = ServeConfig(min_remote_prefill_tokens=threshold)
     status = {"PrefillWorker": {"RUNNING": 1}, "DecodeWorker": {"RUNNING": 1}}
-    return ServeBackend(config, prefill=prefill, decode=decode, status_fn=lambda: status), prefill, decode, kv
+    backend_ = ServeBackend(config, prefill=prefill, decode=decode, status_fn=lambda: status, cached_tokens_fn=cached_tokens_fn)
+    return backend_, prefill, decode, kv
 
 
 async def collect(iterator):
@@ -176,6 +177,49 @@ def test_short_prompt_and_n_above_one_stay_on_the_decode_worker():
     asyncio.run(collect(backend_.generate(several)))
     assert prefill.calls == []
     assert decode.calls == [("generate", (short, None, [])), ("generate", (several, None, []))]
+
+
+def test_the_threshold_counts_the_tokens_the_decode_pool_has_not_cached():
+    """A 40-token prompt is long, but with 32 of its tokens cached on a decode replica only 8
+    are left to compute: under a threshold of 16 it stays on the decode worker; with 16 cached,
+    24 are left and it goes to the prefill pool. A fully cached prompt still computes its last
+    token, so it counts 1."""
+    cached = {"n": 32}
+    backend_, prefill, decode, kv = pools(threshold=16, cached_tokens_fn=lambda request: cached["n"])
+    prompt = list(range(1, 41))
+    turn = WorkerRequest("r", prompt, SamplingParams(max_tokens=3))
+    asyncio.run(collect(backend_.generate(turn)))
+    assert prefill.calls == [] and decode.calls == [("generate", (turn, None, []))]
+    cached["n"] = 16
+    asyncio.run(collect(backend_.generate(turn)))
+    assert prefill.calls == [("prefill", (turn,))]
+    assert decode.calls[1] == ("generate", (turn, kv, [7]))
+    cached["n"] = 48  # more than the prompt (the index's whole blocks): one token left
+    assert backend_._uncached_tokens_below_threshold(turn)
+
+
+def test_the_decode_routers_index_gives_the_cached_prefix():
+    """Without a stub: the decode pool's router of this app, in this process, says how many
+    leading blocks a decode replica holds; another app's router of the same name does not count."""
+    from router.policies import build_policy
+    from router.routing_state import RouterState
+    from serving.observability.metrics import register_router
+
+    class Router:
+        def __init__(self, app, hashes):
+            self.deployment_name, self.app_name = "DecodeWorker", app
+            self.state = RouterState(build_policy("least_kv"))
+            self.state.index.update("replica-1", 1, hashes)
+
+    request = WorkerRequest("r", list(range(64)), SamplingParams(max_tokens=3), block_hashes=[11, 12, 13, 14], block_size=16)
+    backend_, _, _, _ = pools(threshold=40)
+    assert backend_._decode_cached_tokens(request) == 0  # no router yet: nothing is known cached
+    other, ours = Router("another-app", {11, 12, 13, 14}), Router(backend_.config.app_name, {11, 12, 14})
+    register_router(other)
+    assert backend_._decode_cached_tokens(request) == 0
+    register_router(ours)
+    assert backend_._decode_cached_tokens(request) == 32  # blocks 11, 12; 13 is missing
+    assert backend_._uncached_tokens_below_threshold(request)  # 64 - 32 = 32 < 40
 
 
 def test_request_finished_by_prefill_never_reaches_decode():
