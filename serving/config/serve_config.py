@@ -3,10 +3,12 @@ says how it is loaded)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
+from serving.config.layout import auto_mode, node_cores
 from serving.config.sections import (
     MOVED_KEYS,
     POOLS,
@@ -26,6 +28,8 @@ __all__ = ["ServeConfig", "ENV_PREFIX"]
 
 ENV_PREFIX = "KVRELAY_"
 
+logger = logging.getLogger(__name__)
+
 
 class ServeConfig(StrictModel):
     # ---- model and engine --------------------------------------------------------------------
@@ -43,10 +47,12 @@ class ServeConfig(StrictModel):
     )
 
     # ---- topology ----------------------------------------------------------------------------
-    mode: Literal["disaggregated", "colocated"] = Field(
+    mode: Literal["disaggregated", "colocated", "auto"] = Field(
         "disaggregated",
         description="disaggregated: PrefillWorker + DecodeWorker pools with KV transfer; "
-        "colocated: one Worker pool does both.",
+        "colocated: one Worker pool does both; auto: decided from the cores of the machine that "
+        "loads the config, disaggregated from 4 cores up, else colocated (serving/config/layout.py). "
+        "Loading resolves auto, so a loaded config names the mode that runs.",
     )
     min_remote_prefill_tokens: int = Field(
         0, ge=0,
@@ -109,6 +115,10 @@ class ServeConfig(StrictModel):
         engine = data.get("engine")
         if isinstance(engine, dict) and "model" in engine:
             raise ValueError(f"engine.model = {engine['model']!r}: the model is the app's; set the top-level `model`")
+        if data.get("mode") == "auto":
+            mode, why = auto_mode(node_cores())
+            logger.info("%s", why)
+            data = {**data, "mode": mode}
         return data
 
     @model_validator(mode="after")

@@ -20,6 +20,7 @@ from router.autoscaling.policy import load_policy
 from router.request_router import KVAwareRequestRouter, PrefixAwareRequestRouter
 from serving.api.usage import ModelPrice, load_pricing
 from serving.config import PoolConfig, RoutingConfig, ServeConfig, load_config
+from serving.config.layout import node_cores, omp_wait_policy
 from serving.deployments import faults
 from serving.deployments.replicas import DecodeWorker, OpenAIIngress, PrefillWorker, Worker
 from serving.observability import tracing
@@ -58,11 +59,11 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> Application:
     routing = config.routing
     prefill_router = _router(PrefixAwareRequestRouter, routing.prefill_policy, routing.prefill_params, routing)
     if config.mode == "colocated":
-        worker = _pool(Worker, config.worker, prefill_router, scaling["worker"]).bind(data)
+        worker = _pool(Worker, config, config.worker, prefill_router, scaling["worker"]).bind(data)
         return ingress.bind(data, None, worker, price=_price_data(price))
-    prefill = _pool(PrefillWorker, config.prefill, prefill_router, scaling["prefill"]).bind(data)
+    prefill = _pool(PrefillWorker, config, config.prefill, prefill_router, scaling["prefill"]).bind(data)
     decode_router = _router(KVAwareRequestRouter, routing.decode_policy, routing.decode_params, routing)
-    decode = _pool(DecodeWorker, config.decode, decode_router, scaling["decode"]).bind(data)
+    decode = _pool(DecodeWorker, config, config.decode, decode_router, scaling["decode"]).bind(data)
     return ingress.bind(data, prefill, decode, price=_price_data(price))
 
 
@@ -91,8 +92,14 @@ def _router(cls, policy: str, params: dict, routing: RoutingConfig) -> RequestRo
     )
 
 
-def _pool(deployment, pool: PoolConfig, router_config: RequestRouterConfig, autoscaling: dict | None = None):
-    actor_options: dict[str, Any] = {"num_cpus": pool.num_cpus, "runtime_env": {"env_vars": _replica_env()}}
+def _pool(deployment, config: ServeConfig, pool: PoolConfig, router_config: RequestRouterConfig, autoscaling: dict | None = None):
+    env = _replica_env()
+    # OpenMP reads its wait policy at process start: it travels in the env (serving/config/layout.py).
+    # One set for the whole Ray cluster (OMP_WAIT_POLICY in this environment) is left alone.
+    policy = omp_wait_policy(pool.omp_wait_policy, config.engine_config(pool).num_threads, pool.cpu_affinity, node_cores())
+    if policy is not None and "OMP_WAIT_POLICY" not in os.environ:
+        env["OMP_WAIT_POLICY"] = policy
+    actor_options: dict[str, Any] = {"num_cpus": pool.num_cpus, "runtime_env": {"env_vars": env}}
     if pool.num_gpus:
         actor_options["num_gpus"] = pool.num_gpus
     if pool.resources:

@@ -10,7 +10,8 @@ from tests.helpers import REPO
 def test_required_cpus_counts_fixed_pools_and_autoscaled_maxima():
     assert required_cpus(ServeConfig()) == 0.5 + 0.5 + 0.1
     assert required_cpus(ServeConfig(mode="colocated", worker={"num_cpus": 1, "num_replicas": 2})) == 2.1
-    cluster = load_config(REPO / "deploy/local.yaml", overrides={"autoscaling_policy": str(REPO / "deploy/autoscaling/cluster.yaml")}, env={})
+    policy = str(REPO / "deploy/autoscaling/cluster.yaml")
+    cluster = load_config(REPO / "deploy/local.yaml", overrides={"mode": "disaggregated", "autoscaling_policy": policy}, env={})
     assert required_cpus(cluster) == 0.5 * 8 + 0.5 * 8 + 0.1
 
 

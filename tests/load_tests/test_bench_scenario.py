@@ -171,8 +171,12 @@ def test_peers_are_compared_in_their_best_configuration_against_the_default_mode
     assert s["output_tok_s_ratio_disagg_vs_vllm"] == pytest.approx(4.4 / 4.0)
 
 
-def test_default_mode_is_what_make_serve_runs():
-    assert default_mode() == "disaggregated"  # deploy/local.yaml
+def test_default_mode_is_what_make_serve_runs(monkeypatch):
+    # deploy/local.yaml says auto: colocated below 4 cores
+    monkeypatch.setattr("serving.config.layout.node_cores", lambda: 2)
+    assert default_mode() == "colocated"
+    monkeypatch.setattr("serving.config.layout.node_cores", lambda: 8)
+    assert default_mode() == "disaggregated"
 
 
 def test_unknown_system_and_bad_slo_are_named():

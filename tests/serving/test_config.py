@@ -144,14 +144,55 @@ def test_the_model_is_the_apps_not_the_engines():
 
 
 def test_shipped_configs_load():
+    from serving.config.layout import auto_mode, node_cores
+
     local = load_config(REPO / "deploy/local.yaml", env={})
-    assert (local.mode, local.http.port, local.engine.kv_cache_bytes) == ("disaggregated", 8000, 256 * 2**20)
+    # mode: auto, resolved on loading from this machine's cores
+    assert (local.mode, local.http.port, local.engine.kv_cache_bytes) == (auto_mode(node_cores())[0], 8000, 256 * 2**20)
     assert local.engine_config(local.worker).num_threads == 2 and local.engine_config(local.decode).num_threads == 1
     serve_file = yaml.safe_load((REPO / "deploy/serve.yaml").read_text())
     schema = ServeDeploySchema.model_validate(serve_file)
     app = schema.applications[0]
     assert app.import_path == "serving.deployments.app:build_app"
     assert load_config(REPO / app.args["config"], env={}) == local
+
+
+def test_mode_auto_splits_the_pools_from_four_cores(monkeypatch):
+    from serving.config import layout
+
+    for cores, mode in ((1, "colocated"), (2, "colocated"), (3, "colocated"), (4, "disaggregated"), (64, "disaggregated")):
+        monkeypatch.setattr(layout, "node_cores", lambda cores=cores: cores)
+        monkeypatch.setattr("serving.config.serve_config.node_cores", lambda cores=cores: cores)
+        assert ServeConfig(mode="auto").mode == mode
+        assert load_config(overrides={"mode": "auto"}, env={}).mode == mode
+    assert layout.auto_mode(2) == ("colocated", "mode auto: 2 cores, fewer than the 4 a split needs; one colocated "
+                                                "engine (the `worker` pool) instead of two halves")
+    assert ServeConfig(mode="auto").model_dump()["mode"] == "disaggregated"  # a loaded config names the mode that runs
+
+
+def test_omp_wait_policy_is_passive_where_the_engine_fills_the_cores():
+    from serving.config.layout import omp_wait_policy
+
+    assert omp_wait_policy("auto", 2, [], cores=2) == "PASSIVE"  # one engine on both cores (make serve, 2 cores)
+    assert omp_wait_policy("auto", 1, [[0], [1]], cores=2) is None  # one thread: no OpenMP team to wait
+    assert omp_wait_policy("auto", 2, [[0, 1], [2, 3]], cores=4) == "PASSIVE"
+    assert omp_wait_policy("auto", 4, [], cores=16) is None  # cores to spare for the serving processes
+    assert omp_wait_policy("auto", None, [], cores=8) == "PASSIVE"  # torch's default: every core
+    assert omp_wait_policy("active", 2, [], cores=2) == "ACTIVE"
+    assert omp_wait_policy("passive", 1, [], cores=64) == "PASSIVE"
+
+
+def test_build_app_puts_the_wait_policy_in_the_worker_env(monkeypatch):
+    from serving.deployments.app import build_app
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr("serving.deployments.app.node_cores", lambda: 2)
+    app = build_app(ServeConfig(mode="colocated", worker={"engine": {"num_threads": 2}}))
+    worker = app._bound_deployment.init_args[2]  # OpenAIIngress(config, prefill, decode)
+    assert worker._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    app = build_app(ServeConfig(mode="colocated", worker={"engine": {"num_threads": 1}}))
+    worker = app._bound_deployment.init_args[2]
+    assert "OMP_WAIT_POLICY" not in worker._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]
 
 
 def test_build_app_from_serve_args():

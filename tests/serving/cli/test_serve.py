@@ -29,7 +29,10 @@ def test_serve_chat_and_stop(tmp_path, own_ray_tmpdir):
     env["RAY_TMPDIR"] = str(own_ray_tmpdir)
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [BIN / "kvrelay", "serve", "--config", "deploy/local.yaml", "--set", f"ray.dashboard_port={dashboard_port}"],
+            # disaggregated whatever the cores (mode auto would pick colocated on CI's two): the
+            # operations below act on the prefill and decode pools
+            [BIN / "kvrelay", "serve", "--config", "deploy/local.yaml", "--set", f"ray.dashboard_port={dashboard_port}",
+             "--set", "mode=disaggregated"],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
     try:
