@@ -11,14 +11,15 @@ torch's GEMM does that depends on the CPU and its BLAS, which change between mac
                                        16      163 ms           84 ms
                                        64      252 ms          206 ms
 
-MKL's small-M paths on that AMD part read the weights several times over; the native kernel
-(csrc/kernels.cpp) streams each weight row once for every row of x. On a CPU where torch does
-better, the measurement says so and torch keeps those sizes. So `choose_linear` times both on the
-model's own weights, as many layers as outgrow the last-level cache (a decode step streams its
-weights from memory), for 1, 2, 4, ... rows, and the native kernel takes every row
-count up to the first one where it is not faster. bf16 rows stop at 8 (the bf16 kernel's limit),
-against torch's path for bf16 weights here (oneDNN, pre-packed where it can be). The choice
-and its figures go in the engine's start-up log line and its stats.
+MKL does few rows poorly on that AMD part (4 rows take twice the time of one, far from the
+memory bound); the native kernel (csrc/kernels.cpp) streams each weight row once for every row
+of x. On a CPU where torch does better, the measurement says so and torch keeps those sizes. So
+`choose_linear` times both on the model's own weights, as many layers as outgrow the last-level
+cache (a decode step streams its weights from memory), for 1, 2, 4, ... rows, and the native
+kernel takes every row count up to the first one where it is not NATIVE_MARGIN faster. bf16
+rows stop at 8 (the bf16 kernel's limit), against torch's path for bf16 weights here (oneDNN,
+pre-packed where it can be). The choice and its figures go in the engine's start-up log line
+and its stats.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ __all__ = ["LinearChoice", "choose_linear", "ROW_COUNTS"]
 ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 BF16_MAX_ROWS = 8
 WORKING_SET_BYTES = 48 * 2**20  # over the last-level cache of the CPUs seen here (16-32 MiB)
+# A row count goes native only when that is this much faster: a count near even would go one way
+# in one replica and the other in the next (fp32 sums in another order: the same values to
+# rounding, not bit for bit).
+NATIVE_MARGIN = 1.25
 
 
 @dataclass(frozen=True)
@@ -55,18 +60,24 @@ def choose_linear(
     run_native: Callable[[Any, torch.Tensor], torch.Tensor],
     run_torch: Callable[[Any, torch.Tensor], torch.Tensor],
     dtype: torch.dtype,
+    *,
+    working_set_bytes: int = WORKING_SET_BYTES,
 ) -> LinearChoice:
-    """Up to how many rows `run_native(linear, x)` beats `run_torch(linear, x)` here, on the
-    threads already set, timed over the model's own `linears` (objects with a `weight [N, K]`),
-    as many as make WORKING_SET_BYTES."""
+    """Up to how many rows `run_native(linear, x)` beats `run_torch(linear, x)` by NATIVE_MARGIN
+    here, on the threads already set, timed over the model's own `linears` (objects with a
+    `weight [N, K]`), as many as make `working_set_bytes`. A model whose linear weights all fit
+    in less stays on torch: its steps are not memory-bound (a test's tiny model: no timing
+    decides its path)."""
     if dtype not in (torch.float32, torch.bfloat16):
         return LinearChoice(0, f"no native kernel for {dtype}")
     chosen, size = [], 0
     for linear in linears:
         chosen.append(linear)
         size += linear.weight.numel() * linear.weight.element_size()
-        if size >= WORKING_SET_BYTES:
+        if size >= working_set_bytes:
             break
+    if size < working_set_bytes:
+        return LinearChoice(0, f"the linear weights ({size / 2**20:.1f} MiB) fit in cache: torch's GEMM")
     max_rows, figures = 0, []
     for rows in ROW_COUNTS:
         if dtype == torch.bfloat16 and rows > BF16_MAX_ROWS:
@@ -75,7 +86,7 @@ def choose_linear(
         native_s = _time_s(run_native, chosen, inputs)
         torch_s = _time_s(run_torch, chosen, inputs)
         figures.append(f"{rows}: {torch_s / native_s:.2f}x")
-        if native_s >= torch_s:
+        if torch_s < NATIVE_MARGIN * native_s:
             break
         max_rows = rows
     return LinearChoice(max_rows, f"measured here, torch time / native time by rows: {', '.join(figures)}")

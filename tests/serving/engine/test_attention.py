@@ -123,10 +123,13 @@ def test_linear_choice_takes_rows_up_to_the_first_where_native_is_not_faster():
         if x.shape[0] < 16:
             time.sleep(0.02)
 
-    choice = choose_linear([Lin()], run_native, run_torch, torch.float32)
+    choice = choose_linear([Lin()], run_native, run_torch, torch.float32, working_set_bytes=1)
     assert choice.native_max_rows == 8
     measured = [part.split(":")[0] for part in choice.reason.split("rows: ")[1].split(", ")]
     assert measured == ["1", "2", "4", "8", "16"]  # stopped at the first loss
     assert choose_linear([Lin()], run_native, run_torch, torch.float16) == LinearChoice(0, "no native kernel for torch.float16")
-    bf16 = choose_linear([Lin()], run_native, lambda lin, x: time.sleep(0.02), torch.bfloat16)
+    bf16 = choose_linear([Lin()], run_native, lambda lin, x: time.sleep(0.02), torch.bfloat16, working_set_bytes=1)
     assert bf16.native_max_rows == 8  # the bf16 kernel's limit, however fast it is
+    # weights that fit in cache: torch, without timing anything
+    small = choose_linear([Lin()], run_native, run_torch, torch.float32)
+    assert small == LinearChoice(0, "the linear weights (0.0 MiB) fit in cache: torch's GEMM")
