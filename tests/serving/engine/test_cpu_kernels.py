@@ -110,3 +110,44 @@ def test_replicas_building_into_one_empty_cache_at_once_all_get_the_kernels(tmp_
     assert len(built) == 1 and built[0].endswith(f" s into {target}"), results
     assert sorted(r["reason"] for r in results if r["reason"] not in built) == [f"loaded from the cache {target}"] * 2
     assert not (target / "lock").exists()
+
+
+def test_native_kernels_let_other_python_threads_run():
+    """A kernel runs without the GIL: while one thread is inside one long small_m_linear call,
+    another keeps running Python. With the GIL held through the call, no bytecode of the other
+    thread could run between the call's start and its end."""
+    import threading
+
+    import torch
+
+    kernels = cpu_kernels.native_kernels()
+    if kernels is None:
+        pytest.skip(f"no native kernels here: {kernel_status()}")
+    x, w = torch.randn(64, 2048), torch.randn(8192, 2048)
+    for _ in range(6):  # rows until one call takes long enough to tell, whatever the CPU
+        started = time.perf_counter()
+        kernels.small_m_linear(x, w, None)
+        if time.perf_counter() - started > 0.1:
+            break
+        x = torch.cat([x, x])
+    span: list[float] = []
+    done = threading.Event()
+
+    def call():
+        span.append(time.perf_counter())
+        kernels.small_m_linear(x, w, None)
+        span.append(time.perf_counter())
+        done.set()
+
+    ticks: list[float] = []
+    thread = threading.Thread(target=call)
+    thread.start()
+    while not done.is_set():
+        ticks.append(time.perf_counter())
+        time.sleep(0)
+    thread.join()
+    start, end = span
+    margin = 0.01  # the few bytecodes between a timestamp and the call, and a GIL switch interval (5 ms)
+    assert end - start > 4 * margin, "the call was too short to tell"
+    inside = [t for t in ticks if start + margin < t < end - margin]
+    assert len(inside) > 10
