@@ -105,9 +105,10 @@ class RouterState:
         load.queued_prefill_tokens += self.inflight.unreported(replica_id, stats.time if stats is not None else 0.0, now)
         return load
 
-    def longest_cached_prefix(self, block_hashes) -> int:
-        """The most leading blocks of a prompt any replica of the pool holds (per the index)."""
-        return max((self.index.num_matched_blocks(replica, block_hashes) for replica in self.index.replicas), default=0)
+    def cached_prefix_everywhere(self, block_hashes) -> int:
+        """The leading blocks of a prompt that every replica of the pool holds (per the index):
+        what a request finds cached wherever a policy that ignores prefixes sends it."""
+        return min((self.index.num_matched_blocks(replica, block_hashes) for replica in self.index.replicas), default=0)
 
     def remove(self, replica_id: Hashable) -> None:
         """A replica died or left: forget what this router knew of it."""

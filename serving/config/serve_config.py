@@ -57,7 +57,7 @@ class ServeConfig(StrictModel):
     min_remote_prefill_tokens: int = Field(
         0, ge=0,
         description="Prompts with fewer uncached tokens than this (the prompt's length less the "
-        "longest prefix a decode replica holds, per the decode router's prefix index) are "
+        "prefix every decode replica holds, per the decode router's prefix index) are "
         "prefilled on the decode worker itself (disaggregated mode).",
     )
     prefill: PoolConfig = Field(default_factory=PoolConfig, description="PrefillWorker pool.")

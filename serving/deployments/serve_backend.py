@@ -6,10 +6,10 @@
     colocated, n > 1, or fewer uncached prompt tokens than min_remote_prefill_tokens:
                     decode.generate(req)  (the pool's engine prefills and decodes)
 
-A prompt's uncached tokens are those the decode pool would compute: its length less the longest
-prefix a decode replica holds, per the decode router's prefix index (router/index.py; a turn of
-a conversation finds the turns before it there). Before the router has seen the pool's stats
-nothing counts as cached.
+A prompt's uncached tokens are those the decode pool would compute: its length less the prefix
+every decode replica holds, per the decode router's prefix index (router/index.py; a turn of a
+conversation finds the turns before it there). Every replica, because the decode policies place
+by load, not by prefix. Before the router has seen the pool's stats nothing counts as cached.
 
 Failures, each with one outcome:
 - a pool's queues are full (Serve's BackPressureError)        → QueueFullError (429)
@@ -171,12 +171,12 @@ class ServeBackend:
         return prompt_len - cached < threshold
 
     def _decode_cached_tokens(self, request: WorkerRequest) -> int:
-        """The longest prefix of the prompt a decode replica holds, from the decode router of
-        this app in this process (router/request_router.py); 0 before it exists."""
+        """The prefix of the prompt every decode replica holds, from the decode router of this
+        app in this process (router/request_router.py); 0 before it exists."""
         name = self.decode.deployment_name
         for router in live_routers():
             if router.deployment_name == name and router.app_name == self.config.app_name:
-                return router.state.longest_cached_prefix(request.block_hashes) * request.block_size
+                return router.state.cached_prefix_everywhere(request.block_hashes) * request.block_size
         return 0
 
     def _recovered(self, kind: str) -> None:

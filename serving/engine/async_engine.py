@@ -9,11 +9,10 @@ its kernels, so the event loop keeps serving while a step runs. A caller that st
 (client disconnect, cancellation) aborts its request, and the blocks are freed at once.
 
 A step's outputs reach each event loop in one wake-up (one `call_soon_threadsafe` per loop and
-step, not per request: with 16 streams that is 16 self-pipe writes and loop wake-ups fewer). A
-caller slower than the steps does not fall behind a queue of single-token outputs: the outputs
-waiting for it are merged into one (deltas concatenated, `merge_outputs`), so it gets everything
-so far in one item. Nothing waits to be merged: the first output, and any output a caller is
-already waiting for, goes out at once.
+step, not per request: with 16 streams, 15 self-pipe writes and loop wake-ups fewer). A caller
+slower than the steps does not fall behind a queue of single-token outputs: the outputs waiting
+for it are merged into one (deltas concatenated, `merge_outputs`), so it gets everything so far
+in one item. Nothing is held back to be merged: a caller gets whatever has arrived when it asks.
 
 Callers come and go at any moment; the step thread never depends on one still being there:
 - a command runs whether or not its caller still waits (a cancelled `release_kv` still releases),

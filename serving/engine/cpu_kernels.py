@@ -2,8 +2,8 @@
 
 `paged_decode_attention` reads K/V straight from the paged cache through block tables;
 `add_rms_norm`, `rope_cache_write` and `silu_mul` fuse the per-layer glue of a step, which is most
-of a small batch's time on CPU when each is several PyTorch ops; `small_m_linear` is a bf16 GEMV
-for small batches (see csrc/kernels.cpp).
+of a small batch's time on CPU when each is several PyTorch ops; `small_m_linear` is a
+few-row matrix product in bf16 or fp32 (see csrc/kernels.cpp, and linear_choice.py for when it runs).
 
 The build uses `-march=native`, so it is cached per torch version and CPU instruction-set
 family, in `$KVRELAY_CACHE_DIR/torch_extensions/torch-<version>-<cpu key>/`.

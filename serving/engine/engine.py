@@ -24,7 +24,6 @@ import torch
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
-from serving.engine.cpu_kernels import KernelPath
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.errors import InvalidRequestError, RequestFailedError
 from serving.engine.held_kv import HeldKV
@@ -383,9 +382,8 @@ class LLMEngine:
             dtype=self.dtype_choice.dtype,
             dtype_reason=self.dtype_choice.reason,
             kernel_path=self.kernels.path.value,
-            kernel_reason=self.kernels.reason + (
-                f"; {self.model.linear_choice.summary}" if self.kernels.path is KernelPath.NATIVE else ""
-            ),
+            kernel_reason=self.kernels.reason,
+            linear_path=self.model.linear_choice.summary,
         )
 
     # ---- convenience -------------------------------------------------------------------------

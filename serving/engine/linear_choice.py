@@ -18,8 +18,8 @@ of x. On a CPU where torch does better, the measurement says so and torch keeps 
 cache (a decode step streams its weights from memory), for 1, 2, 4, ... rows, and the native
 kernel takes every row count up to the first one where it is not NATIVE_MARGIN faster. bf16
 rows stop at 8 (the bf16 kernel's limit), against torch's path for bf16 weights here (oneDNN,
-pre-packed where it can be). The choice and its figures go in the engine's start-up log line
-and its stats.
+pre-packed where it can be). The choice and its figures go in the engine's start-up log line;
+the row limit in its stats (`linear_path`).
 """
 
 from __future__ import annotations
@@ -79,10 +79,11 @@ def choose_linear(
     if size < working_set_bytes:
         return LinearChoice(0, f"the linear weights ({size / 2**20:.1f} MiB) fit in cache: torch's GEMM")
     max_rows, figures = 0, []
+    generator = torch.Generator().manual_seed(0)  # never the global one: the sampler seeds from it
     for rows in ROW_COUNTS:
         if dtype == torch.bfloat16 and rows > BF16_MAX_ROWS:
             break
-        inputs = {k: torch.randn(rows, k).to(dtype) for k in {lin.weight.shape[1] for lin in chosen}}
+        inputs = {k: torch.randn(rows, k, generator=generator).to(dtype) for k in {lin.weight.shape[1] for lin in chosen}}
         native_s = _time_s(run_native, chosen, inputs)
         torch_s = _time_s(run_torch, chosen, inputs)
         figures.append(f"{rows}: {torch_s / native_s:.2f}x")

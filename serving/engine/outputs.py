@@ -99,3 +99,4 @@ class EngineStats:
     dtype_reason: str = ""
     kernel_path: str = ""  # "native" or "pytorch" (cpu_kernels.KernelPath)
     kernel_reason: str = ""  # why that path (cpu_kernels.KernelStatus.reason)
+    linear_path: str = ""  # up to how many rows the native linear kernel runs (linear_choice.py)

@@ -202,3 +202,19 @@ def test_build_app_from_serve_args():
     assert config.mode == "colocated"
     app = build_app({"config": str(REPO / "deploy/local.yaml")})
     assert type(app).__name__ == "Application"
+
+
+def test_node_cores_honours_a_cgroup_cpu_quota(tmp_path):
+    import os
+
+    from serving.config.layout import node_cores
+
+    affinity = len(os.sched_getaffinity(0))
+    quota = tmp_path / "cpu.max"
+    quota.write_text("max 100000\n")
+    assert node_cores(str(quota)) == affinity
+    quota.write_text("50000 100000\n")  # half a core: at least one
+    assert node_cores(str(quota)) == 1
+    quota.write_text(f"{(affinity + 8) * 100000} 100000\n")  # more than the mask: the mask
+    assert node_cores(str(quota)) == affinity
+    assert node_cores(str(tmp_path / "absent")) == affinity

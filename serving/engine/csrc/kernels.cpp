@@ -479,7 +479,10 @@ torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor w, c10::optional<tor
   TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
   auto y = torch::empty({x.size(0), w.size(0)}, x.options());
   torch::Tensor bias_t;
-  if (bias.has_value()) bias_t = bias->contiguous();
+  if (bias.has_value()) {
+    bias_t = bias->contiguous();
+    TORCH_CHECK(bias_t.scalar_type() == x.scalar_type() && bias_t.numel() == w.size(0), "bias must be [N] of x's dtype");
+  }
   if (x.scalar_type() == at::kFloat) {
     small_m_linear_f32(x.data_ptr<float>(), w.data_ptr<float>(), bias_t.defined() ? bias_t.data_ptr<float>() : nullptr,
                        y.data_ptr<float>(), x.size(0), w.size(0), x.size(1));

@@ -194,32 +194,40 @@ def test_the_threshold_counts_the_tokens_the_decode_pool_has_not_cached():
     asyncio.run(collect(backend_.generate(turn)))
     assert prefill.calls == [("prefill", (turn,))]
     assert decode.calls[1] == ("generate", (turn, kv, [7]))
-    cached["n"] = 48  # more than the prompt (the index's whole blocks): one token left
+    cached["n"] = 48  # more than the prompt (the index's whole blocks): one token left to compute
     assert backend_._uncached_tokens_below_threshold(turn)
+    at_one, _, _, _ = pools(threshold=1, cached_tokens_fn=lambda request: 48)
+    assert not at_one._uncached_tokens_below_threshold(turn)  # 1 token left is not fewer than 1
 
 
-def test_the_decode_routers_index_gives_the_cached_prefix():
+def test_the_decode_routers_index_gives_the_prefix_every_decode_replica_holds():
     """Without a stub: the decode pool's router of this app, in this process, says how many
-    leading blocks a decode replica holds; another app's router of the same name does not count."""
+    leading blocks the decode replicas hold; the least of them counts, since the decode policy
+    places by load and may pick any replica. Another app's router of the same name does not count."""
     from router.policies import build_policy
     from router.routing_state import RouterState
     from serving.observability.metrics import register_router
 
     class Router:
-        def __init__(self, app, hashes):
+        def __init__(self, app, replicas):
             self.deployment_name, self.app_name = "DecodeWorker", app
             self.state = RouterState(build_policy("least_kv"))
-            self.state.index.update("replica-1", 1, hashes)
+            for replica, hashes in replicas.items():
+                self.state.index.update(replica, 1, hashes)
 
     request = WorkerRequest("r", list(range(64)), SamplingParams(max_tokens=3), block_hashes=[11, 12, 13, 14], block_size=16)
     backend_, _, _, _ = pools(threshold=40)
     assert backend_._decode_cached_tokens(request) == 0  # no router yet: nothing is known cached
-    other, ours = Router("another-app", {11, 12, 13, 14}), Router(backend_.config.app_name, {11, 12, 14})
+    other = Router("another-app", {"a": {11, 12, 13, 14}})
     register_router(other)
     assert backend_._decode_cached_tokens(request) == 0
+    ours = Router(backend_.config.app_name, {"replica-1": {11, 12, 14}})
     register_router(ours)
     assert backend_._decode_cached_tokens(request) == 32  # blocks 11, 12; 13 is missing
     assert backend_._uncached_tokens_below_threshold(request)  # 64 - 32 = 32 < 40
+    ours.state.index.update("replica-2", 1, {11})
+    assert backend_._decode_cached_tokens(request) == 16  # replica-2 holds one block
+    assert not backend_._uncached_tokens_below_threshold(request)  # 48 >= 40
 
 
 def test_request_finished_by_prefill_never_reaches_decode():

@@ -402,17 +402,18 @@ def test_a_reader_slower_than_the_steps_gets_the_queued_outputs_merged(async_eng
             sizes.append(len(out.outputs[0].token_ids))
             tokens += out.outputs[0].token_ids
             if len(sizes) == 1:
-                # Hold the reader until every later step's output waits in its queue.
+                # Hold the reader until every later step's output waits in its queue (the
+                # first item may itself hold more than one token on a loaded machine).
                 queue = async_engine._streams["slow"][1]
                 for _ in range(3000):
-                    if queue.qsize() == 23:
+                    if queue.qsize() == 24 - sizes[0]:
                         break
                     await asyncio.sleep(0.01)
         return sizes, tokens
 
     sizes, tokens = asyncio.run(main())
     assert tokens == expected
-    assert sizes == [1, 23]
+    assert len(sizes) == 2 and sum(sizes) == 24  # everything after the first read came as one
 
 
 def test_coalescing_stops_at_an_error_and_raises_it_after_the_merged_output():
