@@ -35,8 +35,8 @@ class RequestRecord:
         self._metrics = metrics
         self.start = time.monotonic()
         self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
-        self.gaps_s: list[float] = []
+        self._last_token_at: dict[int, float] = {}  # by choice
+        self.gaps_s: list[float] = []  # one per token after each choice's first
         self.tokens_by_choice: dict[int, int] = {}
         self.finish_reasons: dict[int, str] = {}
         self.prompt_tokens: int | None = None  # set when generation starts
@@ -47,12 +47,16 @@ class RequestRecord:
     def on_delta(self, delta: Delta) -> None:
         if delta.token_ids:
             now = time.monotonic()
+            num = len(delta.token_ids)
             if self.first_token_at is None:
                 self.first_token_at = now
-            else:
-                self.gaps_s.append(now - self.last_token_at)
-            self.last_token_at = now
-            self.tokens_by_choice[delta.index] = self.tokens_by_choice.get(delta.index, 0) + len(delta.token_ids)
+            last = self._last_token_at.get(delta.index)
+            if last is None:  # this choice's first chunk: its tokens after the first arrived with it
+                self.gaps_s.extend([0.0] * (num - 1))
+            else:  # a chunk that merged k tokens (a slow reader): k gaps of an equal share
+                self.gaps_s.extend([(now - last) / num] * num)
+            self._last_token_at[delta.index] = now
+            self.tokens_by_choice[delta.index] = self.tokens_by_choice.get(delta.index, 0) + num
         if delta.finish_reason is not None:
             self.finish_reasons[delta.index] = delta.finish_reason
 

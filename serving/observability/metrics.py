@@ -92,7 +92,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "completed requests with 2+ tokens.",
                _M, "ingress", _TOKEN_BUCKETS),
     MetricSpec("kvrelay_inter_token_latency_seconds", "histogram",
-               "Every gap between consecutive token-carrying chunks of a completed request.",
+               "Time from each token to the next, completed requests: one per token after each choice's first "
+               "(k tokens that arrived together count k gaps of an equal share).",
                _M, "ingress", _TOKEN_BUCKETS),
     MetricSpec("kvrelay_e2e_request_latency_seconds", "histogram", "Request received to its last token, completed requests.", _M, "ingress", _E2E_BUCKETS),
     MetricSpec("kvrelay_requests_total", "counter",
