@@ -1,0 +1,236 @@
+"""A per-node shared-memory arena for same-node KV hand-offs (issue 16, part 4; not wired in yet).
+
+    KVTransfer actor (owner)             prefill worker (writer)            decode worker (reader)
+    ArenaFile.create(path, size)
+    allocator.reserve(id, n) ──lease──▶  ArenaFile.open(path).view(lease)
+                                         engine gathers its blocks into it
+    allocator.offer(lease)   ◀────────── (the lease, not the bytes, crosses Ray)
+    allocator.claim(id)      ──lease──────────────────────────────────────▶ view(lease): scatter
+    allocator.done(lease)    ◀──────────────────────────────────────────── True: the copy is good
+
+Only leases cross Ray: (path, offset, size, lease id, generation). A range of the arena moves
+WRITING -> OFFERED -> READING -> free. Safety, the point of this module:
+- a range is never handed out while a writer or reader may still touch it: a lease that runs out
+  (or is released) while WRITING or READING goes to quarantine for `quarantine_s` more before
+  it is reused, so a slow or dead holder's late copy cannot land in another request's range;
+- a holder whose lease was reclaimed learns it when it reports (offer / done answer False), and
+  then drops what it wrote or read: the decode worker recomputes the prompt;
+- a released OFFERED range is free at once (nobody holds it).
+The allocator is first fit over a sorted free list with merging of neighbours; sizes are rounded
+up to `align` (a page) so every range starts page-aligned.
+
+This module is Ray-free (the actor drives the allocator; tests drive it with a fake clock).
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import itertools
+import mmap
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["ArenaAllocator", "ArenaFile", "Lease", "RangeState"]
+
+
+class RangeState(str, enum.Enum):
+    WRITING = "writing"
+    OFFERED = "offered"
+    READING = "reading"
+    QUARANTINED = "quarantined"
+
+
+@dataclass(frozen=True)
+class Lease:
+    request_id: str
+    lease_id: int
+    generation: int  # bumped each time the range is handed to a new holder
+    offset: int
+    num_bytes: int  # what the holder asked for (the range may be larger: aligned)
+
+
+@dataclass
+class _Range:
+    lease: Lease
+    size: int  # aligned
+    state: RangeState
+    deadline: float
+
+
+class ArenaAllocator:
+    def __init__(self, size: int, *, align: int = 4096, quarantine_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if size <= 0 or size % align:
+            raise ValueError(f"arena size {size} must be a positive multiple of {align}")
+        self.size = size
+        self.align = align
+        self.quarantine_s = quarantine_s
+        self._clock = clock
+        self._free: list[tuple[int, int]] = [(0, size)]  # (offset, size), sorted by offset
+        self._ranges: dict[int, _Range] = {}  # lease id -> range
+        self._by_request: dict[str, int] = {}  # request id -> lease id (not quarantined)
+        self._ids = itertools.count(1)
+        self._generation = itertools.count(1)
+
+    # ---- the hand-off ------------------------------------------------------------------------
+    def reserve(self, request_id: str, num_bytes: int, lease_s: float) -> Lease | None:
+        """A range for a writer, or None when no free range is large enough (the caller then
+        hands the KV over through Ray's object store). A request holds one range at a time."""
+        self.expire()
+        if num_bytes <= 0:
+            raise ValueError(f"num_bytes must be > 0, got {num_bytes}")
+        if request_id in self._by_request:
+            raise ValueError(f"request {request_id!r} already holds a range")
+        size = -(-num_bytes // self.align) * self.align
+        for i, (offset, free) in enumerate(self._free):
+            if free >= size:
+                if free == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + size, free - size)
+                lease = Lease(request_id, next(self._ids), next(self._generation), offset, num_bytes)
+                self._ranges[lease.lease_id] = _Range(lease, size, RangeState.WRITING, self._clock() + lease_s)
+                self._by_request[request_id] = lease.lease_id
+                return lease
+        return None
+
+    def offer(self, lease: Lease, lease_s: float) -> bool:
+        """The writer has filled its range: it waits for a reader. False when the lease was
+        reclaimed meanwhile (the writer's bytes are void)."""
+        held = self._current(lease, RangeState.WRITING)
+        if held is None:
+            return False
+        held.state = RangeState.OFFERED
+        held.deadline = self._clock() + lease_s
+        return True
+
+    def claim(self, request_id: str, lease_s: float) -> Lease | None:
+        """The offered range of `request_id` for a reader (a new generation), or None."""
+        self.expire()
+        lease_id = self._by_request.get(request_id)
+        held = self._ranges.get(lease_id) if lease_id is not None else None
+        if held is None or held.state is not RangeState.OFFERED:
+            return None
+        lease = Lease(request_id, held.lease.lease_id, next(self._generation), held.lease.offset, held.lease.num_bytes)
+        held.lease, held.state, held.deadline = lease, RangeState.READING, self._clock() + lease_s
+        return lease
+
+    def done(self, lease: Lease) -> bool:
+        """The reader has copied the range out: it is free. False when the lease was reclaimed
+        meanwhile (what the reader copied may be another request's: it must not be used)."""
+        held = self._current(lease, RangeState.READING)
+        if held is None:
+            return False
+        self._drop(held, quarantine=False)
+        return True
+
+    def release(self, request_id: str) -> bool:
+        """The request is gone (the client left, the decode worker recomputed): free its range,
+        after the quarantine if a writer or reader may still hold it."""
+        lease_id = self._by_request.get(request_id)
+        if lease_id is None:
+            return False
+        held = self._ranges[lease_id]
+        self._drop(held, quarantine=held.state is not RangeState.OFFERED)
+        return True
+
+    def expire(self) -> int:
+        """Reclaim what ran out: leases past their deadline (to quarantine, or free if OFFERED),
+        quarantines past theirs (free). Returns how many ranges changed."""
+        now = self._clock()
+        changed = 0
+        for held in [r for r in self._ranges.values() if r.deadline <= now]:
+            if held.state is RangeState.QUARANTINED:
+                self._free_range(held)
+            else:
+                self._drop(held, quarantine=held.state is not RangeState.OFFERED)
+            changed += 1
+        return changed
+
+    # ---- figures -----------------------------------------------------------------------------
+    @property
+    def free_bytes(self) -> int:
+        return sum(size for _, size in self._free)
+
+    def state_of(self, request_id: str) -> RangeState | None:
+        lease_id = self._by_request.get(request_id)
+        return self._ranges[lease_id].state if lease_id is not None else None
+
+    @property
+    def num_quarantined(self) -> int:
+        return sum(1 for r in self._ranges.values() if r.state is RangeState.QUARANTINED)
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _current(self, lease: Lease, state: RangeState) -> _Range | None:
+        self.expire()
+        held = self._ranges.get(lease.lease_id)
+        if held is None or held.state is not state or held.lease.generation != lease.generation:
+            return None
+        return held
+
+    def _drop(self, held: _Range, *, quarantine: bool) -> None:
+        self._by_request.pop(held.lease.request_id, None)
+        if quarantine:
+            held.state = RangeState.QUARANTINED
+            held.deadline = self._clock() + self.quarantine_s
+        else:
+            self._free_range(held)
+
+    def _free_range(self, held: _Range) -> None:
+        del self._ranges[held.lease.lease_id]
+        offset, size = held.lease.offset, held.size
+        i = bisect.bisect_left(self._free, (offset, 0))
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:  # merge with the left
+            i -= 1
+            offset, size = self._free[i][0], self._free[i][1] + size
+            del self._free[i]
+        if i < len(self._free) and offset + size == self._free[i][0]:  # and the right
+            size += self._free[i][1]
+            del self._free[i]
+        self._free.insert(i, (offset, size))
+
+
+class ArenaFile:
+    """The arena's bytes: a file in /dev/shm mapped by every process of the node."""
+
+    def __init__(self, path: str, mapping: mmap.mmap, size: int):
+        self.path = path
+        self.mapping = mapping
+        self.size = size
+
+    @classmethod
+    def create(cls, path: str, size: int, *, prefault: bool = True) -> ArenaFile:
+        """Create (or replace) the file and map it; touch every page so no copy page-faults."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        if prefault:
+            page = mmap.PAGESIZE
+            for offset in range(0, size, page):
+                mapping[offset] = 0
+        return cls(path, mapping, size)
+
+    @classmethod
+    def open(cls, path: str) -> ArenaFile:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(path, mapping, size)
+
+    def view(self, lease: Lease) -> memoryview:
+        """The lease's bytes (exactly num_bytes), writable."""
+        if lease.offset + lease.num_bytes > self.size:
+            raise ValueError(f"lease {lease} is outside the arena {self.path} ({self.size} bytes)")
+        return memoryview(self.mapping)[lease.offset: lease.offset + lease.num_bytes]
+
+    def close(self) -> None:
+        self.mapping.close()
