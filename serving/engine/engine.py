@@ -115,10 +115,13 @@ class LLMEngine:
         hold_kv: bool = False,
         kv_payload: KVPayload | None = None,
         prior_output_token_ids: list[int] | None = None,
+        export_into: torch.Tensor | None = None,
     ) -> int:
         """Validate and queue a request; returns its prompt length.
 
-        `hold_kv` keeps the KV after the request finishes, for `export_kv` (prefill worker).
+        `hold_kv` keeps the KV after the request finishes, for `export_kv` (prefill worker);
+        `export_into` (with hold_kv) is where its payload is read out: a contiguous tensor of
+        exactly kv_payload_bytes(len(prompt)) bytes, e.g. a shared-memory arena range.
         `kv_payload` imports KV computed elsewhere; `prior_output_token_ids` are tokens already
         generated there (they count towards max_tokens and are not emitted again).
         """
@@ -136,6 +139,14 @@ class LLMEngine:
             vocab_size=self.vocab_size, max_model_len=self.max_model_len, kv_layout=self.kv_layout,
         )
         num_prompt = len(prompt_token_ids)
+        if export_into is not None:
+            need = self.kv_payload_bytes(num_prompt)
+            have = export_into.numel() * export_into.element_size()
+            if not hold_kv or have != need or not export_into.is_contiguous() or export_into.device != self.kv_cache.data.device:
+                raise InvalidRequestError(
+                    "export_into", f"needs hold_kv and a contiguous {self.kv_cache.data.device} buffer of "
+                    f"{need} bytes for a {num_prompt}-token prompt; got {have} bytes",
+                )
         max_tokens = params.max_tokens or (self.max_model_len - num_prompt)
         extra_keys = (cache_salt,) if cache_salt else ()
         arrival = arrival_time if arrival_time is not None else time.monotonic()
@@ -156,6 +167,7 @@ class LLMEngine:
         request = _Request(request_id, states, num_prompt, arrival)
         first = states[0].seq
         first.pending_import = kv_payload
+        first.export_into = export_into
         self.scheduler.add(first)
         for state in states[1:]:
             state.seq.status = RequestStatus.WAITING_FOR_PARENT

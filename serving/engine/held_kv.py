@@ -65,5 +65,5 @@ class HeldKV:
     def _payload(self, seq: Sequence) -> KVPayload:
         num_tokens = seq.num_computed_tokens
         num_blocks = -(-num_tokens // self._block_manager.block_size)
-        kv = self._kv_cache.read_blocks(seq.block_ids[:num_blocks])
+        kv = self._kv_cache.read_blocks(seq.block_ids[:num_blocks], out=seq.export_into)
         return KVPayload(request_id=seq.request_id, token_ids=seq.token_ids[:num_tokens], layout=self._layout, kv=kv)

@@ -66,6 +66,9 @@ class Sequence:
     num_committed_blocks: int = 0  # leading blocks whose KV is computed and registered by hash
     num_preemptions: int = 0
     pending_import: KVPayload | None = None
+    # hold_kv: where its payload is read out when it finishes (a shared-memory arena range,
+    # serving/deployments/kv_arena.py); None: a new tensor
+    export_into: object | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 

@@ -272,6 +272,30 @@ def test_export_import_continues_identically(tiny_model_dir, seeded):
     assert decode.stats().num_free_blocks == decode.stats().num_blocks
 
 
+def test_export_into_a_given_buffer_reads_the_payload_out_there(tiny_model_dir):
+    """A prefill's payload can be read out straight into a buffer it is given (an arena range):
+    the payload is a view of that buffer, with the same values as a payload of its own."""
+    prompt = random_prompts([75], seed=17)[0]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    plain = make_engine(tiny_model_dir)
+    plain.add_request("x", params=params, prompt_token_ids=prompt, hold_kv=True)
+    plain.step()
+    expected = plain.export_kv("x").kv
+
+    engine = make_engine(tiny_model_dir)
+    buffer = torch.full((engine.kv_payload_bytes(75),), 255, dtype=torch.uint8)
+    engine.add_request("x", params=params, prompt_token_ids=prompt, hold_kv=True, export_into=buffer)
+    engine.step()
+    payload = engine.export_kv("x")
+    assert payload.kv.data_ptr() == buffer.data_ptr() and payload.kv.shape == (2, 2, 5, 2, 16, 16)
+    assert torch.equal(payload.kv, expected)
+
+    for bad, why in ((torch.empty(10, dtype=torch.uint8), "got 10 bytes"), (buffer, "needs hold_kv")):
+        with pytest.raises(InvalidRequestError, match=why) as info:
+            engine.add_request("y", params=params, prompt_token_ids=prompt, hold_kv=bad is not buffer, export_into=bad)
+        assert info.value.param == "export_into"
+
+
 @pytest.mark.parametrize(
     "kwargs, param",
     [
