@@ -2,15 +2,19 @@
 
 A prefill worker is the same engine asked for one token and a KV export:
 
-    prefill(request)   add_request(max_tokens=1, hold_kv=True) → first token
+    prefill(request)   reserve a range of the node's shared-memory arena (None: no room)
+                       add_request(max_tokens=1, hold_kv=True, export_into=the range) → first
+                       token; the engine gathers the KV blocks into the range as it finishes
                        → PrefillResult(first token output, KVHandle)      (returned now)
-                       then, in the background: export_kv → ray.put → offer(ref, lease) to this
-                       node's KVTransfer actor
+                       then, in the background: export_kv → offer_slot(range) to this node's
+                       KVTransfer actor; without a range (or refused): ray.put → offer(ref)
 
     generate(request, kv, prior)
                        claim(kv) from its KVTransfer actor, which waits for the offer (bounded
-                       by kv_transfer.timeout_s)
+                       by kv_transfer.timeout_s): a range of this node's arena, read in place
                        → add_request(kv_payload=..., prior_output_token_ids=prior) → stream outputs
+                       (the engine scatters the range into its blocks when it schedules the
+                       request; then the range is done)
                        claim failed or timed out → add_request(prior_output_token_ids=prior):
                        the prompt is recomputed here, with the same tokens (counted)
 
@@ -37,7 +41,7 @@ from serving.deployments import faults
 from serving.deployments.caller_watch import CallerWatch
 from serving.deployments.kv_handoff import KVHandoff
 from serving.deployments.kv_transfer import ACTOR_ERRORS
-from serving.deployments.messages import ClaimMiss, KVHandle, PrefillResult, WorkerError, WorkerRequest, WorkerStats
+from serving.deployments.messages import ClaimMiss, KVHandle, KVSlot, PrefillResult, WorkerError, WorkerRequest, WorkerStats
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.config import EngineConfig
 from serving.engine.errors import EngineError
@@ -130,11 +134,20 @@ class EngineWorker:
         ran = False  # the engine finished the request (its last output is then rewritten)
         tracker = self.recorder.track()
         faults.reached("prefill.before_first_token")
+        slot: KVSlot | None = None
+        export_into = None
         with self._callers.watch(request.caller, request.request_id):
             try:
+                if params.max_tokens != 1:  # a decode worker will need the KV: where it goes
+                    num_bytes = self.engine.engine.kv_payload_bytes(len(request.prompt_token_ids))
+                    slot = await self.kv.reserve(self._this_node(), request.request_id, num_bytes)
+                    export_into = self._arena_view(slot)
+                    if export_into is None:
+                        slot = None
                 async for out in self.engine.generate(
                     request.request_id, prompt_token_ids=request.prompt_token_ids, params=one,
                     priority=request.priority, cache_salt=request.cache_salt, hold_kv=True,
+                    export_into=export_into, export_until=slot.deadline if slot is not None else None,
                 ):
                     tracker.observe(out)
                     last = out
@@ -150,7 +163,7 @@ class EngineWorker:
                                         self.engine.engine.kv_payload_bytes(num_tokens))
                 # The first token goes back now; the export and the offer follow in the background
                 # (the decode worker's claim waits for the offer), so TTFT does not pay for them.
-                task = asyncio.create_task(self._export_and_offer(request.request_id, trace))
+                task = asyncio.create_task(self._export_and_offer(request.request_id, trace, slot, export_into))
                 self._offers.add(task)
                 task.add_done_callback(self._offers.discard)
                 handed_off = True
@@ -165,12 +178,24 @@ class EngineWorker:
                     trace.engine_stages(last.metrics if last else None, prefill=True, decode=False, aborted=not ran)
                 if not handed_off:
                     self.engine.release_kv_soon(request.request_id)  # no-op unless KV is still held
+                    if slot is not None:
+                        self.kv.release_slot_soon(self._this_node(), slot)
 
-    async def _export_and_offer(self, request_id: str, trace: tracing.CarriedTrace | None = None) -> None:
+    async def _export_and_offer(
+        self, request_id: str, trace: tracing.CarriedTrace | None = None, slot: KVSlot | None = None,
+        export_into=None,
+    ) -> None:
         start_ns = time.time_ns() if trace is not None else 0
         node_id = self._this_node()
         try:
             payload = await self.engine.export_kv(request_id)
+            if slot is not None:
+                if payload.kv.data_ptr() == export_into.data_ptr() and await self.kv.offer_slot(node_id, slot.described(payload)):
+                    self._exported(payload.num_bytes, trace, start_ns, "arena")
+                    return
+                # Not in the range (its lease ran out first) or refused: through Ray's object
+                # store. A refused range is quarantined, so what the engine wrote stays readable.
+                self.kv.release_slot_soon(node_id, slot)
             ref = await asyncio.to_thread(ray.put, payload)
             await self.kv.offer(node_id, request_id, ref, payload.num_bytes)
         except Exception as exc:  # noqa: BLE001 - the decode worker's claim fails and it recomputes
@@ -182,9 +207,25 @@ class EngineWorker:
                 trace.record("kv_transfer", start_ns, time.time_ns(), {"kvrelay.kv.side": "export"}, error=f"{type(exc).__name__}: {exc}")
             await self.engine.release_kv(request_id)
             return
-        self.recorder.kv_exported(payload.num_bytes)
+        self._exported(payload.num_bytes, trace, start_ns, "object_store")
+
+    def _exported(self, num_bytes: int, trace: tracing.CarriedTrace | None, start_ns: int, path: str) -> None:
+        self.recorder.kv_exported(num_bytes)
         if trace is not None:
-            trace.record("kv_transfer", start_ns, time.time_ns(), {"kvrelay.kv.side": "export", "kvrelay.kv.bytes": payload.num_bytes})
+            trace.record("kv_transfer", start_ns, time.time_ns(),
+                         {"kvrelay.kv.side": "export", "kvrelay.kv.bytes": num_bytes, "kvrelay.kv.path": path})
+
+    def _arena_view(self, slot: KVSlot | None):
+        """The reserved range's bytes, or None (no range; or the arena is gone: the actor was
+        restarted since, so the range is given back and the KV goes through Ray)."""
+        if slot is None:
+            return None
+        try:
+            return self.kv.arena(slot)
+        except OSError as exc:
+            logger.warning("the KV arena %s cannot be opened (%s); the KV goes through Ray", slot.path, exc)
+            self.kv.release_slot_soon(self._this_node(), slot)
+            return None
 
     def _this_node(self) -> str:
         if self._node_id is None:
@@ -198,7 +239,7 @@ class EngineWorker:
         trace = tracing.continue_trace(request.trace_context, self.role, request.request_id)
         if trace is not None:
             trace.route_done()
-        payload = await self._claim(kv, trace) if kv is not None else None
+        payload, slot = await self._claim(kv, trace) if kv is not None else (None, None)
         imported = payload is not None
         tracker = self.recorder.track(continues=bool(prior_output_token_ids))
         last: RequestOutput | None = None
@@ -211,6 +252,9 @@ class EngineWorker:
                     prior_output_token_ids=prior_output_token_ids,
                 ):
                     payload = None  # imported (or never needed); let the shared-memory view go
+                    if slot is not None:  # the engine scattered it into its blocks before this output
+                        self.kv.done_soon(kv.node_id, slot)
+                        slot = None
                     tracker.observe(out)
                     if last is None:  # a prompt not imported was computed here: its prefill time
                         self.recorder.first_token(out.metrics, computed_prompt=not imported)
@@ -221,15 +265,20 @@ class EngineWorker:
             except EngineError as exc:
                 yield WorkerError.from_exception(exc)
             finally:
+                if slot is not None:  # ended before its first output: the engine may be reading it
+                    self.kv.release_soon(kv)  # a read range goes to quarantine, not straight back
                 if trace is not None:
                     # A prompt not imported was computed here: prefill, then decode from its first token.
                     trace.engine_stages(last.metrics if last else None, prefill=not imported, decode=True, aborted=last is None or not last.finished)
 
-    async def _claim(self, kv: KVHandle, trace: tracing.CarriedTrace | None = None) -> KVPayload | None:
-        """The request's KV from the prefill worker, or None: recompute the prompt here."""
+    async def _claim(
+        self, kv: KVHandle, trace: tracing.CarriedTrace | None = None,
+    ) -> tuple[KVPayload | None, KVSlot | None]:
+        """The request's KV from the prefill worker (and its arena slot, if it is read in place),
+        or None: recompute the prompt here."""
         start, start_ns = time.monotonic(), time.time_ns()
-        fetched = await self.kv.fetch(kv)
-        payload = None if isinstance(fetched, ClaimMiss) else fetched
+        fetched = await self.kv.fetch(kv, self._this_node())
+        payload, slot = (None, None) if isinstance(fetched, ClaimMiss) else fetched
         if payload is None:
             self.recorder.kv_fallback(fetched.value)
             logger.warning("KV of %s not imported (%s): recomputing its %d tokens", kv.request_id, fetched.value, kv.num_tokens)
@@ -241,7 +290,7 @@ class EngineWorker:
                 attributes["kvrelay.kv.bytes"] = payload.num_bytes
             trace.record("kv_transfer", start_ns, time.time_ns(), attributes,
                          error=None if payload is not None else "not imported; the prompt is recomputed")
-        return payload
+        return payload, slot
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -1,4 +1,4 @@
-"""A per-node shared-memory arena for same-node KV hand-offs (issue 16, part 4; not wired in yet).
+"""A per-node shared-memory arena for same-node KV hand-offs (driven by kv_transfer.py's actor).
 
     KVTransfer actor (owner)             prefill worker (writer)            decode worker (reader)
     ArenaFile.create(path, size)
@@ -127,6 +127,14 @@ class ArenaAllocator:
         self._drop(held, quarantine=False)
         return True
 
+    def release_lease(self, lease: Lease) -> bool:
+        """A writer gives up its range (only while it is still its own): as release()."""
+        held = self._current(lease, RangeState.WRITING)
+        if held is None:
+            return False
+        self._drop(held, quarantine=True)
+        return True
+
     def release(self, request_id: str) -> bool:
         """The request is gone (the client left, the decode worker recomputed): free its range,
         after the quarantine if a writer or reader may still hold it."""
@@ -151,6 +159,14 @@ class ArenaAllocator:
         return changed
 
     # ---- figures -----------------------------------------------------------------------------
+    def deadline_of(self, lease: Lease) -> float:
+        """When `lease` runs out, on the allocator's clock (time.monotonic(): the node's)."""
+        return self._ranges[lease.lease_id].deadline
+
+    def next_deadline(self) -> float | None:
+        """The soonest time something here runs out (a lease or a quarantine), or None."""
+        return min((r.deadline for r in self._ranges.values()), default=None)
+
     @property
     def free_bytes(self) -> int:
         return sum(size for _, size in self._free)

@@ -1,11 +1,16 @@
 """KVHandoff: the callers' side of the KV hand-off (the actor's side is kv_transfer.py).
 
     prefill worker                       decode worker                      ingress
-    handle(...) ─▶ KVHandle              fetch(kv) ─▶ KVPayload | reason    release_soon(kv) when
-    offer(node, id, ref, bytes)            claim at the node's actor,       the client left before
-      once more to a restarted actor       waiting for the offer, then      the decode worker
-                                           the object; any failure or the   claimed it
-                                           timeout is a reason to recompute
+    reserve(node, id, bytes) ─▶ KVSlot   fetch(kv) ─▶ (KVPayload, slot)     release_soon(kv) when
+      | None; arena(slot): its bytes       | reason: claim at the node's    the client left before
+    handle(...) ─▶ KVHandle                actor, waiting for the offer;    the decode worker
+    offer_slot(node, slot) ─▶ bool         a slot is read in place (a       claimed it
+    offer(node, id, ref, bytes)            view of the arena), a copy or
+      once more to a restarted actor       a ref is fetched; any failure
+    release_slot_soon(node, slot)          or the timeout is a reason to
+                                           recompute
+                                         done_soon(node, slot) once the
+                                           engine has copied the slot out
 
 Every process holds one KVHandoff; it looks each node's actor up once (in a thread: the lookup
 blocks on the GCS, never on the event loop), and again after an actor error (the actor was
@@ -21,10 +26,12 @@ import logging
 import time
 
 import ray
+import torch
 
 from serving.config import KVTransferConfig
+from serving.deployments.kv_arena import ArenaFile
 from serving.deployments.kv_transfer import ACTOR_ERRORS, get_or_create
-from serving.deployments.messages import ClaimMiss, KVHandle
+from serving.deployments.messages import ClaimMiss, KVCopy, KVHandle, KVSlot
 from serving.engine.kv_payload import KVPayload
 
 __all__ = ["KVHandoff"]
@@ -37,13 +44,14 @@ class KVHandoff:
         self.config = config
         self._actors: dict[str, object] = {}
         self._background: set[asyncio.Task] = set()  # releases in flight, referenced until done
+        self._arenas: dict[str, ArenaFile] = {}  # path -> its mapping (one per actor's arena)
         self.num_lookups = 0
 
     # ---- the node's actor --------------------------------------------------------------------
     async def actor(self, node_id: str):
         actor = self._actors.get(node_id)
         if actor is None:
-            actor = await asyncio.to_thread(get_or_create, self.app_name, node_id)
+            actor = await asyncio.to_thread(get_or_create, self.app_name, node_id, self.config.arena_mib << 20)
             self._actors[node_id] = actor
             self.num_lookups += 1
         return actor
@@ -52,7 +60,54 @@ class KVHandoff:
         """After an actor error: look the actor up again next time."""
         self._actors.pop(node_id, None)
 
+    def arena(self, slot: KVSlot) -> torch.Tensor:
+        """The slot's bytes, in place: a uint8 tensor over the arena's shared memory."""
+        arena = self._arenas.get(slot.path)
+        if arena is None:
+            arena = ArenaFile.open(slot.path)
+            # A restarted actor made a new arena: let the old mappings go (a view still in use
+            # keeps its own; closing then fails and the mapping goes with its last view).
+            for path in list(self._arenas):
+                try:
+                    self._arenas.pop(path).close()
+                except BufferError:
+                    pass
+            self._arenas[slot.path] = arena
+        return torch.frombuffer(arena.view(slot.lease), dtype=torch.uint8)
+
     # ---- prefill side ------------------------------------------------------------------------
+    async def reserve(self, node_id: str, request_id: str, num_bytes: int) -> KVSlot | None:
+        """A range of the node's arena to export into, or None (no arena, no room, or the actor
+        failed): the KV then goes through Ray's object store. Never raises."""
+        if self.config.arena_mib == 0:
+            return None
+        try:
+            actor = await self.actor(node_id)
+            return await actor.reserve.remote(request_id, num_bytes, self.config.lease_s)
+        except Exception as exc:  # noqa: BLE001 - Ray's object store is the other path
+            if isinstance(exc, ACTOR_ERRORS):
+                self.forget(node_id)
+            logger.warning("reserving arena space for the KV of %s failed (%s)", request_id, exc)
+            return None
+
+    async def offer_slot(self, node_id: str, slot: KVSlot) -> bool:
+        """Offer a filled range; False when it was refused (its lease ran out, its request was
+        released, the actor was restarted): then the bytes go through Ray, or nowhere."""
+        try:
+            actor = await self.actor(node_id)
+            return await actor.offer_slot.remote(slot, self.config.lease_s)
+        except ACTOR_ERRORS:
+            self.forget(node_id)
+            return False
+
+    def release_slot_soon(self, node_id: str, slot: KVSlot) -> None:
+        """Give a reserved range back without offering it (in the background; never raises)."""
+        self._background_call(node_id, "release_slot", slot)
+
+    def done_soon(self, node_id: str, slot: KVSlot) -> None:
+        """The engine has copied a claimed range out: free it (in the background)."""
+        self._background_call(node_id, "done", slot)
+
     def handle(self, request_id: str, node_id: str, num_tokens: int, num_bytes: int) -> KVHandle:
         return KVHandle(request_id, node_id, num_tokens, num_bytes)
 
@@ -71,34 +126,49 @@ class KVHandoff:
                 logger.warning("the KVTransfer actor died while offering the KV of %s; offering again", request_id)
 
     # ---- decode side -------------------------------------------------------------------------
-    async def claim(self, kv: KVHandle) -> list[ray.ObjectRef] | ClaimMiss:
-        """The actor's answer, waiting up to timeout_s for the offer (the margin covers the round
-        trip); raises TimeoutError past it, and the actor's errors."""
+    async def claim(self, kv: KVHandle, node_id: str | None = None) -> list[ray.ObjectRef] | KVSlot | KVCopy | ClaimMiss:
+        """The actor's answer for a claimer on `node_id`, waiting up to timeout_s for the offer
+        (the margin covers the round trip); raises TimeoutError past it, and the actor's errors."""
         actor = await self.actor(kv.node_id)
         timeout_s = self.config.timeout_s
-        answer = await asyncio.wait_for(actor.claim.remote(kv.request_id, timeout_s), timeout_s + 5.0)
+        answer = await asyncio.wait_for(
+            actor.claim.remote(kv.request_id, timeout_s, node_id, self.config.lease_s), timeout_s + 5.0,
+        )
         if answer == ClaimMiss.TIMEOUT:
             self.release_soon(kv)  # drop the offer when it comes
         return answer
 
-    async def fetch(self, kv: KVHandle) -> KVPayload | ClaimMiss:
+    async def fetch(self, kv: KVHandle, node_id: str | None = None) -> tuple[KVPayload, KVSlot | None] | ClaimMiss:
         """Claim and get the payload within timeout_s, or why not (the caller recomputes the
-        prompt). A cancelled caller (its client left during the hand-off) releases the offer and
-        is cancelled, which is not a miss."""
+        prompt). From the arena of this node (`node_id`), the payload is a view of the range,
+        readable until its lease's deadline, and its slot comes with it: the caller says
+        `done_soon` once the engine has copied it out. A cancelled caller (its client left
+        during the hand-off) releases the offer and is cancelled, which is not a miss."""
         start = time.monotonic()
+        slot = None
         try:
-            answer = await self.claim(kv)
+            answer = await self.claim(kv, node_id)
             if isinstance(answer, str):  # a ClaimMiss (an actor of an older version: its value)
                 return ClaimMiss(answer)
+            if isinstance(answer, KVSlot):
+                slot = answer
+                kv_view = self.arena(slot).view(getattr(torch, slot.layout.dtype)).view(slot.shape)
+                payload = KVPayload(kv.request_id, list(slot.token_ids), slot.layout, kv_view, readable_until=slot.deadline)
+                return payload, slot
             remaining = max(0.0, self.config.timeout_s - (time.monotonic() - start))
-            return await asyncio.wait_for(answer[0], remaining)
+            if isinstance(answer, KVCopy):
+                raw = await asyncio.wait_for(answer.ref, remaining)
+                return KVPayload.from_raw(kv.request_id, answer.token_ids, answer.layout, raw, answer.shape), None
+            return await asyncio.wait_for(answer[0], remaining), None
         except TimeoutError:
             self.release_soon(kv)  # do not leave it held until the lease ends
             return ClaimMiss.TIMEOUT
         except ray.exceptions.TaskCancelledError:
             self.release_soon(kv)
             raise asyncio.CancelledError() from None
-        except (ray.exceptions.RayError, ValueError) as exc:  # the actor or the object is lost
+        except (ray.exceptions.RayError, ValueError, OSError) as exc:  # the actor, the object or the arena is lost
+            if slot is not None:
+                self.done_soon(kv.node_id, slot)
             if isinstance(exc, ACTOR_ERRORS):
                 # Dead or restarting: tell the restarted actor to drop this request's offer,
                 # which the prefill worker makes again to it.
@@ -114,20 +184,26 @@ class KVHandoff:
         self.release_soon_at(kv.node_id, kv.request_id)
 
     def release_soon_at(self, node_id: str, request_id: str) -> None:
-        # Outside the current request's context: Ray keeps an async actor's current task in a
-        # context variable and cancels the calls a cancelled task made, so a release made in a
-        # cancelled request's cleanup would be cancelled with it (3 of 5,000 soak requests, once).
-        task = asyncio.get_running_loop().create_task(self.release(node_id, request_id), context=contextvars.Context())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background_call(node_id, "release", request_id)
 
     async def release(self, node_id: str, request_id: str) -> None:
         """Release a request's KV at the node's actor. Never raises: a release that fails is
         logged, and the KV's lease frees it anyway."""
+        await self._call_quietly(node_id, "release", request_id)
+
+    def _background_call(self, node_id: str, method: str, arg) -> None:
+        # Outside the current request's context: Ray keeps an async actor's current task in a
+        # context variable and cancels the calls a cancelled task made, so a release made in a
+        # cancelled request's cleanup would be cancelled with it (3 of 5,000 soak requests, once).
+        task = asyncio.get_running_loop().create_task(self._call_quietly(node_id, method, arg), context=contextvars.Context())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _call_quietly(self, node_id: str, method: str, arg) -> None:
         try:
             actor = await self.actor(node_id)
-            await actor.release.remote(request_id)
-        except Exception as exc:  # noqa: BLE001 - its lease frees it anyway
+            await getattr(actor, method).remote(arg)
+        except Exception as exc:  # noqa: BLE001 - the lease frees it anyway
             if isinstance(exc, ACTOR_ERRORS):
                 self.forget(node_id)
-            logger.warning("releasing the KV of %s failed (%s); its lease will free it", request_id, exc)
+            logger.warning("%s at the KVTransfer actor failed (%s); the lease will free it", method, exc)

@@ -1,6 +1,14 @@
 """KVTransfer: one actor per node that holds exported KV until a decode worker claims it (the
 actor's side of the KV hand-off; the callers' side is kv_handoff.py).
 
+On one node, the hand-off goes through the node's shared-memory arena, which this actor owns
+(kv_arena.py): the prefill worker reserves a range before its prompt runs, the engine gathers the
+KV blocks straight into it, the worker offers the range (a KVSlot: path, offset, lease); the
+decode worker claims it, its engine scatters the range straight into its own blocks, and it says
+done. Only leases cross Ray. When the arena has no free range, when the decode worker is on
+another node (the actor copies the range into Ray's object store for it: a KVCopy), or when a
+lease ran out, the hand-off goes through Ray's object store as below.
+
     PrefillWorker (node A)                 KVTransfer (node A)               DecodeWorker (node A|B)
     engine.export_kv ─▶ ray.put(payload) ──────────────▶ offer(id, [ref], lease)
                     ◀──────── KVHandle(id, node, bytes) ────────────────── (via the ingress)
@@ -24,22 +32,28 @@ the bytes.
 Workers find their node's actor by name (`actor_name(app, node_id)`) and create it if it does not
 exist yet (`get_if_exists`), pinned to that node, detached so it outlives any one replica.
 
-If the actor dies, Ray restarts it (`max_restarts=-1`) with nothing held: offers and claims in
-flight fail, and those requests recompute their prompt on the decode worker (counted as KV
-fallbacks). A caller whose call fails with an actor error drops its handle and looks the actor
+If the actor dies, Ray restarts it (`max_restarts=-1`) with nothing held and a new arena file
+(the old one is unlinked; processes that still map it keep their pages until they let go):
+offers and claims in flight fail, and those requests recompute their prompt on the decode worker
+(counted as KV fallbacks). A caller whose call fails with an actor error drops its handle and looks the actor
 up again (`get_or_create`, kv_handoff.py), which also recreates one that was killed for good.
 """
 
 from __future__ import annotations
 
 import asyncio
+import glob
 import logging
+import os
+import tempfile
 import time
 
+import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from serving.deployments.messages import ClaimMiss, KVTransferStats
+from serving.deployments.kv_arena import ArenaAllocator, ArenaFile
+from serving.deployments.messages import ClaimMiss, KVCopy, KVSlot, KVTransferStats
 
 __all__ = ["KVTransfer", "actor_name", "get_or_create", "NAMESPACE", "kill_all", "ACTOR_ERRORS"]
 
@@ -52,11 +66,58 @@ def actor_name(app_name: str, node_id: str) -> str:
     return f"KVTransfer:{app_name}:{node_id[:16]}"
 
 
+# A range whose writer's or reader's lease ran out stays unused this long: far longer than any copy
+# that started before the lease's end takes (a few ms for tens of MiB).
+ARENA_QUARANTINE_S = 30.0
+_MIN_ARENA_BYTES = 16 << 20
+
+
+def arena_prefix(app_name: str, node_id: str) -> str:
+    """Where a node's arena files of an app live: /dev/shm when there is one (memory, not disk)."""
+    root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in app_name)
+    return os.path.join(root, f"kvrelay-arena-{safe}-{node_id[:16]}-")
+
+
+def remove_arenas(app_name: str, node_id: str) -> int:
+    """Unlink an app's arena files on this node (processes that map one keep its pages)."""
+    removed = 0
+    for path in glob.glob(glob.escape(arena_prefix(app_name, node_id)) + "*"):
+        try:
+            os.unlink(path)
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def create_arena(app_name: str, node_id: str, num_bytes: int) -> ArenaFile | None:
+    """A new arena file for this actor (the files of an earlier actor of the app on this node
+    are removed first), sized to what shared memory has free (at most half of it), pre-faulted;
+    None when that is under 16 MiB or `num_bytes` is 0."""
+    if num_bytes <= 0:
+        return None
+    prefix = arena_prefix(app_name, node_id)
+    remove_arenas(app_name, node_id)
+    stat = os.statvfs(os.path.dirname(prefix))
+    size = min(num_bytes, stat.f_bavail * stat.f_frsize // 2) // 4096 * 4096
+    if size < _MIN_ARENA_BYTES:
+        logger.warning("shared memory at %s has %d bytes free: no KV arena (hand-offs go through Ray's object store)",
+                       os.path.dirname(prefix), stat.f_bavail * stat.f_frsize)
+        return None
+    if size < num_bytes:
+        logger.warning("the KV arena is %d bytes, not %d: shared memory has no more free", size, num_bytes)
+    return ArenaFile.create(f"{prefix}{os.getpid()}-{time.time_ns()}", size)
+
+
 class KVTransfer:
-    def __init__(self, app_name: str, node_id: str):
+    def __init__(self, app_name: str, node_id: str, arena_bytes: int = 0):
         self.app_name = app_name
         self.node_id = node_id
-        self._held: dict[str, tuple[list[ray.ObjectRef], int, float]] = {}  # id -> refs, bytes, deadline
+        self.arena = create_arena(app_name, node_id, arena_bytes)
+        self.allocator = ArenaAllocator(self.arena.size, quarantine_s=ARENA_QUARANTINE_S) if self.arena else None
+        # id -> ([ref] or an arena slot, bytes, deadline)
+        self._held: dict[str, tuple[list[ray.ObjectRef] | KVSlot, int, float]] = {}
         # Ids released or expired before (or without) their offer, so a late offer is dropped
         # at once and a late claim learns why: id -> (reason, forget-after deadline).
         self._gone: dict[str, tuple[ClaimMiss, float]] = {}
@@ -69,6 +130,70 @@ class KVTransfer:
         self.num_expired = 0
         self.num_missed = 0  # claims that got nothing (timeout, released, expired)
         self.bytes_offered = 0
+        self.num_arena_offers = 0
+        self.num_arena_full = 0
+        self.num_arena_copies = 0
+
+    # ---- the arena (same-node hand-offs) -----------------------------------------------------
+    async def reserve(self, request_id: str, num_bytes: int, lease_s: float) -> KVSlot | None:
+        """A range of the arena for a prefill worker to export `request_id`'s KV into, or None
+        (no arena, or no free range that large: the KV then goes through Ray's object store)."""
+        if self.allocator is None or request_id in self._gone:
+            return None
+        self.allocator.release(request_id)  # a retried request's earlier writer gives its range up
+        lease = self.allocator.reserve(request_id, num_bytes, lease_s)
+        if lease is None:
+            self.num_arena_full += 1
+            return None
+        return KVSlot(self.arena.path, lease, self.allocator.deadline_of(lease))
+
+    async def offer_slot(self, slot: KVSlot, lease_s: float) -> bool:
+        """The writer filled its range (`slot`, described): hold it for a claim. False when its
+        lease ran out or its request was released meanwhile (the writer then offers the bytes
+        through Ray's object store, or drops them)."""
+        self._ensure_expiry_loop()
+        request_id = slot.lease.request_id
+        if self.allocator is None or slot.path != self.arena.path or request_id in self._gone:
+            return False
+        if not self.allocator.offer(slot.lease, lease_s):
+            return False
+        self.num_offered += 1
+        self.num_arena_offers += 1
+        self.bytes_offered += slot.lease.num_bytes
+        deadline = self.allocator.deadline_of(slot.lease)
+        self._held[request_id] = (slot, slot.lease.num_bytes, deadline)
+        self._wake(request_id)
+        self._wakeup.set()
+        return True
+
+    async def release_slot(self, slot: KVSlot) -> bool:
+        """The writer will not offer its range (its request ended, or its bytes went through Ray
+        instead): free it, after the quarantine (the writer may have been copying)."""
+        if self.allocator is None or slot.path != self.arena.path:
+            return False
+        return self.allocator.release_lease(slot.lease)
+
+    async def done(self, slot: KVSlot) -> bool:
+        """The reader has copied its range out: free it. False when its lease had run out (the
+        range was in quarantine: what a copy that started before the deadline read is good)."""
+        if self.allocator is None or slot.path != self.arena.path:
+            return False
+        return self.allocator.done(slot.lease)
+
+    def _claimed_slot(self, slot: KVSlot, node_id: str | None, lease_s: float) -> KVSlot | KVCopy | None:
+        lease = self.allocator.claim(slot.lease.request_id, lease_s)
+        if lease is None:
+            return None
+        reading = KVSlot(slot.path, lease, self.allocator.deadline_of(lease), slot.token_ids, slot.layout, slot.shape)
+        if node_id is None or node_id == self.node_id:
+            return reading
+        # Another node cannot map this arena: copy the range into Ray's object store for it.
+        try:
+            raw = np.frombuffer(self.arena.view(lease), dtype=np.uint8).copy()
+        finally:
+            self.allocator.done(lease)
+        self.num_arena_copies += 1
+        return KVCopy(ray.put(raw), slot.token_ids, slot.layout, slot.shape)
 
     async def offer(self, request_id: str, refs: list[ray.ObjectRef], num_bytes: int, lease_s: float) -> bool:
         """Hold a payload for `lease_s`; False (and dropped) if its request was released already."""
@@ -83,9 +208,13 @@ class KVTransfer:
         self._wakeup.set()
         return True
 
-    async def claim(self, request_id: str, wait_s: float = 0.0) -> list[ray.ObjectRef] | ClaimMiss:
-        """Hand over the payload's reference (once), waiting up to `wait_s` for its offer (the
-        prefill worker offers after it has returned the first token). Otherwise why not."""
+    async def claim(
+        self, request_id: str, wait_s: float = 0.0, node_id: str | None = None, lease_s: float = 30.0,
+    ) -> list[ray.ObjectRef] | KVSlot | KVCopy | ClaimMiss:
+        """Hand over the payload (once), waiting up to `wait_s` for its offer (the prefill worker
+        offers after it has returned the first token). Otherwise why not. An arena range goes
+        to a claimer on this node (`node_id`) as a reading lease of `lease_s`; to one on
+        another node, as a copy in Ray's object store."""
         entry = self._held.pop(request_id, None)
         if entry is None and request_id not in self._gone and wait_s > 0:
             event = self._waiters.setdefault(request_id, asyncio.Event())
@@ -96,6 +225,12 @@ class KVTransfer:
             finally:
                 self._waiters.pop(request_id, None)
             entry = self._held.pop(request_id, None)
+        if entry is not None and isinstance(entry[0], KVSlot):
+            claimed = self._claimed_slot(entry[0], node_id, lease_s)
+            if claimed is None:  # the arena reclaimed the range first (its lease ran out)
+                self.num_missed += 1
+                return ClaimMiss.EXPIRED
+            entry = (claimed,)
         if entry is None:
             self.num_missed += 1
             return self._gone.get(request_id, (ClaimMiss.TIMEOUT, 0.0))[0]
@@ -109,6 +244,8 @@ class KVTransfer:
         entry = self._held.pop(request_id, None)
         self._gone[request_id] = (ClaimMiss.RELEASED, time.monotonic() + lease_s)
         self._wake(request_id)
+        if self.allocator is not None:
+            self.allocator.release(request_id)  # its range, if any: free, or quarantined if in use
         if entry is None:
             return False
         self.num_released += 1
@@ -125,6 +262,11 @@ class KVTransfer:
             num_expired=self.num_expired,
             num_missed=self.num_missed,
             bytes_offered=self.bytes_offered,
+            arena_bytes=self.arena.size if self.arena else 0,
+            arena_free_bytes=self.allocator.free_bytes if self.allocator else 0,
+            num_arena_offers=self.num_arena_offers,
+            num_arena_full=self.num_arena_full,
+            num_arena_copies=self.num_arena_copies,
         )
 
     def _wake(self, request_id: str) -> None:
@@ -143,6 +285,8 @@ class KVTransfer:
             for request_id, (_, num_bytes, deadline) in list(self._held.items()):
                 if deadline <= now:
                     del self._held[request_id]
+                    if self.allocator is not None:
+                        self.allocator.release(request_id)
                     self._gone[request_id] = (ClaimMiss.EXPIRED, now + 60.0)
                     self.num_expired += 1
                     logger.warning(
@@ -151,7 +295,11 @@ class KVTransfer:
             for request_id, (_, forget_at) in list(self._gone.items()):
                 if forget_at <= now:
                     del self._gone[request_id]
+            if self.allocator is not None:
+                self.allocator.expire()  # quarantines that ended, leases that ran out
             deadlines = [entry[2] for entry in self._held.values()] + [entry[1] for entry in self._gone.values()]
+            if self.allocator is not None and self.allocator.next_deadline() is not None:
+                deadlines.append(self.allocator.next_deadline())
             self._wakeup.clear()
             timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
             try:
@@ -166,15 +314,16 @@ _RemoteKVTransfer = ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=-1
 ACTOR_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
-def get_or_create(app_name: str, node_id: str):
-    """The node's KVTransfer actor, started on first use (blocking: a GCS round trip)."""
+def get_or_create(app_name: str, node_id: str, arena_bytes: int = 0):
+    """The node's KVTransfer actor, started on first use (blocking: a GCS round trip) with an
+    arena of `arena_bytes` (the first caller's figure: every worker of an app has the same)."""
     return _RemoteKVTransfer.options(
         name=actor_name(app_name, node_id),
         namespace=NAMESPACE,
         lifetime="detached",
         get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(app_name, node_id)
+    ).remote(app_name, node_id, arena_bytes)
 
 
 def kill_all(app_name: str) -> int:
@@ -187,4 +336,7 @@ def kill_all(app_name: str) -> int:
             continue  # none on this node
         ray.kill(actor)
         killed += 1
+    # Only this node's files can be reached from here; another node's go when its next actor
+    # of the app starts (or with the node).
+    remove_arenas(app_name, ray.get_runtime_context().get_node_id())
     return killed

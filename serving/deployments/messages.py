@@ -3,8 +3,10 @@
     ingress ──WorkerRequest──▶ PrefillWorker.prefill ──PrefillResult (first token, KVHandle) | WorkerError──▶ ingress
     ingress ──WorkerRequest, KVHandle, prior tokens──▶ DecodeWorker.generate
                                        ──RequestOutput ... | WorkerError (a stream)──▶ ingress
-    prefill worker ──offer(request id, [ref to a KVPayload], bytes, lease)──▶ KVTransfer (its node's actor)
-    decode worker  ──claim(request id, wait)──▶ KVTransfer ──[ref] | ClaimMiss──▶ decode worker
+    prefill worker ──reserve(request id, bytes)──▶ KVTransfer (its node's actor) ──KVSlot | None──▶
+    prefill worker ──offer_slot(KVSlot described) | offer(request id, [ref to a KVPayload], ...)──▶ KVTransfer
+    decode worker  ──claim(request id, wait, node)──▶ KVTransfer ──KVSlot | KVCopy | [ref] | ClaimMiss──▶
+    decode worker  ──done(KVSlot)──▶ KVTransfer
     any caller ──model_info()──▶ ModelInfo        ──stats()──▶ WorkerStats | KVTransferStats
     worker ──record_routing_stats──▶ Serve controller ──▶ each router: RoutingStats
     worker ──record_autoscaling_stats──▶ Serve controller ──▶ the pool's policy: ReplicaSignals
@@ -28,7 +30,7 @@ their classes' `to_wire` / `from_wire`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from enum import Enum
 from typing import Any, NamedTuple
 
@@ -36,8 +38,9 @@ from router.autoscaling.decide import ReplicaSignals
 from router.replica_stats import RoutingStats
 from serving.api.forwarding import ForwardedRequest, ResponseStart
 from serving.api.pipeline import GenerateRequest
+from serving.deployments.kv_arena import Lease
 from serving.engine.errors import ContextLengthError, EngineDeadError, InvalidRequestError, RequestFailedError
-from serving.engine.kv_payload import KVPayload
+from serving.engine.kv_payload import KVLayout, KVPayload
 from serving.engine.outputs import EngineStats, RequestOutput
 from serving.engine.params import SamplingParams
 from serving.engine.validation import ModelInfo
@@ -45,7 +48,7 @@ from serving.observability.worker_metrics import WorkerCounters
 
 __all__ = [
     # defined here
-    "Caller", "ClaimMiss", "KVHandle", "KVTransferStats", "PrefillResult", "WorkerError", "WorkerErrorKind",
+    "Caller", "ClaimMiss", "KVCopy", "KVHandle", "KVSlot", "KVTransferStats", "PrefillResult", "WorkerError", "WorkerErrorKind",
     "WorkerRequest", "WorkerStats",
     # defined below this layer
     "EngineStats", "ForwardedRequest", "GenerateRequest", "KVPayload", "ModelInfo", "ReplicaSignals", "RequestOutput",
@@ -82,6 +85,36 @@ class KVHandle:
     node_id: str  # its node's KVTransfer actor holds it (kv_transfer.actor_name)
     num_tokens: int
     num_bytes: int
+
+
+@dataclass(frozen=True)
+class KVSlot:
+    """A request's KV in its node's shared-memory arena (serving/deployments/kv_arena.py): the
+    range and its lease cross Ray, the bytes never do. Copies into or out of the range start
+    before `deadline` (the node's time.monotonic(), one clock for every process of the node);
+    the arena keeps a range that ran out in quarantine long enough for such a copy to end."""
+
+    path: str
+    lease: Lease
+    deadline: float
+    # What the bytes are, set by the writer when it offers them: KVPayload's fields.
+    token_ids: tuple[int, ...] = ()
+    layout: KVLayout | None = None
+    shape: tuple[int, ...] = ()
+
+    def described(self, payload: KVPayload) -> KVSlot:
+        return replace(self, token_ids=tuple(payload.token_ids), layout=payload.layout, shape=tuple(payload.kv.shape))
+
+
+@dataclass(frozen=True)
+class KVCopy:
+    """An arena range copied into Ray's object store for a decode worker on another node: a ref
+    to the raw bytes (a numpy uint8 array), and what they are."""
+
+    ref: Any  # ray.ObjectRef
+    token_ids: tuple[int, ...]
+    layout: KVLayout
+    shape: tuple[int, ...]
 
 
 # ---- worker → ingress --------------------------------------------------------------------------
@@ -173,3 +206,8 @@ class KVTransferStats:
     num_expired: int
     num_missed: int  # claims that got nothing (timeout, released, expired)
     bytes_offered: int
+    arena_bytes: int = 0  # the node's shared-memory arena (0: none; every hand-off goes through Ray)
+    arena_free_bytes: int = 0
+    num_arena_offers: int = 0  # hand-offs through the arena (the rest went through Ray's object store)
+    num_arena_full: int = 0  # reservations refused for want of a free range (those went through Ray)
+    num_arena_copies: int = 0  # arena ranges copied into Ray's object store for a claim from another node

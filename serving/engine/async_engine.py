@@ -32,7 +32,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
@@ -41,6 +41,9 @@ from serving.engine.kv_events import KVEvent
 from serving.engine.kv_payload import KVPayload
 from serving.engine.outputs import EngineStats, RequestOutput, merge_outputs
 from serving.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["AsyncEngine"]
 
@@ -84,6 +87,8 @@ class AsyncEngine:
         hold_kv: bool = False,
         kv_payload: KVPayload | None = None,
         prior_output_token_ids: list[int] | None = None,
+        export_into: torch.Tensor | None = None,
+        export_until: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request (the arguments are LLMEngine.add_request's) and yield its outputs as
         they come. The engine's refusals raise here, before the first output. Leaving the
@@ -96,6 +101,7 @@ class AsyncEngine:
             await self._call(lambda engine: engine.add_request(
                 request_id, params=params, prompt_token_ids=prompt_token_ids, priority=priority, cache_salt=cache_salt,
                 hold_kv=hold_kv, kv_payload=kv_payload, prior_output_token_ids=prior_output_token_ids,
+                export_into=export_into, export_until=export_until,
             ))
         except asyncio.CancelledError:
             # The add is queued and runs anyway: abort it right behind, or nobody reads it.

@@ -116,12 +116,14 @@ class LLMEngine:
         kv_payload: KVPayload | None = None,
         prior_output_token_ids: list[int] | None = None,
         export_into: torch.Tensor | None = None,
+        export_until: float | None = None,
     ) -> int:
         """Validate and queue a request; returns its prompt length.
 
         `hold_kv` keeps the KV after the request finishes, for `export_kv` (prefill worker);
         `export_into` (with hold_kv) is where its payload is read out: a contiguous tensor of
-        exactly kv_payload_bytes(len(prompt)) bytes, e.g. a shared-memory arena range.
+        exactly kv_payload_bytes(len(prompt)) bytes, e.g. a shared-memory arena range, written
+        only before `export_until` (time.monotonic(); after it, a new tensor is).
         `kv_payload` imports KV computed elsewhere; `prior_output_token_ids` are tokens already
         generated there (they count towards max_tokens and are not emitted again).
         """
@@ -168,6 +170,7 @@ class LLMEngine:
         first = states[0].seq
         first.pending_import = kv_payload
         first.export_into = export_into
+        first.export_until = export_until
         self.scheduler.add(first)
         for state in states[1:]:
             state.seq.status = RequestStatus.WAITING_FOR_PARENT
@@ -381,6 +384,7 @@ class LLMEngine:
             num_free_blocks=bm.num_free_blocks,
             kv_cache_usage=bm.usage,
             num_preemptions=self.scheduler.num_preemptions,
+            num_expired_imports=self.scheduler.num_expired_imports,
             prefix_cache_query_tokens=bm.num_prefix_query_tokens,
             prefix_cache_hit_tokens=bm.num_prefix_hit_tokens,
             num_computed_tokens=self.num_computed_tokens,

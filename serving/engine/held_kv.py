@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import time
+
 from serving.engine.block_manager import BlockManager
 from serving.engine.kv_cache import KVCache
 from serving.engine.kv_payload import KVLayout, KVPayload
@@ -65,5 +67,9 @@ class HeldKV:
     def _payload(self, seq: Sequence) -> KVPayload:
         num_tokens = seq.num_computed_tokens
         num_blocks = -(-num_tokens // self._block_manager.block_size)
-        kv = self._kv_cache.read_blocks(seq.block_ids[:num_blocks], out=seq.export_into)
+        out = seq.export_into
+        if out is not None and seq.export_until is not None and time.monotonic() >= seq.export_until:
+            out = None  # the arena range's lease ran out: it may be another request's now
+        seq.export_into = None  # read out once
+        kv = self._kv_cache.read_blocks(seq.block_ids[:num_blocks], out=out)
         return KVPayload(request_id=seq.request_id, token_ids=seq.token_ids[:num_tokens], layout=self._layout, kv=kv)

@@ -10,6 +10,7 @@ as never having moved.
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -36,6 +37,14 @@ class KVPayload:
     token_ids: list[int]  # tokens whose KV is in `kv`
     layout: KVLayout
     kv: torch.Tensor
+    # A view of a shared-memory arena range (serving/deployments/kv_arena.py) may be read only
+    # before this time (time.monotonic(), the node's clock): later the range may be another
+    # request's, and the importing engine computes the prompt instead. None: always readable.
+    readable_until: float | None = None
+
+    @property
+    def is_readable(self) -> bool:
+        return self.readable_until is None or time.monotonic() < self.readable_until
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +57,11 @@ class KVPayload:
     @property
     def num_bytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
+
+    @staticmethod
+    def from_raw(request_id: str, token_ids, layout: KVLayout, raw: np.ndarray, shape) -> KVPayload:
+        """A payload over raw bytes (a uint8 array, e.g. out of Ray's object store), no copy."""
+        return _rebuild(request_id, token_ids, layout, raw, shape)
 
     def __reduce__(self):
         # Ship the tensor as a raw numpy buffer: Ray's object store then maps it zero-copy.

@@ -93,6 +93,7 @@ class EngineStats:
     num_computed_tokens: int  # every token run through the model
     num_generated_tokens: int
     num_held_exports: int
+    num_expired_imports: int = 0  # KV imports whose shared-memory lease ran out before scheduling
     num_queued_prefill_tokens: int = 0  # prompt tokens of waiting and running sequences not yet computed
     prefill_tokens_per_s: float = 0.0  # measured over recent steps that ran prefill (EMA); 0 before any
     dtype: str = ""  # the dtype that runs (config "auto" resolved) and why: dtype_choice.DtypeChoice

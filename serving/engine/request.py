@@ -69,6 +69,7 @@ class Sequence:
     # hold_kv: where its payload is read out when it finishes (a shared-memory arena range,
     # serving/deployments/kv_arena.py); None: a new tensor
     export_into: object | None = None
+    export_until: float | None = None  # time.monotonic() after which export_into must not be written
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 

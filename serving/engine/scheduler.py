@@ -58,6 +58,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []  # sorted by sort_key
         self.num_preemptions = 0
+        self.num_expired_imports = 0  # imports whose arena lease ran out first: computed instead
 
     def add(self, seq: Sequence) -> None:
         seq.status = RequestStatus.WAITING if seq.num_preemptions == 0 else RequestStatus.PREEMPTED
@@ -130,6 +131,13 @@ class Scheduler:
         blocks: False; a long prefill while `allow_long` is False: None (nothing changed)."""
         bm = self.block_manager
         payload = seq.pending_import
+        if payload is not None and not payload.is_readable:
+            # Its shared-memory range may be another request's by now: compute the prompt. (The
+            # import is written in this same step, right after scheduling: a readable payload
+            # is copied out before its range can be reused.)
+            logger.warning("the KV import of %s expired before it was scheduled; computing its prompt", seq.request_id)
+            seq.pending_import = payload = None
+            self.num_expired_imports += 1
         if payload is not None:
             # Imported KV covers the first payload.num_tokens tokens; compute the rest.
             left = seq.num_tokens - payload.num_tokens

@@ -61,7 +61,7 @@ def actor(monkeypatch):
     the_actor = FakeActor()
     the_actor.lookups = 0
 
-    def get_or_create(app_name, node_id):
+    def get_or_create(app_name, node_id, arena_bytes=0):
         the_actor.lookups += 1
         return the_actor
 
@@ -120,7 +120,7 @@ def test_a_claim_that_timed_out_releases_the_late_offer(actor, answer):
         actor.claim_answer = answer
         assert await kv.fetch(KV) is ClaimMiss.TIMEOUT
         await settled(kv)
-        assert actor.calls == [("claim", ("r1", 5.0)), ("release", ("r1",))]
+        assert actor.calls == [("claim", ("r1", 5.0, None, 30.0)), ("release", ("r1",))]
 
     asyncio.run(main())
 
@@ -130,7 +130,7 @@ def test_a_fetch_gets_the_payload(actor):
         kv = handoff()
         await kv.actor("node")
         actor.claim_answer = []
-        assert await kv.fetch(KV) == "payload"
+        assert await kv.fetch(KV) == ("payload", None)
 
     asyncio.run(main())
 
@@ -144,7 +144,7 @@ def test_an_actor_error_during_a_fetch_is_an_error_miss_that_looks_the_actor_up_
         await settled(kv)
         # The restarted actor, looked up again, is told to drop this request's offer, which the
         # prefill worker makes again to it.
-        assert actor.lookups == 2 and actor.calls == [("claim", ("r1", 5.0)), ("release", ("r1",))]
+        assert actor.lookups == 2 and actor.calls == [("claim", ("r1", 5.0, None, 30.0)), ("release", ("r1",))]
 
     asyncio.run(main())
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from serving.engine import (
     SamplingParams,
 )
 from serving.engine.kv_events import BlockStored
+from serving.engine.kv_payload import KVPayload
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -294,6 +297,36 @@ def test_export_into_a_given_buffer_reads_the_payload_out_there(tiny_model_dir):
         with pytest.raises(InvalidRequestError, match=why) as info:
             engine.add_request("y", params=params, prompt_token_ids=prompt, hold_kv=bad is not buffer, export_into=bad)
         assert info.value.param == "export_into"
+
+
+def test_an_arena_range_is_written_and_read_only_before_its_leases_end(tiny_model_dir):
+    """A shared-memory range may be another request's once its lease ran out: the exporting
+    engine then reads its payload out into a tensor of its own (the buffer keeps its bytes), and
+    an importing engine computes the prompt instead of reading it, with the same tokens."""
+    prompt = random_prompts([75], seed=17)[0]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+    expected = tokens_of(make_engine(tiny_model_dir).generate([prompt], params))[0]
+
+    prefill = make_engine(tiny_model_dir)
+    buffer = torch.full((prefill.kv_payload_bytes(75),), 255, dtype=torch.uint8)
+    prefill.add_request("x", params=SamplingParams(max_tokens=1, temperature=0.0), prompt_token_ids=prompt,
+                        hold_kv=True, export_into=buffer, export_until=time.monotonic() - 1.0)
+    (out,) = [o for o in prefill.step() if o.finished]
+    payload = prefill.export_kv("x")
+    assert payload.kv.data_ptr() != buffer.data_ptr() and bool((buffer == 255).all())
+
+    late = KVPayload(payload.request_id, payload.token_ids, payload.layout, payload.kv,
+                     readable_until=time.monotonic() - 1.0)
+    decode = make_engine(tiny_model_dir)
+    decode.add_request("x", params=params, prompt_token_ids=prompt, kv_payload=late,
+                       prior_output_token_ids=out.outputs[0].token_ids)
+    rest: list[int] = []
+    while decode.has_unfinished_requests():
+        for o in decode.step():
+            rest += o.outputs[0].token_ids
+    assert out.outputs[0].token_ids + rest == expected
+    assert decode.stats().num_expired_imports == 1
+    assert decode.stats().num_computed_tokens == 75 + 11  # the prompt (and the first token) computed here
 
 
 @pytest.mark.parametrize(
