@@ -1,23 +1,34 @@
 """The KV hand-off between a prefill and a decode engine, timed step by step, against a memcpy.
 
-The payload is a real one: the exporter's engine prefills a prompt with `hold_kv=True` and
-`export_kv` copies it out of the paged cache. It then moves through the workers' own code (serving/deployments/kv_handoff.py:
-KVHandoff.offer and claim), between two actors on this node:
+The payload is a real one: the exporter's engine prefills a prompt with `hold_kv=True` and keeps
+it. It then moves through the workers' own code (serving/deployments/kv_handoff.py: KVHandoff)
+between two actors on this node, by either path EngineWorker takes:
 
+    arena (same node, the default)
     exporter actor                      KVTransfer actor        importer actor
-    export_kv  (timed, not part of `transfer`: reported on its own)
+    reserve(id, bytes) ───────────────▶ a range of the arena
+    gather: export_kv into the range
+    offer_slot(range) ────────────────▶ offered
+                                        claim(id) ◀─────────── claim
+                                        the range ───────────▶ view: a tensor over the shared
+                                                               memory, no copy
+                                                               write_blocks from the view into
+                                                               its engine's cache (scatter)
+    whole = reserve + gather + offer + claim + view + write
+
+    object_store (no room in the arena, or another node)
+    gather: export_kv (a new tensor)
     ray.put ─▶ offer(id, [ref]) ──────▶ held
                                         claim(id) ◀─────────── claim
                                         [ref] ───────────────▶ await ref (plasma mmap)
-                                                               write_blocks into its
-                                                               engine's cache
+                                                               write_blocks
+    whole = gather + put + offer + claim + get + write
 
-    transfer = put + offer + claim + get + write, each step timed in the process that runs it.
-
-What it leaves out: the KVHandle's trip through the ingress between offer and claim (control
-plane: the served TPOT of `kvrelay bench serve-overhead` holds it). The baseline is a plain
-memory copy of the same number of bytes, `dst.copy_(src)` on uint8 tensors touched beforehand,
-in the importer's process with its torch threads (one).
+Each step is timed in the process that runs it. What it leaves out: the KVHandle's trip through
+the ingress between offer and claim (control plane: the served TPOT of `kvrelay bench
+serve-overhead` holds it), and the reader's `done` (in the background, after the write). The
+baseline is a plain memory copy of the same number of bytes, `dst.copy_(src)` on uint8 tensors
+touched beforehand, in the importer's process with its torch threads (one).
 """
 
 from __future__ import annotations
@@ -28,49 +39,55 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["KV_TRANSFER_STEPS", "KVExporter", "KVImporter", "KVTransferResult", "measure_kv_transfer"]
+__all__ = ["KV_PATHS", "KV_TRANSFER_STEPS", "KVExporter", "KVImporter", "KVTransferResult", "measure_kv_transfer"]
 
-KV_TRANSFER_STEPS = ("put", "offer", "claim", "get", "write")
+# The steps of each path, gather (export_kv out of the paged cache) first.
+KV_TRANSFER_STEPS = {
+    "arena": ("reserve", "gather", "offer", "claim", "view", "write"),
+    "object_store": ("gather", "put", "offer", "claim", "get", "write"),
+}
+KV_PATHS = tuple(KV_TRANSFER_STEPS)
 KV_APP_NAME = "kvrelay-bench-kv"  # names this node's KVTransfer actor, apart from any app's
 KV_LEASE_S = 120.0
 
 
-def _handoff():
+def _handoff(arena_mib: int):
     from serving.config import KVTransferConfig
     from serving.deployments.kv_handoff import KVHandoff
 
-    return KVHandoff(KV_APP_NAME, KVTransferConfig(lease_s=KV_LEASE_S, timeout_s=30.0))
+    return KVHandoff(KV_APP_NAME, KVTransferConfig(lease_s=KV_LEASE_S, timeout_s=30.0, arena_mib=arena_mib))
 
 
 @dataclass
 class KVTransferResult:
     num_tokens: int
     num_bytes: int
-    steps_s: dict[str, list[float]]  # KV_TRANSFER_STEPS, one value per repeat
-    export_s: list[float]  # export_kv's gather out of the paged cache (a copy), not in `transfer`
+    steps_s: dict[str, list[float]]  # the path's steps, one value per repeat
     memcpy_s: list[float]
-    is_verified: bool  # the importer's blocks equal the payload (first repeat)
+    is_verified: bool  # the importer's blocks equal the exporter's (first repeat)
+    path: str = "arena"
     info: dict = field(default_factory=dict)
 
     @property
+    def steps(self) -> tuple[str, ...]:
+        return KV_TRANSFER_STEPS[self.path]
+
+    @property
     def transfer_s(self) -> list[float]:
-        return [sum(parts) for parts in zip(*(self.steps_s[s] for s in KV_TRANSFER_STEPS))]
+        """The whole hand-off of each repeat: gather + transfer + scatter."""
+        return [sum(parts) for parts in zip(*(self.steps_s[s] for s in self.steps))]
 
     @property
     def transfer_ms_p50(self) -> float:
         return statistics.median(self.transfer_s) * 1e3
 
     @property
-    def transfer_with_export_ms_p50(self) -> float:
-        return statistics.median(t + e for t, e in zip(self.transfer_s, self.export_s)) * 1e3
-
-    @property
     def memcpy_ms_p50(self) -> float:
         return statistics.median(self.memcpy_s) * 1e3
 
     @property
-    def export_ms_p50(self) -> float:
-        return statistics.median(self.export_s) * 1e3
+    def fraction_of_memcpy(self) -> float:
+        return self.memcpy_ms_p50 / self.transfer_ms_p50
 
     def step_ms_p50(self, step: str) -> float:
         return statistics.median(self.steps_s[step]) * 1e3
@@ -79,15 +96,15 @@ class KVTransferResult:
         return {
             **dataclasses.asdict(self),
             "transfer_s": self.transfer_s,
-            "timed_steps": list(KV_TRANSFER_STEPS),
-            "steps_ms_p50": {s: self.step_ms_p50(s) for s in KV_TRANSFER_STEPS},
+            "timed_steps": list(self.steps),
+            "steps_ms_p50": {s: self.step_ms_p50(s) for s in self.steps},
         }
 
 
 class KVExporter:
     """Holds a real engine with one prefilled request whose KV is kept (hold_kv) for export."""
 
-    def __init__(self, engine_config, prompt: list[int]):
+    def __init__(self, engine_config, prompt: list[int], arena_mib: int):
         import ray
 
         from serving.engine.engine import LLMEngine
@@ -97,54 +114,89 @@ class KVExporter:
         self.engine.add_request("kv", params=SamplingParams(temperature=0.0, max_tokens=1), prompt_token_ids=prompt, hold_kv=True)
         while self.engine.has_unfinished_requests():
             self.engine.step()
+        self.num_tokens = len(prompt)
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.kv = _handoff()
+        self.kv = _handoff(arena_mib)
 
-    # As EngineWorker._export_and_offer. This actor serves one call at a time, so running the
-    # engine on the event loop blocks nobody.
-    async def offer(self, request_id: str) -> dict:
+    # As EngineWorker.prefill and _export_and_offer. This actor serves one call at a time, so
+    # running the engine on the event loop blocks nobody.
+    async def offer(self, request_id: str, path: str) -> dict:
         import ray
 
+        times = {}
         t0 = time.perf_counter()
-        payload = self.engine.export_kv("kv", release=False)
-        t1 = time.perf_counter()
-        ref = await asyncio.to_thread(ray.put, payload)
-        t2 = time.perf_counter()
-        await self.kv.offer(self.node_id, request_id, ref, payload.num_bytes)
-        t3 = time.perf_counter()
+        if path == "arena":
+            slot = await self.kv.reserve(self.node_id, request_id, self.engine.kv_payload_bytes(self.num_tokens))
+            if slot is None:
+                raise RuntimeError("the KVTransfer actor has no arena room for the payload")
+            into = self.kv.arena(slot)
+            t1 = time.perf_counter()
+            payload = self.engine.export_kv("kv", release=False, into=into)
+            t2 = time.perf_counter()
+            if not await self.kv.offer_slot(self.node_id, slot.described(payload)):
+                raise RuntimeError(f"the arena offer of {request_id} was refused")
+            t3 = time.perf_counter()
+            times = {"reserve": t1 - t0, "gather": t2 - t1, "offer": t3 - t2}
+        else:
+            payload = self.engine.export_kv("kv", release=False)
+            t1 = time.perf_counter()
+            ref = await asyncio.to_thread(ray.put, payload)
+            t2 = time.perf_counter()
+            await self.kv.offer(self.node_id, request_id, ref, payload.num_bytes)
+            t3 = time.perf_counter()
+            times = {"gather": t1 - t0, "put": t2 - t1, "offer": t3 - t2}
         handle = self.kv.handle(request_id, self.node_id, payload.num_tokens, payload.num_bytes)
-        return {
-            "export": t1 - t0, "put": t2 - t1, "offer": t3 - t2, "handle": handle,
-            "num_tokens": payload.num_tokens, "num_bytes": payload.num_bytes,
-        }
+        reference = payload.kv.clone() if request_id.endswith("-0") else None  # checked once
+        return {**times, "handle": handle, "num_tokens": payload.num_tokens, "num_bytes": payload.num_bytes,
+                "reference": reference}
 
 
 class KVImporter:
     """A second real engine whose KV cache receives the payload, as a decode worker's does."""
 
-    def __init__(self, engine_config):
+    def __init__(self, engine_config, arena_mib: int):
+        import ray
+
         from serving.engine.engine import LLMEngine
 
         self.engine = LLMEngine(engine_config)  # sets this process's torch threads
-        self.kv = _handoff()
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.kv = _handoff(arena_mib)
 
-    # As KVHandoff.fetch (claim, then get), then LLMEngine._write_import's write_blocks.
-    async def claim_and_write(self, handle, verify: bool) -> dict:
+    # As KVHandoff.fetch (claim, then the view or get), then LLMEngine._write_import's
+    # write_blocks, then (arena, untimed: in the background in a worker) done.
+    async def claim_and_write(self, handle, reference) -> dict:
         import torch
+
+        from serving.deployments.messages import KVSlot
+        from serving.engine.kv_payload import KVPayload
 
         await self.kv.actor(handle.node_id)  # looked up once per process, as a worker does
         t0 = time.perf_counter()
-        refs = await self.kv.claim(handle)
+        answer = await self.kv.claim(handle, self.node_id)
         t1 = time.perf_counter()
-        if not isinstance(refs, list):
-            raise RuntimeError(f"the claim of {handle.request_id} got no payload: {refs}")
-        payload = await refs[0]
+        if isinstance(answer, KVSlot):
+            view = self.kv.arena(answer).view(getattr(torch, answer.layout.dtype)).view(answer.shape)
+            payload = KVPayload(handle.request_id, list(answer.token_ids), answer.layout, view)
+            times = {"claim": t1 - t0, "view": time.perf_counter() - t1}
+        elif isinstance(answer, list):
+            payload = await answer[0]
+            times = {"claim": t1 - t0, "get": time.perf_counter() - t1}
+        else:
+            raise RuntimeError(f"the claim of {handle.request_id} got no payload: {answer}")
         t2 = time.perf_counter()
         block_ids = list(range(payload.num_blocks))  # the engine is idle: every block is free
         self.engine.kv_cache.write_blocks(block_ids, payload.kv)
-        t3 = time.perf_counter()
-        is_equal = bool(torch.equal(self.engine.kv_cache.read_blocks(block_ids), payload.kv)) if verify else None
-        return {"claim": t1 - t0, "get": t2 - t1, "write": t3 - t2, "is_equal": is_equal}
+        times["write"] = time.perf_counter() - t2
+        is_equal = None
+        if reference is not None:
+            is_equal = bool(torch.equal(self.engine.kv_cache.read_blocks(block_ids), reference))
+        if isinstance(answer, KVSlot):
+            del view, payload
+            actor = await self.kv.actor(handle.node_id)
+            if not await actor.done.remote(answer):
+                raise RuntimeError(f"the arena range of {handle.request_id} was reclaimed during the read")
+        return {**times, "is_equal": is_equal}
 
     def memcpy(self, num_bytes: int, repeats: int) -> dict:
         import torch
@@ -160,21 +212,23 @@ class KVImporter:
         return {"memcpy_s": times, "torch_threads": torch.get_num_threads()}
 
 
-def measure_kv_transfer(engine_config, prompt: list[int], repeats: int) -> KVTransferResult:
-    """One untimed transfer (it also checks the bytes arrive intact), then `repeats` timed ones
-    and as many memcpys. Needs a running Ray; starts and kills its own actors."""
+def measure_kv_transfer(engine_config, prompt: list[int], repeats: int, path: str = "arena",
+                        arena_mib: int = 256) -> KVTransferResult:
+    """One untimed hand-off (it also checks the bytes arrive intact), then `repeats` timed ones
+    by `path` and as many memcpys. Needs a running Ray; starts and kills its own actors."""
     import ray
 
     from serving.deployments import kv_transfer
 
-    exporter = ray.remote(num_cpus=0.5)(KVExporter).remote(engine_config, prompt)
-    importer = ray.remote(num_cpus=0.5)(KVImporter).remote(engine_config)
+    if path not in KV_TRANSFER_STEPS:
+        raise ValueError(f"path must be one of {KV_PATHS}, got {path!r}")
+    exporter = ray.remote(num_cpus=0.5)(KVExporter).remote(engine_config, prompt, arena_mib)
+    importer = ray.remote(num_cpus=0.5)(KVImporter).remote(engine_config, arena_mib)
     try:
         samples = []
         for i in range(1 + repeats):
-            request_id = f"kv-{i}"
-            offered = ray.get(exporter.offer.remote(request_id))
-            imported = ray.get(importer.claim_and_write.remote(offered["handle"], i == 0))
+            offered = ray.get(exporter.offer.remote(f"kv-{path}-{i}", path))
+            imported = ray.get(importer.claim_and_write.remote(offered.pop("handle"), offered.pop("reference")))
             samples.append({**offered, **imported})
         copy = ray.get(importer.memcpy.remote(samples[0]["num_bytes"], repeats))
         kv_transfer.kill_all(KV_APP_NAME)
@@ -184,7 +238,7 @@ def measure_kv_transfer(engine_config, prompt: list[int], repeats: int) -> KVTra
     first, timed = samples[0], samples[1:]
     return KVTransferResult(
         num_tokens=first["num_tokens"], num_bytes=first["num_bytes"],
-        steps_s={s: [t[s] for t in timed] for s in KV_TRANSFER_STEPS},
-        export_s=[t["export"] for t in timed], memcpy_s=copy["memcpy_s"], is_verified=first["is_equal"],
+        steps_s={s: [t[s] for t in timed] for s in KV_TRANSFER_STEPS[path]},
+        memcpy_s=copy["memcpy_s"], is_verified=first["is_equal"], path=path,
         info={"importer_torch_threads": copy["torch_threads"], "memcpy": "dst.copy_(src), uint8, in the importer"},
     )

@@ -354,9 +354,10 @@ class LLMEngine:
         )
 
     # ---- KV export / import (held_kv.py) ----------------------------------------------------
-    def export_kv(self, request_id: str, *, release: bool = True) -> KVPayload:
-        """The computed KV of a finished `hold_kv` request, as one contiguous payload."""
-        return self.held_kv.export(request_id, release=release)
+    def export_kv(self, request_id: str, *, release: bool = True, into: torch.Tensor | None = None) -> KVPayload:
+        """The computed KV of a finished `hold_kv` request, as one contiguous payload (read out
+        `into` a buffer when given: as add_request's export_into)."""
+        return self.held_kv.export(request_id, release=release, into=into)
 
     def release_kv(self, request_id: str) -> bool:
         return self.held_kv.release(request_id)

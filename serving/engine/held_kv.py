@@ -40,12 +40,14 @@ class HeldKV:
         self._seqs[seq.request_id] = seq
         self._ready[seq.request_id] = self._payload(seq)
 
-    def export(self, request_id: str, *, release: bool = True) -> KVPayload:
-        """The computed KV of a held request, as one contiguous payload."""
+    def export(self, request_id: str, *, release: bool = True, into=None) -> KVPayload:
+        """The computed KV of a held request, as one contiguous payload (read out again `into`
+        a given buffer, as add_request's export_into)."""
         seq = self._seqs.get(request_id)
         if seq is None:
             raise KeyError(f"no held KV for request {request_id!r} (add it with hold_kv=True)")
-        payload = self._ready.pop(request_id, None) or self._payload(seq)
+        ready = self._ready.pop(request_id, None)
+        payload = self._payload(seq, into) if into is not None or ready is None else ready
         if release:
             self.release(request_id)
         return payload
@@ -64,12 +66,13 @@ class HeldKV:
         self._block_manager.free(seq)
         return True
 
-    def _payload(self, seq: Sequence) -> KVPayload:
+    def _payload(self, seq: Sequence, out=None) -> KVPayload:
         num_tokens = seq.num_computed_tokens
         num_blocks = -(-num_tokens // self._block_manager.block_size)
-        out = seq.export_into
-        if out is not None and seq.export_until is not None and time.monotonic() >= seq.export_until:
-            out = None  # the arena range's lease ran out: it may be another request's now
-        seq.export_into = None  # read out once
+        if out is None:
+            out = seq.export_into
+            if out is not None and seq.export_until is not None and time.monotonic() >= seq.export_until:
+                out = None  # the arena range's lease ran out: it may be another request's now
+            seq.export_into = None  # read out once
         kv = self._kv_cache.read_blocks(seq.block_ids[:num_blocks], out=out)
         return KVPayload(request_id=seq.request_id, token_ids=seq.token_ids[:num_tokens], layout=self._layout, kv=kv)

@@ -34,9 +34,15 @@ DISAGG = PathResult(
 COLOC = PathResult("colocated", [R(0.5078125, 1.5078125, 5)] * 3, num_text_matches=2)
 KV = KVTransferResult(
     num_tokens=1024, num_bytes=2**20,
-    steps_s={"put": [0.125, 0.125, 0.25], "offer": [0.0625] * 3, "claim": [0.0625] * 3, "get": [0.0] * 3,
-             "write": [0.25] * 3},  # transfers 0.5, 0.5, 0.625 s
-    export_s=[0.25] * 3, memcpy_s=[0.25, 0.25, 0.5], is_verified=True,
+    steps_s={"reserve": [0.0625] * 3, "gather": [0.0625] * 3, "offer": [0.0625, 0.0625, 0.125], "claim": [0.0625] * 3,
+             "view": [0.0] * 3, "write": [0.25] * 3},  # hand-offs 0.5, 0.5, 0.5625 s
+    memcpy_s=[0.25, 0.25, 0.5], is_verified=True, path="arena",
+)
+STORE = KVTransferResult(
+    num_tokens=1024, num_bytes=2**20,
+    steps_s={"gather": [0.25] * 3, "put": [0.125, 0.125, 0.25], "offer": [0.0625] * 3, "claim": [0.0625] * 3,
+             "get": [0.0] * 3, "write": [0.25] * 3},  # hand-offs 0.75, 0.75, 0.875 s
+    memcpy_s=[0.25, 0.25, 0.5], is_verified=True, path="object_store",
 )
 
 
@@ -44,22 +50,25 @@ def test_request_and_transfer_arithmetic():
     assert R(0.25, 1.25, 5).tpot_s == 0.25  # (E2E - TTFT) / (tokens - 1)
     assert R(0.25, 0.25, 1).tpot_s is None
     assert (DISAGG.ttft_ms_p50, DISAGG.tpot_ms_p50, DISAGG.e2e_ms_p50) == (515.625, 257.8125, 1546.875)
-    assert KV.transfer_s == [0.5, 0.5, 0.625]
-    assert (KV.transfer_ms_p50, KV.memcpy_ms_p50, KV.export_ms_p50) == (500.0, 250.0, 250.0)
-    assert KV.transfer_with_export_ms_p50 == 750.0
+    assert KV.transfer_s == [0.5, 0.5, 0.5625] and STORE.transfer_s == [0.75, 0.75, 0.875]
+    assert (KV.transfer_ms_p50, KV.memcpy_ms_p50, KV.fraction_of_memcpy) == (500.0, 250.0, 0.5)
+    assert KV.steps == ("reserve", "gather", "offer", "claim", "view", "write")
+    assert STORE.steps == ("gather", "put", "offer", "claim", "get", "write")
+    assert KV.to_json()["steps_ms_p50"]["offer"] == 62.5
     assert R(0.5, 1.5, 3, text="abc", first_token_s=0.25).to_json() == {
         "ttft_s": 0.5, "e2e_s": 1.5, "num_output_tokens": 3, "first_token_s": 0.25, "tpot_s": 0.5,
     }
 
 
 def test_summary_and_targets():
-    summary = summarize(INPROCESS, {"disaggregated": DISAGG, "colocated": COLOC}, KV)
+    summary = summarize(INPROCESS, {"disaggregated": DISAGG, "colocated": COLOC}, {"arena": KV, "object_store": STORE})
     assert summary["added_ttft_ms_p50"] == 15.625
     assert summary["added_tpot_ms_p50"] == 7.8125
     assert summary["added_ttft_ms_p50_colocated"] == 7.8125
     assert summary["added_tpot_ms_p50_colocated"] == 0.0
     assert summary["kv_transfer_fraction_of_memcpy"] == 0.5
-    assert summary["kv_transfer_with_export_fraction_of_memcpy"] == 250.0 / 750.0
+    assert summary["kv_object_store_fraction_of_memcpy"] == 250.0 / 750.0
+    assert summary["kv_transfer_timed_steps"] == "reserve + gather + offer + claim + view + write"
     assert (summary["kv_transfer_ms_p50"], summary["memcpy_ms_p50"], summary["kv_transfer_bytes"]) == (500.0, 250.0, 2**20)
     assert (summary["ttft_ms_p50_inprocess"], summary["tpot_ms_p50_colocated"]) == (500.0, 250.0)
     assert summary["targets"] == {
@@ -71,7 +80,7 @@ def test_summary_and_targets():
 
 
 def test_summary_without_served_modes_or_kv_is_null():
-    summary = summarize(INPROCESS, {"colocated": COLOC}, None)
+    summary = summarize(INPROCESS, {"colocated": COLOC}, {})
     assert summary["added_ttft_ms_p50"] is None and summary["added_tpot_ms_p50"] is None
     assert summary["added_ttft_ms_p50_colocated"] == 7.8125
     assert summary["kv_transfer_fraction_of_memcpy"] is None and summary["kv_transfer_bytes"] is None
@@ -80,9 +89,9 @@ def test_summary_without_served_modes_or_kv_is_null():
 
 
 def test_table():
-    summary = summarize(INPROCESS, {"disaggregated": DISAGG, "colocated": COLOC}, KV)
+    summary = summarize(INPROCESS, {"disaggregated": DISAGG, "colocated": COLOC}, {"arena": KV, "object_store": STORE})
     # run() has resolved FULL's dtype "auto" by the time it prints (here, as on an AVX2-only CPU)
-    table = format_table(dataclasses.replace(FULL, dtype="float32"), [INPROCESS, DISAGG, COLOC], KV, summary, load_avg_1m=2.5)
+    table = format_table(dataclasses.replace(FULL, dtype="float32"), [INPROCESS, DISAGG, COLOC], {"arena": KV, "object_store": STORE}, summary, load_avg_1m=2.5)
     assert table.splitlines() == [
         "workload: 8 prompts x 256 -> 64 tokens, one at a time, streamed; float32, 1 torch thread per engine",
         "",
@@ -92,25 +101,29 @@ def test_table():
         "E2E, ms                            1500.0         1546.9         1507.8",
         "same text as in-process                 -            3/3            2/3",
         "",
-        "KV transfer of 1024 tokens (1.0 MiB), p50 of 3:",
-        "  transfer 500.000 ms = put 125.000 + offer 62.500 + claim 62.500 + get 0.000 + write 250.000",
-        "  memcpy   250.000 ms; export_kv gather (not in transfer) 250.000 ms",
+        "KV hand-off through the arena of 1024 tokens (1.0 MiB), p50 of 3:",
+        "  whole    500.000 ms = reserve 62.500 + gather 62.500 + offer 62.500 + claim 62.500 + view 0.000 + write 250.000",
+        "  memcpy   250.000 ms: 0.500 of memcpy speed",
+        "",
+        "KV hand-off through the object store of 1024 tokens (1.0 MiB), p50 of 3:",
+        "  whole    750.000 ms = gather 250.000 + put 125.000 + offer 62.500 + claim 62.500 + get 0.000 + write 250.000",
+        "  memcpy   250.000 ms: 0.333 of memcpy speed",
         "",
         "summary                                  value    target  result",
         "added TTFT p50, ms (disaggregated)      15.625     <= 15    miss",
         "added TPOT p50, ms (disaggregated)       7.812      <= 2    miss",
-        "KV transfer / memcpy speed               0.500    >= 0.5    pass",
+        "KV hand-off (arena) / memcpy speed       0.500    >= 0.5    pass",
         "added TTFT / TPOT p50, colocated           7.8 / 0.00 ms",
         "note: 1-min load average 2.50 at start: other processes shared the CPU",
     ]
 
 
 def test_table_without_kv_or_colocated():
-    summary = summarize(INPROCESS, {"disaggregated": DISAGG}, None)
-    lines = format_table(QUICK, [INPROCESS, DISAGG], None, summary).splitlines()
+    summary = summarize(INPROCESS, {"disaggregated": DISAGG}, {})
+    lines = format_table(QUICK, [INPROCESS, DISAGG], {}, summary).splitlines()
     assert lines[0].startswith("workload: 4 prompts x 256 -> 16 tokens,")
-    assert not any(line.startswith(("KV transfer of", "note:")) for line in lines)
-    assert "KV transfer / memcpy speed                   -    >= 0.5     n/a" in lines
+    assert not any(line.startswith(("KV hand-off through", "note:")) for line in lines)
+    assert "KV hand-off (arena) / memcpy speed           -    >= 0.5     n/a" in lines
     assert not any(line.startswith("added TTFT / TPOT p50, colocated") for line in lines)
 
 
@@ -164,7 +177,9 @@ def test_smoke_run_on_tiny_model(tiny_model_dir, tmp_path):
         "kv_transfer_fraction_of_memcpy", "kv_transfer_ms_p50", "memcpy_ms_p50",
     ):
         assert isinstance(summary[key], float) and math.isfinite(summary[key]), key
-    assert summary["kv_transfer_fraction_of_memcpy"] > 0
+    assert summary["kv_transfer_fraction_of_memcpy"] > 0 and summary["kv_object_store_fraction_of_memcpy"] > 0
+    for kv_path, kv in raw["kv_transfer"].items():
+        assert kv["is_verified"] is True and kv["path"] == kv_path, kv_path  # the importer's blocks equal the exporter's
 
     paths = raw["paths"]
     assert list(paths) == ["in-process", "disaggregated", "colocated"]
@@ -177,12 +192,12 @@ def test_smoke_run_on_tiny_model(tiny_model_dir, tmp_path):
     assert (decode["num_kv_imports"], decode["num_kv_fallbacks"]) == (3, 0)  # 1 warm-up + 2 timed
     assert paths["colocated"]["info"]["worker_stats"]["Worker"]["num_generated_tokens"] == 3 * 4
 
-    kv = raw["kv_transfer"]
-    # 64 tokens x 2 layers x (K, V) x 2 KV heads x head_dim 16 x 4 bytes
-    assert (kv["num_tokens"], kv["num_bytes"], summary["kv_transfer_bytes"]) == (64, 32768, 32768)
-    assert kv["is_verified"] is True
-    assert all(len(kv["steps_s"][step]) == 2 for step in kv["timed_steps"])
+    assert list(raw["kv_transfer"]) == ["arena", "object_store"]
+    for kv in raw["kv_transfer"].values():
+        # 64 tokens x 2 layers x (K, V) x 2 KV heads x head_dim 16 x 4 bytes
+        assert (kv["num_tokens"], kv["num_bytes"], summary["kv_transfer_bytes"]) == (64, 32768, 32768)
+        assert all(len(kv["steps_s"][step]) == 2 for step in kv["timed_steps"])
     assert report["config"]["params"]["modes"] == ["disaggregated", "colocated"]
     assert report["hardware"]["num_cores"] >= 1 and report["hardware"]["num_threads"] == 1
     assert set(report["hardware"]["isa"]) == {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "amx_int8"}  # hardware.machine_record
-    assert "KV transfer of 64 tokens" in proc.stdout and "added TTFT p50" in proc.stdout
+    assert "KV hand-off through the arena of 64 tokens" in proc.stdout and "added TTFT p50" in proc.stdout
