@@ -221,6 +221,8 @@ def format_table(
             f"  whole    {kv.transfer_ms_p50:.3f} ms = {steps}",
             f"  memcpy   {kv.memcpy_ms_p50:.3f} ms: {kv.fraction_of_memcpy:.3f} of memcpy speed",
         ]
+        if kv.info.get("reserve_s"):
+            lines.append(f"  reserve  {statistics.median(kv.info['reserve_s']) * 1e3:.3f} ms, before the prefill (not in the hand-off)")
         if not kv.is_verified:
             lines.append("  WARNING: the importer's blocks differ from the exporter's")
     lines += ["", f"{'summary':<36}{'value':>10}{'target':>10}{'result':>8}"]

@@ -2,33 +2,36 @@
 
 The payload is a real one: the exporter's engine prefills a prompt with `hold_kv=True` and keeps
 it. It then moves through the workers' own code (serving/deployments/kv_handoff.py: KVHandoff)
-between two actors on this node, by either path EngineWorker takes:
+between two actors on this node, by either path EngineWorker takes, as in a served request:
+the decode side's claim is already waiting at the KVTransfer actor when the prefill side offers
+(the ingress calls the decode worker as soon as the first token is back; the export follows).
 
     arena (same node, the default)
     exporter actor                      KVTransfer actor        importer actor
-    reserve(id, bytes) ───────────────▶ a range of the arena
+    reserve(id, bytes) ───────────────▶ a range          (before the prefill: not in the hand-off)
+                                        claim(id) ◀─────────── claim, waiting
     gather: export_kv into the range
-    offer_slot(range) ────────────────▶ offered
-                                        claim(id) ◀─────────── claim
-                                        the range ───────────▶ view: a tensor over the shared
+    offer_slot(range) ────────────────▶ offered ─────────────▶ the claim returns the range
+                                                               view: a tensor over the shared
                                                                memory, no copy
                                                                write_blocks from the view into
                                                                its engine's cache (scatter)
-    whole = reserve + gather + offer + claim + view + write
+    hand-off = gather + handover (offer until the claim returns) + view + write
 
     object_store (no room in the arena, or another node)
-    gather: export_kv (a new tensor)
-    ray.put ─▶ offer(id, [ref]) ──────▶ held
-                                        claim(id) ◀─────────── claim
-                                        [ref] ───────────────▶ await ref (plasma mmap)
+    gather: export_kv (a new tensor)    claim(id) ◀─────────── claim, waiting
+    ray.put ─▶ offer(id, [ref]) ──────▶ held ────────────────▶ [ref]
+                                                               await ref (plasma mmap)
                                                                write_blocks
-    whole = gather + put + offer + claim + get + write
+    hand-off = gather + put + handover + get + write
 
-Each step is timed in the process that runs it. What it leaves out: the KVHandle's trip through
-the ingress between offer and claim (control plane: the served TPOT of `kvrelay bench
-serve-overhead` holds it), and the reader's `done` (in the background, after the write). The
-baseline is a plain memory copy of the same number of bytes, `dst.copy_(src)` on uint8 tensors
-touched beforehand, in the importer's process with its torch threads (one).
+Each step is timed in the process that runs it, on the node's monotonic clock (one clock for
+every process: the handover runs from one process to another). What it leaves out: the
+KVHandle's trip through the ingress (control plane: the served TPOT of `kvrelay bench
+serve-overhead` holds it), the arena reservation (before the prefill; reported on its own), and
+the reader's `done` (in the background, after the write). The baseline is a plain memory copy of
+the same number of bytes, `dst.copy_(src)` on uint8 tensors touched beforehand, in the
+importer's process with its torch threads (one).
 """
 
 from __future__ import annotations
@@ -41,14 +44,15 @@ from dataclasses import dataclass, field
 
 __all__ = ["KV_PATHS", "KV_TRANSFER_STEPS", "KVExporter", "KVImporter", "KVTransferResult", "measure_kv_transfer"]
 
-# The steps of each path, gather (export_kv out of the paged cache) first.
+# The steps of each path's hand-off, gather (export_kv out of the paged cache) first.
 KV_TRANSFER_STEPS = {
-    "arena": ("reserve", "gather", "offer", "claim", "view", "write"),
-    "object_store": ("gather", "put", "offer", "claim", "get", "write"),
+    "arena": ("gather", "handover", "view", "write"),
+    "object_store": ("gather", "put", "handover", "get", "write"),
 }
 KV_PATHS = tuple(KV_TRANSFER_STEPS)
 KV_APP_NAME = "kvrelay-bench-kv"  # names this node's KVTransfer actor, apart from any app's
 KV_LEASE_S = 120.0
+_CLAIM_HEAD_START_S = 0.05  # the claim waits at the actor before the offer, as in a served request
 
 
 def _handoff(arena_mib: int):
@@ -117,38 +121,43 @@ class KVExporter:
         self.num_tokens = len(prompt)
         self.node_id = ray.get_runtime_context().get_node_id()
         self.kv = _handoff(arena_mib)
+        self._slots: dict = {}
 
-    # As EngineWorker.prefill and _export_and_offer. This actor serves one call at a time, so
-    # running the engine on the event loop blocks nobody.
+    async def reserve(self, request_id: str, path: str) -> dict:
+        """As EngineWorker.prefill before its engine runs (arena: the range); the handle the
+        decode side claims with."""
+        num_bytes = self.engine.kv_payload_bytes(self.num_tokens)
+        await self.kv.actor(self.node_id)  # looked up once per process, as a worker does
+        t0 = time.monotonic()
+        if path == "arena":
+            slot = await self.kv.reserve(self.node_id, request_id, num_bytes)
+            if slot is None:
+                raise RuntimeError("the KVTransfer actor has no arena room for the payload")
+            self._slots[request_id] = slot
+        return {"reserve": time.monotonic() - t0, "handle": self.kv.handle(request_id, self.node_id, self.num_tokens, num_bytes)}
+
+    # As EngineWorker._export_and_offer (the gather runs on the step thread there). This actor
+    # serves one call at a time, so running the engine on the event loop blocks nobody.
     async def offer(self, request_id: str, path: str) -> dict:
         import ray
 
-        times = {}
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         if path == "arena":
-            slot = await self.kv.reserve(self.node_id, request_id, self.engine.kv_payload_bytes(self.num_tokens))
-            if slot is None:
-                raise RuntimeError("the KVTransfer actor has no arena room for the payload")
-            into = self.kv.arena(slot)
-            t1 = time.perf_counter()
-            payload = self.engine.export_kv("kv", release=False, into=into)
-            t2 = time.perf_counter()
+            slot = self._slots.pop(request_id)
+            payload = self.engine.export_kv("kv", release=False, into=self.kv.arena(slot))
+            t1 = time.monotonic()
             if not await self.kv.offer_slot(self.node_id, slot.described(payload)):
                 raise RuntimeError(f"the arena offer of {request_id} was refused")
-            t3 = time.perf_counter()
-            times = {"reserve": t1 - t0, "gather": t2 - t1, "offer": t3 - t2}
+            times = {"gather": t1 - t0, "offered_from": t1}
         else:
             payload = self.engine.export_kv("kv", release=False)
-            t1 = time.perf_counter()
+            t1 = time.monotonic()
             ref = await asyncio.to_thread(ray.put, payload)
-            t2 = time.perf_counter()
+            t2 = time.monotonic()
             await self.kv.offer(self.node_id, request_id, ref, payload.num_bytes)
-            t3 = time.perf_counter()
-            times = {"gather": t1 - t0, "put": t2 - t1, "offer": t3 - t2}
-        handle = self.kv.handle(request_id, self.node_id, payload.num_tokens, payload.num_bytes)
+            times = {"gather": t1 - t0, "put": t2 - t1, "offered_from": t2}
         reference = payload.kv.clone() if request_id.endswith("-0") else None  # checked once
-        return {**times, "handle": handle, "num_tokens": payload.num_tokens, "num_bytes": payload.num_bytes,
-                "reference": reference}
+        return {**times, "num_tokens": payload.num_tokens, "num_bytes": payload.num_bytes, "reference": reference}
 
 
 class KVImporter:
@@ -162,37 +171,46 @@ class KVImporter:
         self.engine = LLMEngine(engine_config)  # sets this process's torch threads
         self.node_id = ray.get_runtime_context().get_node_id()
         self.kv = _handoff(arena_mib)
+        self._received: dict = {}
 
-    # As KVHandoff.fetch (claim, then the view or get), then LLMEngine._write_import's
-    # write_blocks, then (arena, untimed: in the background in a worker) done.
-    async def claim_and_write(self, handle, reference) -> dict:
+    # As KVHandoff.fetch: the claim (it waits for the offer), then the view or the get.
+    async def claim(self, handle) -> dict:
         import torch
 
         from serving.deployments.messages import KVSlot
         from serving.engine.kv_payload import KVPayload
 
         await self.kv.actor(handle.node_id)  # looked up once per process, as a worker does
-        t0 = time.perf_counter()
         answer = await self.kv.claim(handle, self.node_id)
-        t1 = time.perf_counter()
+        t0 = time.monotonic()
         if isinstance(answer, KVSlot):
             view = self.kv.arena(answer).view(getattr(torch, answer.layout.dtype)).view(answer.shape)
             payload = KVPayload(handle.request_id, list(answer.token_ids), answer.layout, view)
-            times = {"claim": t1 - t0, "view": time.perf_counter() - t1}
+            times = {"view": time.monotonic() - t0}
         elif isinstance(answer, list):
             payload = await answer[0]
-            times = {"claim": t1 - t0, "get": time.perf_counter() - t1}
+            times = {"get": time.monotonic() - t0}
         else:
             raise RuntimeError(f"the claim of {handle.request_id} got no payload: {answer}")
-        t2 = time.perf_counter()
+        self._received[handle.request_id] = (answer, payload)
+        return {**times, "claimed_at": t0}
+
+    # Then LLMEngine._write_import's write_blocks, and (arena; in the background in a worker) done.
+    async def write(self, handle, reference) -> dict:
+        import torch
+
+        from serving.deployments.messages import KVSlot
+
+        answer, payload = self._received.pop(handle.request_id)
+        t0 = time.monotonic()
         block_ids = list(range(payload.num_blocks))  # the engine is idle: every block is free
         self.engine.kv_cache.write_blocks(block_ids, payload.kv)
-        times["write"] = time.perf_counter() - t2
+        times = {"write": time.monotonic() - t0}
         is_equal = None
         if reference is not None:
             is_equal = bool(torch.equal(self.engine.kv_cache.read_blocks(block_ids), reference))
+        del payload
         if isinstance(answer, KVSlot):
-            del view, payload
             actor = await self.kv.actor(handle.node_id)
             if not await actor.done.remote(answer):
                 raise RuntimeError(f"the arena range of {handle.request_id} was reclaimed during the read")
@@ -227,9 +245,15 @@ def measure_kv_transfer(engine_config, prompt: list[int], repeats: int, path: st
     try:
         samples = []
         for i in range(1 + repeats):
-            offered = ray.get(exporter.offer.remote(f"kv-{path}-{i}", path))
-            imported = ray.get(importer.claim_and_write.remote(offered.pop("handle"), offered.pop("reference")))
-            samples.append({**offered, **imported})
+            request_id = f"kv-{path}-{i}"
+            reserved = ray.get(exporter.reserve.remote(request_id, path))
+            claimed = importer.claim.remote(reserved["handle"])  # waits at the actor for the offer
+            time.sleep(_CLAIM_HEAD_START_S)
+            offered = ray.get(exporter.offer.remote(request_id, path))
+            received = ray.get(claimed)
+            written = ray.get(importer.write.remote(reserved["handle"], offered.pop("reference")))
+            handover = received["claimed_at"] - offered["offered_from"]
+            samples.append({**reserved, **offered, **received, **written, "handover": handover})
         copy = ray.get(importer.memcpy.remote(samples[0]["num_bytes"], repeats))
         kv_transfer.kill_all(KV_APP_NAME)
     finally:
@@ -240,5 +264,8 @@ def measure_kv_transfer(engine_config, prompt: list[int], repeats: int, path: st
         num_tokens=first["num_tokens"], num_bytes=first["num_bytes"],
         steps_s={s: [t[s] for t in timed] for s in KV_TRANSFER_STEPS[path]},
         memcpy_s=copy["memcpy_s"], is_verified=first["is_equal"], path=path,
-        info={"importer_torch_threads": copy["torch_threads"], "memcpy": "dst.copy_(src), uint8, in the importer"},
+        info={
+            "importer_torch_threads": copy["torch_threads"], "memcpy": "dst.copy_(src), uint8, in the importer",
+            "reserve_s": [t["reserve"] for t in timed],  # before the prefill, not in the hand-off
+        },
     )

@@ -219,8 +219,9 @@ class KVTransferConfig(StrictModel):
     )
     arena_mib: int = Field(
         256, ge=0, le=1 << 20,
-        description="Each node's shared-memory arena for same-node KV hand-offs, in MiB (at most half "
-        "of what /dev/shm has free; pre-faulted when the node's KVTransfer actor starts). The "
+        description="Each node's shared-memory arena for same-node KV hand-offs, in MiB (at most a "
+        "quarter of the memory the node has available; pre-faulted when the node's KVTransfer actor "
+        "starts; not in /dev/shm, so a container's small /dev/shm does not bound it). The "
         "prefill engine writes a request's KV straight into it and the decode engine reads it in "
         "place; a hand-off that does not fit, or crosses nodes, goes through Ray's object store. "
         "0: always Ray's object store.",

@@ -210,30 +210,35 @@ class ArenaAllocator:
 
 
 class ArenaFile:
-    """The arena's bytes: a file in /dev/shm mapped by every process of the node."""
+    """The arena's bytes: an anonymous shared-memory file (memfd) of the owner's, mapped by every
+    process of the node that opens its path, /proc/<owner pid>/fd/<fd>. Nothing is named in a
+    file system: the memory goes when the owner has closed it (or died) and the last mapping is
+    gone, and /dev/shm's size (64 MiB in a default container) does not bound it."""
 
-    def __init__(self, path: str, mapping: mmap.mmap, size: int):
+    def __init__(self, path: str, mapping: mmap.mmap, size: int, fd: int | None = None):
         self.path = path
         self.mapping = mapping
         self.size = size
+        self._fd = fd  # the owner's: the path names it
 
     @classmethod
-    def create(cls, path: str, size: int, *, prefault: bool = True) -> ArenaFile:
-        """Create (or replace) the file and map it; touch every page so no copy page-faults."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    def create(cls, size: int, *, prefault: bool = True) -> ArenaFile:
+        """A new arena of `size` bytes, mapped; every page touched so no copy page-faults."""
+        fd = os.memfd_create("kvrelay-kv-arena", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
             mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         if prefault:
-            page = mmap.PAGESIZE
-            for offset in range(0, size, page):
+            for offset in range(0, size, mmap.PAGESIZE):
                 mapping[offset] = 0
-        return cls(path, mapping, size)
+        return cls(f"/proc/{os.getpid()}/fd/{fd}", mapping, size, fd)
 
     @classmethod
     def open(cls, path: str) -> ArenaFile:
+        """Map another process's arena (OSError when it is gone or not ours to open)."""
         fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
@@ -250,3 +255,6 @@ class ArenaFile:
 
     def close(self) -> None:
         self.mapping.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

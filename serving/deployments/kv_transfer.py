@@ -32,8 +32,8 @@ the bytes.
 Workers find their node's actor by name (`actor_name(app, node_id)`) and create it if it does not
 exist yet (`get_if_exists`), pinned to that node, detached so it outlives any one replica.
 
-If the actor dies, Ray restarts it (`max_restarts=-1`) with nothing held and a new arena file
-(the old one is unlinked; processes that still map it keep their pages until they let go):
+If the actor dies, Ray restarts it (`max_restarts=-1`) with nothing held and a new arena (the
+old one's memory goes when the last process that maps it lets go):
 offers and claims in flight fail, and those requests recompute their prompt on the decode worker
 (counted as KV fallbacks). A caller whose call fails with an actor error drops its handle and looks the actor
 up again (`get_or_create`, kv_handoff.py), which also recreates one that was killed for good.
@@ -42,10 +42,7 @@ up again (`get_or_create`, kv_handoff.py), which also recreates one that was kil
 from __future__ import annotations
 
 import asyncio
-import glob
 import logging
-import os
-import tempfile
 import time
 
 import numpy as np
@@ -72,49 +69,50 @@ ARENA_QUARANTINE_S = 30.0
 _MIN_ARENA_BYTES = 16 << 20
 
 
-def arena_prefix(app_name: str, node_id: str) -> str:
-    """Where a node's arena files of an app live: /dev/shm when there is one (memory, not disk)."""
-    root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in app_name)
-    return os.path.join(root, f"kvrelay-arena-{safe}-{node_id[:16]}-")
+def memory_available() -> int:
+    """Bytes this node can still give: MemAvailable, or less under a cgroup v2 memory limit."""
+    available = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read())
+        if limit != "max":
+            available = min(available, int(limit) - current)
+    except (OSError, ValueError):
+        pass
+    return max(0, available)
 
 
-def remove_arenas(app_name: str, node_id: str) -> int:
-    """Unlink an app's arena files on this node (processes that map one keep its pages)."""
-    removed = 0
-    for path in glob.glob(glob.escape(arena_prefix(app_name, node_id)) + "*"):
-        try:
-            os.unlink(path)
-            removed += 1
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-def create_arena(app_name: str, node_id: str, num_bytes: int) -> ArenaFile | None:
-    """A new arena file for this actor (the files of an earlier actor of the app on this node
-    are removed first), sized to what shared memory has free (at most half of it), pre-faulted;
-    None when that is under 16 MiB or `num_bytes` is 0."""
+def create_arena(num_bytes: int) -> ArenaFile | None:
+    """This actor's arena of `num_bytes` (at most a quarter of the memory the node has available),
+    pre-faulted; None when `num_bytes` is 0 or that leaves under 16 MiB, or shared memory cannot
+    be made here (hand-offs then go through Ray's object store)."""
     if num_bytes <= 0:
         return None
-    prefix = arena_prefix(app_name, node_id)
-    remove_arenas(app_name, node_id)
-    stat = os.statvfs(os.path.dirname(prefix))
-    size = min(num_bytes, stat.f_bavail * stat.f_frsize // 2) // 4096 * 4096
+    available = memory_available()
+    size = min(num_bytes, available // 4) // 4096 * 4096
     if size < _MIN_ARENA_BYTES:
-        logger.warning("shared memory at %s has %d bytes free: no KV arena (hand-offs go through Ray's object store)",
-                       os.path.dirname(prefix), stat.f_bavail * stat.f_frsize)
+        logger.warning("the node has %d bytes of memory available: no KV arena (hand-offs go through Ray's object store)", available)
         return None
     if size < num_bytes:
-        logger.warning("the KV arena is %d bytes, not %d: shared memory has no more free", size, num_bytes)
-    return ArenaFile.create(f"{prefix}{os.getpid()}-{time.time_ns()}", size)
+        logger.warning("the KV arena is %d bytes, not %d: a quarter of the memory available", size, num_bytes)
+    try:
+        return ArenaFile.create(size)
+    except OSError as exc:
+        logger.warning("no KV arena (%s): hand-offs go through Ray's object store", exc)
+        return None
 
 
 class KVTransfer:
     def __init__(self, app_name: str, node_id: str, arena_bytes: int = 0):
         self.app_name = app_name
         self.node_id = node_id
-        self.arena = create_arena(app_name, node_id, arena_bytes)
+        self.arena = create_arena(arena_bytes)
         self.allocator = ArenaAllocator(self.arena.size, quarantine_s=ARENA_QUARANTINE_S) if self.arena else None
         # id -> ([ref] or an arena slot, bytes, deadline)
         self._held: dict[str, tuple[list[ray.ObjectRef] | KVSlot, int, float]] = {}
@@ -336,7 +334,4 @@ def kill_all(app_name: str) -> int:
             continue  # none on this node
         ray.kill(actor)
         killed += 1
-    # Only this node's files can be reached from here; another node's go when its next actor
-    # of the app starts (or with the node).
-    remove_arenas(app_name, ray.get_runtime_context().get_node_id())
-    return killed
+    return killed  # their arenas went with them (kv_arena.ArenaFile: nothing is left behind)

@@ -34,13 +34,13 @@ DISAGG = PathResult(
 COLOC = PathResult("colocated", [R(0.5078125, 1.5078125, 5)] * 3, num_text_matches=2)
 KV = KVTransferResult(
     num_tokens=1024, num_bytes=2**20,
-    steps_s={"reserve": [0.0625] * 3, "gather": [0.0625] * 3, "offer": [0.0625, 0.0625, 0.125], "claim": [0.0625] * 3,
-             "view": [0.0] * 3, "write": [0.25] * 3},  # hand-offs 0.5, 0.5, 0.5625 s
+    steps_s={"gather": [0.0625] * 3, "handover": [0.125, 0.125, 0.1875], "view": [0.0625] * 3,
+             "write": [0.25] * 3},  # hand-offs 0.5, 0.5, 0.5625 s
     memcpy_s=[0.25, 0.25, 0.5], is_verified=True, path="arena",
 )
 STORE = KVTransferResult(
     num_tokens=1024, num_bytes=2**20,
-    steps_s={"gather": [0.25] * 3, "put": [0.125, 0.125, 0.25], "offer": [0.0625] * 3, "claim": [0.0625] * 3,
+    steps_s={"gather": [0.25] * 3, "put": [0.125, 0.125, 0.25], "handover": [0.125] * 3,
              "get": [0.0] * 3, "write": [0.25] * 3},  # hand-offs 0.75, 0.75, 0.875 s
     memcpy_s=[0.25, 0.25, 0.5], is_verified=True, path="object_store",
 )
@@ -52,9 +52,9 @@ def test_request_and_transfer_arithmetic():
     assert (DISAGG.ttft_ms_p50, DISAGG.tpot_ms_p50, DISAGG.e2e_ms_p50) == (515.625, 257.8125, 1546.875)
     assert KV.transfer_s == [0.5, 0.5, 0.5625] and STORE.transfer_s == [0.75, 0.75, 0.875]
     assert (KV.transfer_ms_p50, KV.memcpy_ms_p50, KV.fraction_of_memcpy) == (500.0, 250.0, 0.5)
-    assert KV.steps == ("reserve", "gather", "offer", "claim", "view", "write")
-    assert STORE.steps == ("gather", "put", "offer", "claim", "get", "write")
-    assert KV.to_json()["steps_ms_p50"]["offer"] == 62.5
+    assert KV.steps == ("gather", "handover", "view", "write")
+    assert STORE.steps == ("gather", "put", "handover", "get", "write")
+    assert KV.to_json()["steps_ms_p50"]["handover"] == 125.0
     assert R(0.5, 1.5, 3, text="abc", first_token_s=0.25).to_json() == {
         "ttft_s": 0.5, "e2e_s": 1.5, "num_output_tokens": 3, "first_token_s": 0.25, "tpot_s": 0.5,
     }
@@ -68,7 +68,7 @@ def test_summary_and_targets():
     assert summary["added_tpot_ms_p50_colocated"] == 0.0
     assert summary["kv_transfer_fraction_of_memcpy"] == 0.5
     assert summary["kv_object_store_fraction_of_memcpy"] == 250.0 / 750.0
-    assert summary["kv_transfer_timed_steps"] == "reserve + gather + offer + claim + view + write"
+    assert summary["kv_transfer_timed_steps"] == "gather + handover + view + write"
     assert (summary["kv_transfer_ms_p50"], summary["memcpy_ms_p50"], summary["kv_transfer_bytes"]) == (500.0, 250.0, 2**20)
     assert (summary["ttft_ms_p50_inprocess"], summary["tpot_ms_p50_colocated"]) == (500.0, 250.0)
     assert summary["targets"] == {
@@ -102,11 +102,11 @@ def test_table():
         "same text as in-process                 -            3/3            2/3",
         "",
         "KV hand-off through the arena of 1024 tokens (1.0 MiB), p50 of 3:",
-        "  whole    500.000 ms = reserve 62.500 + gather 62.500 + offer 62.500 + claim 62.500 + view 0.000 + write 250.000",
+        "  whole    500.000 ms = gather 62.500 + handover 125.000 + view 62.500 + write 250.000",
         "  memcpy   250.000 ms: 0.500 of memcpy speed",
         "",
         "KV hand-off through the object store of 1024 tokens (1.0 MiB), p50 of 3:",
-        "  whole    750.000 ms = gather 250.000 + put 125.000 + offer 62.500 + claim 62.500 + get 0.000 + write 250.000",
+        "  whole    750.000 ms = gather 250.000 + put 125.000 + handover 125.000 + get 0.000 + write 250.000",
         "  memcpy   250.000 ms: 0.333 of memcpy speed",
         "",
         "summary                                  value    target  result",

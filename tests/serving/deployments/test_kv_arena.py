@@ -3,6 +3,7 @@ while an old one may still touch it."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -173,13 +174,16 @@ def test_random_traffic_never_hands_out_a_held_range():
     assert told_good > 1000  # the checks above ran, not only the refusals
 
 
-def test_the_file_is_shared_between_mappings(tmp_path):
-    path = str(tmp_path / "arena")
-    owner = ArenaFile.create(path, 4 * PAGE)
+def test_the_arena_is_shared_between_mappings_and_gone_with_its_owner():
+    owner = ArenaFile.create(4 * PAGE)
+    assert owner.path.startswith(f"/proc/{os.getpid()}/fd/") and owner.size == 4 * PAGE
     a, _ = arena(pages=4)
     lease = a.reserve("r1", 100, lease_s=10)
     owner.view(lease)[:5] = b"hello"
-    other = ArenaFile.open(path)
+    other = ArenaFile.open(owner.path)
     assert bytes(other.view(lease)[:5]) == b"hello" and len(other.view(lease)) == 100
+    other.view(lease)[5:7] = b"!!"  # both ways
+    assert bytes(owner.view(lease)[:7]) == b"hello!!"
     other.close()
     owner.close()
+    assert not os.path.exists(owner.path)  # closed by its owner: nothing left to open

@@ -1,6 +1,6 @@
 """The KV hand-off through the node's shared-memory arena, end to end in one process: two real
 engine workers (prefill and decode), the real KVTransfer class behind a stand-in for its Ray
-actor handle, the arena in a temporary directory. Only leases cross; the decode engine reads the
+actor handle. Only leases cross; the decode engine reads the
 range in place and continues with exactly the tokens of a single engine; the range is free
 afterwards; a claim from another node gets a copy; a full arena or an arena-less app goes
 through the object store path, with the same tokens."""
@@ -52,8 +52,8 @@ class LocalActor:
 
 
 @pytest.fixture
-def actors(monkeypatch, tmp_path):
-    """One KVTransfer per node id, its arena files under tmp_path; Ray's object store faked."""
+def actors(monkeypatch):
+    """One KVTransfer per node id (its arena in this process); Ray's object store faked."""
     made: dict[str, LocalActor] = {}
 
     def get_or_create(app_name, node_id, arena_bytes=0):
@@ -62,7 +62,6 @@ def actors(monkeypatch, tmp_path):
         return made[node_id]
 
     monkeypatch.setattr(kv_handoff, "get_or_create", get_or_create)
-    monkeypatch.setattr(kv_transfer, "arena_prefix", lambda app, node: str(tmp_path / f"arena-{app}-{node}-"))
     monkeypatch.setattr(kv_transfer, "_MIN_ARENA_BYTES", 4096)
     monkeypatch.setattr(kv_transfer.ray, "put", _Ref)
     monkeypatch.setattr(engine_worker.ray, "put", _Ref)
