@@ -266,6 +266,6 @@ def measure_kv_transfer(engine_config, prompt: list[int], repeats: int, path: st
         memcpy_s=copy["memcpy_s"], is_verified=first["is_equal"], path=path,
         info={
             "importer_torch_threads": copy["torch_threads"], "memcpy": "dst.copy_(src), uint8, in the importer",
-            "reserve_s": [t["reserve"] for t in timed],  # before the prefill, not in the hand-off
+            **({"reserve_s": [t["reserve"] for t in timed]} if path == "arena" else {}),  # before the prefill
         },
     )

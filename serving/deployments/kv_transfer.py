@@ -138,7 +138,10 @@ class KVTransfer:
         (no arena, or no free range that large: the KV then goes through Ray's object store)."""
         if self.allocator is None or request_id in self._gone:
             return None
-        self.allocator.release(request_id)  # a retried request's earlier writer gives its range up
+        # A retried request: its earlier writer's range (and offer of it) give way to this one.
+        self.allocator.release(request_id)
+        if request_id in self._held and isinstance(self._held[request_id][0], KVSlot):
+            del self._held[request_id]
         lease = self.allocator.reserve(request_id, num_bytes, lease_s)
         if lease is None:
             self.num_arena_full += 1
