@@ -152,6 +152,8 @@ class KVHandoff:
                 return ClaimMiss(answer)
             if isinstance(answer, KVSlot):
                 slot = answer
+                if time.monotonic() - start > self.config.timeout_s:  # as a get past the timeout
+                    raise TimeoutError
                 kv_view = self.arena(slot).view(getattr(torch, slot.layout.dtype)).view(slot.shape)
                 payload = KVPayload(kv.request_id, list(slot.token_ids), slot.layout, kv_view, readable_until=slot.deadline)
                 return payload, slot
@@ -161,6 +163,8 @@ class KVHandoff:
                 return KVPayload.from_raw(kv.request_id, answer.token_ids, answer.layout, raw, answer.shape), None
             return await asyncio.wait_for(answer[0], remaining), None
         except TimeoutError:
+            if slot is not None:
+                self.done_soon(kv.node_id, slot)
             self.release_soon(kv)  # do not leave it held until the lease ends
             return ClaimMiss.TIMEOUT
         except ray.exceptions.TaskCancelledError:
