@@ -41,6 +41,9 @@ class RoutingStats:
     num_free_blocks: int = 0
     num_blocks: int = 0
     kv_cache_usage: float = 0.0
+    # A decode replica's recent KV hand-offs: claim to payload in hand, seconds (an average that
+    # weighs recent imports most); 0 before its first (router/disaggregation.py).
+    kv_import_s: float = 0.0
     # The replica's metrics (WorkerRecorder.snapshot), which the ingress's GET /metrics re-exports
     # (serving/observability/export.py): they ride along instead of a scrape of every replica.
     metrics: tuple[MetricFamily, ...] = ()

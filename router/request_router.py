@@ -114,6 +114,11 @@ class _PolicyRouter(FIFOMixin, RequestRouter):
         """Routing decisions of this router so far, by reason."""
         return dict(self.state.decisions)
 
+    def replica_stats(self) -> list[RoutingStats]:
+        """The newest stats of every replica of the pool that has reported."""
+        stats = (RoutingStats.from_wire(replica.routing_stats) for replica in list(self.curr_replicas.values()))
+        return [s for s in stats if s is not None]
+
     def replica_metrics(self) -> Iterator[tuple[object, tuple[MetricFamily, ...]]]:
         """(replica id, its metric families) of each replica in the pool, from its newest stats."""
         for replica_id, replica in list(self.curr_replicas.items()):

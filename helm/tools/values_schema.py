@@ -40,10 +40,14 @@ def _type_schema(annotation: Any) -> dict:
     origin = typing.get_origin(annotation)
     if origin is typing.Annotated:  # a constrained type inside an optional one (EngineOverrides)
         base, *metadata = typing.get_args(annotation)
+        # a pydantic Field(...) inside Annotated carries its constraints in .metadata
+        metadata = [m for item in metadata for m in (getattr(item, "metadata", None) or [item])]
         schema = _type_schema(base)
         return {**schema, **_constraints(metadata, schema)}
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) > 1 and type(None) not in typing.get_args(annotation):  # e.g. a count or "auto"
+            return {"anyOf": [_type_schema(a) for a in args]}
         assert len(args) == 1, f"unsupported union {annotation}"
         inner = _type_schema(args[0])
         if "type" in inner:

@@ -4,7 +4,7 @@ says how it is loaded)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -54,11 +54,14 @@ class ServeConfig(StrictModel):
         "loads the config, disaggregated from 4 cores up, else colocated (serving/config/layout.py). "
         "Loading resolves auto, so a loaded config names the mode that runs.",
     )
-    min_remote_prefill_tokens: int = Field(
-        0, ge=0,
+    min_remote_prefill_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        0,
         description="Prompts with fewer uncached tokens than this (the prompt's length less the "
         "prefix every decode replica holds, per the decode router's prefix index) are "
-        "prefilled on the decode worker itself (disaggregated mode).",
+        "prefilled on the decode worker itself (disaggregated mode). auto: measured per request, "
+        "on the decode worker when the wait it would cause the decode replica's sequences "
+        "(their number x the uncached tokens / its prefill rate) is no longer than a KV hand-off "
+        "takes there (router/disaggregation.py).",
     )
     prefill: PoolConfig = Field(default_factory=PoolConfig, description="PrefillWorker pool.")
     decode: PoolConfig = Field(default_factory=PoolConfig, description="DecodeWorker pool.")

@@ -107,6 +107,7 @@ class EngineWorker:
             num_free_blocks=stats.num_free_blocks,
             num_blocks=stats.num_blocks,
             kv_cache_usage=stats.kv_cache_usage,
+            kv_import_s=self.recorder.kv_import_s,
             metrics=tuple(self.recorder.snapshot()),
         )
 

@@ -3,7 +3,9 @@
     disaggregated:  prefill.prefill(req) ──first token──▶ yield (the client sees it now)
                                          └─KVHandle──▶ decode.generate(req, kv, prior=[first])
                                                         ──tokens──▶ yield ...
-    colocated, n > 1, or fewer uncached prompt tokens than min_remote_prefill_tokens:
+    colocated, n > 1, or fewer uncached prompt tokens than min_remote_prefill_tokens (auto:
+    where the decode replica's sequences would wait less for the prefill than a KV hand-off
+    takes, router/disaggregation.py):
                     decode.generate(req)  (the pool's engine prefills and decodes)
 
 A prompt's uncached tokens are those the decode pool would compute: its length less the prefix
@@ -37,6 +39,8 @@ from typing import Any
 import ray
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 
+from router.disaggregation import PrefillPlace, choose_prefill_place
+from router.replica_stats import RoutingStats
 from serving.api.errors import NoWorkerError, QueueFullError
 from serving.api.pipeline import GenerateRequest
 from serving.config import ServeConfig
@@ -77,6 +81,7 @@ class ServeBackend:
         status_ttl_s: float = 1.0,
         on_recovery: Callable[[str], None] | None = None,
         cached_tokens_fn: Callable[[WorkerRequest], int] | None = None,
+        pool_stats_fn: Callable[[], tuple[list[RoutingStats], list[RoutingStats]]] | None = None,
     ):
         self.config = config
         self.prefill = prefill  # None in colocated mode
@@ -85,6 +90,9 @@ class ServeBackend:
         self._status_fn = status_fn or functools.partial(_serve_status, config.app_name)
         # prompt tokens a decode replica already holds (its router's prefix index)
         self._cached_tokens = cached_tokens_fn or self._decode_cached_tokens
+        # the newest routing stats of the decode and prefill pools (their routers), for auto
+        self._pool_stats = pool_stats_fn or self._routers_pool_stats
+        self._local_in_flight = 0  # prompts sent to prefill on the decode pool, first token pending
         self._status_ttl_s = status_ttl_s
         self._status: dict[str, dict[str, int]] | None = None
         self._status_time = 0.0
@@ -116,10 +124,19 @@ class ServeBackend:
             faults.reached("ingress.after_tokens", num_tokens)
 
     async def _generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
-        local = self.prefill is None or request.params.n > 1 or self._uncached_tokens_below_threshold(request)
+        local = self.prefill is None or request.params.n > 1 or self._prefills_locally(request)
         if local:
-            async for out in self._decode(request, None, []):
-                yield out
+            self._local_in_flight += 1
+            pending = True
+            try:
+                async for out in self._decode(request, None, []):
+                    if pending:
+                        self._local_in_flight -= 1
+                        pending = False
+                    yield out
+            finally:
+                if pending:
+                    self._local_in_flight -= 1
             return
 
         await self._check_alive("prefill", self.prefill)
@@ -160,15 +177,35 @@ class ServeBackend:
                 self.kv.release_soon(kv)
 
     # ---- internals ---------------------------------------------------------------------------
+    def _prefills_locally(self, request: WorkerRequest) -> bool:
+        """Disaggregated mode: whether the decode pool prefills this prompt itself."""
+        threshold = self.config.min_remote_prefill_tokens
+        if threshold == "auto":
+            decode, prefill = self._pool_stats()
+            choice = choose_prefill_place(self._uncached_tokens(request), decode, prefill, local_in_flight=self._local_in_flight)
+            return choice.place is PrefillPlace.LOCAL
+        return self._uncached_tokens_below_threshold(request)
+
+    def _uncached_tokens(self, request: WorkerRequest) -> int:
+        prompt_len = len(request.prompt_token_ids)
+        return prompt_len - min(self._cached_tokens(request), prompt_len - 1)  # the last token is always computed
+
     def _uncached_tokens_below_threshold(self, request: WorkerRequest) -> bool:
         threshold = self.config.min_remote_prefill_tokens
         if threshold <= 0:
             return False
-        prompt_len = len(request.prompt_token_ids)
-        if prompt_len < threshold:
+        if len(request.prompt_token_ids) < threshold:
             return True
-        cached = min(self._cached_tokens(request), prompt_len - 1)  # the last token is always computed
-        return prompt_len - cached < threshold
+        return self._uncached_tokens(request) < threshold
+
+    def _routers_pool_stats(self) -> tuple[list[RoutingStats], list[RoutingStats]]:
+        """The newest routing stats of the decode and prefill pools, from this process's routers
+        of this app (router/request_router.py); empty before they exist."""
+        by_name: dict[str, list[RoutingStats]] = {}
+        for router in live_routers():
+            if router.app_name == self.config.app_name:
+                by_name[router.deployment_name] = router.replica_stats()
+        return by_name.get(self.decode.deployment_name, []), by_name.get(self.prefill.deployment_name, [])
 
     def _decode_cached_tokens(self, request: WorkerRequest) -> int:
         """The prefix of the prompt every decode replica holds, from the decode router of this

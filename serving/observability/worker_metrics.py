@@ -119,6 +119,9 @@ class WorkerCounters:
     fallback_reasons: dict[str, int] = field(default_factory=dict)
 
 
+KV_IMPORT_WEIGHT = 0.2  # of each new import in the recent average (an EWMA: ~5 imports' memory)
+
+
 class WorkerRecorder:
     """One worker replica's metrics (labelled with its model, pool and replica), counters and
     latency windows; every event is recorded once, here."""
@@ -128,6 +131,7 @@ class WorkerRecorder:
         self.counters = WorkerCounters()
         self.latencies = RequestLatencies()
         self._seen = dict.fromkeys(_ENGINE_COUNTERS, 0)
+        self.kv_import_s = 0.0  # recent imports' time, weighted to the newest (RoutingStats.kv_import_s)
 
     def track(self, *, continues: bool = False) -> RequestTracker:
         """Follow one request's outputs for the latency windows (RequestLatencies.track)."""
@@ -156,6 +160,8 @@ class WorkerRecorder:
         self.counters.num_kv_imports += 1
         self.counters.kv_import_bytes += num_bytes
         self.counters.kv_import_seconds += seconds
+        first = self.counters.num_kv_imports == 1
+        self.kv_import_s = seconds if first else (1 - KV_IMPORT_WEIGHT) * self.kv_import_s + KV_IMPORT_WEIGHT * seconds
         self.instruments.observe("kvrelay_kv_transfer_seconds", [seconds])
         self.instruments.inc("kvrelay_kv_transfer_bytes_total", num_bytes, direction="import")
 

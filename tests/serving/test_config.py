@@ -218,3 +218,13 @@ def test_node_cores_honours_a_cgroup_cpu_quota(tmp_path):
     quota.write_text(f"{(affinity + 8) * 100000} 100000\n")  # more than the mask: the mask
     assert node_cores(str(quota)) == affinity
     assert node_cores(str(tmp_path / "absent")) == affinity
+
+
+def test_min_remote_prefill_tokens_is_a_count_or_auto():
+    from pydantic import ValidationError
+
+    assert ServeConfig(min_remote_prefill_tokens="auto").min_remote_prefill_tokens == "auto"
+    assert ServeConfig(min_remote_prefill_tokens=256).min_remote_prefill_tokens == 256
+    for bad in (-1, "sometimes"):
+        with pytest.raises(ValidationError, match="min_remote_prefill_tokens"):
+            ServeConfig(min_remote_prefill_tokens=bad)

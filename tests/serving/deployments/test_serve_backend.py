@@ -280,3 +280,25 @@ def test_model_info_fails_fast_when_a_pool_never_came_up():
     with pytest.raises(NoWorkerError, match="No decode replica"):
         asyncio.run(backend_.model_info())
     assert prefill.calls == [] and decode.calls == []
+
+
+def test_auto_prefills_on_an_idle_decode_replica_and_hands_off_from_a_busy_one():
+    """min_remote_prefill_tokens: auto (router/disaggregation.py) from the pools' routing stats."""
+    from router.replica_stats import RoutingStats
+
+    stats = {"decode": [RoutingStats(num_running=0, prefill_tokens_per_s=1000.0, kv_import_s=0.05)]}
+    backend_, prefill, decode, kv = pools()
+    backend_.config = ServeConfig(min_remote_prefill_tokens="auto")
+    backend_._pool_stats = lambda: (stats["decode"], [])
+    request = WorkerRequest("r", list(range(1, 101)), SamplingParams(max_tokens=3))
+    assert asyncio.run(collect(backend_.generate(request))) == [[8], [9]]  # idle: prefilled there
+    assert prefill.calls == [] and decode.calls == [("generate", (request, None, []))]
+    assert backend_._local_in_flight == 0  # its first token came back
+    # 4 sequences x 100 tokens / 1000 tok/s = 0.4 s of waiting there, against a 0.05 s hand-off
+    stats["decode"] = [RoutingStats(num_running=4, prefill_tokens_per_s=1000.0, kv_import_s=0.05)]
+    assert asyncio.run(collect(backend_.generate(request))) == [[7], [8], [9]]
+    assert prefill.calls == [("prefill", (request,))] and decode.calls[1] == ("generate", (request, kv, [7]))
+    # nothing measured yet: the configured layout
+    stats["decode"] = [RoutingStats(num_running=0)]
+    asyncio.run(collect(backend_.generate(request)))
+    assert len(prefill.calls) == 2

@@ -300,7 +300,9 @@ def test_worker_metrics_record_exact_times_bytes_and_engine_deltas():
     wm.first_token(RequestMetrics(1.0, first_scheduled_time=1.25, first_token_time=2.0), computed_prompt=True)
     wm.first_token(RequestMetrics(1.0, first_scheduled_time=1.5, first_token_time=1.75), computed_prompt=False)
     wm.first_token(RequestMetrics(1.0, first_scheduled_time=1.5), computed_prompt=True)  # aborted before a token
+    assert wm.kv_import_s == 0.0  # before any import
     wm.kv_imported(0.25, 1000)
+    assert wm.kv_import_s == 0.25  # the first import is the average
     wm.kv_exported(400)
     wm.kv_fallback("timeout")
     wm.refresh(engine_stats(prefix_cache_query_tokens=100, prefix_cache_hit_tokens=32, num_preemptions=1, num_running=2, num_waiting=3, kv_cache_usage=0.5))
@@ -407,3 +409,11 @@ def test_the_autoscaler_counts_the_decisions_that_change_a_pool(monkeypatch):
     assert decide(queued=250, target=3, now=101.0) == 3  # hold: not counted
     assert decide(queued=0, target=9, now=102.0) == 4  # clamp to max_replicas
     assert recorded == [("prefill", "up"), ("prefill", "clamp")]
+
+
+def test_the_recent_kv_import_time_weighs_the_newest_import_by_a_fifth():
+    wm = WorkerRecorder(MODEL, "decode", "r1", use_ray=False)
+    for seconds in (0.5, 1.0, 0.0):
+        wm.kv_imported(seconds, 10)
+    assert wm.kv_import_s == 0.8 * (0.8 * 0.5 + 0.2 * 1.0)  # 0.48
+    assert wm.counters.kv_import_seconds == 1.5  # the total is kept apart

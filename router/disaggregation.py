@@ -1,0 +1,72 @@
+"""Where a request's prompt is prefilled in disaggregated mode when `min_remote_prefill_tokens` is
+`auto`: on the decode replica itself, or on the prefill pool with a KV hand-off.
+
+    local cost   the decode side's interference: prefilling U uncached tokens on a decode
+                 replica that runs N sequences (its running and waiting ones, plus the local
+                 prefills this ingress sent it that its stats do not show yet) delays each of them
+                 by about U / rate, the replica's measured prefill rate: N * U / rate seconds of
+                 stream time in all
+    remote cost  the hand-off: the decode replicas' measured time from claiming a request's KV to
+                 holding it (an average over recent imports, RoutingStats.kv_import_s)
+
+    prefill locally  iff  min over decode replicas of N * U / rate  <=  hand-off
+
+An idle decode replica (N = 0) therefore prefills itself: nothing waits behind it and nothing is
+handed off. A busy one sends any prompt whose prefill would hold its streams longer than a
+hand-off takes to the prefill pool. Until both figures are measured (a replica's prefill rate:
+its own, else the prefill pool's; the hand-off: at least one import) every prompt goes to the
+prefill pool, the configured layout.
+
+Ray-free: the ingress (serving/deployments/serve_backend.py) reads the stats from its routers.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.replica_stats import RoutingStats
+
+__all__ = ["PrefillPlace", "PrefillChoice", "choose_prefill_place"]
+
+
+class PrefillPlace(str, enum.Enum):
+    LOCAL = "local"  # on the decode replica
+    REMOTE = "remote"  # on the prefill pool, then a KV hand-off
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    place: PrefillPlace
+    reason: str  # "unmeasured", "cheaper_locally", "cheaper_remotely"
+    local_cost_s: float | None = None  # the cheapest decode replica's interference
+    handoff_s: float | None = None
+
+
+def choose_prefill_place(
+    num_uncached_tokens: int,
+    decode: Sequence[RoutingStats],
+    prefill: Sequence[RoutingStats] = (),
+    *,
+    local_in_flight: int = 0,
+) -> PrefillChoice:
+    """The place for a prompt with `num_uncached_tokens` left to compute, from the newest stats
+    of the decode and prefill pools' replicas. `local_in_flight`: prompts this ingress sent to
+    be prefilled on the decode pool whose first token has not come back yet (a burst arrives
+    faster than the stats say so); counted on every replica (whichever the decode router picks)."""
+    imports = [s.kv_import_s for s in decode if s.kv_import_s > 0]
+    prefill_rates = [s.prefill_tokens_per_s for s in prefill if s.prefill_tokens_per_s > 0]
+    pool_rate = sum(prefill_rates) / len(prefill_rates) if prefill_rates else 0.0
+    costs = []
+    for stats in decode:
+        rate = stats.prefill_tokens_per_s or pool_rate
+        if rate > 0:
+            costs.append((stats.num_running + stats.num_waiting + local_in_flight) * num_uncached_tokens / rate)
+    if not imports or not costs:
+        return PrefillChoice(PrefillPlace.REMOTE, "unmeasured")
+    handoff_s = sum(imports) / len(imports)
+    cheapest = min(costs)
+    if cheapest <= handoff_s:
+        return PrefillChoice(PrefillPlace.LOCAL, "cheaper_locally", cheapest, handoff_s)
+    return PrefillChoice(PrefillPlace.REMOTE, "cheaper_remotely", cheapest, handoff_s)
