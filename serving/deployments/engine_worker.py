@@ -139,7 +139,9 @@ class EngineWorker:
         export_into = None
         with self._callers.watch(request.caller, request.request_id):
             try:
-                if params.max_tokens != 1:  # a decode worker will need the KV: where it goes
+                # A decode worker will need the KV: where it goes. The arena is host memory: a CUDA
+                # engine's KV goes through Ray's object store.
+                if params.max_tokens != 1 and self.engine.engine.kv_cache.data.device.type == "cpu":
                     num_bytes = self.engine.engine.kv_payload_bytes(len(request.prompt_token_ids))
                     slot = await self.kv.reserve(self._this_node(), request.request_id, num_bytes)
                     export_into = self._arena_view(slot)
@@ -180,7 +182,9 @@ class EngineWorker:
                 if not handed_off:
                     self.engine.release_kv_soon(request.request_id)  # no-op unless KV is still held
                     if slot is not None:
-                        self.kv.release_slot_soon(self._this_node(), slot)
+                        # Finished here (a stop at its first token): the engine's gather is over,
+                        # the range is free at once; otherwise it may still run: quarantined.
+                        self.kv.release_slot_soon(self._this_node(), slot, written=ran)
 
     async def _export_and_offer(
         self, request_id: str, trace: tracing.CarriedTrace | None = None, slot: KVSlot | None = None,
@@ -194,9 +198,11 @@ class EngineWorker:
                 if payload.kv.data_ptr() == export_into.data_ptr() and await self.kv.offer_slot(node_id, slot.described(payload)):
                     self._exported(payload.num_bytes, trace, start_ns, "arena")
                     return
-                # Not in the range (its lease ran out first) or refused: through Ray's object
-                # store. A refused range is quarantined, so what the engine wrote stays readable.
-                self.kv.release_slot_soon(node_id, slot)
+                # Not in the range (its lease ran out first: the engine never wrote it) or refused:
+                # through Ray's object store. A refused range is quarantined or in an arena that
+                # is gone, so what the engine wrote stays readable meanwhile.
+                self.kv.release_slot_soon(node_id, slot, written=True)
+                slot = None
             ref = await asyncio.to_thread(ray.put, payload)
             await self.kv.offer(node_id, request_id, ref, payload.num_bytes)
         except Exception as exc:  # noqa: BLE001 - the decode worker's claim fails and it recomputes
@@ -206,6 +212,8 @@ class EngineWorker:
                 logger.exception("exporting the KV of %s failed", request_id)
             if trace is not None:
                 trace.record("kv_transfer", start_ns, time.time_ns(), {"kvrelay.kv.side": "export"}, error=f"{type(exc).__name__}: {exc}")
+            if slot is not None:
+                self.kv.release_slot_soon(node_id, slot)
             await self.engine.release_kv(request_id)
             return
         self._exported(payload.num_bytes, trace, start_ns, "object_store")
@@ -223,7 +231,7 @@ class EngineWorker:
             return None
         try:
             return self.kv.arena(slot)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             logger.warning("the KV arena %s cannot be opened (%s); the KV goes through Ray", slot.path, exc)
             self.kv.release_slot_soon(self._this_node(), slot)
             return None

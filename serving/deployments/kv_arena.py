@@ -1,21 +1,24 @@
 """A per-node shared-memory arena for same-node KV hand-offs (driven by kv_transfer.py's actor).
 
     KVTransfer actor (owner)             prefill worker (writer)            decode worker (reader)
-    ArenaFile.create(path, size)
-    allocator.reserve(id, n) ──lease──▶  ArenaFile.open(path).view(lease)
+    ArenaFile.create(size)
+    allocator.reserve(id, n) ──lease──▶  ArenaFile.open(path, id).view(lease)
                                          engine gathers its blocks into it
     allocator.offer(lease)   ◀────────── (the lease, not the bytes, crosses Ray)
     allocator.claim(id)      ──lease──────────────────────────────────────▶ view(lease): scatter
-    allocator.done(lease)    ◀──────────────────────────────────────────── True: the copy is good
+    allocator.done(lease)    ◀──────────────────────────────────────────── the copy is over
 
 Only leases cross Ray: (path, offset, size, lease id, generation). A range of the arena moves
-WRITING -> OFFERED -> READING -> free. Safety, the point of this module:
-- a range is never handed out while a writer or reader may still touch it: a lease that runs out
-  (or is released) while WRITING or READING goes to quarantine for `quarantine_s` more before
-  it is reused, so a slow or dead holder's late copy cannot land in another request's range;
-- a holder whose lease was reclaimed learns it when it reports (offer / done answer False), and
-  then drops what it wrote or read: the decode worker recomputes the prompt;
-- a released OFFERED range is free at once (nobody holds it).
+WRITING -> OFFERED -> READING -> free. Safety, the point of this module, rests on one rule its
+users keep: a holder starts a copy into or out of its range only before its lease's deadline
+(one monotonic clock for the node's processes), and a copy takes far less than `quarantine_s`.
+- a range is never handed out while a writer or reader may still touch it: a lease that runs out,
+  or is released, while WRITING or READING goes to quarantine until `quarantine_s` after the
+  later of its deadline and now, so a slow, abandoned or dead holder's late copy cannot land in
+  (or read from) another request's range;
+- a holder that reports (offer, done) after its lease ran out is told so (False): its copy began
+  before the deadline, so it is whole, but the range is no longer its own;
+- a released OFFERED range, and a writer's range given back after its copy, are free at once.
 The allocator is first fit over a sorted free list with merging of neighbours; sizes are rounded
 up to `align` (a page) so every range starts page-aligned.
 
@@ -127,12 +130,13 @@ class ArenaAllocator:
         self._drop(held, quarantine=False)
         return True
 
-    def release_lease(self, lease: Lease) -> bool:
-        """A writer gives up its range (only while it is still its own): as release()."""
+    def release_lease(self, lease: Lease, *, written: bool = False) -> bool:
+        """A writer gives up its range (only while it is still its own): as release(); free at
+        once when it has `written` (its copy is over: it will not touch the range again)."""
         held = self._current(lease, RangeState.WRITING)
         if held is None:
             return False
-        self._drop(held, quarantine=True)
+        self._drop(held, quarantine=not written)
         return True
 
     def release(self, request_id: str) -> bool:
@@ -190,8 +194,10 @@ class ArenaAllocator:
     def _drop(self, held: _Range, *, quarantine: bool) -> None:
         self._by_request.pop(held.lease.request_id, None)
         if quarantine:
+            # Its holder may start a copy until its lease's deadline, released or not: the
+            # quarantine runs from whichever is later, that deadline or now.
             held.state = RangeState.QUARANTINED
-            held.deadline = self._clock() + self.quarantine_s
+            held.deadline = max(self._clock(), held.deadline) + self.quarantine_s
         else:
             self._free_range(held)
 
@@ -213,17 +219,27 @@ class ArenaFile:
     """The arena's bytes: an anonymous shared-memory file (memfd) of the owner's, mapped by every
     process of the node that opens its path, /proc/<owner pid>/fd/<fd>. Nothing is named in a
     file system: the memory goes when the owner has closed it (or died) and the last mapping is
-    gone, and /dev/shm's size (64 MiB in a default container) does not bound it."""
+    gone, and /dev/shm's size (64 MiB in a default container) does not bound it. The first page
+    holds the arena's random id: a path that names another file (a restarted owner with the same
+    pid and fd) is refused when opened. Leases' offsets count from after it (`capacity` bytes)."""
 
-    def __init__(self, path: str, mapping: mmap.mmap, size: int, fd: int | None = None):
+    HEADER = 4096
+
+    def __init__(self, path: str, mapping: mmap.mmap, size: int, arena_id: bytes, fd: int | None = None):
         self.path = path
         self.mapping = mapping
         self.size = size
+        self.arena_id = arena_id
         self._fd = fd  # the owner's: the path names it
+
+    @property
+    def capacity(self) -> int:
+        return self.size - self.HEADER
 
     @classmethod
     def create(cls, size: int, *, prefault: bool = True) -> ArenaFile:
-        """A new arena of `size` bytes, mapped; every page touched so no copy page-faults."""
+        """A new arena of `size` bytes (the header page included), mapped; every page touched so
+        no copy page-faults."""
         fd = os.memfd_create("kvrelay-kv-arena", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
@@ -234,24 +250,33 @@ class ArenaFile:
         if prefault:
             for offset in range(0, size, mmap.PAGESIZE):
                 mapping[offset] = 0
-        return cls(f"/proc/{os.getpid()}/fd/{fd}", mapping, size, fd)
+        arena_id = os.urandom(16)
+        mapping[:len(arena_id)] = arena_id
+        return cls(f"/proc/{os.getpid()}/fd/{fd}", mapping, size, arena_id, fd)
 
     @classmethod
-    def open(cls, path: str) -> ArenaFile:
-        """Map another process's arena (OSError when it is gone or not ours to open)."""
+    def open(cls, path: str, arena_id: bytes) -> ArenaFile:
+        """Map another process's arena (OSError when it is gone, not ours to open, or not the
+        arena `arena_id` names)."""
         fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
+            if size <= cls.HEADER:
+                raise OSError(f"{path} is not a KV arena ({size} bytes)")
             mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        return cls(path, mapping, size)
+        if mapping[:len(arena_id)] != arena_id:
+            mapping.close()
+            raise OSError(f"{path} is not the KV arena it was named as (its owner was restarted)")
+        return cls(path, mapping, size, arena_id)
 
     def view(self, lease: Lease) -> memoryview:
         """The lease's bytes (exactly num_bytes), writable."""
-        if lease.offset + lease.num_bytes > self.size:
-            raise ValueError(f"lease {lease} is outside the arena {self.path} ({self.size} bytes)")
-        return memoryview(self.mapping)[lease.offset: lease.offset + lease.num_bytes]
+        if lease.offset + lease.num_bytes > self.capacity:
+            raise ValueError(f"lease {lease} is outside the arena {self.path} ({self.capacity} bytes)")
+        start = self.HEADER + lease.offset
+        return memoryview(self.mapping)[start: start + lease.num_bytes]
 
     def close(self) -> None:
         self.mapping.close()

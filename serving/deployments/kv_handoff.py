@@ -38,13 +38,15 @@ __all__ = ["KVHandoff"]
 
 logger = logging.getLogger(__name__)
 
+RESERVE_TIMEOUT_S = 1.0  # an arena reservation's bound (the prefill waits for it)
+
 class KVHandoff:
     def __init__(self, app_name: str, config: KVTransferConfig):
         self.app_name = app_name
         self.config = config
         self._actors: dict[str, object] = {}
         self._background: set[asyncio.Task] = set()  # releases in flight, referenced until done
-        self._arenas: dict[str, ArenaFile] = {}  # path -> its mapping (one per actor's arena)
+        self._arenas: dict[bytes, ArenaFile] = {}  # arena id -> its mapping (one per actor's arena)
         self.num_lookups = 0
 
     # ---- the node's actor --------------------------------------------------------------------
@@ -62,17 +64,17 @@ class KVHandoff:
 
     def arena(self, slot: KVSlot) -> torch.Tensor:
         """The slot's bytes, in place: a uint8 tensor over the arena's shared memory."""
-        arena = self._arenas.get(slot.path)
+        arena = self._arenas.get(slot.arena_id)
         if arena is None:
-            arena = ArenaFile.open(slot.path)
+            arena = ArenaFile.open(slot.path, slot.arena_id)
             # A restarted actor made a new arena: let the old mappings go (a view still in use
             # keeps its own; closing then fails and the mapping goes with its last view).
-            for path in list(self._arenas):
+            for arena_id in list(self._arenas):
                 try:
-                    self._arenas.pop(path).close()
+                    self._arenas.pop(arena_id).close()
                 except BufferError:
                     pass
-            self._arenas[slot.path] = arena
+            self._arenas[slot.arena_id] = arena
         return torch.frombuffer(arena.view(slot.lease), dtype=torch.uint8)
 
     # ---- prefill side ------------------------------------------------------------------------
@@ -83,7 +85,8 @@ class KVHandoff:
             return None
         try:
             actor = await self.actor(node_id)
-            return await actor.reserve.remote(request_id, num_bytes, self.config.lease_s)
+            # Bounded: the prefill waits for it. Late, the range is left to its lease.
+            return await asyncio.wait_for(actor.reserve.remote(request_id, num_bytes, self.config.lease_s), RESERVE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - Ray's object store is the other path
             if isinstance(exc, ACTOR_ERRORS):
                 self.forget(node_id)
@@ -100,9 +103,10 @@ class KVHandoff:
             self.forget(node_id)
             return False
 
-    def release_slot_soon(self, node_id: str, slot: KVSlot) -> None:
-        """Give a reserved range back without offering it (in the background; never raises)."""
-        self._background_call(node_id, "release_slot", slot)
+    def release_slot_soon(self, node_id: str, slot: KVSlot, *, written: bool = False) -> None:
+        """Give a reserved range back without offering it (in the background; never raises):
+        free at once when the engine has `written` it, else after the quarantine."""
+        self._background_call(node_id, "release_slot", slot, written)
 
     def done_soon(self, node_id: str, slot: KVSlot) -> None:
         """The engine has copied a claimed range out: free it (in the background)."""
@@ -195,18 +199,18 @@ class KVHandoff:
         logged, and the KV's lease frees it anyway."""
         await self._call_quietly(node_id, "release", request_id)
 
-    def _background_call(self, node_id: str, method: str, arg) -> None:
+    def _background_call(self, node_id: str, method: str, *args) -> None:
         # Outside the current request's context: Ray keeps an async actor's current task in a
         # context variable and cancels the calls a cancelled task made, so a release made in a
         # cancelled request's cleanup would be cancelled with it (3 of 5,000 soak requests, once).
-        task = asyncio.get_running_loop().create_task(self._call_quietly(node_id, method, arg), context=contextvars.Context())
+        task = asyncio.get_running_loop().create_task(self._call_quietly(node_id, method, *args), context=contextvars.Context())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _call_quietly(self, node_id: str, method: str, arg) -> None:
+    async def _call_quietly(self, node_id: str, method: str, *args) -> None:
         try:
             actor = await self.actor(node_id)
-            await getattr(actor, method).remote(arg)
+            await getattr(actor, method).remote(*args)
         except Exception as exc:  # noqa: BLE001 - the lease frees it anyway
             if isinstance(exc, ACTOR_ERRORS):
                 self.forget(node_id)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 
 import numpy as np
 import ray
@@ -113,7 +114,7 @@ class KVTransfer:
         self.app_name = app_name
         self.node_id = node_id
         self.arena = create_arena(arena_bytes)
-        self.allocator = ArenaAllocator(self.arena.size, quarantine_s=ARENA_QUARANTINE_S) if self.arena else None
+        self.allocator = ArenaAllocator(self.arena.capacity, quarantine_s=ARENA_QUARANTINE_S) if self.arena else None
         # id -> ([ref] or an arena slot, bytes, deadline)
         self._held: dict[str, tuple[list[ray.ObjectRef] | KVSlot, int, float]] = {}
         # Ids released or expired before (or without) their offer, so a late offer is dropped
@@ -146,7 +147,7 @@ class KVTransfer:
         if lease is None:
             self.num_arena_full += 1
             return None
-        return KVSlot(self.arena.path, lease, self.allocator.deadline_of(lease))
+        return KVSlot(self.arena.path, lease, self.allocator.deadline_of(lease), arena_id=self.arena.arena_id)
 
     async def offer_slot(self, slot: KVSlot, lease_s: float) -> bool:
         """The writer filled its range (`slot`, described): hold it for a claim. False when its
@@ -154,7 +155,7 @@ class KVTransfer:
         through Ray's object store, or drops them)."""
         self._ensure_expiry_loop()
         request_id = slot.lease.request_id
-        if self.allocator is None or slot.path != self.arena.path or request_id in self._gone:
+        if self.allocator is None or slot.arena_id != self.arena.arena_id or request_id in self._gone:
             return False
         if not self.allocator.offer(slot.lease, lease_s):
             return False
@@ -167,17 +168,18 @@ class KVTransfer:
         self._wakeup.set()
         return True
 
-    async def release_slot(self, slot: KVSlot) -> bool:
+    async def release_slot(self, slot: KVSlot, written: bool = False) -> bool:
         """The writer will not offer its range (its request ended, or its bytes went through Ray
-        instead): free it, after the quarantine (the writer may have been copying)."""
-        if self.allocator is None or slot.path != self.arena.path:
+        instead): free it, at once if it has `written` (its engine's copy is over), else after
+        the quarantine (its engine may still be copying)."""
+        if self.allocator is None or slot.arena_id != self.arena.arena_id:
             return False
-        return self.allocator.release_lease(slot.lease)
+        return self.allocator.release_lease(slot.lease, written=written)
 
     async def done(self, slot: KVSlot) -> bool:
         """The reader has copied its range out: free it. False when its lease had run out (the
         range was in quarantine: what a copy that started before the deadline read is good)."""
-        if self.allocator is None or slot.path != self.arena.path:
+        if self.allocator is None or slot.arena_id != self.arena.arena_id:
             return False
         return self.allocator.done(slot.lease)
 
@@ -185,8 +187,8 @@ class KVTransfer:
         lease = self.allocator.claim(slot.lease.request_id, lease_s)
         if lease is None:
             return None
-        reading = KVSlot(slot.path, lease, self.allocator.deadline_of(lease), slot.token_ids, slot.layout, slot.shape)
-        if node_id is None or node_id == self.node_id:
+        reading = replace(slot, lease=lease, deadline=self.allocator.deadline_of(lease))
+        if node_id == self.node_id:
             return reading
         # Another node cannot map this arena: copy the range into Ray's object store for it.
         try:
@@ -215,7 +217,7 @@ class KVTransfer:
         """Hand over the payload (once), waiting up to `wait_s` for its offer (the prefill worker
         offers after it has returned the first token). Otherwise why not. An arena range goes
         to a claimer on this node (`node_id`) as a reading lease of `lease_s`; to one on
-        another node, as a copy in Ray's object store."""
+        another node (or one that does not say), as a copy in Ray's object store."""
         entry = self._held.pop(request_id, None)
         if entry is None and request_id not in self._gone and wait_s > 0:
             event = self._waiters.setdefault(request_id, asyncio.Event())
@@ -263,7 +265,7 @@ class KVTransfer:
             num_expired=self.num_expired,
             num_missed=self.num_missed,
             bytes_offered=self.bytes_offered,
-            arena_bytes=self.arena.size if self.arena else 0,
+            arena_bytes=self.arena.capacity if self.arena else 0,
             arena_free_bytes=self.allocator.free_bytes if self.allocator else 0,
             num_arena_offers=self.num_arena_offers,
             num_arena_full=self.num_arena_full,

@@ -101,6 +101,7 @@ class KVSlot:
     token_ids: tuple[int, ...] = ()
     layout: KVLayout | None = None
     shape: tuple[int, ...] = ()
+    arena_id: bytes = b""  # the arena's random id (kv_arena.ArenaFile): a reused path is refused
 
     def described(self, payload: KVPayload) -> KVSlot:
         return replace(self, token_ids=tuple(payload.token_ids), layout=payload.layout, shape=tuple(payload.kv.shape))

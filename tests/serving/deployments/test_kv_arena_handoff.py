@@ -114,7 +114,8 @@ def test_a_same_node_hand_off_goes_through_the_arena_in_place(tiny_model_dir, ac
     transfer = actors["node-a"].transfer
     stats = asyncio.run(transfer.stats())
     payload_bytes = prefill.engine.engine.kv_payload_bytes(75)
-    assert (stats.arena_bytes, stats.num_arena_offers, stats.num_claimed, stats.num_arena_copies) == (1 << 20, 3, 3, 0)
+    # 1 MiB less the header page that holds the arena's id
+    assert (stats.arena_bytes, stats.num_arena_offers, stats.num_claimed, stats.num_arena_copies) == ((1 << 20) - 4096, 3, 3, 0)
     assert stats.bytes_offered == 3 * payload_bytes and stats.num_held == 0
     assert stats.arena_free_bytes == stats.arena_bytes  # every range done and free
     # Only leases crossed: no object-store offer at all, and one reserve / offer / claim / done each.
@@ -133,7 +134,7 @@ def test_a_claim_from_another_node_gets_a_copy_and_frees_the_range(tiny_model_di
         decode.shutdown()
     assert tokens == expected_tokens(tiny_model_dir)
     stats = asyncio.run(actors["node-a"].transfer.stats())
-    assert (stats.num_arena_offers, stats.num_arena_copies, stats.arena_free_bytes) == (1, 1, 1 << 20)
+    assert (stats.num_arena_offers, stats.num_arena_copies, stats.arena_free_bytes) == (1, 1, (1 << 20) - 4096)
     assert "done" not in actors["node-a"].calls  # the actor copied it out and freed it itself
 
 
@@ -144,7 +145,7 @@ def test_without_room_in_the_arena_the_kv_goes_through_the_object_store(tiny_mod
     async def main():
         if arena_mib:  # another request holds all but one page (this payload needs 10)
             actor = await prefill.kv.actor("node-a")
-            assert actor.transfer.allocator.reserve("other", (1 << 20) - 4096, 60.0) is not None
+            assert actor.transfer.allocator.reserve("other", (1 << 20) - 2 * 4096, 60.0) is not None
         return await hand_off(prefill, decode)
 
     try:
@@ -169,14 +170,14 @@ def test_a_release_frees_an_offered_range_at_once_and_quarantines_one_being_writ
             result = await prefill.prefill(WorkerRequest(request_id, PROMPT, PARAMS))
             assert result.kv is not None  # it goes on to decode: its range is in use
             transfer = actors["node-a"].transfer
-            assert transfer.allocator.free_bytes < transfer.arena.size
+            assert transfer.allocator.free_bytes < transfer.arena.capacity
             if request_id == "offered":
                 await asyncio.gather(*prefill._offers)
             await prefill.kv.release("node-a", request_id)  # the client left before the claim
             await asyncio.gather(*prefill._offers)
             await asyncio.gather(*prefill.kv._background)
             if request_id == "offered":  # nobody holds an offered range: free at once
-                assert transfer.allocator.free_bytes == transfer.arena.size
+                assert transfer.allocator.free_bytes == transfer.arena.capacity
         return transfer
 
     try:
@@ -186,6 +187,27 @@ def test_a_release_frees_an_offered_range_at_once_and_quarantines_one_being_writ
     # Released before its offer (as far as the actor knows, the writer may still be copying):
     # quarantined, its offer refused, nothing held.
     assert transfer.allocator.num_quarantined == 1
-    assert transfer.allocator.free_bytes == transfer.arena.size - 10 * 4096
+    assert transfer.allocator.free_bytes == transfer.arena.capacity - 10 * 4096
     stats = asyncio.run(transfer.stats())
     assert (stats.num_arena_offers, stats.num_held, stats.num_claimed) == (1, 0, 0)
+
+
+def test_a_prompt_that_stops_at_its_first_token_gives_its_range_back_at_once(tiny_model_dir, actors):
+    """Finished at the prefill worker: its engine's gather is over, so the range is free at once
+    (no quarantine holding arena space for 30 s)."""
+    first = expected_tokens(tiny_model_dir)[0]
+    prefill, _ = workers(tiny_model_dir, arena_mib=1)
+
+    async def main():
+        params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[first])
+        result = await prefill.prefill(WorkerRequest("r1", PROMPT, params))
+        assert result.kv is None and result.output.outputs[0].finish_reason == "stop"
+        await asyncio.gather(*prefill.kv._background)
+        return actors["node-a"].transfer
+
+    try:
+        transfer = asyncio.run(main())
+    finally:
+        prefill.shutdown()
+    assert actors["node-a"].calls == ["reserve", "release_slot"]
+    assert transfer.allocator.free_bytes == transfer.arena.capacity and transfer.allocator.num_quarantined == 0
