@@ -39,6 +39,11 @@ __all__ = ["KVHandoff"]
 logger = logging.getLogger(__name__)
 
 RESERVE_TIMEOUT_S = 1.0  # an arena reservation's bound (the prefill waits for it)
+# A release that meets a dead or restarting actor is made again to the restarted one (about 16 s
+# in all): otherwise the request's offer, made again there by its prefill worker, would be held
+# until its lease ran out (seen in a chaos soak: the client left at its first token while the
+# actor restarted).
+RELEASE_RETRY_DELAYS_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 
 class KVHandoff:
     def __init__(self, app_name: str, config: KVTransferConfig):
@@ -192,26 +197,33 @@ class KVHandoff:
         self.release_soon_at(kv.node_id, kv.request_id)
 
     def release_soon_at(self, node_id: str, request_id: str) -> None:
-        self._background_call(node_id, "release", request_id)
+        self._in_background(self.release(node_id, request_id))
 
     async def release(self, node_id: str, request_id: str) -> None:
-        """Release a request's KV at the node's actor. Never raises: a release that fails is
-        logged, and the KV's lease frees it anyway."""
-        await self._call_quietly(node_id, "release", request_id)
+        """Release a request's KV at the node's actor (made again to a restarted actor). Never
+        raises: a release that fails is logged, and the KV's lease frees it anyway."""
+        await self._call_quietly(node_id, "release", request_id, retry_delays_s=RELEASE_RETRY_DELAYS_S)
 
     def _background_call(self, node_id: str, method: str, *args) -> None:
+        self._in_background(self._call_quietly(node_id, method, *args))
+
+    def _in_background(self, coroutine) -> None:
         # Outside the current request's context: Ray keeps an async actor's current task in a
         # context variable and cancels the calls a cancelled task made, so a release made in a
         # cancelled request's cleanup would be cancelled with it (3 of 5,000 soak requests, once).
-        task = asyncio.get_running_loop().create_task(self._call_quietly(node_id, method, *args), context=contextvars.Context())
+        task = asyncio.get_running_loop().create_task(coroutine, context=contextvars.Context())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _call_quietly(self, node_id: str, method: str, *args) -> None:
-        try:
-            actor = await self.actor(node_id)
-            await getattr(actor, method).remote(*args)
-        except Exception as exc:  # noqa: BLE001 - the lease frees it anyway
-            if isinstance(exc, ACTOR_ERRORS):
+    async def _call_quietly(self, node_id: str, method: str, *args, retry_delays_s: tuple[float, ...] = ()) -> None:
+        for attempt in range(len(retry_delays_s) + 1):
+            try:
+                actor = await self.actor(node_id)
+                await getattr(actor, method).remote(*args)
+                return
+            except Exception as exc:  # noqa: BLE001 - the lease frees it anyway
+                if not isinstance(exc, ACTOR_ERRORS) or attempt == len(retry_delays_s):
+                    logger.warning("%s at the KVTransfer actor failed (%s); the lease will free it", method, exc)
+                    return
                 self.forget(node_id)
-            logger.warning("%s at the KVTransfer actor failed (%s); the lease will free it", method, exc)
+                await asyncio.sleep(retry_delays_s[attempt])
