@@ -227,7 +227,11 @@ def _run_pd_interference(p: ScenarioParams, model_dir: Path, port: int, w: Bench
             # finding the first's prompts in the prefix cache.
             for run, workload_ in (("steady", steady_of(w)), ("burst", w)):
                 salted = dataclasses.replace(workload_, extra_body=json.dumps({"cache_salt": f"{mode}/{run}"}))
+                before = routing_decisions(config_url(config), "prefill")
                 result.runs[f"{mode}/{run}"] = measure(config_url(config), salted, f"{mode}, {run}")
+                # how many of the run's requests (and its warm-up's) the prefill pool computed: the
+                # rest were prefilled on the decode side (min_remote_prefill_tokens)
+                result.info[mode][f"prefill_pool_requests_{run}"] = routing_decisions(config_url(config), "prefill") - before
     result.summary = summarize_pd(result.runs, parse_slo(w.slo))
     return result
 
@@ -281,6 +285,7 @@ def _targets(summary: dict, targets: list[Target]) -> dict:
 
 
 _METRIC_LINE = re.compile(r'^(kvrelay_prefix_cache_(?:hit|queried)_tokens_total)\{([^}]*)\}\s+(\S+)$')
+_DECISIONS_LINE = re.compile(r'^kvrelay_routing_decisions_total\{([^}]*)\}\s+(\S+)$')
 
 
 def prefix_cache_tokens(metrics_text: str, pool: str) -> tuple[float, float]:
@@ -294,6 +299,16 @@ def prefix_cache_tokens(metrics_text: str, pool: str) -> tuple[float, float]:
             else:
                 queried += float(match.group(3))
     return hit, queried
+
+
+def routing_decisions(base_url: str, pool: str) -> float:
+    """The ingress's routing decisions for `pool` so far (kvrelay_routing_decisions_total)."""
+    total = 0.0
+    for line in httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines():
+        match = _DECISIONS_LINE.match(line)
+        if match and f'pool="{pool}"' in match.group(1):
+            total += float(match.group(2))
+    return total
 
 
 def _scrape_prefix_cache(base_url: str, settle_s: float) -> tuple[float, float]:

@@ -224,7 +224,12 @@ def test_pd_interference_smoke(tiny_model_dir, tmp_path):
         assert s[key] > 0, key
     burst = report["raw"]["runs"]["disaggregated/burst"]["records"]
     assert [r["kind"] for r in burst].count("long") == 2  # bursts at 0.5 s and 1.0 s of the 1.5 s stream
-    assert report["config"]["servers"]["disaggregated"]["serve_config"]["decode"]["cpu_affinity"] == [[1]]
+    servers = report["config"]["servers"]
+    assert servers["disaggregated"]["serve_config"]["decode"]["cpu_affinity"] == [[1]]
+    # min_remote_prefill_tokens 0: the prefill pool computed every prompt, warm-ups included
+    # (steady: 2 warm-ups + 6 chat requests; burst: 3 warm-ups + 6 chat + 2 long)
+    assert (servers["disaggregated"]["prefill_pool_requests_steady"], servers["disaggregated"]["prefill_pool_requests_burst"]) == (8, 11)
+    assert servers["colocated"]["prefill_pool_requests_burst"] == 0  # no prefill pool
 
 
 @pytest.mark.integration
