@@ -279,8 +279,9 @@ class ServeBackend:
                 await self.kv.release(result.kv.node_id, result.kv.request_id)
                 return
             nodes = self._kv_nodes or ({ray.get_runtime_context().get_node_id()} if ray.is_initialized() else set())
-            for node_id in nodes:
-                await self.kv.release(node_id, request_id)
+            # At every node at once: a release at a restarting actor is made again for seconds
+            # (kv_handoff.py), and must not hold up the one at the node that holds the KV.
+            await asyncio.gather(*(self.kv.release(node_id, request_id) for node_id in nodes))
 
         # Outside the cancelled request's context, as KVHandoff's releases (kv_handoff.py).
         task = asyncio.get_running_loop().create_task(release_if_finished(), context=contextvars.Context())
