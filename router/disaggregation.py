@@ -2,12 +2,13 @@
 `auto`: on the decode replica itself, or on the prefill pool with a KV hand-off.
 
     local cost   the decode side's interference: prefilling U uncached tokens on a decode
-                 replica that runs N sequences (its running and waiting ones, plus the local
-                 prefills this ingress sent it that its stats do not show yet) delays each of them
-                 by about U / rate, the replica's measured prefill rate: N * U / rate seconds of
-                 stream time in all
+                 replica that runs N sequences (its running and waiting ones, plus every request
+                 this ingress sent the decode pool to prefill after the replica's stats were
+                 taken: any of them may be there) delays each of them by about U / rate, the
+                 replica's measured prefill rate: N * U / rate seconds of stream time in all
     remote cost  the hand-off: the decode replicas' measured time from claiming a request's KV to
-                 holding it (an average over recent imports, RoutingStats.kv_import_s)
+                 holding it (an average over recent hand-offs, weighted to the newest; one that
+                 failed counts the wait it cost: RoutingStats.kv_import_s)
 
     prefill locally  iff  min over decode replicas of N * U / rate  <=  hand-off
 
@@ -49,12 +50,12 @@ def choose_prefill_place(
     decode: Sequence[RoutingStats],
     prefill: Sequence[RoutingStats] = (),
     *,
-    local_in_flight: int = 0,
+    local_sent_at: Sequence[float] = (),
 ) -> PrefillChoice:
     """The place for a prompt with `num_uncached_tokens` left to compute, from the newest stats
-    of the decode and prefill pools' replicas. `local_in_flight`: prompts this ingress sent to
-    be prefilled on the decode pool whose first token has not come back yet (a burst arrives
-    faster than the stats say so); counted on every replica (whichever the decode router picks)."""
+    of the decode and prefill pools' replicas. `local_sent_at`: when (wall clock, as
+    RoutingStats.time) this ingress sent prompts to be prefilled on the decode pool; those sent
+    after a replica's stats were taken count on it (a burst arrives faster than the stats)."""
     imports = [s.kv_import_s for s in decode if s.kv_import_s > 0]
     prefill_rates = [s.prefill_tokens_per_s for s in prefill if s.prefill_tokens_per_s > 0]
     pool_rate = sum(prefill_rates) / len(prefill_rates) if prefill_rates else 0.0
@@ -62,7 +63,8 @@ def choose_prefill_place(
     for stats in decode:
         rate = stats.prefill_tokens_per_s or pool_rate
         if rate > 0:
-            costs.append((stats.num_running + stats.num_waiting + local_in_flight) * num_uncached_tokens / rate)
+            unseen = sum(1 for sent in local_sent_at if sent > stats.time)
+            costs.append((stats.num_running + stats.num_waiting + unseen) * num_uncached_tokens / rate)
     if not imports or not costs:
         return PrefillChoice(PrefillPlace.REMOTE, "unmeasured")
     handoff_s = sum(imports) / len(imports)

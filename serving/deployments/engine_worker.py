@@ -289,7 +289,8 @@ class EngineWorker:
         fetched = await self.kv.fetch(kv, self._this_node())
         payload, slot = (None, None) if isinstance(fetched, ClaimMiss) else fetched
         if payload is None:
-            self.recorder.kv_fallback(fetched.value)
+            # a hand-off that failed cost its wait (what auto placement weighs, router/disaggregation.py)
+            self.recorder.kv_fallback(fetched.value, None if fetched is ClaimMiss.RELEASED else time.monotonic() - start)
             logger.warning("KV of %s not imported (%s): recomputing its %d tokens", kv.request_id, fetched.value, kv.num_tokens)
         else:
             self.recorder.kv_imported(time.monotonic() - start, payload.num_bytes)

@@ -28,6 +28,7 @@ Failures, each with one outcome:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import functools
 import logging
@@ -70,6 +71,8 @@ def _serve_status(app_name: str) -> dict[str, dict[str, int]]:
     return {name: dict(d.replica_states) for name, d in app.deployments.items()} if app is not None else {}
 
 
+LOCAL_SENT_HORIZON_S = 30.0  # far longer than the stats period: older sends show in the stats
+
 class ServeBackend:
     def __init__(
         self,
@@ -92,7 +95,9 @@ class ServeBackend:
         self._cached_tokens = cached_tokens_fn or self._decode_cached_tokens
         # the newest routing stats of the decode and prefill pools (their routers), for auto
         self._pool_stats = pool_stats_fn or self._routers_pool_stats
-        self._local_in_flight = 0  # prompts sent to prefill on the decode pool, first token pending
+        # when prompts were sent to prefill on the decode pool (wall clock; auto counts those newer
+        # than a replica's stats on it), the last LOCAL_SENT_HORIZON_S of them
+        self._local_sent_at: collections.deque[float] = collections.deque()
         self._status_ttl_s = status_ttl_s
         self._status: dict[str, dict[str, int]] | None = None
         self._status_time = 0.0
@@ -126,17 +131,10 @@ class ServeBackend:
     async def _generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
         local = self.prefill is None or request.params.n > 1 or self._prefills_locally(request)
         if local:
-            self._local_in_flight += 1
-            pending = True
-            try:
-                async for out in self._decode(request, None, []):
-                    if pending:
-                        self._local_in_flight -= 1
-                        pending = False
-                    yield out
-            finally:
-                if pending:
-                    self._local_in_flight -= 1
+            if self.prefill is not None:
+                self._local_sent_at.append(time.time())
+            async for out in self._decode(request, None, []):
+                yield out
             return
 
         await self._check_alive("prefill", self.prefill)
@@ -182,7 +180,10 @@ class ServeBackend:
         threshold = self.config.min_remote_prefill_tokens
         if threshold == "auto":
             decode, prefill = self._pool_stats()
-            choice = choose_prefill_place(self._uncached_tokens(request), decode, prefill, local_in_flight=self._local_in_flight)
+            sent, horizon = self._local_sent_at, time.time() - LOCAL_SENT_HORIZON_S
+            while sent and sent[0] < horizon:
+                sent.popleft()
+            choice = choose_prefill_place(self._uncached_tokens(request), decode, prefill, local_sent_at=sent)
             return choice.place is PrefillPlace.LOCAL
         return self._uncached_tokens_below_threshold(request)
 

@@ -131,7 +131,10 @@ class WorkerRecorder:
         self.counters = WorkerCounters()
         self.latencies = RequestLatencies()
         self._seen = dict.fromkeys(_ENGINE_COUNTERS, 0)
-        self.kv_import_s = 0.0  # recent imports' time, weighted to the newest (RoutingStats.kv_import_s)
+        # Recent hand-offs' time, weighted to the newest (RoutingStats.kv_import_s): imports, and
+        # hand-offs that failed (for the time they cost before the prompt was recomputed).
+        self.kv_import_s = 0.0
+        self._num_handoffs_timed = 0
 
     def track(self, *, continues: bool = False) -> RequestTracker:
         """Follow one request's outputs for the latency windows (RequestLatencies.track)."""
@@ -160,14 +163,21 @@ class WorkerRecorder:
         self.counters.num_kv_imports += 1
         self.counters.kv_import_bytes += num_bytes
         self.counters.kv_import_seconds += seconds
-        first = self.counters.num_kv_imports == 1
-        self.kv_import_s = seconds if first else (1 - KV_IMPORT_WEIGHT) * self.kv_import_s + KV_IMPORT_WEIGHT * seconds
+        self._time_handoff(seconds)
         self.instruments.observe("kvrelay_kv_transfer_seconds", [seconds])
         self.instruments.inc("kvrelay_kv_transfer_bytes_total", num_bytes, direction="import")
 
-    def kv_fallback(self, reason: str) -> None:
+    def _time_handoff(self, seconds: float) -> None:
+        self._num_handoffs_timed += 1
+        first = self._num_handoffs_timed == 1
+        self.kv_import_s = seconds if first else (1 - KV_IMPORT_WEIGHT) * self.kv_import_s + KV_IMPORT_WEIGHT * seconds
+
+    def kv_fallback(self, reason: str, seconds: float | None = None) -> None:
         """A KV import failed or timed out (`reason`: the value of a ClaimMiss,
-        deployments/messages.py): the prompt is recomputed."""
+        deployments/messages.py): the prompt is recomputed. `seconds`: what the attempt cost,
+        when it counts as a hand-off's time (not when the client left)."""
+        if seconds is not None:
+            self._time_handoff(seconds)
         self.counters.num_kv_fallbacks += 1
         self.counters.fallback_reasons[reason] = self.counters.fallback_reasons.get(reason, 0) + 1
         self.instruments.inc("kvrelay_kv_transfer_fallbacks_total", reason=reason)

@@ -34,11 +34,15 @@ def test_the_cheapest_replica_counts_and_the_hand_off_is_the_pools_average():
     assert choice.place is PrefillPlace.LOCAL and choice.local_cost_s == 0.03 and choice.handoff_s == 0.03
 
 
-def test_local_prefills_not_yet_in_the_stats_count_on_every_replica():
-    # a burst: the stats say idle, but this ingress sent 3 local prefills since
-    assert choose_prefill_place(100, [decode(0)], local_in_flight=0).place is PrefillPlace.LOCAL
-    choice = choose_prefill_place(100, [decode(0)], local_in_flight=3)  # 3 x 100 / 1000 = 0.3 s
+def test_local_prefills_sent_after_a_replicas_stats_count_on_it():
+    # a burst: the stats (taken at t=10) say idle, but this ingress sent 3 local prefills since
+    idle = RoutingStats(time=10.0, prefill_tokens_per_s=1000.0, kv_import_s=0.05)
+    assert choose_prefill_place(100, [idle], local_sent_at=[8.0, 9.5]).place is PrefillPlace.LOCAL  # in the stats
+    choice = choose_prefill_place(100, [idle], local_sent_at=[9.5, 10.5, 11.0, 12.0])  # 3 x 100 / 1000 = 0.3 s
     assert choice.place is PrefillPlace.REMOTE and choice.local_cost_s == 0.3
+    # per replica: a newer snapshot already shows them
+    newer = RoutingStats(time=12.5, num_running=0, prefill_tokens_per_s=1000.0, kv_import_s=0.05)
+    assert choose_prefill_place(100, [idle, newer], local_sent_at=[10.5, 11.0, 12.0]).local_cost_s == 0.0
 
 
 def test_until_both_figures_are_measured_every_prompt_goes_to_the_prefill_pool():

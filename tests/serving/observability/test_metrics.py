@@ -417,3 +417,13 @@ def test_the_recent_kv_import_time_weighs_the_newest_import_by_a_fifth():
         wm.kv_imported(seconds, 10)
     assert wm.kv_import_s == 0.8 * (0.8 * 0.5 + 0.2 * 1.0)  # 0.48
     assert wm.counters.kv_import_seconds == 1.5  # the total is kept apart
+
+
+def test_a_failed_hand_off_counts_its_wait_in_the_recent_hand_off_time():
+    wm = WorkerRecorder(MODEL, "decode", "r1", use_ray=False)
+    wm.kv_fallback("released")  # the client left: not a hand-off's time
+    assert wm.kv_import_s == 0.0
+    wm.kv_fallback("timeout", 10.0)  # the claim waited out its timeout
+    assert wm.kv_import_s == 10.0
+    wm.kv_imported(0.0, 10)
+    assert wm.kv_import_s == 8.0 and wm.counters.num_kv_fallbacks == 2
