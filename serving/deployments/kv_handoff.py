@@ -39,6 +39,7 @@ __all__ = ["KVHandoff"]
 logger = logging.getLogger(__name__)
 
 RESERVE_TIMEOUT_S = 1.0  # an arena reservation's bound (the prefill waits for it)
+ACTOR_START_TIMEOUT_S = 60.0  # a node's KVTransfer actor, looked up (or started) by a process
 # A release that meets a dead or restarting actor is made again to the restarted one (about 16 s
 # in all): otherwise the request's offer, made again there by its prefill worker, would be held
 # until its lease ran out (seen in a chaos soak: the client left at its first token while the
@@ -59,6 +60,11 @@ class KVHandoff:
         actor = self._actors.get(node_id)
         if actor is None:
             actor = await asyncio.to_thread(get_or_create, self.app_name, node_id, self.config.arena_mib << 20)
+            # A new actor starts (and pre-faults its arena) before its first call returns: wait
+            # for that once here, so no call's own bound (a reservation's 1 s) pays for it.
+            ready = getattr(actor, "__ray_ready__", None)
+            if ready is not None:
+                await asyncio.wait_for(ready.remote(), ACTOR_START_TIMEOUT_S)
             self._actors[node_id] = actor
             self.num_lookups += 1
         return actor

@@ -40,8 +40,18 @@ class _Method:
         return getattr(self.target, self.name)(*args)
 
 
+class _Ready:
+    def remote(self):
+        async def ready():
+            return True
+
+        return ready()
+
+
 class LocalActor:
     """A KVTransfer called like its Ray actor handle (`actor.method.remote(...)` is awaitable)."""
+
+    __ray_ready__ = _Ready()
 
     def __init__(self, transfer: KVTransfer):
         self.transfer = transfer

@@ -192,3 +192,28 @@ def test_a_release_runs_outside_the_context_of_the_request_being_cancelled(actor
 
     asyncio.run(main())
     assert seen == [("release", None)]
+
+
+def test_a_looked_up_actor_is_waited_for_once_before_its_first_call(actor):
+    """A new actor starts (and pre-faults its arena) before its first call returns: the lookup
+    waits for it, so no call's own bound (a reservation's 1 s) pays for the start."""
+    readied = []
+
+    class Ready:
+        def remote(self):
+            readied.append(len(actor.calls))
+
+            async def ready():
+                return True
+
+            return ready()
+
+    actor.__dict__["__ray_ready__"] = Ready()
+
+    async def main():
+        kv = handoff()
+        await kv.offer("node", "r1", "ref", 1024)
+        await kv.offer("node", "r2", "ref", 1024)
+
+    asyncio.run(main())
+    assert readied == [0] and [name for name, _ in actor.calls] == ["offer", "offer"]  # once, before the first call
