@@ -59,7 +59,8 @@ class ModelNotFoundError(APIError):
     def __init__(self, model: str, available: list[str]):
         super().__init__(
             404,
-            f"The model {model!r} does not exist. Available models: {', '.join(available)}.",
+            f"The model {model!r} does not exist. Available models: {', '.join(available)}." if available
+            else f"The model {model!r} does not exist or you do not have access to it.",
             param="model", code="model_not_found",
         )
 

@@ -42,13 +42,18 @@ from serving.api.forwarding import Forwarder
 from serving.api.http_io import chain_deltas, error_response, finite_logprob, first_delta, merge_deltas, parse_body, read_json, split_prompts, sse_response
 from serving.api.pipeline import ChoiceDelta, Frontend, Usage
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
-from serving.api.usage import ANONYMOUS, ModelPrice, RequestAccount, UsageLedger, load_pricing, redact_key
+from serving.api.keys import ANONYMOUS, KeyRing
+from serving.api.limits import RateLimiter, Ticket
+from serving.api.usage import ModelPrice, RequestAccount, UsageLedger, load_pricing
 from serving.config import ServeConfig
+from serving.config.access import APIKey
 from serving.engine.outputs import TokenLogprob
 from serving.observability import tracing
 from serving.observability.ingress_metrics import CLIENT_CLOSED, IngressMetrics, RequestRecord
 
-__all__ = ["OpenAIServer"]
+__all__ = ["OpenAIServer", "PRIORITY_HEADER"]
+
+PRIORITY_HEADER = "x-kvrelay-priority"  # the priority a request ran at, after its key's tier
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +64,25 @@ class _Call:
     account: RequestAccount
     trace: tracing.RequestTrace | None
     record: RequestRecord  # its metrics: recorded when its response or stream ends
+    key: APIKey = ANONYMOUS
+    ticket: Ticket | None = None  # its hold on its key's limits, from admission to its end
+    priority: int = 0  # as its key's tier allows (serving/config/access.py)
 
     def finish(self, status_code: int = 200, error: str | None = None) -> None:
         """Its response is complete (built, or its stream ended): bill it, end its trace."""
         self.account.settle()
+        self.release()
         if self.trace is not None:
             usage = self.account.usage
             if usage is not None:
                 self.trace.set({"gen_ai.usage.input_tokens": usage.prompt_tokens, "gen_ai.usage.output_tokens": usage.completion_tokens})
             self.trace.end(status_code, error)
+
+    def release(self) -> None:
+        """Give its key's limits back what it did not use (once; a no-op before admission)."""
+        if self.ticket is not None:
+            usage = self.account.usage
+            self.ticket.release(usage.prompt_tokens + usage.completion_tokens if usage is not None else None)
 
 
 class OpenAIServer:
@@ -80,8 +95,9 @@ class OpenAIServer:
         self.frontend = frontend
         self.config = config
         self.model_name = config.model_name
-        self._api_keys = frozenset(config.api_keys) | frozenset(config.admin_api_keys)
-        self._admin_keys = frozenset(config.admin_api_keys)
+        self._keys = KeyRing(config.keys)
+        self._hints = {key.name: key.hint for key in config.keys} | {ANONYMOUS.name: ANONYMOUS.hint}
+        self.limiter = RateLimiter(config.tiers)
         if price is None and config.pricing:
             price = load_pricing(config.pricing).price_for(self.model_name, config.pricing)
         self.price = price
@@ -108,13 +124,13 @@ class OpenAIServer:
 
         @app.get("/v1/models")
         async def models(request: Request):
-            self._authenticate(request)
-            return {"object": "list", "data": [self._model_card()]}
+            key = self._authenticate(request)
+            allowed = self._may_use(key, self.model_name)
+            return {"object": "list", "data": [self._model_card()] if allowed else []}
 
         @app.get("/v1/models/{model:path}")
         async def model(model: str, request: Request):
-            self._authenticate(request)
-            self._check_model(model)
+            self._check_model(model, self._authenticate(request))
             return self._model_card()
 
         @app.get("/v1/usage")
@@ -141,14 +157,18 @@ class OpenAIServer:
         trace = tracing.start_request(request.headers, {"http.request.method": request.method, "url.path": request.url.path})
         record = self.metrics.start()
         call: _Call | None = None
+        key: APIKey | None = None
         try:
             key = self._authenticate(request)
+            self.limiter.check(key)  # a key out of room is refused before its body is read
             body = await read_json(request, self.config.max_request_body_bytes)
-            call = _Call(RequestAccount(self.usage, key, self.price), trace, record)
+            call = _Call(RequestAccount(self.usage, key.name, self.price), trace, record, key)
+            body = self._tier_priority(body, call)
             response = await handler(body, call)
         except asyncio.CancelledError:
             if call is not None:
                 call.account.settle_if_generated()  # the client left: it pays for what it got
+                call.release()
             record.finish(CLIENT_CLOSED, "abort")
             if trace is not None:
                 trace.end(499, "the client disconnected")
@@ -157,45 +177,92 @@ class OpenAIServer:
             error = to_api_error(exc)
             if call is not None:
                 call.account.settle_if_generated()  # failed mid-generation: the tokens so far
+                call.release()
             record.finish(error.status, "none")  # a no-op if it failed while generating
             if error.status >= 500:
                 logger.exception("request failed: %s", error.message)
             if trace is not None:
                 trace.set({"error.type": error.code or error.type})
                 trace.end(error.status, error.message if error.status >= 500 else None)
-            return error_response(error)
+            response = error_response(error)
+            if key is not None:
+                response.headers.update(self.limiter.headers(key))
+            return response
+        response.headers.update(self._call_headers(call))
         if not isinstance(response, StreamingResponse):
             call.finish(response.status_code)  # a stream finishes when its body ends
         return response
 
-    def _authenticate(self, request: Request) -> str:
+    def _call_headers(self, call: _Call) -> dict[str, str]:
+        """Its key's `x-ratelimit-*` headers and the priority it ran at (after its tier's)."""
+        return {**self.limiter.headers(call.key), PRIORITY_HEADER: str(call.priority)}
+
+    def _authenticate(self, request: Request) -> APIKey:
         """The caller's API key; ANONYMOUS when no keys are configured."""
-        if not self._api_keys:
+        if not self._keys:
             return ANONYMOUS
         header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not key:
+        scheme, _, presented = header.partition(" ")
+        presented = presented.strip()
+        if scheme.lower() != "bearer" or not presented:
             raise AuthenticationError("Missing API key: send 'Authorization: Bearer <key>'.")
-        key = key.strip()
-        if key not in self._api_keys:
+        key = self._keys.check(presented)
+        if key is None:
             raise AuthenticationError("Incorrect API key provided.")
         return key
 
-    def _usage_report(self, key: str) -> dict:
+    def _tier_priority(self, body: dict, call: _Call) -> dict:
+        """The body with the priority its key's tier allows: the tier's default when it sets none;
+        one more important than the tier's highest is clamped to it, or refused."""
+        tier = self.config.tiers[call.key.tier]
+        asked = body.get("priority")
+        if asked is None:
+            call.priority = tier.priority
+        elif type(asked) is not int:
+            return body  # not a number: the handler's validation names the field
+        elif asked < tier.highest_priority:
+            if tier.priority_over_limit == "refuse":
+                raise APIError(
+                    400, f"priority = {asked} is more important than the key's tier {call.key.tier!r} allows "
+                    f"(at most {tier.highest_priority}; lower is more important); send {tier.highest_priority} "
+                    "or more", param="priority", code="priority_not_allowed",
+                )
+            call.priority = tier.highest_priority
+        else:
+            call.priority = asked
+        # Rewritten only where it changed (the degradation policy and a fallback app read it).
+        return body if call.priority == (0 if asked is None else asked) else {**body, "priority": call.priority}
+
+    def _usage_report(self, key: APIKey) -> dict:
         """This replica's totals: the caller's key, or every key for an admin key."""
-        is_admin = key in self._admin_keys
-        keys = sorted(set(self.usage.keys()) | {key}) if is_admin else [key]
+        names = sorted(set(self.usage.keys()) | {key.name}) if key.is_admin else [key.name]
         currency = self.price.currency if self.price is not None else None
         return {
             "object": "list",
-            "scope": "all" if is_admin else "key",
-            "data": [{"object": "usage.api_key", "api_key": redact_key(k), **self.usage.totals(k).to_dict(currency)} for k in keys],
-            "total": self.usage.sum(keys).to_dict(currency),
+            "scope": "all" if key.is_admin else "key",
+            "data": [
+                {"object": "usage.api_key", "api_key": self._hints.get(n, "..."), "name": n, **self.usage.totals(n).to_dict(currency)}
+                for n in names
+            ],
+            "total": self.usage.sum(names).to_dict(currency),
         }
 
-    def _check_model(self, model: str | None) -> None:
+    def _may_use(self, key: APIKey, model: str) -> bool:
+        allowed = self.config.tiers[key.tier].models
+        return allowed is None or model in allowed
+
+    def _check_model(self, model: str | None, key: APIKey) -> None:
+        """A model this app does not serve, or one the key's tier may not use: 404, as OpenAI
+        answers both (it does not say which models exist to a key that may not use them)."""
         if model is not None and model != self.model_name:
-            raise ModelNotFoundError(model, [self.model_name])
+            raise ModelNotFoundError(model, [self.model_name] if self._may_use(key, self.model_name) else [])
+        if not self._may_use(key, self.model_name):
+            raise ModelNotFoundError(model or self.model_name, [])
+
+    def _admit(self, call: _Call, prompt_ids: list[list[int]], max_tokens: int | None, n: int, max_model_len: int) -> None:
+        """Take the request's tokens (its prompts and all it may generate) from its key's limits."""
+        num_tokens = sum(len(ids) + n * (max_tokens if max_tokens is not None else max_model_len - len(ids)) for ids in prompt_ids)
+        call.ticket = self.limiter.admit(call.key, num_tokens)
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "kvrelay"}
@@ -203,7 +270,7 @@ class OpenAIServer:
     # ---- chat --------------------------------------------------------------------------------
     async def chat_completions(self, body: dict, call: _Call) -> Response:
         request = parse_body(ChatCompletionRequest, body)
-        self._check_model(request.model)
+        self._check_model(request.model, call.key)
         params = sampling_params(request)
         with tracing.stage(call.trace, "tokenize"):
             prompt_ids = self.frontend.encode_chat(
@@ -211,6 +278,7 @@ class OpenAIServer:
                 chat_template_kwargs=request.chat_template_kwargs,
             )
             await self.frontend.validate(prompt_ids, params)
+        self._admit(call, [prompt_ids], params.max_tokens, params.n, (await self.frontend.model_info()).max_model_len)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if call.trace is not None:
             call.trace.set({"kvrelay.request_id": request_id, "gen_ai.request.model": self.model_name})
@@ -218,7 +286,7 @@ class OpenAIServer:
         usage = Usage()
         call.account.track(lambda: usage)
         deltas = self.frontend.generate(
-            request_id, prompt_ids, params, usage, priority=request.priority, cache_salt=request.cache_salt,
+            request_id, prompt_ids, params, usage, priority=call.priority, cache_salt=request.cache_salt,
             session=request.user, trace=call.trace,
         )
         deltas = self.metrics.track(call.record, deltas, prompt_tokens=len(prompt_ids), status_of=error_status)
@@ -286,7 +354,7 @@ class OpenAIServer:
     # ---- completions -------------------------------------------------------------------------
     async def completions(self, body: dict, call: _Call) -> Response:
         request = parse_body(CompletionRequest, body)
-        self._check_model(request.model)
+        self._check_model(request.model, call.key)
         params = sampling_params(request)
         prompts = split_prompts(request.prompt)
         if request.echo and request.stream:
@@ -295,6 +363,7 @@ class OpenAIServer:
             prompt_ids = [self.frontend.encode_prompt(p) for p in prompts]
             for ids in prompt_ids:
                 await self.frontend.validate(ids, params, prompt_param="prompt")
+        self._admit(call, prompt_ids, params.max_tokens, params.n, (await self.frontend.model_info()).max_model_len)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if call.trace is not None:
             call.trace.set({"kvrelay.request_id": request_id, "gen_ai.request.model": self.model_name})
@@ -302,7 +371,7 @@ class OpenAIServer:
         usages = [Usage() for _ in prompts]
         streams = [
             self.frontend.generate(
-                f"{request_id}-{i}", ids, params, usages[i], priority=request.priority,
+                f"{request_id}-{i}", ids, params, usages[i], priority=call.priority,
                 cache_salt=request.cache_salt, index_offset=i * params.n, session=request.user, trace=call.trace,
             )
             for i, ids in enumerate(prompt_ids)

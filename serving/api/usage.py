@@ -50,13 +50,10 @@ __all__ = [
     "KeyTotals",
     "UsageLedger",
     "RequestAccount",
-    "redact_key",
-    "ANONYMOUS",
     "COST_HEADER",
     "CURRENCY_HEADER",
 ]
 
-ANONYMOUS = "anonymous"  # the key of every request when no API keys are configured
 COST_HEADER = "x-kvrelay-cost"
 CURRENCY_HEADER = "x-kvrelay-cost-currency"
 _MILLION = Decimal(10**6)
@@ -221,12 +218,3 @@ class RequestAccount:
     @property
     def usage(self) -> Usage | None:
         return self._settled[0] if self._settled is not None else None
-
-
-def redact_key(key: str) -> str:
-    """How /v1/usage names a key: OpenAI-style `sk-...abcd`, less of it for short keys."""
-    if key == ANONYMOUS:
-        return key
-    if len(key) >= 16:
-        return f"{key[:3]}...{key[-4:]}"
-    return f"...{key[-2:]}" if len(key) >= 8 else "..."

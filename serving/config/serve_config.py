@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
+from serving.config.access import DEFAULT_TIER, APIKey, TierConfig, parse_key_entries
 from serving.config.layout import auto_mode, node_cores
 from serving.config.sections import (
     MOVED_KEYS,
@@ -80,14 +81,22 @@ class ServeConfig(StrictModel):
     app_name: str = Field("kvrelay", pattern=r"^[A-Za-z0-9_-]+$", description="Serve application name.")
     http: HTTPConfig = Field(default_factory=HTTPConfig, description="The API's address.")
     ray: RayConfig = Field(default_factory=RayConfig, description="The Ray cluster `kvrelay serve` uses.")
-    api_keys: list[str] = Field(
+    api_keys: list[APIKey] = Field(
         default_factory=list,
-        description="Accepted `Authorization: Bearer` keys; empty (and no admin_api_keys): no authentication.",
+        description="Accepted `Authorization: Bearer` keys (serving/config/access.py): plain keys, hashed "
+        "when the config loads, or {name, key_sha256, hint, tier} entries from `kvrelay hash-key`; "
+        "empty (and no admin_api_keys): no authentication.",
     )
-    admin_api_keys: list[str] = Field(
+    admin_api_keys: list[APIKey] = Field(
         default_factory=list,
         description="Keys that are accepted like api_keys and also see every key's totals at "
         "GET /v1/usage (other keys see their own).",
+    )
+    tiers: dict[str, TierConfig] = Field(
+        default_factory=lambda: {DEFAULT_TIER: TierConfig()},
+        description="Per-key limits and priorities by tier name (serving/config/access.py); a key's `tier` "
+        "names one, `default` (no limits unless set) is the tier of keys that name none and of every "
+        "request when no keys are configured.",
     )
     pricing: str | None = Field(
         None, min_length=1,
@@ -115,6 +124,11 @@ class ServeConfig(StrictModel):
                 f"`{old}` moved to `{MOVED_KEYS[old]}` (env {ENV_PREFIX}{MOVED_KEYS[old].upper().replace('.', '__')})"
                 for old in moved
             ))
+        for field, is_admin in (("api_keys", False), ("admin_api_keys", True)):
+            if field in data:
+                data = {**data, field: parse_key_entries(data[field], field=field, is_admin=is_admin)}
+        if isinstance(data.get("tiers"), dict) and DEFAULT_TIER not in data["tiers"]:
+            data = {**data, "tiers": {**data["tiers"], DEFAULT_TIER: {}}}
         engine = data.get("engine")
         if isinstance(engine, dict) and "model" in engine:
             raise ValueError(f"engine.model = {engine['model']!r}: the model is the app's; set the top-level `model`")
@@ -141,16 +155,25 @@ class ServeConfig(StrictModel):
                     f"{getattr(decode, key)!r}: the pools hand KV over, so they must agree; set it in "
                     f"`engine` for both"
                 )
-        if any(not key for key in self.api_keys):
-            raise ValueError("api_keys must not contain empty strings")
-        if any(not key for key in self.admin_api_keys):
-            raise ValueError("admin_api_keys must not contain empty strings")
+        names = [key.name for key in self.keys]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"API key names must be unique; {', '.join(repeated)} named more than once")
+        for key in self.keys:
+            if key.tier not in self.tiers:
+                raise ValueError(f"API key {key.name!r} has tier {key.tier!r}, which `tiers` does not define "
+                                 f"(defined: {', '.join(sorted(self.tiers))})")
         if self.degradation is not None and self.degradation.fallback is not None and self.degradation.fallback.app == self.app_name:
             raise ValueError(
                 f"degradation.fallback.app = {self.app_name!r} is this app itself; name another kvrelay "
                 "app of the same Ray cluster"
             )
         return self
+
+    @property
+    def keys(self) -> list[APIKey]:
+        """Every accepted key, admin keys marked."""
+        return [*self.api_keys, *(k if k.is_admin else k.model_copy(update={"is_admin": True}) for k in self.admin_api_keys)]
 
     @property
     def model_name(self) -> str:

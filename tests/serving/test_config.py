@@ -38,7 +38,8 @@ def test_file_then_overrides_then_env(tmp_path):
 
 def test_env_api_keys_comma_list_and_non_config_vars_ignored():
     config = load_config(env={"KVRELAY_API_KEYS": "k1, k2", "KVRELAY_CACHE_DIR": "/tmp/x", "OTHER": "1"})
-    assert config.api_keys == ["k1", "k2"]
+    assert [(k.hint, k.is_admin, k.tier) for k in config.api_keys] == [("...", False, "default"), ("...", False, "default")]
+    assert config.admin_api_keys == []
 
 
 def test_unknown_key_in_file_is_named_with_the_file(tmp_path):

@@ -276,13 +276,13 @@ class Apps:
     def build(self, **degradation):
         """A fresh primary (metrics, ledger, shed window) and fallback app, wired together."""
         config = ServeConfig(
-            model=str(self.primary_dir), served_model_name="tiny", api_keys=[KEY], app_name="big-app",
+            model=str(self.primary_dir), served_model_name="tiny", api_keys=[{"key": KEY, "name": "client"}], app_name="big-app",
             degradation={**self.degradation, **degradation} if degradation.get("fallback", True) is not None else degradation,
         )
         self.primary = OpenAIServer(Frontend(self.primary_engine.tokenizer, self.backend, "tiny"), config)
         # The fallback falls back on the primary: a forwarded request must not come back.
         fallback_config = ServeConfig(
-            model=str(self.fallback_dir), served_model_name="small", api_keys=[KEY], app_name="small-app",
+            model=str(self.fallback_dir), served_model_name="small", api_keys=[{"key": KEY, "name": "client"}], app_name="small-app",
             degradation={"fallback": {"app": "big-app", "model": "tiny"}},
         )
         self.fallback = OpenAIServer(Frontend(self.fallback_engine.tokenizer, self.fallback_backend, "small"), fallback_config)
@@ -378,7 +378,7 @@ async def test_saturated_primary_non_streamed_answer_comes_from_the_fallback(app
     assert requests(apps.primary) == 0
     assert sample(apps.fallback, "kvrelay_requests_total", status="200", finish_reason="length") == 1
     assert apps.primary.usage.keys() == []
-    assert apps.fallback.usage.totals(KEY).completion_tokens == 12
+    assert apps.fallback.usage.totals("client").completion_tokens == 12
 
 
 @pytest.mark.asyncio
@@ -396,7 +396,7 @@ async def test_saturated_primary_stream_comes_from_the_fallback(apps):
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == text
     assert chunks[-1]["usage"]["completion_tokens"] == 12
     assert degraded(apps.primary, "saturated", "small", "served") == 1
-    assert apps.fallback.usage.totals(KEY).num_requests == 1 and apps.primary.usage.keys() == []
+    assert apps.fallback.usage.totals("client").num_requests == 1 and apps.primary.usage.keys() == []
 
 
 @pytest.mark.asyncio
@@ -444,7 +444,7 @@ async def test_low_priority_is_shed_with_retry_after_then_on_arrival_for_the_win
     assert sample(apps.primary, "kvrelay_requests_total", status="503", finish_reason="none") == 2
     assert sample(apps.primary, "kvrelay_requests_total", status="200", finish_reason="length") == 2
     assert requests(apps.primary) == 4
-    assert apps.primary.usage.totals(KEY).num_requests == 2  # the two answered; shed ones are not billed
+    assert apps.primary.usage.totals("client").num_requests == 2  # the two answered; shed ones are not billed
 
 
 @pytest.mark.asyncio
@@ -520,7 +520,7 @@ async def test_closing_a_forwarded_stream_aborts_the_fallback_generation(apps):
     while (s := apps.fallback_engine.stats()).num_running or s.num_free_blocks != free:
         assert time.monotonic() < deadline, s
         await asyncio.sleep(0.01)
-    assert apps.fallback.usage.totals(KEY).completion_tokens < 480  # billed for what it made, then stopped
+    assert apps.fallback.usage.totals("client").completion_tokens < 480  # billed for what it made, then stopped
 
 
 @pytest.mark.asyncio
@@ -542,4 +542,4 @@ async def test_leaving_before_a_forwarded_answer_aborts_the_fallback_generation(
     while (s := apps.fallback_engine.stats()).num_running or s.num_free_blocks != free:
         assert time.monotonic() < deadline, s
         await asyncio.sleep(0.01)
-    assert apps.fallback.usage.totals(KEY).completion_tokens < 480
+    assert apps.fallback.usage.totals("client").completion_tokens < 480

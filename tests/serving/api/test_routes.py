@@ -52,7 +52,7 @@ class Stack:
         self.app = OpenAIServer(self.frontend, self.config).build_app()
 
     def app_with(self, **config):
-        return OpenAIServer(self.frontend, self.config.model_copy(update=config)).build_app()
+        return OpenAIServer(self.frontend, ServeConfig.model_validate({**self.config.model_dump(), **config})).build_app()
 
 
 @pytest.fixture(scope="module")

@@ -17,17 +17,16 @@ import httpx
 import pytest
 
 from serving.api.errors import NoWorkerError
+from serving.api.keys import KeyRing
 from serving.api.pipeline import Frontend, Usage
 from serving.api.protocol import ChatMessage
 from serving.api.routes import OpenAIServer
 from serving.api.usage import (
-    ANONYMOUS,
     ModelPrice,
     RequestAccount,
     UsageLedger,
     format_cost,
     load_pricing,
-    redact_key,
     request_cost,
 )
 from serving.config import ConfigError, ServeConfig, load_config
@@ -114,8 +113,10 @@ def test_a_pricing_file_without_the_served_model_is_refused(tmp_path, engine, ti
 def test_the_config_names_the_pricing_file_relative_to_itself_and_takes_admin_keys_from_env(tmp_path):
     (tmp_path / "c.yaml").write_text("pricing: prices/p.yaml\n")
     config = load_config(tmp_path / "c.yaml", env={"KVRELAY_ADMIN_API_KEYS": "a1, a2", "KVRELAY_API_KEYS": "k1"})
-    assert (config.pricing, config.admin_api_keys, config.api_keys) == (str(tmp_path / "prices/p.yaml"), ["a1", "a2"], ["k1"])
-    with pytest.raises(ConfigError, match="admin_api_keys must not contain empty strings"):
+    assert config.pricing == str(tmp_path / "prices/p.yaml")
+    ring = KeyRing(config.keys)
+    assert [(ring.check(k).hint, ring.check(k).is_admin) for k in ("a1", "a2", "k1")] == [("...", True), ("...", True), ("...", False)]
+    with pytest.raises(ConfigError, match=r"admin_api_keys\[1\] is empty"):
         load_config(env={"KVRELAY_ADMIN_API_KEYS": "[a, '']"})
 
 
@@ -147,10 +148,6 @@ def test_an_account_bills_once_and_the_ledger_adds_up():
     RequestAccount(ledger, "k", PRICE).track(lambda: usage)  # tracked but never settled: not billed
     totals = ledger.totals("k")
     assert (totals.num_requests, totals.prompt_tokens, totals.completion_tokens, totals.cached_tokens, totals.cost) == (1, 10, 4, 3, Decimal("0.0000039"))
-
-
-def test_keys_are_redacted():
-    assert [redact_key(k) for k in ("sk-alice-0123456789", "short-key", "tiny", "anonymous")] == ["sk-...6789", "...ey", "...", "anonymous"]
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -211,7 +208,7 @@ async def test_without_pricing_usage_has_no_cost(engine, tiny_model_dir):
     assert response.json()["usage"] == {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14, "prompt_tokens_details": {"cached_tokens": 0}}
     report = (await call(app, "GET", "/v1/usage")).json()
     assert report["data"] == [{
-        "object": "usage.api_key", "api_key": "anonymous", "num_model_requests": 1, "input_tokens": 10,
+        "object": "usage.api_key", "api_key": "anonymous", "name": "anonymous", "num_model_requests": 1, "input_tokens": 10,
         "output_tokens": 4, "input_cached_tokens": 0, "total_tokens": 14, "cost": None, "currency": None,
     }]
 
@@ -226,7 +223,8 @@ def totals(num_requests: int, prompt_tokens: int, completion_tokens: int, cost: 
 
 @pytest.mark.asyncio
 async def test_each_key_sees_its_own_totals_and_an_admin_key_sees_all(engine, tiny_model_dir):
-    app = server(engine, tiny_model_dir, api_keys=[ALICE, BOB], admin_api_keys=[ADMIN]).build_app()
+    app = server(engine, tiny_model_dir, api_keys=[{"key": ALICE, "name": "alice"}, {"key": BOB, "name": "bob"}],
+                 admin_api_keys=[{"key": ADMIN, "name": "admin"}]).build_app()
     assert (await call(app, "POST", "/v1/completions", REQUEST, key=ALICE)).status_code == 200
     # A stream nobody asked usage of still counts, when it ends.
     assert (await call(app, "POST", "/v1/completions", {**REQUEST, "stream": True}, key=ALICE)).status_code == 200
@@ -239,19 +237,19 @@ async def test_each_key_sees_its_own_totals_and_an_admin_key_sees_all(engine, ti
     # Alice: 2 × (10 in, 4 out) = 20 × 0.15 / 1e6 + 8 × 0.60 / 1e6 = 0.0000078
     assert alice == {
         "object": "list", "scope": "key",
-        "data": [{"object": "usage.api_key", "api_key": "sk-...6789", **totals(2, 20, 8, 7.8e-06)}],
+        "data": [{"object": "usage.api_key", "api_key": "sk-...6789", "name": "alice", **totals(2, 20, 8, 7.8e-06)}],
         "total": totals(2, 20, 8, 7.8e-06),
     }
     # Bob: 6 × 0.15 / 1e6 + 4 × 0.60 / 1e6 = 0.0000033
     bob = (await call(app, "GET", "/v1/usage", key=BOB)).json()
-    assert bob["data"] == [{"object": "usage.api_key", "api_key": "sk-...10ab", **totals(1, 6, 4, 3.3e-06)}]
+    assert bob["data"] == [{"object": "usage.api_key", "api_key": "sk-...10ab", "name": "bob", **totals(1, 6, 4, 3.3e-06)}]
 
     admin = (await call(app, "GET", "/v1/usage", key=ADMIN)).json()
     assert admin["scope"] == "all"
     assert admin["data"] == [
-        {"object": "usage.api_key", "api_key": "sk-...0001", **totals(0, 0, 0, 0.0)},
-        {"object": "usage.api_key", "api_key": "sk-...6789", **totals(2, 20, 8, 7.8e-06)},
-        {"object": "usage.api_key", "api_key": "sk-...10ab", **totals(1, 6, 4, 3.3e-06)},
+        {"object": "usage.api_key", "api_key": "sk-...0001", "name": "admin", **totals(0, 0, 0, 0.0)},
+        {"object": "usage.api_key", "api_key": "sk-...6789", "name": "alice", **totals(2, 20, 8, 7.8e-06)},
+        {"object": "usage.api_key", "api_key": "sk-...10ab", "name": "bob", **totals(1, 6, 4, 3.3e-06)},
     ]
     assert admin["total"] == totals(3, 26, 12, 0.0000111)  # 26 × 0.15 + 12 × 0.60 = 11.1 per million
 
@@ -280,7 +278,7 @@ async def test_without_api_keys_everything_is_anonymous(engine, tiny_model_dir):
     await call(app, "POST", "/v1/completions", REQUEST, key="anything")
     report = (await call(app, "GET", "/v1/usage", key="whatever")).json()
     assert report["scope"] == "key"
-    assert report["data"] == [{"object": "usage.api_key", "api_key": "anonymous", **totals(2, 20, 8, 7.8e-06)}]
+    assert report["data"] == [{"object": "usage.api_key", "api_key": "anonymous", "name": "anonymous", **totals(2, 20, 8, 7.8e-06)}]
 
 
 # ---- requests that end early -------------------------------------------------------------------
@@ -320,7 +318,7 @@ async def test_a_request_that_fails_mid_generation_is_billed_for_its_tokens(engi
     response = await call(srv.build_app(), "POST", "/v1/completions", {**REQUEST, "max_tokens": 50})
     assert response.status_code == 503
     # 10 × 0.15 / 1e6 + 3 × 0.60 / 1e6 = 0.0000033
-    assert srv.usage.totals(ANONYMOUS).to_dict("USD") == totals(1, 10, 3, 3.3e-06)
+    assert srv.usage.totals("anonymous").to_dict("USD") == totals(1, 10, 3, 3.3e-06)
 
 
 @pytest.mark.asyncio
@@ -329,7 +327,7 @@ async def test_a_request_refused_before_its_first_token_is_not_billed(engine, ti
     srv = early_server(backend, engine, tiny_model_dir)
     response = await call(srv.build_app(), "POST", "/v1/completions", REQUEST)
     assert response.status_code == 503
-    assert srv.usage.totals(ANONYMOUS).to_dict("USD") == totals(0, 0, 0, 0.0)
+    assert srv.usage.totals("anonymous").to_dict("USD") == totals(0, 0, 0, 0.0)
 
 
 @pytest.mark.asyncio
@@ -345,6 +343,6 @@ async def test_a_non_streamed_request_the_client_abandons_is_billed_for_its_toke
     client.cancel()  # the client goes away before the response
     with pytest.raises(asyncio.CancelledError):
         await client
-    billed = srv.usage.totals(ANONYMOUS).to_dict("USD")
+    billed = srv.usage.totals("anonymous").to_dict("USD")
     prompt_tokens = 10 if path == "/v1/completions" else len(srv.frontend.encode_chat([ChatMessage(role="user", content="hi")]))
     assert (billed["num_model_requests"], billed["input_tokens"], billed["output_tokens"]) == (1, prompt_tokens, 2)

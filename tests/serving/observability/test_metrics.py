@@ -189,7 +189,7 @@ async def test_rejected_requests_count_by_status_and_move_nothing_else(stack):
         assert (await c.post("/v1/chat/completions", json=bad)).status_code == 400
         assert (await c.post("/v1/chat/completions", json={"model": "other", "messages": [{"role": "user", "content": "hi"}]})).status_code == 404
         assert (await c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})).status_code == 422
-    locked = stack.server.__class__(stack.frontend, stack.config.model_copy(update={"api_keys": ["k"]}))
+    locked = stack.server.__class__(stack.frontend, ServeConfig.model_validate({**stack.config.model_dump(), "api_keys": ["k"]}))
     async with client(locked.build_app()) as c:
         assert (await c.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})).status_code == 401
     after = await scrape(stack.app)
