@@ -220,6 +220,14 @@ class RateLimiter:
                 state.unreported = [0.0, 0.0]
         return LimitReport(consumed, {name: s.in_flight for name, s in self._keys.items() if s.in_flight})
 
+    def restore(self, report: LimitReport) -> None:
+        """A report that never reached the exchange: its consumption goes out with the next one."""
+        for name, (num_requests, num_tokens) in report.consumed.items():
+            state = self._keys.get(name)
+            if state is not None:
+                state.unreported[0] += num_requests
+                state.unreported[1] += num_tokens
+
     def apply_peers(self, peers: LimitReport, keys: Mapping[str, APIKey]) -> None:
         """Take what the other replicas admitted from this one's buckets; count their in-flight."""
         now = self.clock()

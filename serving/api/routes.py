@@ -188,9 +188,9 @@ class OpenAIServer:
             if key is not None:
                 response.headers.update(self.limiter.headers(key))
             return response
-        response.headers.update(self._call_headers(call))
         if not isinstance(response, StreamingResponse):
             call.finish(response.status_code)  # a stream finishes when its body ends
+        response.headers.update(self._call_headers(call))
         return response
 
     def _call_headers(self, call: _Call) -> dict[str, str]:

@@ -60,7 +60,23 @@ def main(argv: list[str] | None = None) -> int:
         return _cluster(args)
     if args.command == "k8s":
         return _k8s(args)
+    if args.command == "hash-key":
+        return _hash_key(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse rejects unknown ones
+
+
+def _hash_key(args) -> int:
+    import yaml
+
+    from serving.config.access import hash_key
+
+    key = sys.stdin.readline().strip()
+    if not key:
+        print("kvrelay hash-key: no key on standard input (echo -n \"$KEY\" | kvrelay hash-key)", file=sys.stderr)
+        return 2
+    entry = hash_key(key, name=args.name, tier=args.tier)
+    print(yaml.safe_dump([entry.model_dump(exclude={"is_admin"})], sort_keys=False).rstrip())
+    return 0
 
 
 def _failed(command: str, exc: Exception) -> int:

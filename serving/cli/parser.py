@@ -43,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_soak(bench_targets)
     _add_policy(commands)
     _add_ops(commands)
+
+    hash_key = commands.add_parser(
+        "hash-key", help="print an API key's stored form (salted SHA-256) for a config's api_keys",
+        description="Reads the key from standard input (so it stays out of shell history) and prints a "
+        "YAML entry for `api_keys:`; the config then holds no usable key.",
+    )
+    hash_key.add_argument("--name", help="how usage, logs and metrics name the key [key-<digest prefix>]")
+    hash_key.add_argument("--tier", default="default", help="the key's tier [%(default)s]")
     _add_cluster(commands)
     _add_k8s(commands)
     return parser

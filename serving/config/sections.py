@@ -143,6 +143,12 @@ class IngressConfig(StrictModel):
     num_replicas: int = Field(1, ge=1, le=64, description="OpenAIIngress replicas.")
     num_cpus: float = Field(0.1, gt=0, le=64, description="Ray logical CPUs per ingress replica.")
     max_ongoing_requests: int = Field(1024, ge=1, description="Concurrent requests per ingress replica.")
+    limits_sync_interval_s: float = Field(
+        1.0, gt=0, le=60,
+        description="With several ingress replicas and tiers with limits, how often each replica trades "
+        "its keys' admissions with the others (a key's limit may be exceeded by what the others "
+        "admitted in the last two intervals: serving/api/limits.py).",
+    )
 
 
 class HTTPConfig(StrictModel):

@@ -22,6 +22,7 @@ from serving.api.usage import ModelPrice, load_pricing
 from serving.config import PoolConfig, RoutingConfig, ServeConfig, load_config
 from serving.config.layout import node_cores, omp_wait_policy
 from serving.deployments import faults
+from serving.deployments.limits_sync import LimitsExchangeDeployment
 from serving.deployments.replicas import DecodeWorker, OpenAIIngress, PrefillWorker, Worker
 from serving.observability import tracing
 
@@ -60,11 +61,19 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> Application:
     prefill_router = _router(PrefixAwareRequestRouter, routing.prefill_policy, routing.prefill_params, routing)
     if config.mode == "colocated":
         worker = _pool(Worker, config, config.worker, prefill_router, scaling["worker"]).bind(data)
-        return ingress.bind(data, None, worker, price=_price_data(price))
+        return ingress.bind(data, None, worker, price=_price_data(price), limits=_limits_exchange(config))
     prefill = _pool(PrefillWorker, config, config.prefill, prefill_router, scaling["prefill"]).bind(data)
     decode_router = _router(KVAwareRequestRouter, routing.decode_policy, routing.decode_params, routing)
     decode = _pool(DecodeWorker, config, config.decode, decode_router, scaling["decode"]).bind(data)
-    return ingress.bind(data, prefill, decode, price=_price_data(price))
+    return ingress.bind(data, prefill, decode, price=_price_data(price), limits=_limits_exchange(config))
+
+
+def _limits_exchange(config: ServeConfig):
+    """The shared per-key counters, where several ingress replicas enforce limits (serving/deployments/limits_sync.py)."""
+    limited = any(t.requests_per_minute or t.tokens_per_minute or t.max_concurrent_requests for t in config.tiers.values())
+    if config.ingress.num_replicas < 2 or not limited:
+        return None
+    return LimitsExchangeDeployment.bind(stale_s=10 * config.ingress.limits_sync_interval_s)
 
 
 def _replica_env() -> dict[str, str]:

@@ -96,7 +96,7 @@ class Worker(_WorkerDeployment):
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress()
 class OpenAIIngress:
-    def __init__(self, config: dict, prefill, decode, price: dict | None = None):
+    def __init__(self, config: dict, prefill, decode, price: dict | None = None, limits=None):
         from serving.api.routes import OpenAIServer
         from serving.api.usage import ModelPrice
         from serving.deployments.fallback import FallbackClient
@@ -114,6 +114,15 @@ class OpenAIIngress:
                                    FallbackClient(fallback.app) if fallback is not None else None)
         self.backend.on_recovery = self.server.metrics.recovered
         self.pool_view = export_serve_pools(self.server.metrics, cfg.app_name, (prefill, decode))
+        self.limits_sync = None
+        if limits is not None:
+            from serving.deployments.limits_sync import LimitsSync
+
+            self.limits_sync = LimitsSync(
+                self.server.limiter, {k.name: k for k in cfg.keys}, limits,
+                str(serve.get_replica_context().replica_id), cfg.ingress.limits_sync_interval_s,
+            )
+            self.limits_sync.start()
 
     def __serve_build_asgi_app__(self):
         self.asgi_app = self.server.build_app()
@@ -128,4 +137,6 @@ class OpenAIIngress:
     def __del__(self):
         if getattr(self, "pool_view", None) is not None:
             self.pool_view.stop()
+        if getattr(self, "limits_sync", None) is not None:
+            self.limits_sync.stop()
         tracing.flush()  # the last requests' spans

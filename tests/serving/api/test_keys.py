@@ -78,3 +78,20 @@ def test_env_keys_are_hashed_too(monkeypatch):
     config = load_config(None)
     assert [k.hint for k in config.keys] == ["sk-...0000", "sk-...0000"]
     assert KeyRing(config.keys).check("sk-env-two-000000000") == config.keys[1]
+
+
+def test_hash_key_prints_an_entry_a_config_accepts(monkeypatch, capsys):
+    import io
+
+    import yaml
+
+    from serving.cli.dispatch import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("sk-cli-key-0123456789\n"))
+    assert main(["hash-key", "--name", "ci", "--tier", "gold"]) == 0
+    (entry,) = yaml.safe_load(capsys.readouterr().out)
+    assert (entry["name"], entry["tier"], entry["hint"]) == ("ci", "gold", "sk-...6789")
+    config = ServeConfig(api_keys=[entry], tiers={"gold": {}})
+    assert KeyRing(config.keys).check("sk-cli-key-0123456789").name == "ci"
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(["hash-key"]) == 2
