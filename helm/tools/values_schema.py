@@ -186,10 +186,19 @@ def values_schema() -> dict:
             "serve": serve,
             "autoscaling": _obj({"enabled": {"type": "boolean"}, "policy": policy}, required=["enabled"]),
             "pricing": pricing,
+            "auth": _obj({
+                "allowUnauthenticated": {
+                    "type": "boolean",
+                    "description": "Serve the OpenAI API without API keys. Without keys and without this, "
+                                   "the chart refuses to render.",
+                },
+            }),
             "apiKeys": _obj({
                 "keys": {"type": "array", "items": {"type": "string", "minLength": 1, "pattern": "^[^,]+$"}},
                 "adminKeys": {"type": "array", "items": {"type": "string", "minLength": 1, "pattern": "^[^,]+$"}},
-                "existingSecret": {"type": "string"},
+                "existingSecret": {"type": "string",
+                                   "description": "A Secret with keys api-keys and (optional) admin-api-keys; "
+                                                  "it must exist, or the pods do not start."},
             }),
             "rayAutoscaler": _obj({"enabled": {"type": "boolean"},
                                    "idleTimeoutSeconds": {"type": "integer", "minimum": 0}}),

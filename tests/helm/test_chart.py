@@ -43,8 +43,10 @@ KUBE_VERSION = "1.32.0"
 CORE_GROUPS = {"v1", "apps/v1", "networking.k8s.io/v1", "policy/v1", "autoscaling/v2", "batch/v1"}
 CONFIG_DIR = "/etc/kvrelay"
 
+# The chart's defaults plus the API-key Secret they require (the chart fails closed without one).
+MINIMAL = HERE / "values-minimal.yaml"
 VALUES = {
-    "default": [],
+    "default": [MINIMAL],
     # not "gpu": tests/conftest.py skips items with that keyword on machines without CUDA
     "gpu-example": [CHART / "values-gpu.yaml"],
     "custom": [HERE / "values-custom.yaml"],
@@ -72,7 +74,7 @@ def run_helm(helm: str, *args: str, chart: Path = CHART, check: bool = True) -> 
     return result
 
 
-def render(helm: str, values: list[Path] = (), *, sets: list[str] = (), chart: Path = CHART) -> list[dict]:
+def render(helm: str, values: list[Path] = (MINIMAL,), *, sets: list[str] = (), chart: Path = CHART) -> list[dict]:
     args = ["template", "kvrelay", "--namespace", "llm", "--kube-version", KUBE_VERSION]
     for path in values:
         args += ["-f", str(path)]
@@ -82,10 +84,13 @@ def render(helm: str, values: list[Path] = (), *, sets: list[str] = (), chart: P
     return [doc for doc in yaml.load_all(out, Loader=_Loader) if doc]
 
 
-def render_error(helm: str, values_text: str, tmp_path: Path) -> str:
+def render_error(helm: str, values_text: str, tmp_path: Path, *, base: list[Path] = (MINIMAL,)) -> str:
     bad = tmp_path / "bad-values.yaml"
     bad.write_text(values_text)
-    result = run_helm(helm, "template", "kvrelay", "--kube-version", KUBE_VERSION, "-f", str(bad), check=False)
+    args = ["template", "kvrelay", "--kube-version", KUBE_VERSION]
+    for path in [*base, bad]:
+        args += ["-f", str(path)]
+    result = run_helm(helm, *args, check=False)
     assert result.returncode != 0, f"helm accepted bad values:\n{values_text}"
     return result.stderr
 
@@ -311,22 +316,46 @@ def _env(rayservice: dict, group: str) -> dict[str, dict]:
 
 
 def test_api_keys_secret_reaches_every_container(helm):
-    docs = render(helm, sets=["apiKeys.keys={sk-1,sk-2}", "apiKeys.adminKeys={sk-admin}"])
+    docs = render(helm, [], sets=["apiKeys.keys={sk-1,sk-2}", "apiKeys.adminKeys={sk-admin}"])
     (secret,) = by_kind(docs, "Secret")
+    assert secret["metadata"]["name"] == "kvrelay-api-keys"
     assert secret["stringData"] == {"api-keys": "sk-1,sk-2", "admin-api-keys": "sk-admin"}
     (rayservice,) = by_kind(docs, "RayService")
     assert "sk-1" not in rayservice["spec"]["serveConfigV2"]
     for group in ("head", "prefill", "decode"):  # the app may be built on any node
-        ref = _env(rayservice, group)["KVRELAY_API_KEYS"]["valueFrom"]["secretKeyRef"]
-        assert ref == {"name": secret["metadata"]["name"], "key": "api-keys", "optional": True}
+        env = _env(rayservice, group)
+        assert env["KVRELAY_API_KEYS"]["valueFrom"] == {"secretKeyRef": {"name": "kvrelay-api-keys", "key": "api-keys"}}
+        assert env["KVRELAY_ADMIN_API_KEYS"]["valueFrom"] == {
+            "secretKeyRef": {"name": "kvrelay-api-keys", "key": "admin-api-keys", "optional": True}}
 
 
-def test_existing_secret_is_used_and_none_created(rendered):
+def test_missing_api_key_secret_stops_the_pods(rendered):
+    """An existingSecret that does not exist (a typo) must not start pods that serve without keys:
+    a secretKeyRef without `optional: true` makes the kubelet refuse the container
+    (CreateContainerConfigError, an event naming the Secret)."""
     assert by_kind(rendered["custom"], "Secret") == []
     (rayservice,) = by_kind(rendered["custom"], "RayService")
-    assert _env(rayservice, "head")["KVRELAY_API_KEYS"]["valueFrom"]["secretKeyRef"]["name"] == "my-keys"
-    (default_rs,) = by_kind(rendered["default"], "RayService")
-    assert "KVRELAY_API_KEYS" not in _env(default_rs, "head")
+    for group in ("head", "prefill", "decode"):
+        ref = _env(rayservice, group)["KVRELAY_API_KEYS"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "my-keys", "key": "api-keys"}
+        assert ref.get("optional", False) is False
+
+
+def test_no_api_keys_and_no_opt_out_fails_clearly(helm, tmp_path):
+    error = render_error(helm, "{}\n", tmp_path, base=[])
+    assert ("no API keys: set apiKeys.existingSecret (a Secret with key api-keys) or apiKeys.keys, "
+            "or set auth.allowUnauthenticated=true to serve the API without authentication") in error
+
+
+def test_unauthenticated_only_when_asked(helm, tmp_path):
+    docs = render(helm, [], sets=["auth.allowUnauthenticated=true"])
+    assert by_kind(docs, "Secret") == []
+    (rayservice,) = by_kind(docs, "RayService")
+    for group in ("head", "prefill", "decode"):
+        env = _env(rayservice, group)
+        assert "KVRELAY_API_KEYS" not in env and "KVRELAY_ADMIN_API_KEYS" not in env
+    error = render_error(helm, "auth: {allowUnauthenticated: true}\n", tmp_path)  # and the minimal keys
+    assert "auth.allowUnauthenticated is true but API keys are configured" in error
 
 
 # ---- model sources -----------------------------------------------------------------------------
@@ -365,6 +394,8 @@ def test_model_from_pvc_is_mounted_in_every_pod(rendered):
          'pricing.models: no price for the served model "smollm2-135m-instruct" (priced: other)'),
         ("serve: {model: x}\n", "serve: Additional property model is not allowed"),
         ("model: {source: image, path: relative/dir}\n", "model.path must be an absolute path in the image"),
+        ("env: [{name: KVRELAY_API_KEYS, value: ''}]\n",
+         "env: KVRELAY_API_KEYS is set by the chart from the API-key Secret (apiKeys); remove it from env"),
     ],
 )
 def test_bad_values_fail_naming_the_field(helm, tmp_path, values_text, message):
@@ -452,7 +483,7 @@ def test_monitoring_enabled_without_files_fails_clearly(helm, tmp_path):
     chart = tmp_path / "kvrelay"
     shutil.copytree(CHART, chart)
     shutil.rmtree(chart / "files")
-    result = run_helm(helm, "template", "kvrelay", "--set", "monitoring.prometheusRule.enabled=true",
+    result = run_helm(helm, "template", "kvrelay", "-f", str(MINIMAL), "--set", "monitoring.prometheusRule.enabled=true",
                       chart=chart, check=False)
     assert result.returncode != 0
     assert "files/prometheus/kvrelay-alerts.yaml; run helm/tools/sync-files.sh" in result.stderr
@@ -467,7 +498,7 @@ def test_notes_give_the_command_to_reach_the_api(helm, tmp_path):
     (chart / "templates" / "NOTES.txt").rename(chart / "notes.txt")
     (chart / "templates" / "notes.yaml").write_text('notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}\n')
     out = run_helm(helm, "template", "kvrelay", "--namespace", "llm", "--show-only", "templates/notes.yaml",
-                   chart=chart).stdout
+                   "-f", str(MINIMAL), chart=chart).stdout
     out = yaml.safe_load(out)["notes"]
     assert "kubectl -n llm port-forward svc/kvrelay 8000:8000" in out
     assert "curl -s http://127.0.0.1:8000/v1/chat/completions" in out

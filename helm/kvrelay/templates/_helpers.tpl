@@ -36,6 +36,23 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if or .Values.apiKeys.existingSecret .Values.apiKeys.keys .Values.apiKeys.adminKeys }}true{{ end -}}
 {{- end -}}
 
+{{/* Fail closed: API keys, or an explicit opt-out, never a silent default; and no `env` entry
+     may replace what the chart sets for authentication (a later duplicate wins in a pod). */}}
+{{- define "kvrelay.checkAuth" -}}
+{{- $hasKeys := include "kvrelay.hasApiKeys" . -}}
+{{- if and $hasKeys .Values.auth.allowUnauthenticated -}}
+{{- fail "auth.allowUnauthenticated is true but API keys are configured (apiKeys.keys, apiKeys.adminKeys or apiKeys.existingSecret): set one or the other" -}}
+{{- end -}}
+{{- if not (or $hasKeys .Values.auth.allowUnauthenticated) -}}
+{{- fail "no API keys: set apiKeys.existingSecret (a Secret with key api-keys) or apiKeys.keys, or set auth.allowUnauthenticated=true to serve the API without authentication" -}}
+{{- end -}}
+{{- range .Values.env -}}
+{{- if has .name (list "KVRELAY_API_KEYS" "KVRELAY_ADMIN_API_KEYS") -}}
+{{- fail (printf "env: %s is set by the chart from the API-key Secret (apiKeys); remove it from env" .name) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "kvrelay.hasConfigMap" -}}
 {{- if or .Values.autoscaling.enabled .Values.pricing }}true{{ end -}}
 {{- end -}}
@@ -126,12 +143,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - name: KVRELAY_CACHE_DIR
   value: /var/cache/kvrelay
 {{- if include "kvrelay.hasApiKeys" . }}
+{{- /* Not optional: a missing Secret or `api-keys` key stops the pod (CreateContainerConfigError).
+       A missing `admin-api-keys` only means no admin keys: less access, never more. */}}
 - name: KVRELAY_API_KEYS
   valueFrom:
     secretKeyRef:
       name: {{ include "kvrelay.secretName" . }}
       key: api-keys
-      optional: true
 - name: KVRELAY_ADMIN_API_KEYS
   valueFrom:
     secretKeyRef:
