@@ -199,6 +199,9 @@ def values_schema() -> dict:
                 "existingSecret": {"type": "string",
                                    "description": "A Secret with keys api-keys and (optional) admin-api-keys; "
                                                   "it must exist, or the pods do not start."},
+                "rotationId": {"type": "string",
+                               "description": "Change it after changing the keys to roll a new RayCluster "
+                                              "(pods read the keys when they start)."},
             }),
             "rayAutoscaler": _obj({"enabled": {"type": "boolean"},
                                    "idleTimeoutSeconds": {"type": "integer", "minimum": 0}}),

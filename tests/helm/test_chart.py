@@ -358,6 +358,24 @@ def test_unauthenticated_only_when_asked(helm, tmp_path):
     assert "auth.allowUnauthenticated is true but API keys are configured" in error
 
 
+def test_pod_annotations_reveal_nothing_about_the_keys(helm):
+    """The rollout annotation must not be derived from the keys (a hash of them in the RayService
+    lets anyone who reads it check a guess): two key sets render the same pod templates, and
+    apiKeys.rotationId is what announces a change of keys."""
+    def annotations(*sets: str) -> dict[str, dict]:
+        (rayservice,) = by_kind(render(helm, [], sets=list(sets)), "RayService")
+        return {group: t["metadata"]["annotations"] for group, t in pod_templates(rayservice).items()}
+
+    first = annotations("apiKeys.keys={sk-1}")
+    assert first == annotations("apiKeys.keys={sk-2}", "apiKeys.adminKeys={sk-admin}")
+    for group in ("head", "prefill", "decode"):
+        assert sorted(first[group]) == ["checksum/config", "kvrelay.io/api-keys-rotation"]
+        assert first[group]["kvrelay.io/api-keys-rotation"] == ""
+    rotated = annotations("apiKeys.keys={sk-1}", "apiKeys.rotationId=2026-11-25")
+    assert {group: a["kvrelay.io/api-keys-rotation"] for group, a in rotated.items()} == {
+        "head": "2026-11-25", "prefill": "2026-11-25", "decode": "2026-11-25"}
+
+
 # ---- model sources -----------------------------------------------------------------------------
 def test_model_from_pvc_is_mounted_in_every_pod(rendered):
     (rayservice,) = by_kind(rendered["gpu-example"], "RayService")

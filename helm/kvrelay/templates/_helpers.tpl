@@ -163,10 +163,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{/* Rolls a new RayCluster (KubeRay's zero-downtime upgrade) when mounted files change: Serve
-     reads them only when it builds the app. */}}
+     reads them only when it builds the app. Nothing here is derived from the API keys: a hash of
+     them in the RayService (readable by more people than the Secret) would let a guess be checked
+     offline. A new existingSecret name rolls the cluster by itself (the env changes); a change of
+     the keys under the same name is announced by apiKeys.rotationId. */}}
 {{- define "kvrelay.checksums" -}}
 checksum/config: {{ printf "%s%s" (toYaml .Values.autoscaling) (toYaml .Values.pricing) | sha256sum | trunc 16 }}
-checksum/api-keys: {{ toYaml .Values.apiKeys | sha256sum | trunc 16 }}
+{{- if include "kvrelay.hasApiKeys" . }}
+kvrelay.io/api-keys-rotation: {{ .Values.apiKeys.rotationId | quote }}
+{{- end }}
 {{- end -}}
 
 {{/* A pod template of one group. Args: dict root, role, group, container name. */}}
