@@ -192,6 +192,14 @@ def values_schema() -> dict:
                     "description": "Serve the OpenAI API without API keys. Without keys and without this, "
                                    "the chart refuses to render.",
                 },
+                "rayToken": _obj({
+                    "existingSecret": {
+                        "type": "string",
+                        "description": "A Secret with key auth_token: Ray's token (RAY_AUTH_TOKEN, KubeRay "
+                                       "authOptions.secretName). Empty: the chart's <fullname>-ray-token, "
+                                       "generated at install and kept on upgrade.",
+                    },
+                }),
             }),
             "apiKeys": _obj({
                 "keys": {"type": "array", "items": {"type": "string", "minLength": 1, "pattern": "^[^,]+$"}},

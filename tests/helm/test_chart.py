@@ -15,6 +15,7 @@ runs it); without npm and without a cached binary these tests skip, saying so, a
 
 from __future__ import annotations
 
+import base64
 import copy
 import importlib.util
 import os
@@ -158,7 +159,8 @@ def test_lint_strict(helm, name):
 
 def test_default_render_objects(rendered):
     kinds = sorted(doc["kind"] for doc in rendered["default"])
-    assert kinds == ["ConfigMap", "RayService"]  # the API's Service is the RayService's serveService
+    # the API's Service is the RayService's serveService; the Secret is Ray's token
+    assert kinds == ["ConfigMap", "RayService", "Secret"]
     custom = sorted(doc["kind"] for doc in rendered["custom"])
     assert custom == ["ConfigMap", "Ingress", "PodMonitor", "RayService"]
 
@@ -317,8 +319,7 @@ def _env(rayservice: dict, group: str) -> dict[str, dict]:
 
 def test_api_keys_secret_reaches_every_container(helm):
     docs = render(helm, [], sets=["apiKeys.keys={sk-1,sk-2}", "apiKeys.adminKeys={sk-admin}"])
-    (secret,) = by_kind(docs, "Secret")
-    assert secret["metadata"]["name"] == "kvrelay-api-keys"
+    (secret,) = [d for d in by_kind(docs, "Secret") if d["metadata"]["name"] == "kvrelay-api-keys"]
     assert secret["stringData"] == {"api-keys": "sk-1,sk-2", "admin-api-keys": "sk-admin"}
     (rayservice,) = by_kind(docs, "RayService")
     assert "sk-1" not in rayservice["spec"]["serveConfigV2"]
@@ -349,7 +350,7 @@ def test_no_api_keys_and_no_opt_out_fails_clearly(helm, tmp_path):
 
 def test_unauthenticated_only_when_asked(helm, tmp_path):
     docs = render(helm, [], sets=["auth.allowUnauthenticated=true"])
-    assert by_kind(docs, "Secret") == []
+    assert [d["metadata"]["name"] for d in by_kind(docs, "Secret")] == ["kvrelay-ray-token"]
     (rayservice,) = by_kind(docs, "RayService")
     for group in ("head", "prefill", "decode"):
         env = _env(rayservice, group)
@@ -374,6 +375,37 @@ def test_pod_annotations_reveal_nothing_about_the_keys(helm):
     rotated = annotations("apiKeys.keys={sk-1}", "apiKeys.rotationId=2026-11-25")
     assert {group: a["kvrelay.io/api-keys-rotation"] for group, a in rotated.items()} == {
         "head": "2026-11-25", "prefill": "2026-11-25", "decode": "2026-11-25"}
+
+
+# ---- Ray token authentication -------------------------------------------------------------------
+RAY_TOKEN_SECRETS = {"default": "kvrelay-ray-token", "gpu-example": "kvrelay-ray-token", "custom": "my-ray-token"}
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_ray_token_auth_on_every_ray_container(rendered, name):
+    """RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (the names Ray 2.60 reads) in the head and every
+    worker group, and authOptions naming the same Secret: KubeRay needs the token for its own
+    dashboard calls (serveConfigV2, app status) and its autoscaler and wait-gcs-ready containers."""
+    secret = RAY_TOKEN_SECRETS[name]
+    (rayservice,) = by_kind(rendered[name], "RayService")
+    assert rayservice["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token", "secretName": secret}
+    groups = pod_templates(rayservice)
+    assert sorted(groups) == ["decode", "head", "prefill"]
+    for group in groups:
+        env = _env(rayservice, group)
+        assert env["RAY_AUTH_MODE"] == {"name": "RAY_AUTH_MODE", "value": "token"}
+        assert env["RAY_AUTH_TOKEN"] == {"name": "RAY_AUTH_TOKEN",
+                                         "valueFrom": {"secretKeyRef": {"name": secret, "key": "auth_token"}}}
+        assert "RAY_AUTH_TOKEN_PATH" not in env
+
+
+def test_ray_token_secret_is_generated_unless_given(rendered):
+    (secret,) = by_kind(rendered["default"], "Secret")
+    assert secret["metadata"]["name"] == "kvrelay-ray-token"
+    assert sorted(secret["data"]) == ["auth_token"]
+    token = base64.b64decode(secret["data"]["auth_token"]).decode()
+    assert len(token) == 64 and token.isalnum()
+    assert by_kind(rendered["custom"], "Secret") == []  # auth.rayToken.existingSecret: my-ray-token
 
 
 # ---- model sources -----------------------------------------------------------------------------
@@ -414,6 +446,10 @@ def test_model_from_pvc_is_mounted_in_every_pod(rendered):
         ("model: {source: image, path: relative/dir}\n", "model.path must be an absolute path in the image"),
         ("env: [{name: KVRELAY_API_KEYS, value: ''}]\n",
          "env: KVRELAY_API_KEYS is set by the chart from the API-key Secret (apiKeys); remove it from env"),
+        ("env: [{name: RAY_AUTH_MODE, value: disabled}]\n",
+         "env: RAY_AUTH_MODE would change Ray's token authentication, which the chart sets (auth.rayToken)"),
+        ('rayVersion: "2.51.0"\n',
+         "rayVersion 2.51.0: Ray token authentication (RAY_AUTH_MODE=token) needs Ray 2.52.0 or newer"),
     ],
 )
 def test_bad_values_fail_naming_the_field(helm, tmp_path, values_text, message):
@@ -522,3 +558,5 @@ def test_notes_give_the_command_to_reach_the_api(helm, tmp_path):
     assert "curl -s http://127.0.0.1:8000/v1/chat/completions" in out
     assert '"model": "smollm2-135m-instruct"' in out
     assert "kubectl -n llm port-forward svc/kvrelay-head-svc 8265:8265" in out
+    assert ("export RAY_AUTH_TOKEN=$(kubectl -n llm get secret kvrelay-ray-token "
+            "-o jsonpath='{.data.auth_token}' | base64 -d)") in out

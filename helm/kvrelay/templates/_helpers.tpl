@@ -32,6 +32,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- .Values.apiKeys.existingSecret | default (printf "%s-api-keys" (include "kvrelay.fullname" .)) -}}
 {{- end -}}
 
+{{/* Ray's token: KubeRay reads the key `auth_token` (authOptions.secretName). */}}
+{{- define "kvrelay.rayTokenSecretName" -}}
+{{- .Values.auth.rayToken.existingSecret | default (printf "%s-ray-token" (include "kvrelay.fullname" .)) -}}
+{{- end -}}
+
 {{- define "kvrelay.hasApiKeys" -}}
 {{- if or .Values.apiKeys.existingSecret .Values.apiKeys.keys .Values.apiKeys.adminKeys }}true{{ end -}}
 {{- end -}}
@@ -50,6 +55,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if has .name (list "KVRELAY_API_KEYS" "KVRELAY_ADMIN_API_KEYS") -}}
 {{- fail (printf "env: %s is set by the chart from the API-key Secret (apiKeys); remove it from env" .name) -}}
 {{- end -}}
+{{- if has .name (list "RAY_AUTH_MODE" "RAY_AUTH_TOKEN" "RAY_AUTH_TOKEN_PATH") -}}
+{{- fail (printf "env: %s would change Ray's token authentication, which the chart sets (auth.rayToken); remove it from env" .name) -}}
+{{- end -}}
+{{- end -}}
+{{- if not (semverCompare ">=2.52.0" .Values.rayVersion) -}}
+{{- fail (printf "rayVersion %s: Ray token authentication (RAY_AUTH_MODE=token) needs Ray 2.52.0 or newer" .Values.rayVersion) -}}
 {{- end -}}
 {{- end -}}
 
@@ -138,10 +149,19 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{/* The Serve controller builds the app in a task that may run on any node, so every container
-     gets the API keys (read by load_config) and the mounted files. */}}
+     gets the API keys (read by load_config) and the mounted files. Ray reads RAY_AUTH_MODE and
+     RAY_AUTH_TOKEN (Ray 2.60: the env var first, then the file at RAY_AUTH_TOKEN_PATH); KubeRay,
+     told the same Secret in authOptions, leaves variables already set alone. */}}
 {{- define "kvrelay.env" -}}
 - name: KVRELAY_CACHE_DIR
   value: /var/cache/kvrelay
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvrelay.rayTokenSecretName" . }}
+      key: auth_token
 {{- if include "kvrelay.hasApiKeys" . }}
 {{- /* Not optional: a missing Secret or `api-keys` key stops the pod (CreateContainerConfigError).
        A missing `admin-api-keys` only means no admin keys: less access, never more. */}}
