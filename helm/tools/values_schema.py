@@ -213,7 +213,11 @@ def values_schema() -> dict:
             }),
             "rayAutoscaler": _obj({"enabled": {"type": "boolean"},
                                    "idleTimeoutSeconds": {"type": "integer", "minimum": 0}}),
-            "head": _obj(_pod({}), description="The Ray head group (Serve controller, proxy, dashboard)."),
+            "head": _obj(_pod({
+                "serviceType": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"],
+                                "description": "KubeRay's <name>-head-svc (GCS, dashboard, client): ClusterIP "
+                                               "keeps them inside the cluster."},
+            }), description="The Ray head group (Serve controller, proxy, dashboard)."),
             "prefillGroup": _group("prefill"),
             "decodeGroup": _group("decode"),
             "env": {"type": "array", "items": {"type": "object", "required": ["name"]}},

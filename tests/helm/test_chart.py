@@ -199,6 +199,21 @@ def test_api_service_and_ingress_backends(rendered):
                         "ray.example.com": {"name": "llm-head-svc", "port": {"number": 8265}}}
 
 
+@pytest.mark.parametrize("name", ["default", "gpu-example"])
+def test_dashboard_stays_inside_the_cluster_unless_asked(rendered, name):
+    (rayservice,) = by_kind(rendered[name], "RayService")
+    assert rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["serviceType"] == "ClusterIP"
+    assert rayservice["spec"]["serveService"]["spec"]["type"] == "ClusterIP"
+    assert by_kind(rendered[name], "Ingress") == []
+
+
+def test_dashboard_exposed_only_when_asked(helm):
+    (rayservice,) = by_kind(render(helm, sets=["head.serviceType=LoadBalancer"]), "RayService")
+    assert rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["serviceType"] == "LoadBalancer"
+    (ingress,) = by_kind(render(helm, sets=["ingress.enabled=true"]), "Ingress")
+    assert [rule["host"] for rule in ingress["spec"]["rules"]] == ["kvrelay.example.com"]  # the API only
+
+
 def test_kubernetes_validate_is_strict():
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x"},
                "spec": {"ports": [{"port": 80}], "selectr": {"a": "b"}}}
