@@ -122,6 +122,27 @@ _RESOURCES = _obj(
 )
 
 
+_LABEL_SELECTOR = _obj({
+    "matchLabels": _STR_MAP,
+    "matchExpressions": {"type": "array", "items": _obj({
+        "key": {"type": "string"},
+        "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+        "values": {"type": "array", "items": {"type": "string"}},
+    }, required=["key", "operator"])},
+})
+_PEER = _obj(
+    {
+        "podSelector": _LABEL_SELECTOR,
+        "namespaceSelector": _LABEL_SELECTOR,
+        "ipBlock": _obj({"cidr": {"type": "string", "minLength": 1},
+                         "except": {"type": "array", "items": {"type": "string"}}}, required=["cidr"]),
+    },
+    minProperties=1,
+    description="A NetworkPolicyPeer: podSelector and/or namespaceSelector, or ipBlock.",
+)
+_PEERS = {"type": "array", "items": _PEER}
+
+
 def _pod(extra: dict) -> dict:
     return {
         **extra,
@@ -234,6 +255,16 @@ def values_schema() -> dict:
                 "dashboard": _obj({"enabled": {"type": "boolean"}, "host": {"type": "string"},
                                    "path": {"type": "string", "pattern": "^/"}}),
                 "tls": {"type": "array", "items": {"type": "object"}},
+            }),
+            "networkPolicy": _obj({
+                "enabled": {"type": "boolean", "description": "A NetworkPolicy over the release's Ray pods."},
+                "kuberayOperator": {**_PEER, "description": "The KubeRay operator's pods: dashboard and Serve."},
+                "head": _obj({"from": {**_PEERS, "description": "Peers allowed on GCS, dashboard and client."}}),
+                "serve": _obj({
+                    "allowAll": {"type": "boolean", "description": "The Serve port from any source."},
+                    "from": {**_PEERS, "description": "Peers allowed on the Serve port (allowAll: false)."},
+                }),
+                "metrics": _obj({"from": {**_PEERS, "description": "Peers allowed on the metrics port."}}),
             }),
             "monitoring": _obj({
                 "podMonitor": _obj({"enabled": {"type": "boolean"}, "interval": {"type": "string"},

@@ -423,6 +423,72 @@ def test_ray_token_secret_is_generated_unless_given(rendered):
     assert by_kind(rendered["custom"], "Secret") == []  # auth.rayToken.existingSecret: my-ray-token
 
 
+# ---- NetworkPolicy -----------------------------------------------------------------------------
+SELF = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvrelay", "app.kubernetes.io/instance": "kvrelay"}}}
+OPERATOR = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}
+
+
+def _tcp(*ports: int) -> list[dict]:
+    return [{"port": port, "protocol": "TCP"} for port in ports]
+
+
+def _network_policy(helm, tmp_path, values_text: str) -> dict:
+    values = tmp_path / "network-policy.yaml"
+    values.write_text(values_text)
+    (policy,) = by_kind(render(helm, [MINIMAL, values]), "NetworkPolicy")
+    kubernetes_validate.validate(policy, KUBE_VERSION, strict=True)
+    assert policy["metadata"]["name"] == "kvrelay-ray"
+    assert policy["spec"]["podSelector"] == SELF["podSelector"]  # head and workers, any RayCluster
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    return policy
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_network_policy_only_when_enabled(rendered, name):
+    assert by_kind(rendered[name], "NetworkPolicy") == []
+
+
+def test_network_policy_defaults(helm, tmp_path):
+    """Own pods on every port, the operator on dashboard and Serve, the API from anywhere; the head's
+    GCS, dashboard and client ports from nobody else."""
+    policy = _network_policy(helm, tmp_path, "networkPolicy: {enabled: true}\n")
+    assert policy["spec"]["ingress"] == [
+        {"from": [SELF]},
+        {"from": [OPERATOR], "ports": _tcp(8265, 8000)},
+        {"ports": _tcp(8000)},
+    ]
+
+
+def test_network_policy_with_peers(helm, tmp_path):
+    ops = {"ipBlock": {"cidr": "10.20.0.0/16"}}
+    admins = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}},
+              "podSelector": {"matchLabels": {"role": "ray-admin"}}}
+    ingress_nginx = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}
+    prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ray-system"}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}
+    policy = _network_policy(helm, tmp_path, yaml.safe_dump({"networkPolicy": {
+        "enabled": True,
+        "kuberayOperator": operator,
+        "head": {"from": [ops, admins]},
+        "serve": {"allowAll": False, "from": [ingress_nginx]},
+        "metrics": {"from": [prometheus]},
+    }}))
+    assert policy["spec"]["ingress"] == [
+        {"from": [SELF]},
+        {"from": [operator], "ports": _tcp(8265, 8000)},
+        {"from": [ops, admins], "ports": _tcp(6379, 8265, 10001)},
+        {"from": [ingress_nginx], "ports": _tcp(8000)},
+        {"from": [prometheus], "ports": _tcp(8080)},
+    ]
+
+
+def test_network_policy_never_admits_everyone_by_omission(helm, tmp_path):
+    """An empty peer list must drop its rule: a rule with no `from` would admit every source."""
+    policy = _network_policy(helm, tmp_path, "networkPolicy: {enabled: true, serve: {allowAll: false}}\n")
+    assert policy["spec"]["ingress"] == [{"from": [SELF]}, {"from": [OPERATOR], "ports": _tcp(8265, 8000)}]
+
+
 # ---- model sources -----------------------------------------------------------------------------
 def test_model_from_pvc_is_mounted_in_every_pod(rendered):
     (rayservice,) = by_kind(rendered["gpu-example"], "RayService")
@@ -463,6 +529,12 @@ def test_model_from_pvc_is_mounted_in_every_pod(rendered):
          "env: KVRELAY_API_KEYS is set by the chart from the API-key Secret (apiKeys); remove it from env"),
         ("env: [{name: RAY_AUTH_MODE, value: disabled}]\n",
          "env: RAY_AUTH_MODE would change Ray's token authentication, which the chart sets (auth.rayToken)"),
+        ("networkPolicy: {enabled: true, serve: {from: [{ipBlock: {cidr: 10.0.0.0/8}}]}}\n",
+         "networkPolicy.serve.from is set but networkPolicy.serve.allowAll is true"),
+        ("networkPolicy: {enabled: true}\nmonitoring: {podMonitor: {enabled: true}}\n",
+         "networkPolicy.enabled with monitoring.podMonitor.enabled: set networkPolicy.metrics.from"),
+        ("networkPolicy: {enabled: true, head: {from: [{}]}}\n",
+         "networkPolicy.head.from.0: Must have at least 1 properties"),
         ('rayVersion: "2.51.0"\n',
          "rayVersion 2.51.0: Ray token authentication (RAY_AUTH_MODE=token) needs Ray 2.52.0 or newer"),
     ],
