@@ -122,6 +122,27 @@ _RESOURCES = _obj(
 )
 
 
+_LABEL_SELECTOR = _obj({
+    "matchLabels": _STR_MAP,
+    "matchExpressions": {"type": "array", "items": _obj({
+        "key": {"type": "string"},
+        "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+        "values": {"type": "array", "items": {"type": "string"}},
+    }, required=["key", "operator"])},
+})
+_PEER = _obj(
+    {
+        "podSelector": _LABEL_SELECTOR,
+        "namespaceSelector": _LABEL_SELECTOR,
+        "ipBlock": _obj({"cidr": {"type": "string", "minLength": 1},
+                         "except": {"type": "array", "items": {"type": "string"}}}, required=["cidr"]),
+    },
+    minProperties=1,
+    description="A NetworkPolicyPeer: podSelector and/or namespaceSelector, or ipBlock.",
+)
+_PEERS = {"type": "array", "items": _PEER}
+
+
 def _pod(extra: dict) -> dict:
     return {
         **extra,
@@ -186,14 +207,38 @@ def values_schema() -> dict:
             "serve": serve,
             "autoscaling": _obj({"enabled": {"type": "boolean"}, "policy": policy}, required=["enabled"]),
             "pricing": pricing,
+            "auth": _obj({
+                "allowUnauthenticated": {
+                    "type": "boolean",
+                    "description": "Serve the OpenAI API without API keys. Without keys and without this, "
+                                   "the chart refuses to render.",
+                },
+                "rayToken": _obj({
+                    "existingSecret": {
+                        "type": "string",
+                        "description": "A Secret with key auth_token: Ray's token (RAY_AUTH_TOKEN, KubeRay "
+                                       "authOptions.secretName). Empty: the chart's <fullname>-ray-token, "
+                                       "generated at install and kept on upgrade.",
+                    },
+                }),
+            }),
             "apiKeys": _obj({
                 "keys": {"type": "array", "items": {"type": "string", "minLength": 1, "pattern": "^[^,]+$"}},
                 "adminKeys": {"type": "array", "items": {"type": "string", "minLength": 1, "pattern": "^[^,]+$"}},
-                "existingSecret": {"type": "string"},
+                "existingSecret": {"type": "string",
+                                   "description": "A Secret with keys api-keys and (optional) admin-api-keys; "
+                                                  "it must exist, or the pods do not start."},
+                "rotationId": {"type": "string",
+                               "description": "Change it after changing the keys to roll a new RayCluster "
+                                              "(pods read the keys when they start)."},
             }),
             "rayAutoscaler": _obj({"enabled": {"type": "boolean"},
                                    "idleTimeoutSeconds": {"type": "integer", "minimum": 0}}),
-            "head": _obj(_pod({}), description="The Ray head group (Serve controller, proxy, dashboard)."),
+            "head": _obj(_pod({
+                "serviceType": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"],
+                                "description": "KubeRay's <name>-head-svc (GCS, dashboard, client): ClusterIP "
+                                               "keeps them inside the cluster."},
+            }), description="The Ray head group (Serve controller, proxy, dashboard)."),
             "prefillGroup": _group("prefill"),
             "decodeGroup": _group("decode"),
             "env": {"type": "array", "items": {"type": "object", "required": ["name"]}},
@@ -210,6 +255,16 @@ def values_schema() -> dict:
                 "dashboard": _obj({"enabled": {"type": "boolean"}, "host": {"type": "string"},
                                    "path": {"type": "string", "pattern": "^/"}}),
                 "tls": {"type": "array", "items": {"type": "object"}},
+            }),
+            "networkPolicy": _obj({
+                "enabled": {"type": "boolean", "description": "A NetworkPolicy over the release's Ray pods."},
+                "kuberayOperator": {**_PEER, "description": "The KubeRay operator's pods: dashboard and Serve."},
+                "head": _obj({"from": {**_PEERS, "description": "Peers allowed on GCS, dashboard and client."}}),
+                "serve": _obj({
+                    "allowAll": {"type": "boolean", "description": "The Serve port from any source."},
+                    "from": {**_PEERS, "description": "Peers allowed on the Serve port (allowAll: false)."},
+                }),
+                "metrics": _obj({"from": {**_PEERS, "description": "Peers allowed on the metrics port."}}),
             }),
             "monitoring": _obj({
                 "podMonitor": _obj({"enabled": {"type": "boolean"}, "interval": {"type": "string"},

@@ -15,6 +15,7 @@ runs it); without npm and without a cached binary these tests skip, saying so, a
 
 from __future__ import annotations
 
+import base64
 import copy
 import importlib.util
 import os
@@ -43,8 +44,10 @@ KUBE_VERSION = "1.32.0"
 CORE_GROUPS = {"v1", "apps/v1", "networking.k8s.io/v1", "policy/v1", "autoscaling/v2", "batch/v1"}
 CONFIG_DIR = "/etc/kvrelay"
 
+# The chart's defaults plus the API-key Secret they require (the chart fails closed without one).
+MINIMAL = HERE / "values-minimal.yaml"
 VALUES = {
-    "default": [],
+    "default": [MINIMAL],
     # not "gpu": tests/conftest.py skips items with that keyword on machines without CUDA
     "gpu-example": [CHART / "values-gpu.yaml"],
     "custom": [HERE / "values-custom.yaml"],
@@ -72,7 +75,7 @@ def run_helm(helm: str, *args: str, chart: Path = CHART, check: bool = True) -> 
     return result
 
 
-def render(helm: str, values: list[Path] = (), *, sets: list[str] = (), chart: Path = CHART) -> list[dict]:
+def render(helm: str, values: list[Path] = (MINIMAL,), *, sets: list[str] = (), chart: Path = CHART) -> list[dict]:
     args = ["template", "kvrelay", "--namespace", "llm", "--kube-version", KUBE_VERSION]
     for path in values:
         args += ["-f", str(path)]
@@ -82,10 +85,13 @@ def render(helm: str, values: list[Path] = (), *, sets: list[str] = (), chart: P
     return [doc for doc in yaml.load_all(out, Loader=_Loader) if doc]
 
 
-def render_error(helm: str, values_text: str, tmp_path: Path) -> str:
+def render_error(helm: str, values_text: str, tmp_path: Path, *, base: list[Path] = (MINIMAL,)) -> str:
     bad = tmp_path / "bad-values.yaml"
     bad.write_text(values_text)
-    result = run_helm(helm, "template", "kvrelay", "--kube-version", KUBE_VERSION, "-f", str(bad), check=False)
+    args = ["template", "kvrelay", "--kube-version", KUBE_VERSION]
+    for path in [*base, bad]:
+        args += ["-f", str(path)]
+    result = run_helm(helm, *args, check=False)
     assert result.returncode != 0, f"helm accepted bad values:\n{values_text}"
     return result.stderr
 
@@ -153,7 +159,8 @@ def test_lint_strict(helm, name):
 
 def test_default_render_objects(rendered):
     kinds = sorted(doc["kind"] for doc in rendered["default"])
-    assert kinds == ["ConfigMap", "RayService"]  # the API's Service is the RayService's serveService
+    # the API's Service is the RayService's serveService; the Secret is Ray's token
+    assert kinds == ["ConfigMap", "RayService", "Secret"]
     custom = sorted(doc["kind"] for doc in rendered["custom"])
     assert custom == ["ConfigMap", "Ingress", "PodMonitor", "RayService"]
 
@@ -190,6 +197,21 @@ def test_api_service_and_ingress_backends(rendered):
     backends = {rule["host"]: rule["http"]["paths"][0]["backend"]["service"] for rule in ingress["spec"]["rules"]}
     assert backends == {"llm.example.com": {"name": "llm", "port": {"number": 8000}},
                         "ray.example.com": {"name": "llm-head-svc", "port": {"number": 8265}}}
+
+
+@pytest.mark.parametrize("name", ["default", "gpu-example"])
+def test_dashboard_stays_inside_the_cluster_unless_asked(rendered, name):
+    (rayservice,) = by_kind(rendered[name], "RayService")
+    assert rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["serviceType"] == "ClusterIP"
+    assert rayservice["spec"]["serveService"]["spec"]["type"] == "ClusterIP"
+    assert by_kind(rendered[name], "Ingress") == []
+
+
+def test_dashboard_exposed_only_when_asked(helm):
+    (rayservice,) = by_kind(render(helm, sets=["head.serviceType=LoadBalancer"]), "RayService")
+    assert rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["serviceType"] == "LoadBalancer"
+    (ingress,) = by_kind(render(helm, sets=["ingress.enabled=true"]), "Ingress")
+    assert [rule["host"] for rule in ingress["spec"]["rules"]] == ["kvrelay.example.com"]  # the API only
 
 
 def test_kubernetes_validate_is_strict():
@@ -311,22 +333,160 @@ def _env(rayservice: dict, group: str) -> dict[str, dict]:
 
 
 def test_api_keys_secret_reaches_every_container(helm):
-    docs = render(helm, sets=["apiKeys.keys={sk-1,sk-2}", "apiKeys.adminKeys={sk-admin}"])
-    (secret,) = by_kind(docs, "Secret")
+    docs = render(helm, [], sets=["apiKeys.keys={sk-1,sk-2}", "apiKeys.adminKeys={sk-admin}"])
+    (secret,) = [d for d in by_kind(docs, "Secret") if d["metadata"]["name"] == "kvrelay-api-keys"]
     assert secret["stringData"] == {"api-keys": "sk-1,sk-2", "admin-api-keys": "sk-admin"}
     (rayservice,) = by_kind(docs, "RayService")
     assert "sk-1" not in rayservice["spec"]["serveConfigV2"]
     for group in ("head", "prefill", "decode"):  # the app may be built on any node
-        ref = _env(rayservice, group)["KVRELAY_API_KEYS"]["valueFrom"]["secretKeyRef"]
-        assert ref == {"name": secret["metadata"]["name"], "key": "api-keys", "optional": True}
+        env = _env(rayservice, group)
+        assert env["KVRELAY_API_KEYS"]["valueFrom"] == {"secretKeyRef": {"name": "kvrelay-api-keys", "key": "api-keys"}}
+        assert env["KVRELAY_ADMIN_API_KEYS"]["valueFrom"] == {
+            "secretKeyRef": {"name": "kvrelay-api-keys", "key": "admin-api-keys", "optional": True}}
 
 
-def test_existing_secret_is_used_and_none_created(rendered):
+def test_missing_api_key_secret_stops_the_pods(rendered):
+    """An existingSecret that does not exist (a typo) must not start pods that serve without keys:
+    a secretKeyRef without `optional: true` makes the kubelet refuse the container
+    (CreateContainerConfigError, an event naming the Secret)."""
     assert by_kind(rendered["custom"], "Secret") == []
     (rayservice,) = by_kind(rendered["custom"], "RayService")
-    assert _env(rayservice, "head")["KVRELAY_API_KEYS"]["valueFrom"]["secretKeyRef"]["name"] == "my-keys"
-    (default_rs,) = by_kind(rendered["default"], "RayService")
-    assert "KVRELAY_API_KEYS" not in _env(default_rs, "head")
+    for group in ("head", "prefill", "decode"):
+        ref = _env(rayservice, group)["KVRELAY_API_KEYS"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "my-keys", "key": "api-keys"}
+        assert ref.get("optional", False) is False
+
+
+def test_no_api_keys_and_no_opt_out_fails_clearly(helm, tmp_path):
+    error = render_error(helm, "{}\n", tmp_path, base=[])
+    assert ("no API keys: set apiKeys.existingSecret (a Secret with key api-keys) or apiKeys.keys, "
+            "or set auth.allowUnauthenticated=true to serve the API without authentication") in error
+
+
+def test_unauthenticated_only_when_asked(helm, tmp_path):
+    docs = render(helm, [], sets=["auth.allowUnauthenticated=true"])
+    assert [d["metadata"]["name"] for d in by_kind(docs, "Secret")] == ["kvrelay-ray-token"]
+    (rayservice,) = by_kind(docs, "RayService")
+    for group in ("head", "prefill", "decode"):
+        env = _env(rayservice, group)
+        assert "KVRELAY_API_KEYS" not in env and "KVRELAY_ADMIN_API_KEYS" not in env
+    error = render_error(helm, "auth: {allowUnauthenticated: true}\n", tmp_path)  # and the minimal keys
+    assert "auth.allowUnauthenticated is true but API keys are configured" in error
+
+
+def test_pod_annotations_reveal_nothing_about_the_keys(helm):
+    """The rollout annotation must not be derived from the keys (a hash of them in the RayService
+    lets anyone who reads it check a guess): two key sets render the same pod templates, and
+    apiKeys.rotationId is what announces a change of keys."""
+    def annotations(*sets: str) -> dict[str, dict]:
+        (rayservice,) = by_kind(render(helm, [], sets=list(sets)), "RayService")
+        return {group: t["metadata"]["annotations"] for group, t in pod_templates(rayservice).items()}
+
+    first = annotations("apiKeys.keys={sk-1}")
+    assert first == annotations("apiKeys.keys={sk-2}", "apiKeys.adminKeys={sk-admin}")
+    for group in ("head", "prefill", "decode"):
+        assert sorted(first[group]) == ["checksum/config", "kvrelay.io/api-keys-rotation"]
+        assert first[group]["kvrelay.io/api-keys-rotation"] == ""
+    rotated = annotations("apiKeys.keys={sk-1}", "apiKeys.rotationId=2026-11-25")
+    assert {group: a["kvrelay.io/api-keys-rotation"] for group, a in rotated.items()} == {
+        "head": "2026-11-25", "prefill": "2026-11-25", "decode": "2026-11-25"}
+
+
+# ---- Ray token authentication -------------------------------------------------------------------
+RAY_TOKEN_SECRETS = {"default": "kvrelay-ray-token", "gpu-example": "kvrelay-ray-token", "custom": "my-ray-token"}
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_ray_token_auth_on_every_ray_container(rendered, name):
+    """RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (the names Ray 2.60 reads) in the head and every
+    worker group, and authOptions naming the same Secret: KubeRay needs the token for its own
+    dashboard calls (serveConfigV2, app status) and its autoscaler and wait-gcs-ready containers."""
+    secret = RAY_TOKEN_SECRETS[name]
+    (rayservice,) = by_kind(rendered[name], "RayService")
+    assert rayservice["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token", "secretName": secret}
+    groups = pod_templates(rayservice)
+    assert sorted(groups) == ["decode", "head", "prefill"]
+    for group in groups:
+        env = _env(rayservice, group)
+        assert env["RAY_AUTH_MODE"] == {"name": "RAY_AUTH_MODE", "value": "token"}
+        assert env["RAY_AUTH_TOKEN"] == {"name": "RAY_AUTH_TOKEN",
+                                         "valueFrom": {"secretKeyRef": {"name": secret, "key": "auth_token"}}}
+        assert "RAY_AUTH_TOKEN_PATH" not in env
+
+
+def test_ray_token_secret_is_generated_unless_given(rendered):
+    (secret,) = by_kind(rendered["default"], "Secret")
+    assert secret["metadata"]["name"] == "kvrelay-ray-token"
+    assert sorted(secret["data"]) == ["auth_token"]
+    token = base64.b64decode(secret["data"]["auth_token"]).decode()
+    assert len(token) == 64 and token.isalnum()
+    assert by_kind(rendered["custom"], "Secret") == []  # auth.rayToken.existingSecret: my-ray-token
+
+
+# ---- NetworkPolicy -----------------------------------------------------------------------------
+SELF = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvrelay", "app.kubernetes.io/instance": "kvrelay"}}}
+OPERATOR = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}
+
+
+def _tcp(*ports: int) -> list[dict]:
+    return [{"port": port, "protocol": "TCP"} for port in ports]
+
+
+def _network_policy(helm, tmp_path, values_text: str) -> dict:
+    values = tmp_path / "network-policy.yaml"
+    values.write_text(values_text)
+    (policy,) = by_kind(render(helm, [MINIMAL, values]), "NetworkPolicy")
+    kubernetes_validate.validate(policy, KUBE_VERSION, strict=True)
+    assert policy["metadata"]["name"] == "kvrelay-ray"
+    assert policy["spec"]["podSelector"] == SELF["podSelector"]  # head and workers, any RayCluster
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    return policy
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_network_policy_only_when_enabled(rendered, name):
+    assert by_kind(rendered[name], "NetworkPolicy") == []
+
+
+def test_network_policy_defaults(helm, tmp_path):
+    """Own pods on every port, the operator on dashboard and Serve, the API from anywhere; the head's
+    GCS, dashboard and client ports from nobody else."""
+    policy = _network_policy(helm, tmp_path, "networkPolicy: {enabled: true}\n")
+    assert policy["spec"]["ingress"] == [
+        {"from": [SELF]},
+        {"from": [OPERATOR], "ports": _tcp(8265, 8000)},
+        {"ports": _tcp(8000)},
+    ]
+
+
+def test_network_policy_with_peers(helm, tmp_path):
+    ops = {"ipBlock": {"cidr": "10.20.0.0/16"}}
+    admins = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}},
+              "podSelector": {"matchLabels": {"role": "ray-admin"}}}
+    ingress_nginx = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}
+    prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ray-system"}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}
+    policy = _network_policy(helm, tmp_path, yaml.safe_dump({"networkPolicy": {
+        "enabled": True,
+        "kuberayOperator": operator,
+        "head": {"from": [ops, admins]},
+        "serve": {"allowAll": False, "from": [ingress_nginx]},
+        "metrics": {"from": [prometheus]},
+    }}))
+    assert policy["spec"]["ingress"] == [
+        {"from": [SELF]},
+        {"from": [operator], "ports": _tcp(8265, 8000)},
+        {"from": [ops, admins], "ports": _tcp(6379, 8265, 10001)},
+        {"from": [ingress_nginx], "ports": _tcp(8000)},
+        {"from": [prometheus], "ports": _tcp(8080)},
+    ]
+
+
+def test_network_policy_never_admits_everyone_by_omission(helm, tmp_path):
+    """An empty peer list must drop its rule: a rule with no `from` would admit every source."""
+    policy = _network_policy(helm, tmp_path, "networkPolicy: {enabled: true, serve: {allowAll: false}}\n")
+    assert policy["spec"]["ingress"] == [{"from": [SELF]}, {"from": [OPERATOR], "ports": _tcp(8265, 8000)}]
 
 
 # ---- model sources -----------------------------------------------------------------------------
@@ -365,6 +525,18 @@ def test_model_from_pvc_is_mounted_in_every_pod(rendered):
          'pricing.models: no price for the served model "smollm2-135m-instruct" (priced: other)'),
         ("serve: {model: x}\n", "serve: Additional property model is not allowed"),
         ("model: {source: image, path: relative/dir}\n", "model.path must be an absolute path in the image"),
+        ("env: [{name: KVRELAY_API_KEYS, value: ''}]\n",
+         "env: KVRELAY_API_KEYS is set by the chart from the API-key Secret (apiKeys); remove it from env"),
+        ("env: [{name: RAY_AUTH_MODE, value: disabled}]\n",
+         "env: RAY_AUTH_MODE would change Ray's token authentication, which the chart sets (auth.rayToken)"),
+        ("networkPolicy: {enabled: true, serve: {from: [{ipBlock: {cidr: 10.0.0.0/8}}]}}\n",
+         "networkPolicy.serve.from is set but networkPolicy.serve.allowAll is true"),
+        ("networkPolicy: {enabled: true}\nmonitoring: {podMonitor: {enabled: true}}\n",
+         "networkPolicy.enabled with monitoring.podMonitor.enabled: set networkPolicy.metrics.from"),
+        ("networkPolicy: {enabled: true, head: {from: [{}]}}\n",
+         "networkPolicy.head.from.0: Must have at least 1 properties"),
+        ('rayVersion: "2.51.0"\n',
+         "rayVersion 2.51.0: Ray token authentication (RAY_AUTH_MODE=token) needs Ray 2.52.0 or newer"),
     ],
 )
 def test_bad_values_fail_naming_the_field(helm, tmp_path, values_text, message):
@@ -452,7 +624,7 @@ def test_monitoring_enabled_without_files_fails_clearly(helm, tmp_path):
     chart = tmp_path / "kvrelay"
     shutil.copytree(CHART, chart)
     shutil.rmtree(chart / "files")
-    result = run_helm(helm, "template", "kvrelay", "--set", "monitoring.prometheusRule.enabled=true",
+    result = run_helm(helm, "template", "kvrelay", "-f", str(MINIMAL), "--set", "monitoring.prometheusRule.enabled=true",
                       chart=chart, check=False)
     assert result.returncode != 0
     assert "files/prometheus/kvrelay-alerts.yaml; run helm/tools/sync-files.sh" in result.stderr
@@ -467,9 +639,11 @@ def test_notes_give_the_command_to_reach_the_api(helm, tmp_path):
     (chart / "templates" / "NOTES.txt").rename(chart / "notes.txt")
     (chart / "templates" / "notes.yaml").write_text('notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}\n')
     out = run_helm(helm, "template", "kvrelay", "--namespace", "llm", "--show-only", "templates/notes.yaml",
-                   chart=chart).stdout
+                   "-f", str(MINIMAL), chart=chart).stdout
     out = yaml.safe_load(out)["notes"]
     assert "kubectl -n llm port-forward svc/kvrelay 8000:8000" in out
     assert "curl -s http://127.0.0.1:8000/v1/chat/completions" in out
     assert '"model": "smollm2-135m-instruct"' in out
     assert "kubectl -n llm port-forward svc/kvrelay-head-svc 8265:8265" in out
+    assert ("export RAY_AUTH_TOKEN=$(kubectl -n llm get secret kvrelay-ray-token "
+            "-o jsonpath='{.data.auth_token}' | base64 -d)") in out

@@ -32,8 +32,36 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- .Values.apiKeys.existingSecret | default (printf "%s-api-keys" (include "kvrelay.fullname" .)) -}}
 {{- end -}}
 
+{{/* Ray's token: KubeRay reads the key `auth_token` (authOptions.secretName). */}}
+{{- define "kvrelay.rayTokenSecretName" -}}
+{{- .Values.auth.rayToken.existingSecret | default (printf "%s-ray-token" (include "kvrelay.fullname" .)) -}}
+{{- end -}}
+
 {{- define "kvrelay.hasApiKeys" -}}
 {{- if or .Values.apiKeys.existingSecret .Values.apiKeys.keys .Values.apiKeys.adminKeys }}true{{ end -}}
+{{- end -}}
+
+{{/* Fail closed: API keys, or an explicit opt-out, never a silent default; and no `env` entry
+     may replace what the chart sets for authentication (a later duplicate wins in a pod). */}}
+{{- define "kvrelay.checkAuth" -}}
+{{- $hasKeys := include "kvrelay.hasApiKeys" . -}}
+{{- if and $hasKeys .Values.auth.allowUnauthenticated -}}
+{{- fail "auth.allowUnauthenticated is true but API keys are configured (apiKeys.keys, apiKeys.adminKeys or apiKeys.existingSecret): set one or the other" -}}
+{{- end -}}
+{{- if not (or $hasKeys .Values.auth.allowUnauthenticated) -}}
+{{- fail "no API keys: set apiKeys.existingSecret (a Secret with key api-keys) or apiKeys.keys, or set auth.allowUnauthenticated=true to serve the API without authentication" -}}
+{{- end -}}
+{{- range .Values.env -}}
+{{- if has .name (list "KVRELAY_API_KEYS" "KVRELAY_ADMIN_API_KEYS") -}}
+{{- fail (printf "env: %s is set by the chart from the API-key Secret (apiKeys); remove it from env" .name) -}}
+{{- end -}}
+{{- if has .name (list "RAY_AUTH_MODE" "RAY_AUTH_TOKEN" "RAY_AUTH_TOKEN_PATH") -}}
+{{- fail (printf "env: %s would change Ray's token authentication, which the chart sets (auth.rayToken); remove it from env" .name) -}}
+{{- end -}}
+{{- end -}}
+{{- if not (semverCompare ">=2.52.0" .Values.rayVersion) -}}
+{{- fail (printf "rayVersion %s: Ray token authentication (RAY_AUTH_MODE=token) needs Ray 2.52.0 or newer" .Values.rayVersion) -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "kvrelay.hasConfigMap" -}}
@@ -121,17 +149,27 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{/* The Serve controller builds the app in a task that may run on any node, so every container
-     gets the API keys (read by load_config) and the mounted files. */}}
+     gets the API keys (read by load_config) and the mounted files. Ray reads RAY_AUTH_MODE and
+     RAY_AUTH_TOKEN (Ray 2.60: the env var first, then the file at RAY_AUTH_TOKEN_PATH); KubeRay,
+     told the same Secret in authOptions, leaves variables already set alone. */}}
 {{- define "kvrelay.env" -}}
 - name: KVRELAY_CACHE_DIR
   value: /var/cache/kvrelay
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvrelay.rayTokenSecretName" . }}
+      key: auth_token
 {{- if include "kvrelay.hasApiKeys" . }}
+{{- /* Not optional: a missing Secret or `api-keys` key stops the pod (CreateContainerConfigError).
+       A missing `admin-api-keys` only means no admin keys: less access, never more. */}}
 - name: KVRELAY_API_KEYS
   valueFrom:
     secretKeyRef:
       name: {{ include "kvrelay.secretName" . }}
       key: api-keys
-      optional: true
 - name: KVRELAY_ADMIN_API_KEYS
   valueFrom:
     secretKeyRef:
@@ -145,10 +183,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{/* Rolls a new RayCluster (KubeRay's zero-downtime upgrade) when mounted files change: Serve
-     reads them only when it builds the app. */}}
+     reads them only when it builds the app. Nothing here is derived from the API keys: a hash of
+     them in the RayService (readable by more people than the Secret) would let a guess be checked
+     offline. A new existingSecret name rolls the cluster by itself (the env changes); a change of
+     the keys under the same name is announced by apiKeys.rotationId. */}}
 {{- define "kvrelay.checksums" -}}
 checksum/config: {{ printf "%s%s" (toYaml .Values.autoscaling) (toYaml .Values.pricing) | sha256sum | trunc 16 }}
-checksum/api-keys: {{ toYaml .Values.apiKeys | sha256sum | trunc 16 }}
+{{- if include "kvrelay.hasApiKeys" . }}
+kvrelay.io/api-keys-rotation: {{ .Values.apiKeys.rotationId | quote }}
+{{- end }}
 {{- end -}}
 
 {{/* A pod template of one group. Args: dict root, role, group, container name. */}}
