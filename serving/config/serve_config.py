@@ -92,6 +92,11 @@ class ServeConfig(StrictModel):
         description="Keys that are accepted like api_keys and also see every key's totals at "
         "GET /v1/usage (other keys see their own).",
     )
+    require_api_keys: bool = Field(
+        False,
+        description="Refuse to start without API keys, so an empty key list (a Secret whose value is "
+        "empty) never means an open API; the Helm chart sets it unless auth.allowUnauthenticated.",
+    )
     tiers: dict[str, TierConfig] = Field(
         default_factory=lambda: {DEFAULT_TIER: TierConfig()},
         description="Per-key limits and priorities by tier name (serving/config/access.py); a key's `tier` "
@@ -155,6 +160,11 @@ class ServeConfig(StrictModel):
                     f"{getattr(decode, key)!r}: the pools hand KV over, so they must agree; set it in "
                     f"`engine` for both"
                 )
+        if self.require_api_keys and not self.keys:
+            raise ValueError(
+                "require_api_keys is true but no api_keys or admin_api_keys are configured (is "
+                "KVRELAY_API_KEYS, or the Secret it comes from, empty?); give keys, or set require_api_keys: false"
+            )
         names = [key.name for key in self.keys]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:

@@ -343,6 +343,7 @@ def test_api_keys_secret_reaches_every_container(helm):
         assert env["KVRELAY_API_KEYS"]["valueFrom"] == {"secretKeyRef": {"name": "kvrelay-api-keys", "key": "api-keys"}}
         assert env["KVRELAY_ADMIN_API_KEYS"]["valueFrom"] == {
             "secretKeyRef": {"name": "kvrelay-api-keys", "key": "admin-api-keys", "optional": True}}
+        assert env["KVRELAY_REQUIRE_API_KEYS"] == {"name": "KVRELAY_REQUIRE_API_KEYS", "value": "true"}
 
 
 def test_missing_api_key_secret_stops_the_pods(rendered):

@@ -52,7 +52,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- fail "no API keys: set apiKeys.existingSecret (a Secret with key api-keys) or apiKeys.keys, or set auth.allowUnauthenticated=true to serve the API without authentication" -}}
 {{- end -}}
 {{- range .Values.env -}}
-{{- if has .name (list "KVRELAY_API_KEYS" "KVRELAY_ADMIN_API_KEYS") -}}
+{{- if has .name (list "KVRELAY_API_KEYS" "KVRELAY_ADMIN_API_KEYS" "KVRELAY_REQUIRE_API_KEYS") -}}
 {{- fail (printf "env: %s is set by the chart from the API-key Secret (apiKeys); remove it from env" .name) -}}
 {{- end -}}
 {{- if has .name (list "RAY_AUTH_MODE" "RAY_AUTH_TOKEN" "RAY_AUTH_TOKEN_PATH") -}}
@@ -176,6 +176,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
       name: {{ include "kvrelay.secretName" . }}
       key: admin-api-keys
       optional: true
+{{- /* A Secret whose api-keys value is empty must not mean an open API: the app refuses to start. */}}
+- name: KVRELAY_REQUIRE_API_KEYS
+  value: "true"
 {{- end }}
 {{- with .Values.env }}
 {{ toYaml . }}

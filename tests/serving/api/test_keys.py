@@ -95,3 +95,13 @@ def test_hash_key_prints_an_entry_a_config_accepts(monkeypatch, capsys):
     assert KeyRing(config.keys).check("sk-cli-key-0123456789").name == "ci"
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     assert main(["hash-key"]) == 2
+
+
+def test_an_empty_key_list_never_opens_the_api_where_keys_are_required():
+    from serving.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"KVRELAY_REQUIRE_API_KEYS": "true", "KVRELAY_API_KEYS": " , "})
+    assert "require_api_keys is true but no api_keys or admin_api_keys are configured" in str(info.value)
+    config = load_config(env={"KVRELAY_REQUIRE_API_KEYS": "true", "KVRELAY_ADMIN_API_KEYS": "sk-only-admin-000000"})
+    assert [k.is_admin for k in config.keys] == [True]
