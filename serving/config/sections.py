@@ -143,6 +143,12 @@ class IngressConfig(StrictModel):
     num_replicas: int = Field(1, ge=1, le=64, description="OpenAIIngress replicas.")
     num_cpus: float = Field(0.1, gt=0, le=64, description="Ray logical CPUs per ingress replica.")
     max_ongoing_requests: int = Field(1024, ge=1, description="Concurrent requests per ingress replica.")
+    max_merged_tokens: int = Field(
+        16, ge=1, le=1024,
+        description="Under load, the tokens of one request that reached the ingress while it was busy go out "
+        "in one SSE event, up to this many (1: an event per engine step). A token that finds the ingress "
+        "idle goes out at once.",
+    )
 
 
 class HTTPConfig(StrictModel):
