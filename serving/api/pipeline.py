@@ -28,7 +28,7 @@ from serving.api.protocol import ChatMessage, message_text
 from serving.engine.block_hash import hash_blocks
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.errors import ContextLengthError, InvalidRequestError
-from serving.engine.outputs import RequestOutput, TokenLogprob
+from serving.engine.outputs import RequestOutput, TokenLogprob, merge_outputs
 from serving.engine.params import SamplingParams
 from serving.engine.stop_checker import StopChecker
 from serving.engine.validation import ModelInfo, check_request
@@ -115,10 +115,11 @@ class _Choice:
 
 
 class Frontend:
-    def __init__(self, tokenizer, backend: Backend, model_name: str):
+    def __init__(self, tokenizer, backend: Backend, model_name: str, *, max_merged_tokens: int = 16):
         self.tokenizer = tokenizer
         self.backend = backend
         self.model_name = model_name
+        self.max_merged_tokens = max_merged_tokens
         self._info: ModelInfo | None = None
         self._info_lock = asyncio.Lock()
 
@@ -203,7 +204,7 @@ class Frontend:
             trace_context=trace.carrier() if trace is not None else None,
         )
         choices = [_Choice(self.tokenizer, prompt_ids, params) for _ in range(params.n)]
-        stream = self.backend.generate(request)
+        stream = coalesced(self.backend.generate(request), self.max_merged_tokens)
         num_cached: int | None = None  # from the first output: where the prompt was computed
         detok = _DetokenizeTimer() if trace is not None else None
         try:
@@ -269,6 +270,51 @@ class Frontend:
             return bytes(_BYTE_LEVEL_CHARS[c] for c in piece)
         return text.encode("utf-8")
 
+
+
+async def coalesced(stream: AsyncIterator[RequestOutput], max_tokens: int) -> AsyncIterator[RequestOutput]:
+    """`stream` read ahead: each output comes with those that arrived behind it while the last
+    one was being handled merged in, up to `max_tokens` tokens (like a stream interval that is
+    only paid under load). An output that finds nothing queued goes on at once, so the first
+    token is never held back. Closing this closes `stream`, which aborts the request."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump():
+        try:
+            async for out in stream:
+                queue.put_nowait(out)
+            queue.put_nowait(end)
+        except Exception as exc:  # noqa: BLE001 - raised to the reader, after what came before it
+            queue.put_nowait(exc)
+
+    task = asyncio.create_task(pump())
+    try:
+        item = await queue.get()
+        while item is not end:
+            if isinstance(item, BaseException):
+                raise item
+            out, item = item, None
+            copied = False  # merge into a copy: the first output may be someone else's object
+            while not out.finished and not queue.empty():
+                nxt = queue.get_nowait()
+                if nxt is end or isinstance(nxt, BaseException) or _num_tokens(out) + _num_tokens(nxt) > max_tokens:
+                    item = nxt
+                    break
+                out = merge_outputs(out if copied else merge_outputs(None, out), nxt)
+                copied = True
+            yield out
+            if item is None:
+                item = await queue.get()
+    finally:
+        # A pump still inside the stream owns it; cancelling the pump ends the stream.
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await stream.aclose()
+
+
+def _num_tokens(out: RequestOutput) -> int:
+    return sum(len(c.token_ids) for c in out.outputs)
 
 
 class _DetokenizeTimer:

@@ -149,6 +149,12 @@ class IngressConfig(StrictModel):
         "its keys' admissions with the others (a key's limit may be exceeded by what the others "
         "admitted in the last two intervals: serving/api/limits.py).",
     )
+    max_merged_tokens: int = Field(
+        16, ge=1, le=1024,
+        description="Under load, the tokens of one request that reached the ingress while it was busy go out "
+        "in one SSE event, up to this many (1: an event per engine step). A token that finds the ingress "
+        "idle goes out at once.",
+    )
 
 
 class HTTPConfig(StrictModel):

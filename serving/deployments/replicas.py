@@ -110,7 +110,7 @@ class OpenAIIngress:
         self.backend = ServeBackend(cfg, prefill=prefill, decode=decode)
         model_price = ModelPrice.model_validate(price) if price is not None else None
         fallback = cfg.degradation.fallback if cfg.degradation is not None else None
-        self.server = OpenAIServer(Frontend(tokenizer, self.backend, cfg.model_name), cfg, model_price,
+        self.server = OpenAIServer(Frontend(tokenizer, self.backend, cfg.model_name, max_merged_tokens=cfg.ingress.max_merged_tokens), cfg, model_price,
                                    FallbackClient(fallback.app) if fallback is not None else None)
         self.backend.on_recovery = self.server.metrics.recovered
         self.pool_view = export_serve_pools(self.server.metrics, cfg.app_name, (prefill, decode))
