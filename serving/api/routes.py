@@ -13,6 +13,10 @@ out of range is a 400 whose `param` names it. A streaming request is answered wi
 status if it fails before its first token; after that, failures arrive as an SSE `error` event
 followed by `data: [DONE]`.
 
+A prompt is rendered (chat template) and tokenized in a thread with a time limit, so no request
+holds up the event loop, and a request's `chat_template_kwargs` reach the template only as
+allow-listed scalar variables (serving/api/chat_template.py, `api:` in the config).
+
 Each request is billed to its API key (serving/api/usage.py) when its tokens are final: answered 200,
 or ended early (the client left, or it failed mid-generation) after its first token, for the
 tokens it got;
@@ -36,6 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from serving.api.chat_template import render_off_loop, template_kwargs
 from serving.api.degradation import Degrader
 from serving.api.errors import APIError, AuthenticationError, ModelNotFoundError, error_status, to_api_error
 from serving.api.forwarding import Forwarder
@@ -205,10 +210,14 @@ class OpenAIServer:
         request = parse_body(ChatCompletionRequest, body)
         self._check_model(request.model)
         params = sampling_params(request)
+        kwargs = template_kwargs(request.chat_template_kwargs, self.config.api)
         with tracing.stage(call.trace, "tokenize"):
-            prompt_ids = self.frontend.encode_chat(
-                request.messages, add_generation_prompt=request.add_generation_prompt,
-                chat_template_kwargs=request.chat_template_kwargs,
+            prompt_ids = await render_off_loop(
+                lambda: self.frontend.encode_chat(
+                    request.messages, add_generation_prompt=request.add_generation_prompt, chat_template_kwargs=kwargs,
+                ),
+                self.config.api.render_timeout_s,
+                param="chat_template_kwargs.chat_template" if "chat_template" in kwargs else "messages",
             )
             await self.frontend.validate(prompt_ids, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -292,7 +301,12 @@ class OpenAIServer:
         if request.echo and request.stream:
             raise APIError(400, "echo: is not supported with stream", param="echo", code="invalid_value")
         with tracing.stage(call.trace, "tokenize"):
-            prompt_ids = [self.frontend.encode_prompt(p) for p in prompts]
+            if any(isinstance(p, str) for p in prompts):  # token ids need no tokenizer
+                prompt_ids = await render_off_loop(
+                    lambda: [self.frontend.encode_prompt(p) for p in prompts], self.config.api.render_timeout_s, param="prompt",
+                )
+            else:
+                prompt_ids = [self.frontend.encode_prompt(p) for p in prompts]
             for ids in prompt_ids:
                 await self.frontend.validate(ids, params, prompt_param="prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
