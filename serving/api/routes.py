@@ -44,6 +44,7 @@ from serving.api.chat_template import render_off_loop, template_kwargs
 from serving.api.degradation import Degrader
 from serving.api.errors import APIError, AuthenticationError, ModelNotFoundError, error_status, to_api_error
 from serving.api.forwarding import Forwarder
+from serving.api import limits
 from serving.api.http_io import chain_deltas, error_response, finite_logprob, first_delta, merge_deltas, parse_body, read_json, split_prompts, sse_response
 from serving.api.pipeline import ChoiceDelta, Frontend, Usage
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
@@ -209,6 +210,7 @@ class OpenAIServer:
     async def chat_completions(self, body: dict, call: _Call) -> Response:
         request = parse_body(ChatCompletionRequest, body)
         self._check_model(request.model)
+        limits.check_request(request, 1, self.config.api)
         params = sampling_params(request)
         kwargs = template_kwargs(request.chat_template_kwargs, self.config.api)
         with tracing.stage(call.trace, "tokenize"):
@@ -220,6 +222,8 @@ class OpenAIServer:
                 param="chat_template_kwargs.chat_template" if "chat_template" in kwargs else "messages",
             )
             await self.frontend.validate(prompt_ids, params)
+        info = await self.frontend.model_info()
+        [params] = limits.fit_max_tokens(params, [len(prompt_ids)], info.max_model_len, self.config.api, param=limits.max_tokens_param(request))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if call.trace is not None:
             call.trace.set({"kvrelay.request_id": request_id, "gen_ai.request.model": self.model_name})
@@ -296,8 +300,9 @@ class OpenAIServer:
     async def completions(self, body: dict, call: _Call) -> Response:
         request = parse_body(CompletionRequest, body)
         self._check_model(request.model)
-        params = sampling_params(request)
         prompts = split_prompts(request.prompt)
+        limits.check_request(request, len(prompts), self.config.api)
+        params = sampling_params(request)
         if request.echo and request.stream:
             raise APIError(400, "echo: is not supported with stream", param="echo", code="invalid_value")
         with tracing.stage(call.trace, "tokenize"):
@@ -309,6 +314,8 @@ class OpenAIServer:
                 prompt_ids = [self.frontend.encode_prompt(p) for p in prompts]
             for ids in prompt_ids:
                 await self.frontend.validate(ids, params, prompt_param="prompt")
+        info = await self.frontend.model_info()
+        per_prompt = limits.fit_max_tokens(params, [len(ids) for ids in prompt_ids], info.max_model_len, self.config.api, param="max_tokens")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if call.trace is not None:
             call.trace.set({"kvrelay.request_id": request_id, "gen_ai.request.model": self.model_name})
@@ -316,7 +323,7 @@ class OpenAIServer:
         usages = [Usage() for _ in prompts]
         streams = [
             self.frontend.generate(
-                f"{request_id}-{i}", ids, params, usages[i], priority=request.priority,
+                f"{request_id}-{i}", ids, per_prompt[i], usages[i], priority=request.priority,
                 cache_salt=request.cache_salt, index_offset=i * params.n, session=request.user, trace=call.trace,
             )
             for i, ids in enumerate(prompt_ids)
