@@ -2,7 +2,9 @@
 as server-sent events.
 
     read_json / parse_body    body bytes -> dict -> wire model; failures become APIErrors
-                              (422 + `detail` for malformed JSON, 400 naming the field otherwise)
+                              (413 past the size limit, checked on Content-Length before reading
+                              and while reading; 422 + `detail` for malformed JSON; 400 for
+                              nesting too deep to parse, and naming the field otherwise)
     first_delta / chain_deltas
                               pull the first delta before answering, so a failure before any
                               token is an HTTP status and not an SSE event
@@ -35,18 +37,41 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def read_json(request: Request, max_bytes: int) -> dict:
-    raw = await request.body()
-    if len(raw) > max_bytes:
-        raise APIError(413, f"The request body has {len(raw)} bytes; the limit is {max_bytes}.", code="request_too_large")
+    """The body as a JSON object, read no further than `max_bytes`: a larger Content-Length is
+    refused before a byte is read, and a body without one (chunked) as soon as it passes the limit,
+    so a client cannot make the ingress buffer more than that."""
+    declared = _content_length(request)
+    if declared is not None and declared > max_bytes:
+        raise APIError(413, f"The request body has {declared} bytes; the limit is {max_bytes}.", code="request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(413, f"The request body has more than {max_bytes} bytes, the limit.", code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         error = APIError(422, f"The request body is not valid JSON: {exc}", code="invalid_json")
         error.detail = [{"type": "json_invalid", "loc": ["body", getattr(exc, "pos", 0)], "msg": "JSON decode error", "input": {}, "ctx": {"error": str(exc)}}]
         raise error from exc
+    except RecursionError:  # the C decoder's guard: about a thousand levels of [ or {
+        raise APIError(400, "The request body nests arrays or objects too deeply to parse.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(422, f"The request body must be a JSON object, got {type(body).__name__}.", code="invalid_json")
     return body
+
+
+def _content_length(request: Request) -> int | None:
+    """The declared body size; None without the header (a chunked body)."""
+    value = request.headers.get("content-length")
+    if value is None:
+        return None
+    if not value.strip().isascii() or not value.strip().isdigit():
+        raise APIError(400, f"The Content-Length header must be a number of bytes, got {value!r}.", code="invalid_content_length")
+    return int(value)
 
 
 def parse_body(model, body: dict):

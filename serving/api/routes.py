@@ -13,6 +13,10 @@ out of range is a 400 whose `param` names it. A streaming request is answered wi
 status if it fails before its first token; after that, failures arrive as an SSE `error` event
 followed by `data: [DONE]`.
 
+A prompt is rendered (chat template) and tokenized in a thread with a time limit, so no request
+holds up the event loop, and a request's `chat_template_kwargs` reach the template only as
+allow-listed scalar variables (serving/api/chat_template.py, `api:` in the config).
+
 Each request is billed to its API key (serving/api/usage.py) when its tokens are final: answered 200,
 or ended early (the client left, or it failed mid-generation) after its first token, for the
 tokens it got;
@@ -36,18 +40,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from serving.api.chat_template import render_off_loop, template_kwargs
 from serving.api.degradation import Degrader
 from serving.api.errors import APIError, AuthenticationError, ModelNotFoundError, error_status, to_api_error
 from serving.api.forwarding import Forwarder
+from serving.api import limits
 from serving.api.http_io import chain_deltas, error_response, finite_logprob, first_delta, merge_deltas, parse_body, read_json, split_prompts, sse_response
 from serving.api.pipeline import ChoiceDelta, Frontend, Usage
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
 from serving.api.keys import ANONYMOUS, KeyRing
-from serving.api.limits import RateLimiter, Ticket
+from serving.api.rate_limits import RateLimiter, Ticket
 from serving.api.usage import ModelPrice, RequestAccount, UsageLedger, load_pricing
 from serving.config import ServeConfig
 from serving.config.access import APIKey
 from serving.engine.outputs import TokenLogprob
+from serving.engine.params import SamplingParams
 from serving.observability import tracing
 from serving.observability.ingress_metrics import CLIENT_CLOSED, IngressMetrics, RequestRecord
 
@@ -259,9 +266,10 @@ class OpenAIServer:
         if not self._may_use(key, self.model_name):
             raise ModelNotFoundError(model or self.model_name, [])
 
-    def _admit(self, call: _Call, prompt_ids: list[list[int]], max_tokens: int | None, n: int, max_model_len: int) -> None:
-        """Take the request's tokens (its prompts and all it may generate) from its key's limits."""
-        num_tokens = sum(len(ids) + n * (max_tokens if max_tokens is not None else max_model_len - len(ids)) for ids in prompt_ids)
+    def _admit(self, call: _Call, prompt_ids: list[list[int]], params: list[SamplingParams]) -> None:
+        """Take the request's tokens (its prompts and all it may generate, max_tokens resolved per
+        prompt) from its key's limits."""
+        num_tokens = sum(len(ids) + p.n * p.max_tokens for ids, p in zip(prompt_ids, params, strict=True))
         call.ticket = self.limiter.admit(call.key, num_tokens)
 
     def _model_card(self) -> dict:
@@ -271,14 +279,21 @@ class OpenAIServer:
     async def chat_completions(self, body: dict, call: _Call) -> Response:
         request = parse_body(ChatCompletionRequest, body)
         self._check_model(request.model, call.key)
+        limits.check_request(request, 1, self.config.api)
         params = sampling_params(request)
+        kwargs = template_kwargs(request.chat_template_kwargs, self.config.api)
         with tracing.stage(call.trace, "tokenize"):
-            prompt_ids = self.frontend.encode_chat(
-                request.messages, add_generation_prompt=request.add_generation_prompt,
-                chat_template_kwargs=request.chat_template_kwargs,
+            prompt_ids = await render_off_loop(
+                lambda: self.frontend.encode_chat(
+                    request.messages, add_generation_prompt=request.add_generation_prompt, chat_template_kwargs=kwargs,
+                ),
+                self.config.api.render_timeout_s,
+                param="chat_template_kwargs.chat_template" if "chat_template" in kwargs else "messages",
             )
             await self.frontend.validate(prompt_ids, params)
-        self._admit(call, [prompt_ids], params.max_tokens, params.n, (await self.frontend.model_info()).max_model_len)
+        info = await self.frontend.model_info()
+        [params] = limits.fit_max_tokens(params, [len(prompt_ids)], info.max_model_len, self.config.api, param=limits.max_tokens_param(request))
+        self._admit(call, [prompt_ids], [params])
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if call.trace is not None:
             call.trace.set({"kvrelay.request_id": request_id, "gen_ai.request.model": self.model_name})
@@ -355,15 +370,23 @@ class OpenAIServer:
     async def completions(self, body: dict, call: _Call) -> Response:
         request = parse_body(CompletionRequest, body)
         self._check_model(request.model, call.key)
-        params = sampling_params(request)
         prompts = split_prompts(request.prompt)
+        limits.check_request(request, len(prompts), self.config.api)
+        params = sampling_params(request)
         if request.echo and request.stream:
             raise APIError(400, "echo: is not supported with stream", param="echo", code="invalid_value")
         with tracing.stage(call.trace, "tokenize"):
-            prompt_ids = [self.frontend.encode_prompt(p) for p in prompts]
+            if any(isinstance(p, str) for p in prompts):  # token ids need no tokenizer
+                prompt_ids = await render_off_loop(
+                    lambda: [self.frontend.encode_prompt(p) for p in prompts], self.config.api.render_timeout_s, param="prompt",
+                )
+            else:
+                prompt_ids = [self.frontend.encode_prompt(p) for p in prompts]
             for ids in prompt_ids:
                 await self.frontend.validate(ids, params, prompt_param="prompt")
-        self._admit(call, prompt_ids, params.max_tokens, params.n, (await self.frontend.model_info()).max_model_len)
+        info = await self.frontend.model_info()
+        per_prompt = limits.fit_max_tokens(params, [len(ids) for ids in prompt_ids], info.max_model_len, self.config.api, param="max_tokens")
+        self._admit(call, prompt_ids, per_prompt)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if call.trace is not None:
             call.trace.set({"kvrelay.request_id": request_id, "gen_ai.request.model": self.model_name})
@@ -371,7 +394,7 @@ class OpenAIServer:
         usages = [Usage() for _ in prompts]
         streams = [
             self.frontend.generate(
-                f"{request_id}-{i}", ids, params, usages[i], priority=call.priority,
+                f"{request_id}-{i}", ids, per_prompt[i], usages[i], priority=call.priority,
                 cache_salt=request.cache_salt, index_offset=i * params.n, session=request.user, trace=call.trace,
             )
             for i, ids in enumerate(prompt_ids)

@@ -13,6 +13,7 @@ from serving.config.layout import auto_mode, node_cores
 from serving.config.sections import (
     MOVED_KEYS,
     POOLS,
+    APIConfig,
     DegradationConfig,
     EngineSettings,
     HTTPConfig,
@@ -110,7 +111,14 @@ class ServeConfig(StrictModel):
         "response then carries its cost. null: usage without cost.",
     )
     max_request_body_bytes: int = Field(
-        8 * 2**20, ge=1024, description="Larger request bodies are refused with 413."
+        8 * 2**20, ge=1024,
+        description="Larger request bodies are refused with 413: at once when Content-Length says "
+        "so, else as soon as the body read passes it.",
+    )
+    api: APIConfig = Field(
+        default_factory=APIConfig,
+        description="What one API request may ask for (prompts, n, max_tokens, logprobs, logit_bias, "
+        "stop, chat template kwargs) and how long its prompt may take to render; over a limit: 400.",
     )
     degradation: DegradationConfig | None = Field(
         None,

@@ -33,7 +33,7 @@ from serving.engine.model_runner import ModelRunner
 from serving.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob, merge_outputs
 from serving.engine.params import SamplingParams
 from serving.engine.request import RequestStatus, Sequence
-from serving.engine.sampler import Sampler, SamplingRow
+from serving.engine.sampler import LogitBias, Sampler, SamplingRow
 from serving.engine.scheduler import Scheduler
 from serving.engine.setup import build_parts
 from serving.engine.stop_checker import StopChecker
@@ -61,6 +61,7 @@ class _Request:
     num_prompt_tokens: int
     arrival_time: float
     waiting_children: list[Sequence] = field(default_factory=list)
+    logit_bias: LogitBias | None = None  # its params' logit_bias as tensors, for every step's rows
 
     @property
     def finished(self) -> bool:
@@ -166,7 +167,7 @@ class LLMEngine:
                 self.tokenizer, skip_special_tokens=params.skip_special_tokens,
             ) if params.detokenize else None
             states.append(_SeqState(seq, detokenizer, StopChecker.for_params(params, self.eos_token_ids, max_tokens)))
-        request = _Request(request_id, states, num_prompt, arrival)
+        request = _Request(request_id, states, num_prompt, arrival, logit_bias=LogitBias.of(params.logit_bias, self.device))
         first = states[0].seq
         first.pending_import = kv_payload
         first.export_into = export_into
@@ -294,6 +295,7 @@ class LLMEngine:
             output_token_ids=seq.output_token_ids,
             eos_token_ids=self.eos_token_ids,
             seed_key=None if params.seed is None else (params.seed, seq.index, seq.num_output_tokens),
+            logit_bias=self._requests[seq.request_id].logit_bias,
         )
 
     def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, now: float) -> CompletionOutput:

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 
 from serving.engine.errors import InvalidRequestError
 
-__all__ = ["SamplingParams", "MAX_TOP_LOGPROBS"]
+__all__ = ["SamplingParams", "MAX_N", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS"]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_N = 128  # OpenAI's limit for n
+MAX_STOP_STRINGS = 16  # the ingress's stop checker matches each at every token
 
 
 @dataclass
@@ -75,7 +77,7 @@ class SamplingParams:
 
     def _check_ranges(self) -> None:
         """Raise InvalidRequestError naming the first bad field and its allowed range."""
-        _check_int("n", self.n, lo=1, hi=128)
+        _check_int("n", self.n, lo=1, hi=MAX_N)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, lo=1)
         _check_int("min_tokens", self.min_tokens, lo=0)
@@ -101,8 +103,8 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int):
                 raise InvalidRequestError("stop_token_ids", f"token ids are integers, got {token_id!r}")
-        if len(self.stop) > 16:
-            raise InvalidRequestError("stop", f"at most 16 stop strings, got {len(self.stop)}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop", "stop strings must be non-empty strings")

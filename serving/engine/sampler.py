@@ -8,7 +8,9 @@ Every row goes through the same pipeline, in this order:
       |                   `params.logprobs` most likely tokens (OpenAI reports the model's
       |                   distribution, not the one we sample from)
       v
-    2. logit_bias         added to the named tokens
+    2. logit_bias         added to the named tokens, from the request's LogitBias (token ids and
+                          values as tensors, built once when the request arrives): O(entries) of
+                          each row that has one, never a walk over the request's dict per step
     3. min_tokens         EOS ids and stop_token_ids -> -inf while len(output) < min_tokens
     4. penalties          repetition over prompt + output (HF: l > 0 ? l / p : l * p), then
                           presence and frequency over output only
@@ -60,6 +62,7 @@ from serving.engine.sampling_ops import (
 )
 
 __all__ = [
+    "LogitBias",
     "SamplingRow",
     "SamplerOutput",
     "Sampler",
@@ -72,6 +75,24 @@ __all__ = [
 # Below this temperature a row is sampled greedily, as in vLLM (_SAMPLING_EPS): dividing by
 # a near-zero temperature overflows float32 and softmax returns NaN.
 _MIN_TEMPERATURE = 1e-5
+@dataclass(frozen=True)
+class LogitBias:
+    """A request's `logit_bias` as tensors on the logits' device, built once per request (the engine
+    keeps it with the request): a step adds `values` at `token_ids` of each of its rows."""
+
+    token_ids: torch.Tensor  # int64 [entries]
+    values: torch.Tensor  # float32 [entries]
+
+    @classmethod
+    def of(cls, bias: dict[int, float] | None, device: torch.device | str = "cpu") -> LogitBias | None:
+        if not bias:
+            return None
+        return cls(
+            token_ids=torch.tensor(list(bias.keys()), dtype=torch.long, device=device),
+            values=torch.tensor(list(bias.values()), dtype=torch.float32, device=device),
+        )
+
+
 @dataclass
 class SamplingRow:
     """One sequence that needs a next token this step."""
@@ -81,6 +102,7 @@ class SamplingRow:
     output_token_ids: list[int]  # presence/frequency penalties and min_tokens look at output only
     eos_token_ids: tuple[int, ...] = ()  # masked, with params.stop_token_ids, below min_tokens
     seed_key: tuple[int, int, int] | None = None  # (seed, choice index, output position)
+    logit_bias: LogitBias | None = None  # LogitBias.of(params.logit_bias), built once per request
 
 
 @dataclass
@@ -143,7 +165,10 @@ class Sampler:
             return SamplerOutput(token_ids=[], logprobs=[])
 
         greedy_rows = [i for i, r in enumerate(rows) if _is_greedy(r.params)]
-        bias_rows = [i for i, r in enumerate(rows) if r.params.logit_bias]
+        bias_rows = [i for i, r in enumerate(rows) if r.logit_bias is not None]
+        assert all((r.logit_bias is None) == (not r.params.logit_bias) for r in rows), (
+            "a row's logit_bias must be LogitBias.of(its params.logit_bias)"
+        )
         masked_rows = [i for i, r in enumerate(rows) if _needs_min_tokens_mask(r)]
         penalty_rows = [i for i, r in enumerate(rows) if r.params.needs_penalties]
         logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
@@ -234,20 +259,9 @@ def _needs_min_tokens_mask(row: SamplingRow) -> bool:
 
 
 def _apply_logit_bias(x: torch.Tensor, rows: list[SamplingRow], row_idx: list[int]) -> None:
-    r_idx: list[int] = []
-    c_idx: list[int] = []
-    values: list[float] = []
     for i in row_idx:
-        bias = rows[i].params.logit_bias or {}
-        r_idx.extend([i] * len(bias))
-        c_idx.extend(bias.keys())
-        values.extend(bias.values())
-    device = x.device
-    x.index_put_(
-        (torch.tensor(r_idx, device=device), torch.tensor(c_idx, device=device)),
-        torch.tensor(values, dtype=torch.float32, device=device),
-        accumulate=True,
-    )
+        bias = rows[i].logit_bias
+        x[i].index_add_(0, bias.token_ids, bias.values)
 
 
 def _apply_min_tokens_mask(x: torch.Tensor, rows: list[SamplingRow], row_idx: list[int]) -> None:

@@ -1,173 +1,153 @@
-"""Per-key limits on a virtual clock: exact refusals, Retry-After values and headers, and the
-counters shared by two ingress replicas."""
+"""What one request may ask for, over HTTP (serving/api/limits.py): prompts, n, logprobs, logit_bias,
+stop strings and ids, the default max_tokens and the request's total, each refused with a 400 that
+names the field and the limit; each limit is the config's (`api:`).
+
+    httpx ──ASGI──▶ OpenAIServer ──▶ Frontend ──▶ LocalBackend ──▶ AsyncEngine (tiny model)
+"""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
-from serving.api.limits import LimitReport, LimitsExchange, RateLimiter, RateLimitError, format_reset
-from serving.config.access import TierConfig, hash_key
-from serving.engine.errors import InvalidRequestError
+from serving.api.pipeline import Frontend
+from serving.api.routes import OpenAIServer
+from serving.config import APIConfig, ServeConfig
+from serving.deployments.local_backend import LocalBackend
+from serving.engine import EngineConfig
+from serving.engine.async_engine import AsyncEngine
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 256
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello there"}], "temperature": 0, "max_tokens": 2}
+COMPLETION = {"model": MODEL, "prompt": [1, 2, 3], "temperature": 0, "max_tokens": 2}
 
 
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
+class Stack:
+    def __init__(self, tiny_model_dir):
+        self.engine = AsyncEngine(EngineConfig(
+            model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20, max_model_len=MAX_MODEL_LEN,
+            enable_prefix_caching=False, num_threads=1,
+        ))
+        self.tokenizer = self.engine.tokenizer
+        self.config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL)
+        self.frontend = Frontend(self.tokenizer, LocalBackend(self.engine), MODEL)
+        self.app = self.app_with()
 
-    def __call__(self) -> float:
-        return self.now
-
-
-def _limiter(clock: Clock, **tier) -> tuple[RateLimiter, object]:
-    key = hash_key("sk-test-key-0123456789", name="team", tier="t", salt=b"\x01" * 16)
-    return RateLimiter({"t": TierConfig(**tier), "default": TierConfig()}, clock), key
-
-
-def _refusal(limiter, key, num_tokens=0) -> RateLimitError:
-    with pytest.raises(RateLimitError) as info:
-        limiter.admit(key, num_tokens)
-    return info.value
+    def app_with(self, **api):
+        return OpenAIServer(self.frontend, self.config.model_copy(update={"api": APIConfig(**api)})).build_app()
 
 
-def test_requests_per_minute_is_a_bucket_of_a_minute_refilled_evenly():
-    clock = Clock()
-    limiter, key = _limiter(clock, requests_per_minute=3)
-    for _ in range(3):
-        limiter.admit(key, 10)
-    error = _refusal(limiter, key)
-    # One request's room comes back every 60 / 3 = 20 s.
-    assert (error.status, error.headers["retry-after"], error.type, error.code) == (429, "20", "requests", "rate_limit_exceeded")
-    assert "3 requests per minute" in error.message
-    clock.now += 19.5
-    assert _refusal(limiter, key).headers["retry-after"] == "1"  # 0.5 s, rounded up
-    clock.now += 0.5
-    limiter.admit(key, 10)
-    assert _refusal(limiter, key).headers["retry-after"] == "20"
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir):
+    stack = Stack(tiny_model_dir)
+    yield stack
+    stack.engine.shutdown()
 
 
-def test_tokens_per_minute_reserves_max_tokens_and_gives_back_what_was_not_used():
-    clock = Clock()
-    limiter, key = _limiter(clock, tokens_per_minute=120)  # 2 tokens per second
-    first = limiter.admit(key, 100)
-    error = _refusal(limiter, key, 50)
-    assert (error.headers["retry-after"], error.type) == ("15", "tokens")  # 30 missing / 2 per s
-    first.release(used_tokens=40)  # 60 of its 100 go back: 80 left
-    limiter.admit(key, 50)
-    assert limiter.headers(key)["x-ratelimit-remaining-tokens"] == "30"
-    first.release(used_tokens=0)  # a second release changes nothing
-    assert limiter.headers(key)["x-ratelimit-remaining-tokens"] == "30"
+async def post(app, path: str, body: dict) -> httpx.Response:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        return await c.post(path, json=body)
 
 
-def test_a_request_larger_than_a_minute_of_tokens_is_a_400_naming_max_tokens():
-    limiter, key = _limiter(Clock(), tokens_per_minute=100)
-    with pytest.raises(InvalidRequestError) as info:
-        limiter.admit(key, 101)
-    assert info.value.param == "max_tokens"
-    assert "101 tokens" in str(info.value) and "(100)" in str(info.value)
+def invalid(message: str, param: str) -> dict:
+    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": "invalid_value"}}
 
 
-def test_concurrent_requests_are_limited_until_one_ends():
-    limiter, key = _limiter(Clock(), max_concurrent_requests=2)
-    first = limiter.admit(key, 1)
-    limiter.admit(key, 1)
-    error = _refusal(limiter, key)
-    assert (error.headers["retry-after"], error.headers["x-ratelimit-limit-concurrent"]) == ("1", "2")
-    with pytest.raises(RateLimitError):
-        limiter.check(key)
-    first.release()
-    limiter.check(key)
-    limiter.admit(key, 1)
+# ---- the defaults ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("path", "body", "message", "param"),
+    [
+        ("/v1/completions", {**COMPLETION, "prompt": [[5]] * 65}, "prompt: at most 64 prompts per request, got 65", "prompt"),
+        ("/v1/completions", {**COMPLETION, "prompt": ["a"] * 65}, "prompt: at most 64 prompts per request, got 65", "prompt"),
+        ("/v1/completions", {**COMPLETION, "n": 17}, "n: at most 16 choices per prompt, got 17", "n"),
+        ("/v1/chat/completions", {**CHAT, "n": 128}, "n: at most 16 choices per prompt, got 128", "n"),
+        ("/v1/chat/completions", {**CHAT, "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias: at most 1024 entries, got 1025", "logit_bias"),
+        ("/v1/completions", {**COMPLETION, "stop": ["a", "b" * 257]}, "stop: stop[1] has 257 characters; the limit is 256", "stop"),
+        ("/v1/chat/completions", {**CHAT, "stop": "s" * 300}, "stop: the stop string has 300 characters; the limit is 256", "stop"),
+        ("/v1/chat/completions", {**CHAT, "stop": [str(i) for i in range(17)]}, "stop: at most 16 stop strings, got 17", "stop"),
+        ("/v1/chat/completions", {**CHAT, "stop_token_ids": list(range(65))}, "stop_token_ids: at most 64 token ids, got 65", "stop_token_ids"),
+        ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs: must be in [0, 20], got 21", "top_logprobs"),
+        ("/v1/completions", {**COMPLETION, "logprobs": 21}, "logprobs: must be <= 20, got 21", "logprobs"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_default_limits_are_400s_naming_the_field_and_the_limit(stack, path, body, message, param):
+    response = await post(stack.app, path, body)
+
+    assert response.status_code == 400
+    assert response.json() == invalid(message, param)
 
 
-def test_headers_say_limit_remaining_and_reset_like_openai():
-    clock = Clock()
-    limiter, key = _limiter(clock, requests_per_minute=60, tokens_per_minute=6000)
-    limiter.admit(key, 1500)
-    assert limiter.headers(key) == {
-        "x-ratelimit-limit-requests": "60", "x-ratelimit-remaining-requests": "59", "x-ratelimit-reset-requests": "1s",
-        "x-ratelimit-limit-tokens": "6000", "x-ratelimit-remaining-tokens": "4500", "x-ratelimit-reset-tokens": "15s",
-    }
-    assert [format_reset(s) for s in (0, 0.25, 59.9, 60, 361.5)] == ["0s", "0.25s", "59.9s", "1m0s", "6m1s"]
+@pytest.mark.asyncio
+async def test_requests_at_the_default_limits_are_served(stack):
+    response = await post(stack.app, "/v1/completions", {
+        **COMPLETION, "prompt": [[5]] * 4, "n": 16, "max_tokens": 1, "stop": ["x" * 256] * 16, "stop_token_ids": list(range(64)),
+        "logit_bias": {str(i): 0.5 for i in range(1024)}, "logprobs": 20,
+    })
+
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 64 and response.json()["usage"]["completion_tokens"] == 64
 
 
-def test_an_unlimited_tier_is_never_refused_and_has_no_headers():
-    limiter, _ = _limiter(Clock())
-    key = hash_key("sk-free-key-0123456789", tier="default")
-    for _ in range(1000):
-        limiter.admit(key, 10**6)
-    assert limiter.headers(key) == {}
+# ---- each limit is the config's ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("api", "path", "body", "message", "param"),
+    [
+        ({"max_prompts_per_request": 2}, "/v1/completions", {**COMPLETION, "prompt": ["a", "b", "c"]}, "prompt: at most 2 prompts per request, got 3", "prompt"),
+        ({"max_n": 2}, "/v1/chat/completions", {**CHAT, "n": 3}, "n: at most 2 choices per prompt, got 3", "n"),
+        ({"max_logprobs": 5}, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 6}, "top_logprobs: must be in [0, 5], got 6", "top_logprobs"),
+        ({"max_logprobs": 5}, "/v1/completions", {**COMPLETION, "logprobs": 6}, "logprobs: must be <= 5, got 6", "logprobs"),
+        ({"max_logit_bias_entries": 1}, "/v1/completions", {**COMPLETION, "logit_bias": {"1": 1, "2": 1}}, "logit_bias: at most 1 entries, got 2", "logit_bias"),
+        ({"max_stop_strings": 2}, "/v1/completions", {**COMPLETION, "stop": ["a", "b", "c"]}, "stop: at most 2 stop strings, got 3", "stop"),
+        ({"max_stop_string_chars": 3}, "/v1/completions", {**COMPLETION, "stop": "abcd"}, "stop: the stop string has 4 characters; the limit is 3", "stop"),
+        ({"max_stop_token_ids": 1}, "/v1/completions", {**COMPLETION, "stop_token_ids": [1, 2]}, "stop_token_ids: at most 1 token ids, got 2", "stop_token_ids"),
+        ({"max_output_tokens_per_request": 300}, "/v1/completions", {**COMPLETION, "prompt": [[5], [6], [7], [8]], "n": 2, "max_tokens": 40},
+         "max_tokens: 4 prompt(s) x n 2 x max_tokens 40 = 320 tokens to generate, over the limit of 300 per request; lower max_tokens or n", "max_tokens"),
+        ({"max_output_tokens_per_request": 100}, "/v1/chat/completions", {**CHAT, "n": 2, "max_tokens": 1, "max_completion_tokens": 51},
+         "max_completion_tokens: 1 prompt(s) x n 2 x max_tokens 51 = 102 tokens to generate, over the limit of 100 per request; lower max_tokens or n", "max_completion_tokens"),
+        ({"max_output_tokens_per_request": 100, "default_max_tokens": 60}, "/v1/chat/completions", {**CHAT, "n": 2, "max_tokens": None},
+         "max_tokens: 1 prompt(s) x n 2 x max_tokens 60 = 120 tokens to generate, over the limit of 100 per request; lower max_tokens or n", "max_tokens"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_each_limit_is_a_config_value(stack, api, path, body, message, param):
+    response = await post(stack.app_with(**api), path, body)
+
+    assert response.status_code == 400
+    assert response.json() == invalid(message, param)
 
 
-def _replicas(clock: Clock, **tier):
-    exchange = LimitsExchange(stale_s=10.0, clock=clock)
-    a, key = _limiter(clock, **tier)
-    b, _ = _limiter(clock, **tier)
-    keys = {key.name: key}
+@pytest.mark.asyncio
+async def test_the_total_counts_the_room_left_when_it_is_below_the_default_max_tokens(stack):
+    app = stack.app_with(max_output_tokens_per_request=2 * (MAX_MODEL_LEN - 250) + 1)
 
-    def trade(name, limiter):
-        limiter.apply_peers(exchange.trade(name, limiter.report()), keys)
+    response = await post(app, "/v1/completions", {**COMPLETION, "prompt": [[5] * 250, [6] * 250], "max_tokens": None, "ignore_eos": True})
 
-    return a, b, key, trade
-
-
-def test_two_replicas_share_a_key_s_requests_within_the_documented_drift():
-    clock = Clock()
-    a, b, key, trade = _replicas(clock, requests_per_minute=10)
-    trade("a", a), trade("b", b)  # both known to the exchange
-    for _ in range(6):
-        a.admit(key, 1)
-    for _ in range(6):
-        b.admit(key, 1)
-    # Before a trade each replica sees only its own: 12 admitted, 2 over the limit of 10 (the
-    # bound: what the other replica admitted since the last trade).
-    trade("a", a), trade("b", b), trade("a", a)
-    # Each has now taken the other's 6: 10 - 12 = -2 requests of room, 3 to wait for at 1 per 6 s.
-    assert _refusal(a, key).headers["retry-after"] == "18"
-    assert _refusal(b, key).headers["retry-after"] == "18"
-    clock.now += 18
-    a.admit(key, 1)
-    trade("a", a), trade("b", b)
-    assert _refusal(b, key).headers["retry-after"] == "6"
+    assert response.status_code == 200, response.text
+    assert [c["finish_reason"] for c in response.json()["choices"]] == ["length", "length"]
+    assert response.json()["usage"]["completion_tokens"] == 2 * (MAX_MODEL_LEN - 250)
 
 
-def test_two_replicas_trading_after_every_request_admit_exactly_the_limit():
-    clock = Clock()
-    a, b, key, trade = _replicas(clock, requests_per_minute=10)
-    trade("a", a), trade("b", b)
-    admitted = refused = 0
-    for i in range(30):
-        replica, name = (a, "a") if i % 2 == 0 else (b, "b")
-        trade(name, replica)
-        try:
-            replica.admit(key, 1)
-            admitted += 1
-        except RateLimitError:
-            refused += 1
-        trade(name, replica)
-    assert (admitted, refused) == (10, 20)
+# ---- max_tokens left out -----------------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_a_chat_without_max_tokens_generates_at_most_default_max_tokens(stack):
+    app = stack.app_with(default_max_tokens=5)
+
+    response = await post(app, "/v1/chat/completions", {**CHAT, "max_tokens": None, "ignore_eos": True})
+    completion = await post(app, "/v1/completions", {**COMPLETION, "max_tokens": None, "ignore_eos": True})
+
+    assert response.status_code == completion.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == completion.json()["usage"]["completion_tokens"] == 5
+    assert response.json()["choices"][0]["finish_reason"] == completion.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_requests_in_flight_count_across_replicas_until_a_replica_goes_stale():
-    clock = Clock()
-    a, b, key, trade = _replicas(clock, max_concurrent_requests=2)
-    tickets = [a.admit(key, 1), a.admit(key, 1)]
-    trade("a", a), trade("b", b)
-    assert _refusal(b, key).code == "rate_limit_exceeded"
-    tickets[0].release()
-    trade("a", a), trade("b", b)
-    b.admit(key, 1)
-    # `a` stops trading (it died): after stale_s its request no longer counts at `b`.
-    clock.now += 10.5
-    trade("b", b)
-    b.admit(key, 1)
-    assert b.report().in_flight == {"team": 2}
+@pytest.mark.asyncio
+async def test_without_a_default_a_request_may_fill_the_context_window(stack):
+    app = stack.app_with(default_max_tokens=None)
+    prompt = [5] * (MAX_MODEL_LEN - 7)
 
+    response = await post(app, "/v1/completions", {**COMPLETION, "prompt": prompt, "max_tokens": None, "ignore_eos": True})
 
-def test_a_replica_that_joins_late_takes_none_of_the_history():
-    clock = Clock()
-    exchange = LimitsExchange(clock=clock)
-    exchange.trade("a", LimitReport({"team": (50.0, 500.0)}, {}))
-    assert exchange.trade("b", LimitReport({}, {})) == LimitReport({}, {})
-    exchange.trade("a", LimitReport({"team": (1.0, 7.0)}, {"team": 1}))
-    assert exchange.trade("b", LimitReport({}, {})) == LimitReport({"team": (1.0, 7.0)}, {"team": 1})
-    assert exchange.trade("a", LimitReport({}, {})) == LimitReport({}, {})
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 7

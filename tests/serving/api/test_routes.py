@@ -831,6 +831,71 @@ async def test_a_body_over_the_limit_is_a_413(stack):
     assert response.json() == error_body(f"The request body has {len(raw)} bytes; the limit is 1024.", None, "request_too_large")
 
 
+async def asgi_post(app, path: str, chunks: list[bytes], headers: dict[str, str]) -> tuple[int, dict, int]:
+    """POST `chunks` straight through ASGI (no client to fix the headers up): the status, the JSON
+    body, and how many body messages the app asked for."""
+    received = 0
+    sent: list[dict] = []
+
+    async def receive():
+        nonlocal received
+        received += 1
+        if received > len(chunks):
+            return {"type": "http.disconnect"}
+        return {"type": "http.request", "body": chunks[received - 1], "more_body": received < len(chunks)}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": [(k.encode(), v.encode()) for k, v in {"content-type": "application/json", **headers}.items()],
+        "server": ("test", 80), "client": ("127.0.0.1", 123),
+    }
+    await app(scope, receive, send)
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], json.loads(body), received
+
+
+@pytest.mark.asyncio
+async def test_a_content_length_over_the_limit_is_a_413_before_the_body_is_read(stack):
+    app = stack.app_with(max_request_body_bytes=1024)
+
+    status, body, received = await asgi_post(app, "/v1/chat/completions", [b"{" * 512] * 4, {"content-length": "2048"})
+
+    assert status == 413 and received == 0
+    assert body == error_body("The request body has 2048 bytes; the limit is 1024.", None, "request_too_large")
+
+
+@pytest.mark.asyncio
+async def test_a_chunked_body_is_refused_as_soon_as_it_passes_the_limit(stack):
+    app = stack.app_with(max_request_body_bytes=1024)
+
+    status, body, received = await asgi_post(app, "/v1/chat/completions", [b" " * 512] * 10, {})
+
+    assert status == 413 and received == 3  # 1536 bytes read of 5120
+    assert body == error_body("The request body has more than 1024 bytes, the limit.", None, "request_too_large")
+
+
+@pytest.mark.parametrize("value", ["12abc", "-5", "", "1e3"])
+@pytest.mark.asyncio
+async def test_a_malformed_content_length_is_a_400(stack, value):
+    status, body, received = await asgi_post(stack.app, "/v1/chat/completions", [json.dumps(CHAT).encode()], {"content-length": value})
+
+    assert status == 400 and received == 0
+    assert body == error_body(f"The Content-Length header must be a number of bytes, got {value!r}.", None, "invalid_content_length")
+
+
+@pytest.mark.parametrize("nesting", ["[" * 100_000, '{"a":' * 100_000, '{"messages": ' + "[" * 5000 + "]" * 5000 + "}"])
+@pytest.mark.asyncio
+async def test_json_nested_too_deeply_to_parse_is_a_400(stack, nesting):
+    response = await post(stack.app, "/v1/chat/completions", nesting)
+
+    assert response.status_code == 400
+    assert response.json() == error_body("The request body nests arrays or objects too deeply to parse.", None, "invalid_json")
+
+
 @pytest.mark.asyncio
 async def test_unknown_fields_are_accepted_and_ignored(stack, caplog):
     plain = await chat(stack.app, temperature=0, max_tokens=5)

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from serving.api.limits import LimitsExchange
+from serving.api.rate_limits import LimitsExchange
 from serving.api.pipeline import Frontend
 from serving.api.routes import OpenAIServer
 from serving.config import ServeConfig

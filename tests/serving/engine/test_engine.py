@@ -16,6 +16,7 @@ from serving.engine import (
 )
 from serving.engine.kv_events import BlockStored
 from serving.engine.kv_payload import KVPayload
+from serving.engine.sampler import LogitBias
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -140,6 +141,22 @@ def test_n_choices_share_prompt_blocks(engine):
     assert all(len(c.token_ids) == 4 and c.finish_reason == "length" for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+def test_logit_bias_tensors_are_built_once_per_request_not_per_step(engine, monkeypatch):
+    built = []
+    build = LogitBias.of
+
+    def counting_of(bias, device="cpu"):
+        built.append(dict(bias) if bias else None)
+        return build(bias, device)
+
+    monkeypatch.setattr(LogitBias, "of", staticmethod(counting_of))
+    prompt = random_prompts([20], seed=12)[0]
+    (out,) = engine.generate([prompt], SamplingParams(n=2, temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={7: 100.0}))
+
+    assert [c.token_ids for c in out.outputs] == [[7] * 6, [7] * 6]  # 12 rows sampled over 6 steps
+    assert built == [{7: 100.0}]
 
 
 def test_eos_min_tokens_and_max_tokens(engine):

@@ -10,6 +10,7 @@ import torch
 
 from serving.engine.params import SamplingParams
 from serving.engine.sampler import (
+    LogitBias,
     Sampler,
     SamplingRow,
     _inverse_cdf,
@@ -26,12 +27,14 @@ def make_row(
     seed_key: tuple[int, int, int] | None = None,
     **params: object,
 ) -> SamplingRow:
+    sampling = SamplingParams(**params)
     return SamplingRow(
-        params=SamplingParams(**params),
+        params=sampling,
         prompt_token_ids=list(prompt),
         output_token_ids=list(output),
         eos_token_ids=eos,
         seed_key=seed_key,
+        logit_bias=LogitBias.of(sampling.logit_bias),
     )
 
 
@@ -101,6 +104,38 @@ def test_logit_bias_moves_the_argmax_exactly() -> None:
         make_row(temperature=0.0, logit_bias={3: -100.0, 2: -0.5}),  # 1.5 > 1.0
     ]
     assert Sampler(4, seed=0)(logits, rows).token_ids == [0, 3, 1, 2]
+
+
+class _Untouchable(dict):
+    """A logit_bias dict that fails if a step reads its entries (it may only test truthy)."""
+
+    def _read(self, *args):
+        raise AssertionError("a step read the request's logit_bias dict")
+
+    __iter__ = keys = values = items = __getitem__ = get = _read
+
+
+def test_a_step_applies_logit_bias_from_the_rows_tensors_not_its_dict() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]] * 3)
+    rows = [
+        make_row(temperature=0.0, logit_bias={0: 3.5, 2: -5.0}),
+        make_row(temperature=0.0),
+        make_row(temperature=0.0, logit_bias={1: 2.5}),
+    ]
+    for row in rows:
+        if row.params.logit_bias:
+            row.params.logit_bias = _Untouchable(row.params.logit_bias)
+    assert rows[0].logit_bias.token_ids.tolist() == [0, 2] and rows[0].logit_bias.values.tolist() == [3.5, -5.0]
+
+    assert Sampler(4, seed=0)(logits, rows).token_ids == [0, 3, 1]
+    assert logits.tolist() == [[0.0, 1.0, 2.0, 3.0]] * 3  # the caller's logits are not touched
+
+
+def test_a_row_without_its_requests_logit_bias_tensors_is_a_bug() -> None:
+    row = make_row(temperature=0.0, logit_bias={0: 1.0})
+    row.logit_bias = None
+    with pytest.raises(AssertionError, match="a row's logit_bias must be LogitBias.of"):
+        Sampler(4, seed=0)(torch.zeros(1, 4), [row])
 
 
 @pytest.mark.parametrize("ignore_eos", [False, True])
