@@ -45,11 +45,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from serving.api import limits
 from serving.api.chat_template import render_off_loop, template_kwargs
 from serving.api.degradation import Degrader
 from serving.api.errors import APIError, AuthenticationError, HealthUnknownError, ModelNotFoundError, error_status, to_api_error, with_request_id
 from serving.api.forwarding import Forwarder
-from serving.api import limits
 from serving.api.http_io import chain_deltas, error_response, finite_logprob, first_delta, merge_deltas, parse_body, read_json, split_prompts, sse_response
 from serving.api.pipeline import ChoiceDelta, Frontend, Usage
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
