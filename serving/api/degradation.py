@@ -232,7 +232,7 @@ class Degrader:
         call.account.hand_over()  # the fallback app bills it
         if call.trace is not None:
             call.trace.set({"kvrelay.degraded.reason": reason.value, "kvrelay.degraded.target": target, "kvrelay.degraded.outcome": outcome})
-        return relay(start, chunks, extra_headers={DEGRADED_HEADER: reason.value}, on_close=call.finish)
+        return relay(start, chunks, extra_headers={DEGRADED_HEADER: reason.value}, on_close=call.finish, request_id=call.request_id)
 
 
 def _priority(body: dict) -> int:

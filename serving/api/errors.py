@@ -6,10 +6,16 @@
     ├── ModelNotFoundError           404 model_not_found
     ├── QueueFullError               429 with Retry-After
     ├── NoWorkerError                503 no replica of a pool is alive
+    ├── HealthUnknownError           503 health_unknown: the state /health reports could not be read
     ├── ShedError                    503 with Retry-After: shed by graceful degradation (serving/api/degradation.py)
     ├── (from RequestFailedError)    500 request_failed: this request alone failed in a step
     ├── (from EngineDeadError)       503 engine_dead: the replica's step loop stopped
     └── AuthenticationError          401 invalid_api_key
+
+A 5xx never carries an exception's text (it names our internals: paths, actors, tensors): an
+exception the serving layer did not write for clients becomes a generic message here, and the
+route adds the request id (`with_request_id`), under which it logs the exception and traceback.
+The messages of our own APIErrors (which pool is down, when to retry) are for clients and stay.
 
 Workers never raise across Ray: they return `WorkerError` values (serving/deployments/messages.py),
 which the ingress turns back into the engine's exceptions (so a local engine and a remote one fail
@@ -18,17 +24,19 @@ the same way), and only the HTTP layer maps exceptions to status codes.
 
 from __future__ import annotations
 
-from serving.engine.errors import ContextLengthError, EngineDeadError, EngineError, InvalidRequestError, RequestFailedError
+from serving.engine.errors import ContextLengthError, EngineDeadError, InvalidRequestError, RequestFailedError
 
 __all__ = [
     "APIError",
     "ModelNotFoundError",
     "QueueFullError",
     "NoWorkerError",
+    "HealthUnknownError",
     "ShedError",
     "AuthenticationError",
     "error_status",
     "to_api_error",
+    "with_request_id",
 ]
 
 
@@ -86,6 +94,16 @@ class NoWorkerError(APIError):
         )
 
 
+class HealthUnknownError(APIError):
+    """/health could not read what it reports (the Serve controller's replica states): unhealthy,
+    not healthy by default."""
+
+    def __init__(self, detail: str):
+        super().__init__(
+            503, f"The pools' health is unknown: {detail}.", type="service_unavailable_error", code="health_unknown",
+        )
+
+
 class ShedError(APIError):
     """A request graceful degradation refused because its priority is low while the pools are
     saturated or down; `x-kvrelay-degraded` names which."""
@@ -113,13 +131,22 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(400, exc.message, param=exc.param, code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, f"{exc.param}: {exc.message}", param=exc.param, code="invalid_value")
+    # Past here the exception's text is for the log, never the client (the module docstring).
     if isinstance(exc, RequestFailedError):
-        return APIError(500, str(exc), type="internal_error", code="request_failed")
+        return APIError(500, "This request failed in the engine; no other request was affected.", type="internal_error", code="request_failed")
     if isinstance(exc, EngineDeadError):
-        return APIError(503, f"The engine stopped: {exc}", type="service_unavailable_error", code="engine_dead")
-    if isinstance(exc, EngineError):
-        return APIError(500, str(exc), type="internal_error")
-    return APIError(500, f"Internal error: {type(exc).__name__}: {exc}", type="internal_error")
+        return APIError(503, "The engine serving this request stopped; retry once it has recovered.", type="service_unavailable_error", code="engine_dead")
+    return APIError(500, "The server had an error while processing this request.", type="internal_error")
+
+
+def with_request_id(error: APIError, request_id: str) -> APIError:
+    """`error` as the client gets it: a 5xx names the request id its exception is logged under."""
+    if error.status < 500:
+        return error
+    return APIError(
+        error.status, f"{error.message} (request id: {request_id})", type=error.type, param=error.param,
+        code=error.code, headers=error.headers,
+    )
 
 
 def error_status(exc: BaseException) -> int:

@@ -38,7 +38,7 @@ from typing import Protocol
 
 from fastapi.responses import StreamingResponse
 
-from serving.api.errors import APIError
+from serving.api.errors import APIError, with_request_id
 
 __all__ = [
     "FORWARDED_SCOPE_KEY",
@@ -167,7 +167,7 @@ def forward_headers(headers: Iterable[tuple[str, str]], trace_carrier: dict[str,
 
 def relay(
     start: ResponseStart, chunks: AsyncIterator[bytes], *, extra_headers: dict[str, str],
-    on_close: Callable[[int, str | None], None],
+    on_close: Callable[[int, str | None], None], request_id: str,
 ) -> StreamingResponse:
     """The fallback's response, passed through byte for byte (with its Content-Length when it
     has one). `on_close(status, error)` runs once the body has ended, however it ended. If the
@@ -187,9 +187,11 @@ def relay(
             raise
         except Exception as exc:
             error = f"the fallback's response broke off: {type(exc).__name__}: {exc}"
-            logger.warning("%s", error)
-            if is_sse:
-                broken = APIError(503, error, type="service_unavailable_error", code="no_worker")
+            logger.warning("request %s: %s", request_id, error, exc_info=exc)
+            if is_sse:  # the exception's text is for the log (errors.py)
+                broken = with_request_id(APIError(
+                    503, "The fallback's response broke off.", type="service_unavailable_error", code="no_worker",
+                ), request_id)
                 yield f"data: {json.dumps(broken.body())}\n\ndata: [DONE]\n\n".encode()
         finally:
             await chunks.aclose()

@@ -23,7 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from serving.api.errors import APIError, to_api_error
+from serving.api.errors import APIError, to_api_error, with_request_id
 from serving.api.pipeline import ChoiceDelta
 
 __all__ = [
@@ -180,10 +180,12 @@ async def merge_deltas(streams: list[AsyncIterator[ChoiceDelta]]) -> AsyncIterat
 
 def sse_response(
     chunks: AsyncIterator[dict], deltas: AsyncIterator[ChoiceDelta], on_close: Callable[[int, str | None], None],
+    request_id: str,
 ) -> StreamingResponse:
     """`deltas` is closed explicitly: a disconnect can cancel us while `chunks` waits at a yield,
     and closing it would not reach the generator it iterates over. `on_close(200, error)` runs
-    once the stream has ended, however it ended."""
+    once the stream has ended, however it ended. A late failure's event is what a 5xx body would
+    be (errors.py: no exception text, the request id); the log has the exception."""
 
     async def body():
         failure = None
@@ -195,9 +197,9 @@ def sse_response(
             raise
         except Exception as exc:
             error = to_api_error(exc)
-            failure = error.message
-            logger.warning("stream failed after its first token: %s", error.message)
-            yield f"data: {json.dumps(error.body())}\n\n"
+            failure = f"{type(exc).__name__}: {exc}"
+            logger.warning("request %s: its stream failed after its first token", request_id, exc_info=exc)
+            yield f"data: {json.dumps(with_request_id(error, request_id).body())}\n\n"
         finally:
             await chunks.aclose()
             await deltas.aclose()

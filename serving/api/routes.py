@@ -4,7 +4,9 @@
     POST /v1/completions        text_completion (SSE when stream)
     GET  /v1/models             the served model
     GET  /v1/usage              totals for the caller's API key, or every key's for an admin key
-    GET  /health                200 when every pool has a live replica, else 503
+    GET  /health                200 when every pool has a live replica; 503 when one has none, or
+                                when what it reports cannot be read (the Serve controller's replica
+                                states: a read that failed or did not finish, health_unknown)
     GET  /metrics               Prometheus exposition (serving/observability/metrics.py, serving/observability/export.py)
 
 Bodies are parsed by serving/api/http_io.py, not by FastAPI, so every failure has OpenAI's error shape:
@@ -12,6 +14,9 @@ malformed JSON is a 422 with a `detail` list as FastAPI would give; a field of t
 out of range is a 400 whose `param` names it. A streaming request is answered with an HTTP error
 status if it fails before its first token; after that, failures arrive as an SSE `error` event
 followed by `data: [DONE]`.
+
+Every completion response carries `x-request-id`, its `id`. A 5xx body has a generic message
+naming that id and never an exception's text; the exception and its traceback are logged under it.
 
 A prompt is rendered (chat template) and tokenized in a thread with a time limit, so no request
 holds up the event loop, and a request's `chat_template_kwargs` reach the template only as
@@ -40,11 +45,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from serving.api import limits
 from serving.api.chat_template import render_off_loop, template_kwargs
 from serving.api.degradation import Degrader
-from serving.api.errors import APIError, AuthenticationError, ModelNotFoundError, error_status, to_api_error
+from serving.api.errors import APIError, AuthenticationError, HealthUnknownError, ModelNotFoundError, error_status, to_api_error, with_request_id
 from serving.api.forwarding import Forwarder
-from serving.api import limits
 from serving.api.http_io import chain_deltas, error_response, finite_logprob, first_delta, merge_deltas, parse_body, read_json, split_prompts, sse_response
 from serving.api.pipeline import ChoiceDelta, Frontend, Usage
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
@@ -64,10 +69,13 @@ PRIORITY_HEADER = "x-kvrelay-priority"  # the priority a request ran at, after i
 
 logger = logging.getLogger(__name__)
 
+REQUEST_ID_HEADER = "x-request-id"  # as OpenAI's responses: the id to quote, also in every 5xx body
+
 @dataclass
 class _Call:
     """One API request at the ingress: who pays for it, and its trace."""
 
+    request_id: str  # its response's `id`; a 5xx names it, and the log has the exception under it
     account: RequestAccount
     trace: tracing.RequestTrace | None
     record: RequestRecord  # its metrics: recorded when its response or stream ends
@@ -123,11 +131,11 @@ class OpenAIServer:
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
-            return await self._guard(request, self.degrader.wrap(request, self.chat_completions))
+            return await self._guard(request, self.degrader.wrap(request, self.chat_completions), "chatcmpl")
 
         @app.post("/v1/completions")
         async def completions(request: Request):
-            return await self._guard(request, self.degrader.wrap(request, self.completions))
+            return await self._guard(request, self.degrader.wrap(request, self.completions), "cmpl")
 
         @app.get("/v1/models")
         async def models(request: Request):
@@ -154,22 +162,27 @@ class OpenAIServer:
         async def health():
             try:
                 pools = await self.frontend.backend.health()
-            except Exception as exc:
-                return error_response(to_api_error(exc))
+            except APIError as exc:  # a pool down, or its state unreadable: written for clients
+                return error_response(exc)
+            except Exception:
+                check_id = f"health-{uuid.uuid4().hex}"
+                logger.exception("health check %s failed", check_id)
+                return error_response(with_request_id(HealthUnknownError("reading it failed"), check_id))
             return {"status": "ok", "pools": pools}
 
         return app
 
-    async def _guard(self, request: Request, handler) -> Response:
+    async def _guard(self, request: Request, handler, id_prefix: str) -> Response:
         trace = tracing.start_request(request.headers, {"http.request.method": request.method, "url.path": request.url.path})
         record = self.metrics.start()
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         call: _Call | None = None
         key: APIKey | None = None
         try:
             key = self._authenticate(request)
             self.limiter.check(key)  # a key out of room is refused before its body is read
             body = await read_json(request, self.config.max_request_body_bytes)
-            call = _Call(RequestAccount(self.usage, key.name, self.price), trace, record, key)
+            call = _Call(request_id, RequestAccount(self.usage, key.name, self.price), trace, record, key)
             body = self._tier_priority(body, call)
             response = await handler(body, call)
         except asyncio.CancelledError:
@@ -187,17 +200,19 @@ class OpenAIServer:
                 call.release()
             record.finish(error.status, "none")  # a no-op if it failed while generating
             if error.status >= 500:
-                logger.exception("request failed: %s", error.message)
+                logger.exception("request %s failed (%d %s)", request_id, error.status, error.code or error.type)
             if trace is not None:
                 trace.set({"error.type": error.code or error.type})
-                trace.end(error.status, error.message if error.status >= 500 else None)
-            response = error_response(error)
+                trace.end(error.status, f"{type(exc).__name__}: {exc}" if error.status >= 500 else None)
+            response = error_response(with_request_id(error, request_id))
+            response.headers[REQUEST_ID_HEADER] = request_id
             if key is not None:
                 response.headers.update(self.limiter.headers(key))
             return response
         if not isinstance(response, StreamingResponse):
             call.finish(response.status_code)  # a stream finishes when its body ends
         response.headers.update(self._call_headers(call))
+        response.headers.setdefault(REQUEST_ID_HEADER, request_id)  # a fallback's answer keeps its own
         return response
 
     def _call_headers(self, call: _Call) -> dict[str, str]:
@@ -294,7 +309,7 @@ class OpenAIServer:
         info = await self.frontend.model_info()
         [params] = limits.fit_max_tokens(params, [len(prompt_ids)], info.max_model_len, self.config.api, param=limits.max_tokens_param(request))
         self._admit(call, [prompt_ids], [params])
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = call.request_id
         if call.trace is not None:
             call.trace.set({"kvrelay.request_id": request_id, "gen_ai.request.model": self.model_name})
         created = int(time.time())
@@ -310,7 +325,7 @@ class OpenAIServer:
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             first = await first_delta(deltas)
-            return sse_response(self._chat_chunks(base, first, deltas, params.n, call.account, include_usage, want_logprobs), deltas, call.finish)
+            return sse_response(self._chat_chunks(base, first, deltas, params.n, call.account, include_usage, want_logprobs), deltas, call.finish, request_id)
 
         texts = [""] * params.n
         finish: list[str | None] = [None] * params.n
@@ -387,7 +402,7 @@ class OpenAIServer:
         info = await self.frontend.model_info()
         per_prompt = limits.fit_max_tokens(params, [len(ids) for ids in prompt_ids], info.max_model_len, self.config.api, param="max_tokens")
         self._admit(call, prompt_ids, per_prompt)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = call.request_id
         if call.trace is not None:
             call.trace.set({"kvrelay.request_id": request_id, "gen_ai.request.model": self.model_name})
         created = int(time.time())
@@ -431,7 +446,7 @@ class OpenAIServer:
                 if include_usage:
                     yield {**base, "choices": [], "usage": call.account.settle()}
 
-            return sse_response(chunks(), deltas, call.finish)
+            return sse_response(chunks(), deltas, call.finish, request_id)
 
         echoed = [""] * num_choices
         if request.echo:

@@ -16,6 +16,9 @@ by load, not by prefix. Before the router has seen the pool's stats nothing coun
 Failures, each with one outcome:
 - a pool's queues are full (Serve's BackPressureError)        → QueueFullError (429)
 - a pool has no running replica (controller status)           → NoWorkerError (503)
+- the controller's status cannot be read (a read fails, or takes longer than status_timeout_s)
+                                                              → requests go on with the last view
+  (a slow controller must not fail them); /health says unknown (HealthUnknownError, 503), never ok
 - the decode replica dies mid-stream (n = 1)                  → resumed once on a replica from the
   tokens streamed so far (its prompt is recomputed); if that fails too, the error is raised and
   the client gets an SSE error event
@@ -42,7 +45,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 
 from router.disaggregation import PrefillPlace, choose_prefill_place
 from router.replica_stats import RoutingStats
-from serving.api.errors import NoWorkerError, QueueFullError
+from serving.api.errors import HealthUnknownError, NoWorkerError, QueueFullError
 from serving.api.pipeline import GenerateRequest
 from serving.config import ServeConfig
 from serving.deployments import faults
@@ -82,6 +85,7 @@ class ServeBackend:
         decode,
         status_fn: Callable[[], dict[str, dict[str, int]]] | None = None,
         status_ttl_s: float = 1.0,
+        status_timeout_s: float = 5.0,
         on_recovery: Callable[[str], None] | None = None,
         cached_tokens_fn: Callable[[WorkerRequest], int] | None = None,
         pool_stats_fn: Callable[[], tuple[list[RoutingStats], list[RoutingStats]]] | None = None,
@@ -99,8 +103,11 @@ class ServeBackend:
         # than a replica's stats on it), the last LOCAL_SENT_HORIZON_S of them
         self._local_sent_at: collections.deque[float] = collections.deque()
         self._status_ttl_s = status_ttl_s
+        self._status_timeout_s = status_timeout_s
         self._status: dict[str, dict[str, int]] | None = None
         self._status_time = 0.0
+        self._status_error: str | None = None  # why the latest read of the controller failed; None: it was read
+        self._status_read: asyncio.Future | None = None  # the read in flight (its thread), one at a time
         self._status_lock = asyncio.Lock()
         self._refresh_task: asyncio.Task | None = None
         self.on_recovery = on_recovery  # (kind) for each request that survived a replica's death
@@ -118,7 +125,19 @@ class ServeBackend:
         return replace(infos[0], max_model_len=limit)
 
     async def health(self) -> dict[str, Any]:
-        return {pool: await self._check_alive(pool, handle) for pool, handle in self._pools.items()}
+        """Per pool, its replica states, from the controller's view. Raises HealthUnknownError when
+        the latest read of it failed or did not finish in status_timeout_s, NoWorkerError when a
+        pool has no running replica or the controller lists none of its deployment."""
+        status = await self._replica_states()
+        if self._status_error is not None:
+            raise HealthUnknownError(f"the Serve controller's replica states could not be read ({self._status_error})")
+        pools = {}
+        for pool, handle in self._pools.items():
+            states = status.get(handle.deployment_name)
+            if states is None:
+                raise NoWorkerError(pool, f"the Serve controller lists no {handle.deployment_name} deployment")
+            pools[pool] = _running(pool, states)
+        return pools
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         request = WorkerRequest.sent_by(request, self._caller)
@@ -294,10 +313,7 @@ class ServeBackend:
         states = status.get(handle.deployment_name)
         if states is None:
             return {}  # unknown to the controller (e.g. tests with stub handles): do not block
-        if states.get("RUNNING", 0) == 0:
-            detail = ", ".join(f"{n} {s.lower()}" for s, n in sorted(states.items())) or "no replicas"
-            raise NoWorkerError(pool, detail)
-        return states
+        return _running(pool, states)
 
     async def _replica_states(self) -> dict[str, dict[str, int]]:
         """The controller's view, refreshed in the background once older than the TTL: a request
@@ -313,12 +329,29 @@ class ServeBackend:
         return self._status
 
     async def _refresh_status(self) -> None:
+        """Read the controller's view, waiting at most status_timeout_s. A read that times out
+        keeps its thread until the controller answers, and no second read starts beside it (each
+        would hold a thread of the loop's default executor)."""
+        if self._status_read is None or self._status_read.done():
+            self._status_read = asyncio.ensure_future(asyncio.to_thread(self._status_fn))
         try:
-            self._status = await asyncio.to_thread(self._status_fn)
+            self._status = await asyncio.wait_for(asyncio.shield(self._status_read), self._status_timeout_s)
+            self._status_error = None
         except Exception as exc:  # noqa: BLE001 - the controller being slow must not fail requests
-            logger.warning("could not read Serve status (%s); assuming pools are up", exc)
+            timed_out = isinstance(exc, TimeoutError)
+            logger.warning("could not read Serve status (%s); assuming pools are up",
+                           f"no answer in {self._status_timeout_s:g} s" if timed_out else repr(exc))
             self._status = self._status or {}
+            self._status_error = f"no answer in {self._status_timeout_s:g} s" if timed_out else "the read failed"
         self._status_time = time.monotonic()
+
+
+def _running(pool: str, states: dict[str, int]) -> dict[str, int]:
+    """A pool's replica states, if one of them is running; else NoWorkerError naming them."""
+    if states.get("RUNNING", 0) == 0:
+        detail = ", ".join(f"{n} {s.lower()}" for s, n in sorted(states.items())) or "no replicas"
+        raise NoWorkerError(pool, detail)
+    return states
 
 
 def _routed(request: WorkerRequest) -> WorkerRequest:

@@ -427,7 +427,7 @@ async def test_low_priority_is_shed_with_retry_after_then_on_arrival_for_the_win
     assert (error["code"], error["type"]) == ("request_shed", "service_unavailable_error")
     assert error["message"] == (
         "The pools are saturated: requests with priority >= 10 are shed first (lower values are more "
-        "important; this one has 10). Retry after 7 s."
+        f"important; this one has 10). Retry after 7 s. (request id: {response.headers['x-request-id']})"
     )
     assert apps.backend.num_calls == 1 and apps.handle.forwarded == []
     # Within the window, low priority never reaches the saturated pool; high priority does.

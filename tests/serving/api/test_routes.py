@@ -1070,7 +1070,12 @@ def crashing_app(stack: Stack):
     return OpenAIServer(frontend, stack.config).build_app()
 
 
-DEAD = error_body("The engine stopped: simulated crash", None, "engine_dead", type="service_unavailable_error")
+def dead(request_id: str) -> dict:
+    """The body of a request the crashing backend failed: no exception text, its request id."""
+    return error_body(
+        f"The engine serving this request stopped; retry once it has recovered. (request id: {request_id})",
+        None, "engine_dead", type="service_unavailable_error",
+    )
 
 
 @pytest.mark.asyncio
@@ -1082,7 +1087,8 @@ async def test_a_failure_after_the_first_token_is_an_sse_error_event(stack):
     assert response.status_code == 200
     events = sse_data(response)
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert events[-2:] == [DEAD, "[DONE]"]
+    assert events[-2:] == [dead(events[0]["id"]), "[DONE]"]
+    assert events[0]["id"].startswith("chatcmpl-") and response.headers["x-request-id"] == events[0]["id"]
     assert all("choices" in e and e["choices"][0]["finish_reason"] is None for e in events[:-2])
     stats = await wait_until_idle(stack, before.num_free_blocks)
     assert stats.num_running == 0 and stats.num_free_blocks == before.num_free_blocks
@@ -1096,11 +1102,69 @@ async def test_a_failure_without_streaming_is_a_503_and_health_says_so(stack):
     async with client(app) as c:
         health = await c.get("/health")
 
-    assert response.status_code == 503 and response.json() == DEAD
+    request_id = response.headers["x-request-id"]
+    assert request_id.startswith("chatcmpl-")
+    assert response.status_code == 503 and response.json() == dead(request_id)
     assert health.status_code == 503
     assert health.json() == error_body(
         "No engine replica is alive to serve this request: simulated crash; retry once the pool has recovered.",
         None, "no_worker", type="service_unavailable_error",
+    )
+
+
+class _FailingBackend:
+    """The module's LocalBackend, except that a generate and the health check raise an exception
+    whose text must not reach a client."""
+
+    def __init__(self, backend: LocalBackend):
+        self.backend = backend
+
+    async def model_info(self):
+        return await self.backend.model_info()
+
+    async def generate(self, request):
+        raise RuntimeError("secret: /opt/models/weights.safetensors")
+        yield  # an async generator, as a backend's generate is
+
+    async def health(self):
+        raise RuntimeError("secret: controller at 10.0.0.7:6379")
+
+
+@pytest.mark.asyncio
+async def test_an_unexpected_error_is_a_generic_500_naming_the_request_id_the_log_has(stack, caplog):
+    app = OpenAIServer(Frontend(stack.tokenizer, _FailingBackend(stack.frontend.backend), MODEL), stack.config).build_app()
+
+    with caplog.at_level(logging.ERROR, logger="serving.api.routes"):
+        chat_response = await post(app, "/v1/chat/completions", {**CHAT, "max_tokens": 5})
+        completion = await post(app, "/v1/completions", {"model": MODEL, "prompt": FOX, "max_tokens": 5, "stream": True})
+
+    ids = [chat_response.headers["x-request-id"], completion.headers["x-request-id"]]
+    assert ids[0].startswith("chatcmpl-") and ids[1].startswith("cmpl-")
+    for response, request_id in zip((chat_response, completion), ids):
+        assert response.status_code == 500 and "secret" not in response.text
+        assert response.json() == error_body(
+            f"The server had an error while processing this request. (request id: {request_id})", None, None, type="internal_error",
+        )
+    logged = [r for r in caplog.records if r.name == "serving.api.routes"]
+    assert [r.getMessage() for r in logged] == [f"request {i} failed (500 internal_error)" for i in ids]
+    assert all(str(r.exc_info[1]) == "secret: /opt/models/weights.safetensors" for r in logged)  # with its traceback
+
+
+@pytest.mark.asyncio
+async def test_a_health_check_that_fails_unexpectedly_is_a_503_without_its_text(stack, caplog):
+    app = OpenAIServer(Frontend(stack.tokenizer, _FailingBackend(stack.frontend.backend), MODEL), stack.config).build_app()
+
+    with caplog.at_level(logging.ERROR, logger="serving.api.routes"):
+        async with client(app) as c:
+            health = await c.get("/health")
+
+    [record] = [r for r in caplog.records if r.name == "serving.api.routes"]
+    check_id = record.getMessage().removeprefix("health check ").removesuffix(" failed")
+    assert check_id.startswith("health-") and str(record.exc_info[1]) == "secret: controller at 10.0.0.7:6379"
+    assert health.status_code == 503
+    assert health.json() == error_body(
+        f"The pools' health is unknown: reading it failed. (request id: {check_id})", None, "health_unknown",
+        type="service_unavailable_error",
     )
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
-from serving.api.errors import NoWorkerError, to_api_error
+from serving.api.errors import HealthUnknownError, NoWorkerError, to_api_error
 from serving.config import ServeConfig
 from serving.deployments.messages import WorkerRequest
 from serving.deployments.serve_backend import ServeBackend
@@ -78,12 +79,75 @@ def test_status_is_cached_between_requests():
     assert len(calls) == 1
 
 
-def test_unreadable_status_does_not_fail_requests():
+def test_an_unreadable_controller_makes_health_unknown_but_fails_no_request():
     def broken():
-        raise ConnectionError("controller unreachable")
+        raise ConnectionError("controller unreachable at 10.0.0.7:6379")
 
-    b = ServeBackend(ServeConfig(), prefill=StubHandle("PrefillWorker"), decode=StubHandle("DecodeWorker"), status_fn=broken)
-    assert asyncio.run(b.health()) == {"prefill": {}, "decode": {}}
+    backend_, prefill, decode, _ = pools(threshold=100)
+    backend_._status_fn = broken
+
+    async def both():
+        with pytest.raises(HealthUnknownError) as info:
+            await backend_.health()
+        request = WorkerRequest("r", [1, 2, 3], SamplingParams(max_tokens=3))
+        return info.value, await collect(backend_.generate(request))
+
+    error, tokens = asyncio.run(both())
+    assert (error.status, error.code, error.type) == (503, "health_unknown", "service_unavailable_error")
+    assert error.message == "The pools' health is unknown: the Serve controller's replica states could not be read (the read failed)."
+    assert tokens == [[8], [9]]  # the request went on, to the decode pool
+
+
+def test_health_over_http_is_503_while_the_controller_cannot_be_read():
+    """Before, /health said ok (with empty pools) when the controller could not be read."""
+    import httpx
+
+    from serving.api.pipeline import Frontend
+    from serving.api.routes import OpenAIServer
+
+    def broken():
+        raise ConnectionError("controller unreachable at 10.0.0.7:6379")
+
+    config = ServeConfig()
+    b = ServeBackend(config, prefill=StubHandle("PrefillWorker"), decode=StubHandle("DecodeWorker"), status_fn=broken)
+    app = OpenAIServer(Frontend(None, b, config.model_name), config).build_app()
+
+    async def get():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            return await c.get("/health")
+
+    response = asyncio.run(get())
+    assert response.status_code == 503
+    assert response.json() == {"error": {
+        "message": "The pools' health is unknown: the Serve controller's replica states could not be read (the read failed).",
+        "type": "service_unavailable_error", "param": None, "code": "health_unknown",
+    }}
+
+
+def test_a_controller_that_does_not_answer_makes_health_unknown():
+    answer = threading.Event()
+
+    def hung():
+        answer.wait(60)
+        return {"PrefillWorker": {"RUNNING": 1}, "DecodeWorker": {"RUNNING": 1}}
+
+    b = ServeBackend(ServeConfig(), prefill=StubHandle("PrefillWorker"), decode=StubHandle("DecodeWorker"), status_fn=hung,
+                     status_timeout_s=0.05)
+    try:
+        with pytest.raises(HealthUnknownError, match=r"could not be read \(no answer in 0.05 s\)"):
+            asyncio.run(b.health())
+    finally:
+        answer.set()
+
+
+def test_a_deployment_the_controller_does_not_list_is_unhealthy():
+    b, _ = backend({"PrefillWorker": {"RUNNING": 1}})
+    with pytest.raises(NoWorkerError) as info:
+        asyncio.run(b.health())
+    assert info.value.message == (
+        "No decode replica is alive to serve this request: the Serve controller lists no DecodeWorker deployment; "
+        "retry once the pool has recovered."
+    )
 
 
 # ---- routing between the pools, with recording stub handles ------------------------------------
