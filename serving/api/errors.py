@@ -5,6 +5,7 @@
     ├── (from ContextLengthError)    400 context_length_exceeded, both numbers in the message
     ├── ModelNotFoundError           404 model_not_found
     ├── QueueFullError               429 with Retry-After
+    ├── QueueTimeoutError            503 with Retry-After: waited past an engine's max_queue_wait_s
     ├── NoWorkerError                503 no replica of a pool is alive
     ├── ShedError                    503 with Retry-After: shed by graceful degradation (serving/api/degradation.py)
     ├── (from RequestFailedError)    500 request_failed: this request alone failed in a step
@@ -24,6 +25,7 @@ __all__ = [
     "APIError",
     "ModelNotFoundError",
     "QueueFullError",
+    "QueueTimeoutError",
     "NoWorkerError",
     "ShedError",
     "AuthenticationError",
@@ -72,6 +74,20 @@ class QueueFullError(APIError):
             429,
             f"The {pool} pool's queues are full; retry after {retry_after_s} s.",
             type="rate_limit_error", code="queue_full",
+            headers={"Retry-After": str(retry_after_s)},
+        )
+
+
+class QueueTimeoutError(APIError):
+    """An engine finished the request with finish_reason "queue_timeout": it waited longer than
+    that pool's `max_queue_wait_s` for its first step, and nothing was generated."""
+
+    def __init__(self, retry_after_s: int = 1):
+        super().__init__(
+            503,
+            f"The request waited longer than the engine's queue limit (max_queue_wait_s) without starting; "
+            f"the pool is overloaded. Retry after {retry_after_s} s.",
+            type="service_unavailable_error", code="queue_timeout",
             headers={"Retry-After": str(retry_after_s)},
         )
 
