@@ -6,6 +6,7 @@
     ├── ModelNotFoundError           404 model_not_found
     ├── QueueFullError               429 with Retry-After
     ├── QueueTimeoutError            503 with Retry-After: waited past an engine's max_queue_wait_s
+    ├── RequestTimeoutError          408 timeout: the request's deadline passed (serving/api/deadlines.py)
     ├── NoWorkerError                503 no replica of a pool is alive
     ├── ShedError                    503 with Retry-After: shed by graceful degradation (serving/api/degradation.py)
     ├── (from RequestFailedError)    500 request_failed: this request alone failed in a step
@@ -26,6 +27,7 @@ __all__ = [
     "ModelNotFoundError",
     "QueueFullError",
     "QueueTimeoutError",
+    "RequestTimeoutError",
     "NoWorkerError",
     "ShedError",
     "AuthenticationError",
@@ -90,6 +92,25 @@ class QueueTimeoutError(APIError):
             type="service_unavailable_error", code="queue_timeout",
             headers={"Retry-After": str(retry_after_s)},
         )
+
+
+class RequestTimeoutError(APIError):
+    """The request's deadline (its `timeout`, or the server's default) passed before it ended. A
+    non-streamed request that generated tokens by then carries them in `partial`: the response it
+    would have had, with what it got (its choices, its billed usage)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.partial: dict | None = None
+        super().__init__(
+            408, f"The request did not finish within its timeout of {timeout_s:g} s.", type="timeout", code="timeout",
+        )
+
+    def body(self) -> dict:
+        body = super().body()
+        if self.partial is not None:
+            body["partial"] = self.partial
+        return body
 
 
 class NoWorkerError(APIError):

@@ -107,6 +107,13 @@ class ServeConfig(StrictModel):
     max_request_body_bytes: int = Field(
         8 * 2**20, ge=1024, description="Larger request bodies are refused with 413."
     )
+    request_timeout_s: float | None = Field(
+        600.0, gt=0, allow_inf_nan=False,
+        description="A completion request's deadline, from when the ingress receives it, unless it sends "
+        "its own `timeout` (serving/api/deadlines.py); capped per tier by its max_timeout_s. A request out of "
+        "time is aborted everywhere: 408 (with the partial output), or an SSE error event once streaming. "
+        "Without a tier max_timeout_s, also the longest `timeout` a request may ask for. null: no deadline.",
+    )
     degradation: DegradationConfig | None = Field(
         None,
         description="Graceful degradation when a pool is saturated or down (serving/api/degradation.py): "
