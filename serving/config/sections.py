@@ -144,6 +144,12 @@ class IngressConfig(StrictModel):
     num_replicas: int = Field(1, ge=1, le=64, description="OpenAIIngress replicas.")
     num_cpus: float = Field(0.1, gt=0, le=64, description="Ray logical CPUs per ingress replica.")
     max_ongoing_requests: int = Field(1024, ge=1, description="Concurrent requests per ingress replica.")
+    max_queued_requests: int = Field(
+        256, ge=-1,
+        description="Requests the Serve proxy holds for the ingress replicas beyond max_ongoing_requests; "
+        "more are refused by the proxy at once with 429 and Retry-After: 1, instead of piling up "
+        "(-1: unbounded).",
+    )
     limits_sync_interval_s: float = Field(
         1.0, gt=0, le=60,
         description="With several ingress replicas and tiers with limits, how often each replica trades "
