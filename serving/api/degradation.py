@@ -6,7 +6,8 @@ token, by config (`degradation:` in the ServeConfig; off when absent).
                  ▼
                the primary: this app's pools, as without degradation
                  │ refused before any token:
-                 │   saturated  QueueFullError (a pool's queues are full; Serve's back-pressure)
+                 │   saturated  QueueFullError (a pool's queues are full; Serve's back-pressure),
+                 │              QueueTimeoutError (it waited past an engine's max_queue_wait_s)
                  │   down       NoWorkerError (no running replica), EngineDeadError
                  ▼
                DegradationPolicy.on_refusal(reason, priority)
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from serving.api.errors import NoWorkerError, QueueFullError, ShedError
+from serving.api.errors import NoWorkerError, QueueFullError, QueueTimeoutError, ShedError
 from serving.api.forwarding import FORWARDED_SCOPE_KEY, FallbackUnavailable, ForwardedRequest, Forwarder, forward_headers, relay
 from serving.config import DegradationConfig
 from serving.engine.errors import EngineDeadError
@@ -92,7 +93,7 @@ class Decision:
 
 def refusal_reason(exc: BaseException) -> Reason | None:
     """Why the pools refused a request, if that is what `exc` says; None for any other failure."""
-    if isinstance(exc, QueueFullError):
+    if isinstance(exc, (QueueFullError, QueueTimeoutError)):
         return Reason.SATURATED
     if isinstance(exc, (NoWorkerError, EngineDeadError)):
         return Reason.DOWN

@@ -5,6 +5,8 @@
     ├── (from ContextLengthError)    400 context_length_exceeded, both numbers in the message
     ├── ModelNotFoundError           404 model_not_found
     ├── QueueFullError               429 with Retry-After
+    ├── QueueTimeoutError            503 with Retry-After: waited past an engine's max_queue_wait_s
+    ├── RequestTimeoutError          408 timeout: the request's deadline passed (serving/api/deadlines.py)
     ├── NoWorkerError                503 no replica of a pool is alive
     ├── HealthUnknownError           503 health_unknown: the state /health reports could not be read
     ├── ShedError                    503 with Retry-After: shed by graceful degradation (serving/api/degradation.py)
@@ -30,6 +32,8 @@ __all__ = [
     "APIError",
     "ModelNotFoundError",
     "QueueFullError",
+    "QueueTimeoutError",
+    "RequestTimeoutError",
     "NoWorkerError",
     "HealthUnknownError",
     "ShedError",
@@ -82,6 +86,39 @@ class QueueFullError(APIError):
             type="rate_limit_error", code="queue_full",
             headers={"Retry-After": str(retry_after_s)},
         )
+
+
+class QueueTimeoutError(APIError):
+    """An engine finished the request with finish_reason "queue_timeout": it waited longer than
+    that pool's `max_queue_wait_s` for its first step, and nothing was generated."""
+
+    def __init__(self, retry_after_s: int = 1):
+        super().__init__(
+            503,
+            f"The request waited longer than the engine's queue limit (max_queue_wait_s) without starting; "
+            f"the pool is overloaded. Retry after {retry_after_s} s.",
+            type="service_unavailable_error", code="queue_timeout",
+            headers={"Retry-After": str(retry_after_s)},
+        )
+
+
+class RequestTimeoutError(APIError):
+    """The request's deadline (its `timeout`, or the server's default) passed before it ended. A
+    non-streamed request that generated tokens by then carries them in `partial`: the response it
+    would have had, with what it got (its choices, its billed usage)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.partial: dict | None = None
+        super().__init__(
+            408, f"The request did not finish within its timeout of {timeout_s:g} s.", type="timeout", code="timeout",
+        )
+
+    def body(self) -> dict:
+        body = super().body()
+        if self.partial is not None:
+            body["partial"] = self.partial
+        return body
 
 
 class NoWorkerError(APIError):

@@ -9,6 +9,8 @@ owns the text: one IncrementalDetokenizer and StopChecker per choice, fed from t
 That is what makes stop strings correct across the prefill→decode hand-off, where the first
 token comes from one engine and the rest from another. A stop string ends the choice here;
 once every choice has ended the backend stream is closed, which aborts the request remotely.
+An engine that refused the request after it waited past its `max_queue_wait_s` (finish_reason
+"queue_timeout", no tokens) makes it a QueueTimeoutError: 503 with Retry-After.
 
 A Backend is where the tokens come from: `LocalBackend` (an in-process AsyncEngine, for tests
 and embedding) or `ServeBackend` (prefill/decode pools behind Serve handles).
@@ -24,12 +26,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from serving.api.errors import QueueTimeoutError
 from serving.api.protocol import ChatMessage, message_text
 from serving.engine.block_hash import hash_blocks
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.errors import ContextLengthError, InvalidRequestError
 from serving.engine.outputs import RequestOutput, TokenLogprob, merge_outputs
 from serving.engine.params import SamplingParams
+from serving.engine.request import RequestStatus
 from serving.engine.stop_checker import StopChecker
 from serving.engine.validation import ModelInfo, check_request
 from serving.observability.tracing import RequestTrace
@@ -37,6 +41,8 @@ from serving.observability.tracing import RequestTrace
 __all__ = ["GenerateRequest", "Backend", "ChoiceDelta", "Usage", "Frontend"]
 
 logger = logging.getLogger(__name__)
+
+_QUEUE_TIMEOUT = RequestStatus.FINISHED_QUEUE_TIMEOUT.value
 
 
 @dataclass
@@ -211,6 +217,8 @@ class Frontend:
             async for out in stream:
                 if num_cached is None:
                     num_cached = out.num_cached_tokens
+                if any(c.finish_reason == _QUEUE_TIMEOUT for c in out.outputs):
+                    raise QueueTimeoutError()  # refused before any token: the pool is overloaded
                 for completion in out.outputs:
                     choice = choices[completion.index]
                     if choice.finished:

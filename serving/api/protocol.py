@@ -71,6 +71,8 @@ class _SamplingFields(_Lenient):
     include_stop_str_in_output: bool = False
     priority: int = 0
     cache_salt: str | None = None
+    # kvrelay's: seconds until the request is aborted (serving/api/deadlines.py)
+    timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -28,6 +28,10 @@ tokens it got;
 with a pricing file its cost is in `usage.cost` and, unless streamed (headers leave before the
 tokens are known), in the `x-kvrelay-cost` header. With tracing on (serving/observability/tracing.py) each
 request is one trace: the `ingress` span covers it until its response or stream ends.
+
+A completion has a deadline (its `timeout`, else `request_timeout_s`, bounded by its key's tier:
+serving/api/deadlines.py): out of time, it is aborted and answers 408, with its partial output
+when it is not streamed; a stream that had begun ends with an SSE `error` event (`timeout`).
 """
 
 from __future__ import annotations
@@ -47,8 +51,12 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from serving.api import limits
 from serving.api.chat_template import render_off_loop, template_kwargs
+from serving.api.deadlines import Deadline, bounded, deadline_for
 from serving.api.degradation import Degrader
-from serving.api.errors import APIError, AuthenticationError, HealthUnknownError, ModelNotFoundError, error_status, to_api_error, with_request_id
+from serving.api.errors import (
+    APIError, AuthenticationError, HealthUnknownError, ModelNotFoundError, RequestTimeoutError, error_status, to_api_error,
+    with_request_id,
+)
 from serving.api.forwarding import Forwarder
 from serving.api.http_io import chain_deltas, error_response, finite_logprob, first_delta, merge_deltas, parse_body, read_json, split_prompts, sse_response
 from serving.api.pipeline import ChoiceDelta, Frontend, Usage
@@ -82,6 +90,8 @@ class _Call:
     key: APIKey = ANONYMOUS
     ticket: Ticket | None = None  # its hold on its key's limits, from admission to its end
     priority: int = 0  # as its key's tier allows (serving/config/access.py)
+    received_at: float = 0.0  # when the ingress received it (OpenAIServer.clock): its deadline counts from here
+    deadline: Deadline | None = None
 
     def finish(self, status_code: int = 200, error: str | None = None) -> None:
         """Its response is complete (built, or its stream ended): bill it, end its trace."""
@@ -120,6 +130,7 @@ class OpenAIServer:
         self._created = int(time.time())
         self.metrics = IngressMetrics(self.model_name)
         self.degrader = Degrader(config.degradation, self.model_name, self.metrics, fallback=fallback)
+        self.clock = time.monotonic  # of request deadlines (serving/api/deadlines.py)
 
     # ---- the ASGI app ------------------------------------------------------------------------
     def build_app(self) -> FastAPI:
@@ -173,6 +184,7 @@ class OpenAIServer:
         return app
 
     async def _guard(self, request: Request, handler, id_prefix: str) -> Response:
+        received_at = self.clock()
         trace = tracing.start_request(request.headers, {"http.request.method": request.method, "url.path": request.url.path})
         record = self.metrics.start()
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
@@ -182,7 +194,7 @@ class OpenAIServer:
             key = self._authenticate(request)
             self.limiter.check(key)  # a key out of room is refused before its body is read
             body = await read_json(request, self.config.max_request_body_bytes)
-            call = _Call(request_id, RequestAccount(self.usage, key.name, self.price), trace, record, key)
+            call = _Call(request_id, RequestAccount(self.usage, key.name, self.price), trace, record, key, received_at=received_at)
             body = self._tier_priority(body, call)
             response = await handler(body, call)
         except asyncio.CancelledError:
@@ -296,6 +308,7 @@ class OpenAIServer:
         self._check_model(request.model, call.key)
         limits.check_request(request, 1, self.config.api)
         params = sampling_params(request)
+        call.deadline = deadline_for(request.timeout, self.config, call.key.tier, call.received_at, self.clock)
         kwargs = template_kwargs(request.chat_template_kwargs, self.config.api)
         with tracing.stage(call.trace, "tokenize"):
             prompt_ids = await render_off_loop(
@@ -319,6 +332,7 @@ class OpenAIServer:
             request_id, prompt_ids, params, usage, priority=call.priority, cache_salt=request.cache_salt,
             session=request.user, trace=call.trace,
         )
+        deltas = bounded(deltas, call.deadline)
         deltas = self.metrics.track(call.record, deltas, prompt_tokens=len(prompt_ids), status_of=error_status)
         base = {"id": request_id, "created": created, "model": self.model_name, "system_fingerprint": None}
         want_logprobs = params.logprobs is not None
@@ -330,24 +344,29 @@ class OpenAIServer:
         texts = [""] * params.n
         finish: list[str | None] = [None] * params.n
         logprobs: list[list] = [[] for _ in range(params.n)]
-        async for delta in deltas:
-            texts[delta.index] += delta.text
-            finish[delta.index] = delta.finish_reason or finish[delta.index]
-            if want_logprobs and delta.logprobs:
-                logprobs[delta.index] += self._chat_logprobs(delta.logprobs)
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": texts[i], "refusal": None},
-                "logprobs": {"content": logprobs[i]} if want_logprobs else None,
-                "finish_reason": finish[i],
-            }
-            for i in range(params.n)
-        ]
-        return JSONResponse(
-            {**base, "object": "chat.completion", "choices": choices, "usage": call.account.settle()},
-            headers=call.account.headers(),
-        )
+
+        def response(usage: dict | None) -> dict:
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": texts[i], "refusal": None},
+                    "logprobs": {"content": logprobs[i]} if want_logprobs else None,
+                    "finish_reason": finish[i],
+                }
+                for i in range(params.n)
+            ]
+            return {**base, "object": "chat.completion", "choices": choices, "usage": usage}
+
+        try:
+            async for delta in deltas:
+                texts[delta.index] += delta.text
+                finish[delta.index] = delta.finish_reason or finish[delta.index]
+                if want_logprobs and delta.logprobs:
+                    logprobs[delta.index] += self._chat_logprobs(delta.logprobs)
+        except RequestTimeoutError as exc:
+            _with_partial(exc, call.account, response)
+            raise
+        return JSONResponse(response(call.account.settle()), headers=call.account.headers())
 
     async def _chat_chunks(
         self, base: dict, first: ChoiceDelta | None, deltas: AsyncIterator[ChoiceDelta], n: int,
@@ -385,6 +404,7 @@ class OpenAIServer:
     async def completions(self, body: dict, call: _Call) -> Response:
         request = parse_body(CompletionRequest, body)
         self._check_model(request.model, call.key)
+        call.deadline = deadline_for(request.timeout, self.config, call.key.tier, call.received_at, self.clock)
         prompts = split_prompts(request.prompt)
         limits.check_request(request, len(prompts), self.config.api)
         params = sampling_params(request)
@@ -414,7 +434,7 @@ class OpenAIServer:
             )
             for i, ids in enumerate(prompt_ids)
         ]
-        deltas = streams[0] if len(streams) == 1 else merge_deltas(streams)
+        deltas = bounded(streams[0] if len(streams) == 1 else merge_deltas(streams), call.deadline)
         deltas = self.metrics.track(call.record, deltas, prompt_tokens=sum(map(len, prompt_ids)), status_of=error_status)
         base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name, "system_fingerprint": None}
         num_choices = params.n * len(prompts)
@@ -456,21 +476,29 @@ class OpenAIServer:
         texts = list(echoed)
         finish: list[str | None] = [None] * num_choices
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(num_choices)]
-        async for delta in deltas:
-            texts[delta.index] += delta.text
-            finish[delta.index] = delta.finish_reason or finish[delta.index]
-            if delta.logprobs:
-                logprobs[delta.index] += delta.logprobs
-        choices = [
-            {
-                "index": i,
-                "text": texts[i],
-                "logprobs": self._completion_logprobs(logprobs[i], len(echoed[i])) if want_logprobs else None,
-                "finish_reason": finish[i],
-            }
-            for i in range(num_choices)
-        ]
-        return JSONResponse({**base, "choices": choices, "usage": call.account.settle()}, headers=call.account.headers())
+
+        def response(usage: dict | None) -> dict:
+            choices = [
+                {
+                    "index": i,
+                    "text": texts[i],
+                    "logprobs": self._completion_logprobs(logprobs[i], len(echoed[i])) if want_logprobs else None,
+                    "finish_reason": finish[i],
+                }
+                for i in range(num_choices)
+            ]
+            return {**base, "choices": choices, "usage": usage}
+
+        try:
+            async for delta in deltas:
+                texts[delta.index] += delta.text
+                finish[delta.index] = delta.finish_reason or finish[delta.index]
+                if delta.logprobs:
+                    logprobs[delta.index] += delta.logprobs
+        except RequestTimeoutError as exc:
+            _with_partial(exc, call.account, response)
+            raise
+        return JSONResponse(response(call.account.settle()), headers=call.account.headers())
 
     def _completion_logprobs(self, logprobs: list[TokenLogprob], offset: int) -> dict:
         tokens, token_logprobs, top, text_offset = [], [], [], []
@@ -482,3 +510,11 @@ class OpenAIServer:
             text_offset.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
+
+
+def _with_partial(exc: RequestTimeoutError, account: RequestAccount, response) -> None:
+    """A non-streamed request out of time: bill what it got and hand it back in the 408's
+    `partial` (the response it would have been); nothing if it got no token."""
+    usage = account.settle_if_generated()
+    if usage is not None:
+        exc.partial = response(usage)

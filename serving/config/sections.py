@@ -24,6 +24,7 @@ SERVING_ENGINE_DEFAULTS: dict[str, Any] = {
     "kv_cache_memory_fraction": 0.05,  # several replicas per machine
     "long_prefill_token_threshold": 256,  # a long prompt must not stall the other requests' TTFT
     "num_threads": 1,  # torch threads per replica: Ray's logical CPUs are not cores
+    "max_queue_wait_s": 60.0,  # an overloaded pool answers 503 + Retry-After, not after minutes
 }
 
 # Tighter bounds than EngineConfig's where a served app needs them: a replica's context window
@@ -144,6 +145,12 @@ class IngressConfig(StrictModel):
     num_replicas: int = Field(1, ge=1, le=64, description="OpenAIIngress replicas.")
     num_cpus: float = Field(0.1, gt=0, le=64, description="Ray logical CPUs per ingress replica.")
     max_ongoing_requests: int = Field(1024, ge=1, description="Concurrent requests per ingress replica.")
+    max_queued_requests: int = Field(
+        256, ge=-1,
+        description="Requests the Serve proxy holds for the ingress replicas beyond max_ongoing_requests; "
+        "more are refused by the proxy at once with 429 and Retry-After: 1, instead of piling up "
+        "(-1: unbounded).",
+    )
     limits_sync_interval_s: float = Field(
         1.0, gt=0, le=60,
         description="With several ingress replicas and tiers with limits, how often each replica trades "

@@ -120,6 +120,13 @@ class ServeConfig(StrictModel):
         description="What one API request may ask for (prompts, n, max_tokens, logprobs, logit_bias, "
         "stop, chat template kwargs) and how long its prompt may take to render; over a limit: 400.",
     )
+    request_timeout_s: float | None = Field(
+        600.0, gt=0, allow_inf_nan=False,
+        description="A completion request's deadline, from when the ingress receives it, unless it sends "
+        "its own `timeout` (serving/api/deadlines.py); capped per tier by its max_timeout_s. A request out of "
+        "time is aborted everywhere: 408 (with the partial output), or an SSE error event once streaming. "
+        "Without a tier max_timeout_s, also the longest `timeout` a request may ask for. null: no deadline.",
+    )
     degradation: DegradationConfig | None = Field(
         None,
         description="Graceful degradation when a pool is saturated or down (serving/api/degradation.py): "

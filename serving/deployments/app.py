@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from router.autoscaling.decide import serve_autoscaling_config
 from router.autoscaling.policy import load_policy
@@ -26,7 +26,9 @@ from serving.deployments.limits_sync import LimitsExchangeDeployment
 from serving.deployments.replicas import DecodeWorker, OpenAIIngress, PrefillWorker, Worker
 from serving.observability import tracing
 
-__all__ = ["build_app", "config_from_args", "REPLICA_ENV"]
+__all__ = ["build_app", "config_from_args", "REPLICA_ENV", "INGRESS_RETRY_AFTER_S"]
+
+INGRESS_RETRY_AFTER_S = 1  # the proxy's Retry-After when the ingress queue is full (as queue_full's)
 
 # Serve runs a replica's user code on a second event loop in another thread, and a handle's router
 # on a third, by default: every request then crosses threads several times (measured: ~1 ms per
@@ -53,6 +55,9 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> Application:
     ingress = OpenAIIngress.options(
         num_replicas=config.ingress.num_replicas,
         max_ongoing_requests=config.ingress.max_ongoing_requests,
+        # Overload is refused by the proxy at once, as a pool's full queue is (429 queue_full).
+        max_queued_requests=config.ingress.max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=INGRESS_RETRY_AFTER_S),
         ray_actor_options={"num_cpus": config.ingress.num_cpus, "runtime_env": {"env_vars": _replica_env()}},
     )
     policy = load_policy(config.autoscaling_policy) if config.autoscaling_policy else None

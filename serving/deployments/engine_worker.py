@@ -47,6 +47,7 @@ from serving.engine.config import EngineConfig
 from serving.engine.errors import EngineError
 from serving.engine.kv_payload import KVPayload
 from serving.engine.outputs import EngineStats, RequestOutput
+from serving.engine.request import RequestStatus
 from serving.engine.validation import ModelInfo
 from serving.observability import tracing
 from serving.observability.worker_metrics import RequestLatencies, WorkerRecorder
@@ -54,6 +55,9 @@ from serving.observability.worker_metrics import RequestLatencies, WorkerRecorde
 __all__ = ["EngineWorker", "replica_signals"]
 
 logger = logging.getLogger(__name__)
+
+# Finish reasons of a request the engine ended without running it to its end: no KV to hand off.
+_NOT_RUN = (RequestStatus.FINISHED_ABORTED.value, RequestStatus.FINISHED_QUEUE_TIMEOUT.value)
 
 
 class EngineWorker:
@@ -154,10 +158,10 @@ class EngineWorker:
                 ):
                     tracker.observe(out)
                     last = out
-                ran = last is not None and last.outputs[0].finish_reason != "abort"
-                self.recorder.prefilled(last.metrics)
                 completion = last.outputs[0]
-                if completion.finish_reason == "abort":
+                ran = completion.finish_reason not in _NOT_RUN
+                self.recorder.prefilled(last.metrics)
+                if not ran:  # aborted, or timed out in the queue (the ingress answers 503)
                     return PrefillResult(last, None)
                 if completion.finish_reason == "stop" or params.max_tokens == 1:
                     return PrefillResult(last, None)

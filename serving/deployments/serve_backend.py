@@ -1,8 +1,8 @@
 """ServeBackend: the ingress's path to the worker pools, through Serve deployment handles.
 
-    disaggregated:  prefill.prefill(req) ──first token──▶ yield (the client sees it now)
-                                         └─KVHandle──▶ decode.generate(req, kv, prior=[first])
-                                                        ──tokens──▶ yield ...
+    disaggregated:  prefill.prefill(req) ──first token, KVHandle──▶ decode.generate(req, kv, prior=[first])
+                    placed on a decode replica ──▶ yield the first token (the client sees it now)
+                                               ──▶ the decode's tokens ──▶ yield ...
     colocated, n > 1, or fewer uncached prompt tokens than min_remote_prefill_tokens (auto:
     where the decode replica's sequences would wait less for the prefill than a KV hand-off
     takes, router/disaggregation.py):
@@ -14,7 +14,10 @@ conversation finds the turns before it there). Every replica, because the decode
 by load, not by prefix. Before the router has seen the pool's stats nothing counts as cached.
 
 Failures, each with one outcome:
-- a pool's queues are full (Serve's BackPressureError)        → QueueFullError (429)
+- a pool's queues are full (Serve's BackPressureError)        → QueueFullError (429). The
+  prefill's first token is held until Serve has placed the decode call on a replica, so a full
+  decode pool refuses a disaggregated stream before its first byte: the same 429 as colocated,
+  not a 200 and an SSE error event
 - a pool has no running replica (controller status)           → NoWorkerError (503)
 - the controller's status cannot be read (a read fails, or takes longer than status_timeout_s)
                                                               → requests go on with the last view
@@ -178,12 +181,13 @@ class ServeBackend:
             self._kv_nodes.add(kv.node_id)
         claimed = False
         try:
-            yield result.output  # first token, before the KV moves
-            if result.output.finished:
+            first = result.output
+            if first.finished:
+                yield first
                 return
-            prior = list(result.output.outputs[0].token_ids)
-            async for out in self._decode(request, kv, prior):
-                claimed = True
+            # The first token leaves once the decode call is placed, before the KV moves.
+            async for out in self._decode(request, kv, list(first.outputs[0].token_ids), first=first):
+                claimed = out is not first
                 yield out
             claimed = True
         finally:
@@ -240,7 +244,11 @@ class ServeBackend:
         if self.on_recovery is not None:
             self.on_recovery(kind)
 
-    async def _decode(self, request: WorkerRequest, kv: KVHandle | None, prior: list[int]) -> AsyncIterator[RequestOutput]:
+    async def _decode(
+        self, request: WorkerRequest, kv: KVHandle | None, prior: list[int], first: RequestOutput | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """The decode pool's outputs; `first` (the prefill's first token) is yielded ahead of them
+        as soon as Serve has placed the call on a replica (a full pool refuses it before then)."""
         pool = "decode" if self.prefill is not None else "worker"
         await self._check_alive(pool, self.decode)
         generated: list[int] = []
@@ -249,6 +257,10 @@ class ServeBackend:
             stream = self.decode.options(stream=True).generate.remote(_routed(request), kv, prior + generated)
             is_open = True  # the handle call has not ended on its own: cancel it when we leave
             try:
+                if first is not None:
+                    await _placed(stream)
+                    yield first
+                    first = None
                 async for item in stream:
                     if isinstance(item, WorkerError):
                         raise item.to_exception()
@@ -360,6 +372,15 @@ def _routed(request: WorkerRequest) -> WorkerRequest:
     if request.trace_context is None:
         return request
     return replace(request, trace_context={**request.trace_context, ROUTE_START_KEY: str(time.time_ns())})
+
+
+async def _placed(stream) -> None:
+    """Wait until Serve has placed a streamed handle call on a replica (a free slot, or a place in
+    its queue); raises BackPressureError when the pool's queue is full. A private method of
+    DeploymentResponseGenerator: it has no public one that waits for only this (the DeveloperAPI
+    `_to_object_ref_gen` needs by-reference calls); tests/serving/deployments/test_serve_backend.py
+    checks that the pinned Ray has it."""
+    await stream._fetch_future_result_async()
 
 
 def _cancel(response) -> None:

@@ -194,10 +194,16 @@ class AsyncEngine:
         engine = self.engine
         try:
             while True:
-                # Block when idle, or stalled (waiting on blocks that only a command can free);
-                # otherwise take what has arrived and step.
+                # Block when idle, or stalled (waiting on blocks that only a command can free, or
+                # until a waiting request's max_queue_wait_s runs out); otherwise take what has
+                # arrived and step.
                 if not engine.has_unfinished_requests() or engine.is_stalled:
-                    if not self._handle(self._inbox.get()):
+                    wait_s = engine.scheduler.seconds_to_queue_timeout() if engine.is_stalled else None
+                    try:
+                        command = self._inbox.get(timeout=wait_s)
+                    except queue.Empty:
+                        command = None  # a waiting request timed out: the step finishes it
+                    if command is not None and not self._handle(command):
                         return
                 while True:
                     try:

@@ -48,6 +48,13 @@ class EngineConfig(StrictModel):
         1, ge=1, description="Long prompts prefilling at once; further long ones let shorter ones pass."
     )
     enable_prefix_caching: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
+    max_queue_wait_s: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="A request still waiting for its first step this many seconds after it reached the "
+        "engine is finished with finish_reason 'queue_timeout' (the API answers 503 queue_timeout with "
+        "Retry-After) instead of waiting on. Only a request that has generated nothing: a preempted one, "
+        "or one continued from tokens generated elsewhere, waits as long as it takes. null: no limit.",
+    )
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads for this engine; default: torch's choice."
     )

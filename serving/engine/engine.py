@@ -85,6 +85,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             max_long_partial_prefills=config.max_long_partial_prefills,
+            max_queue_wait_s=config.max_queue_wait_s,
         )
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.vocab_size = self.model.vocab_size
@@ -185,19 +186,24 @@ class LLMEngine:
         request = self._requests.get(request_id)
         if request is None:
             return was_held
+        self._pending_outputs.append(self._end(request, RequestStatus.FINISHED_ABORTED))
+        return True
+
+    def _end(self, request: _Request, status: RequestStatus) -> RequestOutput:
+        """End a request before it finished on its own (aborted, or timed out in the queue): its
+        unfinished choices end with `status`, their blocks are freed; its final output."""
         outputs = []
         for state in request.seqs:
             if state.finish_reason is None:
-                state.finish_reason = "abort"
-                state.seq.status = RequestStatus.FINISHED_ABORTED
+                state.finish_reason = status.value
+                state.seq.status = status
                 self.scheduler.remove(state.seq)
                 if state.seq.block_ids:
                     self.block_manager.free(state.seq)
-                outputs.append(CompletionOutput(state.seq.index, "", [], None, "abort"))
+                outputs.append(CompletionOutput(state.seq.index, "", [], None, status.value))
         request.waiting_children.clear()
-        self._pending_outputs.append(self._request_output(request, outputs))
-        del self._requests[request_id]
-        return True
+        del self._requests[request.request_id]
+        return self._request_output(request, outputs)
 
     def take_failures(self) -> list[RequestFailedError]:
         """The requests that failed on their own since the last call (each is gone, its blocks
@@ -231,6 +237,8 @@ class LLMEngine:
         outputs, self._pending_outputs = self._pending_outputs, []
         sched = self.scheduler.schedule()
         scheduled = sched.scheduled
+        for seq in sched.timed_out:  # waited past max_queue_wait_s: refused, nothing generated
+            outputs.append(self._end(self._requests[seq.request_id], RequestStatus.FINISHED_QUEUE_TIMEOUT))
         for seq in sched.kv_imports:
             try:
                 self._write_import(seq)
@@ -238,7 +246,7 @@ class LLMEngine:
                 self._fail_request(seq.request_id, "KV import", exc)
         if self._failures:
             scheduled = [(seq, n) for seq, n in scheduled if seq.request_id in self._requests]
-        self.is_stalled = not scheduled and not sched.preempted
+        self.is_stalled = not scheduled and not sched.preempted and not sched.timed_out
         if not scheduled:
             # Only possible while held exports pin the blocks a waiting request needs: nothing
             # changes until one is exported, released or aborted.
@@ -388,6 +396,7 @@ class LLMEngine:
             kv_cache_usage=bm.usage,
             num_preemptions=self.scheduler.num_preemptions,
             num_expired_imports=self.scheduler.num_expired_imports,
+            num_queue_timeouts=self.scheduler.num_queue_timeouts,
             prefix_cache_query_tokens=bm.num_prefix_query_tokens,
             prefix_cache_hit_tokens=bm.num_prefix_hit_tokens,
             num_computed_tokens=self.num_computed_tokens,

@@ -24,7 +24,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "queue_timeout" (no tokens)
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
 
     @property
@@ -94,6 +94,7 @@ class EngineStats:
     num_generated_tokens: int
     num_held_exports: int
     num_expired_imports: int = 0  # KV imports whose shared-memory lease ran out before scheduling
+    num_queue_timeouts: int = 0  # requests refused after waiting max_queue_wait_s for their first step
     num_queued_prefill_tokens: int = 0  # prompt tokens of waiting and running sequences not yet computed
     prefill_tokens_per_s: float = 0.0  # measured over recent steps that ran prefill (EMA); 0 before any
     dtype: str = ""  # the dtype that runs (config "auto" resolved) and why: dtype_choice.DtypeChoice

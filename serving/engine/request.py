@@ -32,6 +32,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_QUEUE_TIMEOUT = "queue_timeout"  # waited longer than max_queue_wait_s for its first step
 
     @property
     def is_finished(self) -> bool:
@@ -39,6 +40,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_QUEUE_TIMEOUT,
         )
 
 

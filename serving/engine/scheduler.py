@@ -16,6 +16,13 @@ When a running sequence cannot get a block, the lowest-priority, newest running 
 preempted: its blocks are freed (hashed ones stay in the prefix cache, so recompute is cheap)
 and it goes back to the waiting queue with its generated tokens. No admissions happen in a step
 that preempted, so a freed sequence is not immediately refilled by a newcomer.
+
+A request does not wait for its first step forever (`max_queue_wait_s`; None: it does): after
+each step's admissions, a fresh sequence (choice 0, nothing generated, never scheduled) that has
+waited longer than that is taken out of the queue and returned in `timed_out`; the engine
+finishes its request with finish_reason "queue_timeout". One that could be admitted this step
+is admitted, however long it waited. Preempted sequences and ones continued from tokens generated
+elsewhere have started: they wait as long as it takes.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from serving.engine.block_manager import BlockManager
@@ -38,6 +46,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, new tokens)
     preempted: list[Sequence] = field(default_factory=list)
     kv_imports: list[Sequence] = field(default_factory=list)  # write seq.pending_import first
+    timed_out: list[Sequence] = field(default_factory=list)  # out of the queue: waited past max_queue_wait_s
 
 
 class Scheduler:
@@ -49,16 +58,21 @@ class Scheduler:
         max_num_batched_tokens: int,
         long_prefill_token_threshold: int = 0,
         max_long_partial_prefills: int = 1,
+        max_queue_wait_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,  # the clock of Sequence.arrival_time
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_long_partial_prefills = max_long_partial_prefills
+        self.max_queue_wait_s = max_queue_wait_s
+        self.clock = clock
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []  # sorted by sort_key
         self.num_preemptions = 0
         self.num_expired_imports = 0  # imports whose arena lease ran out first: computed instead
+        self.num_queue_timeouts = 0  # requests taken out of the queue after max_queue_wait_s
 
     def add(self, seq: Sequence) -> None:
         seq.status = RequestStatus.WAITING if seq.num_preemptions == 0 else RequestStatus.PREEMPTED
@@ -96,6 +110,7 @@ class Scheduler:
                 i += 1
 
         if out.preempted:
+            self._time_out_waiting(out)
             return out
 
         j = 0  # waiting[j] is next; long prompts over the limit are passed over, not popped
@@ -114,7 +129,27 @@ class Scheduler:
                 seq.first_scheduled_time = time.monotonic()
             num_long += self._is_long(num_left)
             budget -= out.scheduled[-1][1]
+        self._time_out_waiting(out)
         return out
+
+    def seconds_to_queue_timeout(self) -> float | None:
+        """How long until the next waiting sequence times out (0: one has); None: none can."""
+        if self.max_queue_wait_s is None:
+            return None
+        arrivals = [s.arrival_time for s in self.waiting if _is_fresh(s)]
+        if not arrivals:
+            return None
+        return max(0.0, min(arrivals) + self.max_queue_wait_s - self.clock())
+
+    def _time_out_waiting(self, out: SchedulerOutput) -> None:
+        if self.max_queue_wait_s is None or not self.waiting:
+            return
+        latest_arrival = self.clock() - self.max_queue_wait_s
+        timed_out = [s for s in self.waiting if s.arrival_time < latest_arrival and _is_fresh(s)]
+        for seq in timed_out:
+            self.waiting.remove(seq)
+        out.timed_out = timed_out
+        self.num_queue_timeouts += len(timed_out)
 
     def _is_long(self, num_left: int) -> bool:
         return 0 < self.long_prefill_token_threshold < num_left
@@ -172,3 +207,8 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
+
+
+def _is_fresh(seq: Sequence) -> bool:
+    """Its request has not started: it may still be refused for waiting too long."""
+    return seq.index == 0 and seq.first_scheduled_time is None and seq.num_output_tokens == 0

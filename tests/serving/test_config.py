@@ -196,6 +196,17 @@ def test_build_app_puts_the_wait_policy_in_the_worker_env(monkeypatch):
     assert "OMP_WAIT_POLICY" not in worker._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]
 
 
+def test_build_app_bounds_the_ingress_queue_and_the_proxy_refuses_beyond_it_with_429():
+    from ray.serve.config import BackpressureConfig
+
+    from serving.deployments.app import build_app
+
+    ingress = build_app(ServeConfig(mode="colocated", ingress={"max_queued_requests": 7}))._bound_deployment
+    assert (ingress.name, ingress.max_queued_requests) == ("OpenAIIngress", 7)
+    assert ingress.backpressure_config == BackpressureConfig(status_code=429, retry_after_s=1)
+    assert build_app(ServeConfig())._bound_deployment.max_queued_requests == 256
+
+
 def test_build_app_from_serve_args():
     from serving.deployments.app import build_app, config_from_args
 

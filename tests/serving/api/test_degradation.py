@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from serving.api.degradation import Action, Decision, DegradationPolicy, Reason, refusal_reason
-from serving.api.errors import NoWorkerError, QueueFullError
+from serving.api.errors import NoWorkerError, QueueFullError, QueueTimeoutError
 from serving.api.forwarding import ForwardedRequest, ResponseStart, serve_forwarded
 from serving.api.pipeline import Frontend
 from serving.api.protocol import ChatMessage
@@ -163,6 +163,7 @@ def test_down_refusals_and_a_zero_window_never_shed_on_arrival():
 
 def test_refusal_reasons():
     assert refusal_reason(QueueFullError("decode")) is S
+    assert refusal_reason(QueueTimeoutError()) is S
     assert refusal_reason(NoWorkerError("prefill", "no replicas")) is D
     assert refusal_reason(EngineDeadError("the step loop stopped")) is D
     assert refusal_reason(InvalidRequestError("messages", "bad")) is None

@@ -169,6 +169,9 @@ class _Stream:
     def __init__(self, items):
         self._items = list(items)
 
+    async def _fetch_future_result_async(self):
+        return self  # placed on a replica at once
+
     def __aiter__(self):
         return self
 
@@ -385,3 +388,99 @@ def test_auto_counts_the_local_prefills_sent_after_the_decode_replicas_stats():
     assert [name for name, _ in decode.calls] == ["generate"] * 3
     assert [args[1] for _, args in decode.calls] == [None, kv, kv]  # the first prefilled there, then handed off
     assert len(prefill.calls) == 2 and len(backend_._local_sent_at) == 1
+
+
+# ---- a full decode pool refuses a disaggregated stream before its first byte --------------------
+class _Refused(_Stream):
+    """A streamed handle call Serve refuses: the pool's queue is full (raised where Serve raises
+    it, when the call is placed, so before any item)."""
+
+    def __init__(self):
+        super().__init__([])
+        self.cancelled = False
+
+    async def _fetch_future_result_async(self):
+        from ray.serve.exceptions import BackPressureError
+
+        raise BackPressureError(num_queued_requests=1, max_queued_requests=1)
+
+    async def __anext__(self):
+        await self._fetch_future_result_async()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_serve_has_the_placement_wait_the_backend_uses():
+    """ServeBackend waits for a decode call's placement with a private method of Serve's
+    DeploymentResponseGenerator (serve_backend._placed): an upgrade that drops it fails here."""
+    import inspect
+
+    from ray.serve.handle import DeploymentResponseGenerator
+
+    assert inspect.iscoroutinefunction(DeploymentResponseGenerator._fetch_future_result_async)
+
+
+def test_a_full_decode_pool_refuses_a_disaggregated_request_before_its_first_token():
+    """The prefill's first token is not yielded before the decode call is placed: the refusal is
+    a QueueFullError with nothing delivered, and the KV the prefill left is released."""
+    from serving.api.errors import QueueFullError
+
+    backend_, prefill, decode, kv = pools()
+    decode.reply = lambda name, args: _Refused()
+    released = []
+    backend_.kv.release_soon = released.append
+    request = WorkerRequest("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3))
+    delivered = []
+
+    async def run():
+        async for out in backend_.generate(request):
+            delivered.append(out)
+
+    with pytest.raises(QueueFullError) as info:
+        asyncio.run(run())
+    assert (info.value.pool, info.value.status, info.value.headers) == ("decode", 429, {"Retry-After": "1"})
+    assert delivered == [] and released == [kv]
+    assert [name for name, _ in prefill.calls] == ["prefill"] and [name for name, _ in decode.calls] == ["generate"]
+
+
+def test_over_http_a_disaggregated_stream_refused_by_the_decode_pool_is_a_429_not_an_sse_error(tiny_model_dir):
+    """The same 429 as a colocated request whose pool is full; a decode pool that takes it
+    streams the prefill's token first, then its own."""
+    import json
+
+    import httpx
+    from transformers import AutoTokenizer
+
+    from serving.api.pipeline import Frontend
+    from serving.api.routes import OpenAIServer
+    from serving.engine.validation import ModelInfo
+
+    info = ModelInfo(vocab_size=49152, max_model_len=2048, eos_token_ids=(2,), block_size=16)
+    backend_, prefill, decode, _ = pools(threshold=0)
+    prefill.reply = lambda name, args: _Call(info) if name == "model_info" else pools()[1].reply(name, args)
+    decode_reply = decode.reply
+    decode.reply = lambda name, args: _Call(info) if name == "model_info" else decode_reply(name, args)
+    backend_.kv.release_soon = lambda kv: None
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    app = OpenAIServer(Frontend(tokenizer, backend_, "tiny"), ServeConfig(served_model_name="tiny")).build_app()
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+
+    async def post():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await client.post("/v1/completions", json=body)
+
+    served = asyncio.run(post())
+    decode.reply = lambda name, args: _Call(info) if name == "model_info" else _Refused()
+    refused = asyncio.run(post())
+
+    assert served.status_code == 200
+    *chunks, usage, done = [json.loads(e.removeprefix("data: ")) if e != "data: [DONE]" else e for e in served.text.split("\n\n") if e]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and done == "data: [DONE]"
+    assert usage["usage"]["completion_tokens"] == 3  # 7 from the prefill pool, 8 and 9 from the decode pool
+    assert (refused.status_code, refused.headers["retry-after"]) == (429, "1")
+    assert refused.headers["content-type"] == "application/json"
+    assert refused.json() == {"error": {
+        "message": "The decode pool's queues are full; retry after 1 s.", "type": "rate_limit_error",
+        "param": None, "code": "queue_full",
+    }}

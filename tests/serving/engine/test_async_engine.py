@@ -159,6 +159,31 @@ def test_held_exports_stall_without_spinning_and_release_resumes(tiny_model_dir)
         engine.shutdown()
 
 
+def test_a_request_stalled_behind_held_exports_still_times_out_in_the_queue(tiny_model_dir):
+    """The step thread waits on its inbox while held exports pin the blocks, but no longer than
+    the next waiting request's max_queue_wait_s: that request ends with queue_timeout (no
+    command needed to wake the loop), and the export is still there to be released."""
+    engine = AsyncEngine(EngineConfig(
+        model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=12 * 16 * 512, max_queue_wait_s=0.05,
+    ))
+    try:
+        async def main():
+            hold = SamplingParams(temperature=0.0, max_tokens=1)
+            async for _ in engine.generate("held", params=hold, prompt_token_ids=list(range(10, 170)), hold_kv=True):
+                pass
+            outputs = [out async for out in engine.generate("next", params=GREEDY, prompt_token_ids=list(range(200, 250)))]
+            released = await engine.release_kv("held")
+            return outputs, released
+
+        outputs, released = asyncio.run(asyncio.wait_for(main(), 60))  # a hang guard, not a measurement
+        assert [(c.token_ids, c.finish_reason) for out in outputs for c in out.outputs] == [([], "queue_timeout")]
+        assert released
+        stats = engine.stats()
+        assert stats.num_queue_timeouts == 1 and stats.num_free_blocks == stats.num_blocks
+    finally:
+        engine.shutdown()
+
+
 # ---- callers that go away, requests that fail alone, a loop that dies ------------------------
 PROMPT = list(range(20, 60))
 

@@ -404,3 +404,26 @@ def test_pytorch_path_matches_native_kernels(tiny_model_dir, monkeypatch, alone_
     monkeypatch.setattr(attention, "native_kernels", lambda: None)
     plain = make_engine(tiny_model_dir, max_num_batched_tokens=64)
     assert tokens_of(plain.generate(random_prompts(MIXED_LENGTHS), GREEDY)) == alone_outputs
+
+
+def test_a_request_that_waited_past_max_queue_wait_s_ends_with_queue_timeout_and_no_tokens(tiny_model_dir):
+    """Every choice of the refused request ends, nothing was generated or allocated for it, and
+    the request that held the only running slot is not disturbed."""
+    eng = make_engine(tiny_model_dir, max_num_seqs=1, max_queue_wait_s=1.0)
+    prompts = random_prompts([8, 8], seed=18)
+    expected = tokens_of(eng.generate([prompts[0]], GREEDY))
+    eng.add_request("runs", params=GREEDY, prompt_token_ids=prompts[0])
+    # Waiting for 10 s already (lower priority: it does not take the slot).
+    eng.add_request("waits", params=SamplingParams(max_tokens=4, n=2), prompt_token_ids=prompts[1],
+                    priority=1, arrival_time=time.monotonic() - 10.0)
+    first = eng.step()
+    assert [(o.request_id, o.finished, [(c.index, c.token_ids, c.finish_reason) for c in o.outputs]) for o in first if o.request_id == "waits"] == [
+        ("waits", True, [(0, [], "queue_timeout"), (1, [], "queue_timeout")]),
+    ]
+    collected = [t for o in first if o.request_id == "runs" for c in o.outputs for t in c.token_ids]
+    while eng.has_unfinished_requests():
+        collected += [t for o in eng.step() for c in o.outputs for t in c.token_ids]
+    assert collected == expected[0]
+    stats = eng.stats()
+    assert stats.num_queue_timeouts == 1 and stats.num_waiting == 0
+    assert stats.num_free_blocks == stats.num_blocks

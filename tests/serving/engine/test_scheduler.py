@@ -109,3 +109,65 @@ def test_threshold_off_keeps_fcfs_chunking():
     sched.add(seq("short", 3, arrival=1))
     assert run_step(sched) == {"long1": 10}
     assert run_step(sched) == {"long1": 2, "short": 3}
+
+
+# ---- max_queue_wait_s --------------------------------------------------------------------------
+class Clock:
+    """The scheduler's clock, moved by hand."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_fresh_request_waiting_past_max_queue_wait_s_is_timed_out_after_admissions():
+    clock = Clock()
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=1, max_num_batched_tokens=100, max_queue_wait_s=5.0, clock=clock)
+    for name, arrival in (("a", 0.0), ("b", 1.0), ("c", 4.0)):
+        sched.add(seq(name, 3, arrival=arrival))
+    assert sched.seconds_to_queue_timeout() == 5.0
+    clock.now = 5.5  # a waited 5.5 s, but it is admitted in this step: it runs
+    out = sched.schedule()
+    assert [s.request_id for s, _ in out.scheduled] == ["a"] and out.timed_out == []
+    assert sched.seconds_to_queue_timeout() == 0.5  # b's 5 s end at 6.0
+    clock.now = 6.0  # b waited exactly 5 s: not more
+    assert sched.schedule().timed_out == []
+    clock.now = 6.5
+    out = sched.schedule()
+    assert [s.request_id for s in out.timed_out] == ["b"]
+    assert [s.request_id for s in sched.waiting] == ["c"] and sched.num_queue_timeouts == 1
+    assert sched.seconds_to_queue_timeout() == 2.5  # c's end at 9.0
+    assert [s.request_id for s, _ in out.scheduled] == ["a"]  # the running one is untouched
+
+
+def test_a_request_that_has_started_waits_as_long_as_it_takes():
+    """Preempted sequences and ones continued from tokens generated elsewhere (a decode worker's
+    KV import) are not refused for waiting: they have started."""
+    clock = Clock()
+    bm = BlockManager(4, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100, max_queue_wait_s=1.0, clock=clock)
+    old, new = seq("old", 7, arrival=0), seq("new", 7, arrival=0.5)
+    sched.add(old)
+    sched.add(new)
+    run_step(sched)
+    run_step(sched)
+    continued = seq("continued", 3, arrival=0.5)
+    continued.append_token(9)  # its first token came from a prefill worker
+    sched.add(continued)
+    clock.now = 100.0
+    out = sched.schedule()
+    assert [s.request_id for s in out.preempted] == ["new"]  # as in the preemption test above
+    assert out.timed_out == [] and sched.num_queue_timeouts == 0
+    assert [s.request_id for s in sched.waiting] == ["new", "continued"]
+    assert sched.seconds_to_queue_timeout() is None
+
+
+def test_without_max_queue_wait_s_requests_wait_forever():
+    clock = Clock()
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=1, max_num_batched_tokens=100, clock=clock)
+    sched.add(seq("a", 3, arrival=0))
+    sched.add(seq("b", 3, arrival=0))
+    clock.now = 1e9
+    assert sched.schedule().timed_out == [] and sched.seconds_to_queue_timeout() is None
