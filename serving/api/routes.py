@@ -54,14 +54,20 @@ from serving.api.chat_template import render_off_loop, template_kwargs
 from serving.api.deadlines import Deadline, bounded, deadline_for
 from serving.api.degradation import Degrader
 from serving.api.errors import (
-    APIError, AuthenticationError, HealthUnknownError, ModelNotFoundError, RequestTimeoutError, error_status, to_api_error,
+    APIError,
+    AuthenticationError,
+    HealthUnknownError,
+    ModelNotFoundError,
+    RequestTimeoutError,
+    error_status,
+    to_api_error,
     with_request_id,
 )
 from serving.api.forwarding import Forwarder
 from serving.api.http_io import chain_deltas, error_response, finite_logprob, first_delta, merge_deltas, parse_body, read_json, split_prompts, sse_response
+from serving.api.keys import ANONYMOUS, KeyRing
 from serving.api.pipeline import ChoiceDelta, Frontend, Usage
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
-from serving.api.keys import ANONYMOUS, KeyRing
 from serving.api.rate_limits import RateLimiter, Ticket
 from serving.api.usage import ModelPrice, RequestAccount, UsageLedger, load_pricing
 from serving.config import ServeConfig

@@ -327,7 +327,7 @@ async def test_a_request_held_in_an_engine_queue_past_max_queue_wait_s_gets_503_
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
     assert response.json() == {"error": {
         "message": "The request waited longer than the engine's queue limit (max_queue_wait_s) without starting; "
-        "the pool is overloaded. Retry after 1 s.",
+        f"the pool is overloaded. Retry after 1 s. (request id: {response.headers['x-request-id']})",
         "type": "service_unavailable_error", "param": None, "code": "queue_timeout",
     }}
     assert srv.usage.totals("anonymous").num_requests == 0

@@ -3,13 +3,11 @@ back when a request ends, priorities clamped or refused, and models the tier may
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
-from serving.api.rate_limits import LimitsExchange
 from serving.api.pipeline import Frontend
+from serving.api.rate_limits import LimitsExchange
 from serving.api.routes import OpenAIServer
 from serving.config import ServeConfig
 from serving.deployments.limits_sync import LimitsSync
