@@ -66,6 +66,7 @@ from serving.api.errors import (
 from serving.api.forwarding import Forwarder
 from serving.api.http_io import chain_deltas, error_response, finite_logprob, first_delta, merge_deltas, parse_body, read_json, split_prompts, sse_response
 from serving.api.keys import ANONYMOUS, KeyRing
+from serving.api.openapi import openapi_document
 from serving.api.pipeline import ChoiceDelta, Frontend, Usage
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
 from serving.api.rate_limits import RateLimiter, Ticket
@@ -174,6 +175,10 @@ class OpenAIServer:
             # The 0.0.4 text format: what every Prometheus (and Ray's agent) reads.
             body = prometheus_client.generate_latest(self.metrics.registry)
             return Response(body, media_type=CONTENT_TYPE_PLAIN_0_0_4)
+
+        @app.get("/openapi.json")
+        async def openapi():
+            return openapi_document(self.model_name, has_keys=bool(self._keys))
 
         @app.get("/health")
         async def health():
