@@ -36,6 +36,16 @@ def tiny_app_config(model_dir, name: str, **overrides):
     return ServeConfig.model_validate({**base, **overrides})
 
 
+class VirtualClock:
+    """A clock a test moves by hand (`clock.now += 20`), for code that takes `clock=` callables."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def wait_until(predicate: Callable[[], T], *, timeout_s: float = 60.0, interval_s: float = 0.1) -> T:
     """The first truthy value of `predicate()`, polled every `interval_s`; AssertionError naming
     the last value after `timeout_s`."""

@@ -28,6 +28,7 @@ from serving.engine import EngineConfig, SamplingParams
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.outputs import CompletionOutput, merge_outputs
+from tests.helpers import VirtualClock
 
 MODEL = "tiny"
 TEN = list(range(100, 110))  # a prompt of exactly 10 tokens
@@ -36,22 +37,6 @@ LONG = {"model": MODEL, "prompt": TEN, "max_tokens": MAX_TOKENS, "temperature": 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": MAX_TOKENS,
         "temperature": 0, "ignore_eos": True}
 GOLD, FREE = "sk-gold-0123456789ab", "sk-free-0123456789ab"
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    engine = AsyncEngine(EngineConfig(
-        model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20, enable_prefix_caching=False, num_threads=1,
-    ))
-    yield engine
-    engine.shutdown()
-
-
-class Clock:
-    now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Stalls(LocalBackend):
@@ -89,15 +74,15 @@ def _single_tokens(out):
         yield replace(out, outputs=[one], finished=out.finished and last)
 
 
-def server(engine, tiny_model_dir, backend, **config) -> tuple[OpenAIServer, Clock]:
+def server(engine, tiny_model_dir, backend, **config) -> tuple[OpenAIServer, VirtualClock]:
     cfg = ServeConfig.model_validate({"model": str(tiny_model_dir), "served_model_name": MODEL, **config})
     srv = OpenAIServer(Frontend(engine.tokenizer, backend, MODEL), cfg)
-    clock = Clock()
+    clock = VirtualClock()
     srv.clock = clock
     return srv, clock
 
 
-def jump_to_10_ms_before(clock: Clock, timeout_s: float):
+def jump_to_10_ms_before(clock: VirtualClock, timeout_s: float):
     """A before_stall that leaves the request's last wait 10 ms (it was received at 1000.0)."""
     def jump():
         clock.now = 1000.0 + timeout_s - 0.01

@@ -14,8 +14,6 @@ from serving.api.pipeline import Frontend
 from serving.api.routes import OpenAIServer
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
-from serving.engine import EngineConfig
-from serving.engine.async_engine import AsyncEngine
 
 MODEL = "tiny"
 STREAM = {"model": MODEL, "prompt": list(range(100, 120)), "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -23,13 +21,9 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir):
-    engine = AsyncEngine(EngineConfig(
-        model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20, enable_prefix_caching=False, num_threads=1,
-    ))
+def served(engine, tiny_model_dir):
     config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL, max_request_body_bytes=64 * 1024)
-    yield engine, OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config).build_app()
-    engine.shutdown()
+    return engine, OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config).build_app()
 
 
 def _text(events: str) -> str:

@@ -12,22 +12,16 @@ from serving.api.pipeline import Frontend
 from serving.api.routes import OpenAIServer
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
-from serving.engine import EngineConfig
-from serving.engine.async_engine import AsyncEngine
 
 MODEL = "tiny"
 EXAMPLES_PER_OPERATION = 40
 
 
 @pytest.fixture(scope="module")
-def app(tiny_model_dir):
-    engine = AsyncEngine(EngineConfig(
-        model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20, enable_prefix_caching=False, num_threads=1,
-    ))
+def app(engine, tiny_model_dir):
     # Small output caps keep each generated request short; the limits are what is under test.
     config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL, api={"default_max_tokens": 8})
-    yield OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config).build_app()
-    engine.shutdown()
+    return OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config).build_app()
 
 
 def test_the_document_describes_both_completion_endpoints(app):

@@ -8,17 +8,10 @@ import pytest
 from serving.api.rate_limits import LimitReport, LimitsExchange, RateLimiter, RateLimitError, format_reset
 from serving.config.access import TierConfig, hash_key
 from serving.engine.errors import InvalidRequestError
+from tests.helpers import VirtualClock
 
 
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _limiter(clock: Clock, **tier) -> tuple[RateLimiter, object]:
+def _limiter(clock: VirtualClock, **tier) -> tuple[RateLimiter, object]:
     key = hash_key("sk-test-key-0123456789", name="team", tier="t", salt=b"\x01" * 16)
     return RateLimiter({"t": TierConfig(**tier), "default": TierConfig()}, clock), key
 
@@ -30,7 +23,7 @@ def _refusal(limiter, key, num_tokens=0) -> RateLimitError:
 
 
 def test_requests_per_minute_is_a_bucket_of_a_minute_refilled_evenly():
-    clock = Clock()
+    clock = VirtualClock()
     limiter, key = _limiter(clock, requests_per_minute=3)
     for _ in range(3):
         limiter.admit(key, 10)
@@ -46,7 +39,7 @@ def test_requests_per_minute_is_a_bucket_of_a_minute_refilled_evenly():
 
 
 def test_tokens_per_minute_reserves_max_tokens_and_gives_back_what_was_not_used():
-    clock = Clock()
+    clock = VirtualClock()
     limiter, key = _limiter(clock, tokens_per_minute=120)  # 2 tokens per second
     first = limiter.admit(key, 100)
     error = _refusal(limiter, key, 50)
@@ -59,7 +52,7 @@ def test_tokens_per_minute_reserves_max_tokens_and_gives_back_what_was_not_used(
 
 
 def test_a_request_larger_than_a_minute_of_tokens_is_a_400_naming_max_tokens():
-    limiter, key = _limiter(Clock(), tokens_per_minute=100)
+    limiter, key = _limiter(VirtualClock(), tokens_per_minute=100)
     with pytest.raises(InvalidRequestError) as info:
         limiter.admit(key, 101)
     assert info.value.param == "max_tokens"
@@ -67,7 +60,7 @@ def test_a_request_larger_than_a_minute_of_tokens_is_a_400_naming_max_tokens():
 
 
 def test_concurrent_requests_are_limited_until_one_ends():
-    limiter, key = _limiter(Clock(), max_concurrent_requests=2)
+    limiter, key = _limiter(VirtualClock(), max_concurrent_requests=2)
     first = limiter.admit(key, 1)
     limiter.admit(key, 1)
     error = _refusal(limiter, key)
@@ -80,7 +73,7 @@ def test_concurrent_requests_are_limited_until_one_ends():
 
 
 def test_headers_say_limit_remaining_and_reset_like_openai():
-    clock = Clock()
+    clock = VirtualClock()
     limiter, key = _limiter(clock, requests_per_minute=60, tokens_per_minute=6000)
     limiter.admit(key, 1500)
     assert limiter.headers(key) == {
@@ -91,14 +84,14 @@ def test_headers_say_limit_remaining_and_reset_like_openai():
 
 
 def test_an_unlimited_tier_is_never_refused_and_has_no_headers():
-    limiter, _ = _limiter(Clock())
+    limiter, _ = _limiter(VirtualClock())
     key = hash_key("sk-free-key-0123456789", tier="default")
     for _ in range(1000):
         limiter.admit(key, 10**6)
     assert limiter.headers(key) == {}
 
 
-def _replicas(clock: Clock, **tier):
+def _replicas(clock: VirtualClock, **tier):
     exchange = LimitsExchange(stale_s=10.0, clock=clock)
     a, key = _limiter(clock, **tier)
     b, _ = _limiter(clock, **tier)
@@ -111,7 +104,7 @@ def _replicas(clock: Clock, **tier):
 
 
 def test_two_replicas_share_a_key_s_requests_within_the_documented_drift():
-    clock = Clock()
+    clock = VirtualClock()
     a, b, key, trade = _replicas(clock, requests_per_minute=10)
     trade("a", a), trade("b", b)  # both known to the exchange
     for _ in range(6):
@@ -131,7 +124,7 @@ def test_two_replicas_share_a_key_s_requests_within_the_documented_drift():
 
 
 def test_two_replicas_trading_after_every_request_admit_exactly_the_limit():
-    clock = Clock()
+    clock = VirtualClock()
     a, b, key, trade = _replicas(clock, requests_per_minute=10)
     trade("a", a), trade("b", b)
     admitted = refused = 0
@@ -148,7 +141,7 @@ def test_two_replicas_trading_after_every_request_admit_exactly_the_limit():
 
 
 def test_requests_in_flight_count_across_replicas_until_a_replica_goes_stale():
-    clock = Clock()
+    clock = VirtualClock()
     a, b, key, trade = _replicas(clock, max_concurrent_requests=2)
     tickets = [a.admit(key, 1), a.admit(key, 1)]
     trade("a", a), trade("b", b)
@@ -164,7 +157,7 @@ def test_requests_in_flight_count_across_replicas_until_a_replica_goes_stale():
 
 
 def test_a_replica_that_joins_late_takes_none_of_the_history():
-    clock = Clock()
+    clock = VirtualClock()
     exchange = LimitsExchange(clock=clock)
     exchange.trade("a", LimitReport({"team": (50.0, 500.0)}, {}))
     assert exchange.trade("b", LimitReport({}, {})) == LimitReport({}, {})

@@ -12,29 +12,12 @@ from serving.api.routes import OpenAIServer
 from serving.config import ServeConfig
 from serving.deployments.limits_sync import LimitsSync
 from serving.deployments.local_backend import LocalBackend
-from serving.engine import EngineConfig
-from serving.engine.async_engine import AsyncEngine
+from tests.helpers import VirtualClock
 
 MODEL = "tiny"
 TEN = list(range(100, 110))  # a prompt of exactly 10 tokens
 REQUEST = {"model": MODEL, "prompt": TEN, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 GOLD, FREE = "sk-gold-0123456789ab", "sk-free-0123456789ab"
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    engine = AsyncEngine(EngineConfig(
-        model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20, enable_prefix_caching=False, num_threads=1,
-    ))
-    yield engine
-    engine.shutdown()
-
-
-class Clock:
-    now = 500.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class RecordingBackend(LocalBackend):
@@ -49,14 +32,14 @@ class RecordingBackend(LocalBackend):
         return super().generate(request)
 
 
-def server(engine, tiny_model_dir, tiers: dict) -> tuple[OpenAIServer, RecordingBackend, Clock]:
+def server(engine, tiny_model_dir, tiers: dict) -> tuple[OpenAIServer, RecordingBackend, VirtualClock]:
     cfg = ServeConfig(
         model=str(tiny_model_dir), served_model_name=MODEL, tiers=tiers,
         api_keys=[{"key": GOLD, "name": "gold-team", "tier": "gold"}, {"key": FREE, "name": "free-team", "tier": "free"}],
     )
     backend = RecordingBackend(engine)
     srv = OpenAIServer(Frontend(engine.tokenizer, backend, MODEL), cfg)
-    clock = Clock()
+    clock = VirtualClock(500.0)
     srv.limiter.clock = clock
     return srv, backend, clock
 

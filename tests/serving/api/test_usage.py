@@ -31,8 +31,7 @@ from serving.api.usage import (
 )
 from serving.config import ConfigError, ServeConfig, load_config
 from serving.deployments.local_backend import LocalBackend
-from serving.engine import EngineConfig, EngineDeadError
-from serving.engine.async_engine import AsyncEngine
+from serving.engine import EngineDeadError
 
 MODEL = "tiny"
 PRICE = ModelPrice(input_per_million=Decimal("0.15"), output_per_million=Decimal("0.60"))
@@ -41,15 +40,6 @@ TEN = list(range(100, 110))  # a prompt of exactly 10 tokens
 # 10 prompt tokens and 4 completion tokens: 10 × 0.15 / 1e6 + 4 × 0.60 / 1e6 = 0.0000039
 REQUEST = {"model": MODEL, "prompt": TEN, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 ALICE, BOB, ADMIN = "sk-alice-0123456789", "sk-bob-9876543210ab", "sk-admin-00000000001"
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    engine = AsyncEngine(EngineConfig(
-        model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20, enable_prefix_caching=False, num_threads=1,
-    ))
-    yield engine
-    engine.shutdown()
 
 
 def server(engine, tiny_model_dir, price: ModelPrice | None = PRICE, **config) -> OpenAIServer:
