@@ -258,7 +258,9 @@ class OpenAIServer:
 
     def _tier_priority(self, body: dict, call: _Call) -> dict:
         """The body with the priority its key's tier allows: the tier's default when it sets none;
-        one more important than the tier's highest is clamped to it, or refused."""
+        one more important than the tier's highest is clamped to it, or refused; then less
+        important by the tier's offset if it does not stream. (Its estimated cost is added at
+        admission, once its prompt is tokenized: `_admit`.)"""
         tier = self.config.tiers[call.key.tier]
         asked = body.get("priority")
         if asked is None:
@@ -275,6 +277,8 @@ class OpenAIServer:
             call.priority = tier.highest_priority
         else:
             call.priority = asked
+        if body.get("stream") is not True:
+            call.priority += tier.non_stream_priority_offset  # request type: batch yields to streams
         # Rewritten only where it changed (the degradation policy and a fallback app read it).
         return body if call.priority == (0 if asked is None else asked) else {**body, "priority": call.priority}
 
@@ -306,9 +310,13 @@ class OpenAIServer:
 
     def _admit(self, call: _Call, prompt_ids: list[list[int]], params: list[SamplingParams]) -> None:
         """Take the request's tokens (its prompts and all it may generate, max_tokens resolved per
-        prompt) from its key's limits."""
+        prompt) from its key's limits, and make it less important by that estimated cost where its
+        tier says so."""
         num_tokens = sum(len(ids) + p.n * p.max_tokens for ids, p in zip(prompt_ids, params, strict=True))
         call.ticket = self.limiter.admit(call.key, num_tokens)
+        tier = self.config.tiers[call.key.tier]
+        if tier.priority_cost_step_tokens is not None:  # estimated cost: a long request yields to short ones
+            call.priority += min(tier.max_cost_priority_levels, num_tokens // tier.priority_cost_step_tokens)
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "kvrelay"}

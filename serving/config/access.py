@@ -58,6 +58,20 @@ class TierConfig(StrictModel):
     priority_over_limit: Literal["clamp", "refuse"] = Field(
         "clamp", description="What a request asking for more than highest_priority gets: clamped, or a 400.",
     )
+    non_stream_priority_offset: int = Field(
+        0, ge=0, le=1000,
+        description="Levels added to the priority of a request that does not stream: batch work waits "
+        "behind the interactive streams of its tier. 0: no difference.",
+    )
+    priority_cost_step_tokens: int | None = Field(
+        None, ge=1,
+        description="Every this many tokens of a request's estimated work (its prompts plus n x max_tokens, "
+        "what tokens_per_minute counts) make it one level less important, up to max_cost_priority_levels: "
+        "a short request passes a long one of its tier. null: cost does not change priority.",
+    )
+    max_cost_priority_levels: int = Field(
+        2, ge=0, le=1000, description="The most levels a request's estimated cost can add (priority_cost_step_tokens).",
+    )
     models: list[str] | None = Field(
         None, description="Model names (and adapters, which are served as models) this tier may use. null: all.",
     )

@@ -25,6 +25,7 @@ SERVING_ENGINE_DEFAULTS: dict[str, Any] = {
     "long_prefill_token_threshold": 256,  # a long prompt must not stall the other requests' TTFT
     "num_threads": 1,  # torch threads per replica: Ray's logical CPUs are not cores
     "max_queue_wait_s": 60.0,  # an overloaded pool answers 503 + Retry-After, not after minutes
+    "priority_aging_s": 10.0,  # a tier's priority orders the queue; waiting 10 s is worth one level
 }
 
 # Tighter bounds than EngineConfig's where a served app needs them: a replica's context window

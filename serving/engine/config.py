@@ -55,6 +55,12 @@ class EngineConfig(StrictModel):
         "Retry-After) instead of waiting on. Only a request that has generated nothing: a preempted one, "
         "or one continued from tokens generated elsewhere, waits as long as it takes. null: no limit.",
     )
+    priority_aging_s: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="A request waiting to start becomes one priority level more important per this many "
+        "seconds it has waited, so a stream of more important requests cannot starve it: its place in the "
+        "admission order, never a running request's. null: no aging (strict priority, then arrival).",
+    )
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads for this engine; default: torch's choice."
     )

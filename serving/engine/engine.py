@@ -86,6 +86,7 @@ class LLMEngine:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             max_long_partial_prefills=config.max_long_partial_prefills,
             max_queue_wait_s=config.max_queue_wait_s,
+            priority_aging_s=config.priority_aging_s,
         )
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.vocab_size = self.model.vocab_size

@@ -17,6 +17,12 @@ preempted: its blocks are freed (hashed ones stay in the prefix cache, so recomp
 and it goes back to the waiting queue with its generated tokens. No admissions happen in a step
 that preempted, so a freed sequence is not immediately refilled by a newcomer.
 
+Waiting requests are admitted in priority order (lower is more important, as vLLM), then by
+arrival. With `priority_aging_s` a waiting request's priority improves by one level per that many
+seconds it has waited, so more important traffic delays it but cannot starve it: the queue is
+re-ordered by that aged priority at the start of each step's admissions. Aging orders admissions
+only; preemption still picks the least important running sequence by the priority it came with.
+
 A request does not wait for its first step forever (`max_queue_wait_s`; None: it does): after
 each step's admissions, a fresh sequence (choice 0, nothing generated, never scheduled) that has
 waited longer than that is taken out of the queue and returned in `timed_out`; the engine
@@ -59,6 +65,7 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         max_long_partial_prefills: int = 1,
         max_queue_wait_s: float | None = None,
+        priority_aging_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,  # the clock of Sequence.arrival_time
     ):
         self.block_manager = block_manager
@@ -67,8 +74,9 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_long_partial_prefills = max_long_partial_prefills
         self.max_queue_wait_s = max_queue_wait_s
+        self.priority_aging_s = priority_aging_s
         self.clock = clock
-        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.waiting: list[Sequence] = []  # sorted by sort_key (by aged_key from each step's admissions)
         self.running: list[Sequence] = []  # sorted by sort_key
         self.num_preemptions = 0
         self.num_expired_imports = 0  # imports whose arena lease ran out first: computed instead
@@ -113,6 +121,9 @@ class Scheduler:
             self._time_out_waiting(out)
             return out
 
+        if self.priority_aging_s is not None and len(self.waiting) > 1:
+            now = self.clock()
+            self.waiting.sort(key=lambda s: self.aged_key(s, now))
         j = 0  # waiting[j] is next; long prompts over the limit are passed over, not popped
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[j]
@@ -131,6 +142,11 @@ class Scheduler:
             budget -= out.scheduled[-1][1]
         self._time_out_waiting(out)
         return out
+
+    def aged_key(self, seq: Sequence, now: float) -> tuple[int, float, int]:
+        """`seq.sort_key` with its priority improved by one level per `priority_aging_s` waited."""
+        levels = int(max(0.0, now - seq.arrival_time) // self.priority_aging_s)
+        return (seq.priority - levels, seq.arrival_time, seq.seq_id)
 
     def seconds_to_queue_timeout(self) -> float | None:
         """How long until the next waiting sequence times out (0: one has); None: none can."""

@@ -126,6 +126,26 @@ async def test_priority_is_clamped_to_the_tier_visibly_and_defaults_to_the_tier_
 
 
 @pytest.mark.asyncio
+async def test_request_type_and_estimated_cost_make_a_request_less_important_within_its_tier(engine, tiny_model_dir):
+    # Batch (not streamed) work: +2 levels; every 20 tokens of prompt + n x max_tokens: +1 level, at most 3.
+    tiers = {"gold": {"priority": 0, "highest_priority": -5, "non_stream_priority_offset": 2,
+                      "priority_cost_step_tokens": 20, "max_cost_priority_levels": 3}, "free": {}}
+    srv, backend, _ = server(engine, tiny_model_dir, tiers)
+    app = srv.build_app()
+    answers = [
+        await call(app, "/v1/completions", {**REQUEST, "stream": True}, GOLD),  # 10 + 4 = 14 tokens: no level
+        await call(app, "/v1/completions", REQUEST, GOLD),  # batch: +2
+        await call(app, "/v1/completions", {**REQUEST, "stream": True, "max_tokens": 30}, GOLD),  # 40 tokens: +2
+        await call(app, "/v1/completions", {**REQUEST, "stream": True, "max_tokens": 30, "n": 4}, GOLD),  # 130: +6, capped at 3
+        await call(app, "/v1/completions", {**REQUEST, "priority": -100}, GOLD),  # clamped to -5, then batch +2
+        await call(app, "/v1/completions", {**REQUEST, "stream": True}, FREE),  # a tier without the rules
+    ]
+    assert [a.status_code for a in answers] == [200] * 6
+    assert backend.priorities == [0, 2, 2, 3, -3, 0]
+    assert [a.headers["x-kvrelay-priority"] for a in answers] == ["0", "2", "2", "3", "-3", "0"]
+
+
+@pytest.mark.asyncio
 async def test_a_tier_that_refuses_over_limit_priorities_names_the_field_and_the_limit(engine, tiny_model_dir):
     srv, backend, _ = server(engine, tiny_model_dir, {"free": {"highest_priority": 0, "priority_over_limit": "refuse"}, "gold": {}})
     response = await call(srv.build_app(), "/v1/completions", {**REQUEST, "priority": -1}, FREE)

@@ -171,3 +171,38 @@ def test_without_max_queue_wait_s_requests_wait_forever():
     sched.add(seq("b", 3, arrival=0))
     clock.now = 1e9
     assert sched.schedule().timed_out == [] and sched.seconds_to_queue_timeout() is None
+
+
+# ---- priority_aging_s --------------------------------------------------------------------------
+def test_aging_lets_a_long_waiting_request_pass_more_important_newcomers():
+    clock = Clock()
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=1, max_num_batched_tokens=100, priority_aging_s=10.0, clock=clock)
+    sched.add(seq("running", 2, arrival=0))
+    assert run_step(sched) == {"running": 2}  # holds the only slot
+    sched.add(seq("batch", 2, arrival=0, priority=2))
+    sched.add(seq("urgent", 2, arrival=25, priority=0))
+    clock.now = 25.0  # batch waited 25 s: 2 levels (2 - 2 = 0), equal to urgent's, and it came first
+    assert [s.request_id for s in sorted(sched.waiting, key=lambda s: sched.aged_key(s, clock.now))] == ["batch", "urgent"]
+    sched.remove(sched.running[0])
+    assert run_step(sched) == {"batch": 2}
+    assert [s.request_id for s in sched.waiting] == ["urgent"]
+
+
+def test_aging_counts_whole_periods_only():
+    clock = Clock()
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=1, max_num_batched_tokens=100, priority_aging_s=10.0, clock=clock)
+    batch, urgent = seq("batch", 2, arrival=0, priority=2), seq("urgent", 2, arrival=15, priority=0)
+    sched.add(batch)
+    sched.add(urgent)
+    clock.now = 19.9  # batch has aged one level (2 - 1 = 1): urgent (0) still goes first
+    assert sched.aged_key(batch, clock.now) == (1, 0, batch.seq_id)
+    assert run_step(sched) == {"urgent": 2}
+
+
+def test_without_aging_priority_is_strict_however_long_a_request_waits():
+    clock = Clock()
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=1, max_num_batched_tokens=100, clock=clock)
+    sched.add(seq("batch", 2, arrival=0, priority=2))
+    sched.add(seq("urgent", 2, arrival=1000, priority=0))
+    clock.now = 1000.0
+    assert run_step(sched) == {"urgent": 2}
