@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_serve(bench_targets)
     _add_bench_scenario(bench_targets)
     _add_bench_soak(bench_targets)
+    _add_bench_hostile(bench_targets)
     _add_policy(commands)
     _add_ops(commands)
 
@@ -322,3 +323,28 @@ def _add_bench_soak(targets) -> None:
         ),
     )
     add_arguments(p)
+
+
+def _add_bench_hostile(targets) -> None:
+    p = targets.add_parser(
+        "hostile",
+        help="a normal stream's TTFT alone and beside clients sending hostile requests",
+        description=(
+            "Start the app (kvrelay serve's defaults, one replica) on a local Ray, time a normal "
+            "stream's TTFT alone, then while ten clients loop issue 17's hostile requests (oversized "
+            "and chunked bodies, nested JSON, a request's own template, fan-out, logit_bias, stop "
+            "strings, unknown model, malformed JSON); report the TTFT ratio (target <= 2x) and every "
+            "hostile answer's status and latency (load_tests/bench_hostile.py)."
+        ),
+    )
+    p.add_argument("--quick", action="store_true", help="smaller preset: 3 rounds x 16 output tokens")
+    p.add_argument("--json", metavar="PATH", help="write summary, config, raw results and hardware here")
+    p.add_argument("--model", help="built-in name or model directory [smollm2-135m-instruct]")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], help="weights and KV dtype [auto]")
+    p.add_argument("--mode", choices=["colocated", "disaggregated"], help="served mode [colocated]")
+    p.add_argument("--num-rounds", type=int, metavar="N", help="normal streams per phase [8; quick 3]")
+    p.add_argument("--prompt-len", type=int, metavar="TOKENS", help="normal stream's prompt length [256]")
+    p.add_argument("--output-len", type=int, metavar="TOKENS", help="normal stream's output tokens [32; quick 16]")
+    p.add_argument("--num-warmup", type=int, metavar="N", help="untimed streams first [2]")
+    p.add_argument("--kv-cache-mib", type=int, metavar="MIB", help="KV cache per replica [256]")
+    p.add_argument("--seed", type=int, help="seed of the random prompt token ids [0]")
