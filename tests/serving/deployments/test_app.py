@@ -158,6 +158,21 @@ def test_openai_sdk_greedy_equals_engine(serve_instance, reference, app):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+@pytest.mark.parametrize("app", ["disagg", "coloc"])
+def test_schemathesis_over_http_gets_no_5xx_and_only_openai_shaped_4xx(serve_instance, app):
+    """The served app (Serve's proxy, the ingress, the pools) under issue 17's property-based run,
+    fewer cases than the ASGI run in tests/serving/api: what it adds is the real path."""
+    import schemathesis
+
+    from tests.openapi_fuzz import fuzz
+
+    base_url = f"{serve_instance['url']}/{app}"
+    failures, statuses = fuzz(schemathesis.openapi.from_url(f"{base_url}/openapi.json"), 12, base_url=base_url)
+    assert failures == []
+    for path in ("POST /v1/chat/completions", "POST /v1/completions"):
+        assert 200 in statuses[path] and statuses[path] & {400, 422}, statuses
+
+
 def test_httpx_completions_and_models(serve_instance, reference):
     url = serve_instance["url"] + "/disagg"
     with httpx.Client(base_url=url, timeout=60) as client:
