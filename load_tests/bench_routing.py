@@ -39,6 +39,7 @@ from load_tests.bench_engine import Target
 from load_tests.common import StepLog, load_note, run_and_report
 from load_tests.routing_metrics import PolicyRun
 from load_tests.routing_sim import CostModel, SimConfig, oracle_hit_tokens, simulate
+from load_tests.routing_sweep import SWEEP_FULL, SWEEP_QUICK, Cell, SweepGrid, cells, format_sweep, run_cells, sim_config, summarize_sweep
 from load_tests.routing_workload import Workload, WorkloadSpec, make_workload
 
 __all__ = [
@@ -75,6 +76,8 @@ class BenchParams:
     ours_params: tuple[tuple[str, object], ...] = ()  # PrefixCostPolicy parameters (--param)
     seed: int = 0
     quick: bool = False
+    pressure_sweep: bool = False  # the grid of load_tests/routing_sweep.py instead of the runs above
+    grid: SweepGrid = SWEEP_FULL
 
     def policy_params(self, policy: str) -> dict:
         return dict(self.ours_params) if policy == "prefix_cost" else {}
@@ -87,6 +90,8 @@ REAL_FULL = dataclasses.replace(
     sweep=(), kv_cache_tokens=2560,
 )
 REAL_QUICK = dataclasses.replace(REAL_FULL, num_groups=4, num_requests=24, calibration_repeats=1, quick=True)
+SWEEP_PRESET = dataclasses.replace(SIM_FULL, sweep=(), pressure_sweep=True)
+SWEEP_QUICK_PRESET = dataclasses.replace(SWEEP_PRESET, grid=SWEEP_QUICK, calibration_repeats=1, quick=True)
 
 TARGETS = (
     Target("hit_rate_fraction_of_oracle", "prefix hit rate / oracle's", ">=", 0.95),
@@ -278,6 +283,8 @@ def run(p: BenchParams, *, command: str = "") -> dict:
 
         p = dataclasses.replace(p, dtype=resolve_dtype(p.dtype, resolve_model_dir(p.model)).dtype)
     cost, calibration = _cost_model(p)
+    if p.pressure_sweep:
+        return _run_sweep(p, cost, calibration, machine, started, command)
     sweep: dict[int, dict] = {}
     simulated = None
     if p.simulate:
@@ -313,13 +320,49 @@ def run(p: BenchParams, *, command: str = "") -> dict:
     }
 
 
+def _simulate_cell(p: BenchParams, cost: CostModel, cell: Cell) -> dict:
+    prompt_len = p.prefix_len + p.suffix_len
+    spec = WorkloadSpec(
+        num_groups=cell.num_groups, prefix_len=p.prefix_len, suffix_len=p.suffix_len, num_requests=cell.num_requests,
+        request_rate_per_s=p.load * cell.num_replicas / cost.service_s(prompt_len, 0), zipf_s=cell.zipf,
+        block_size=p.block_size, seed=p.seed,
+    )
+    workload = make_workload(spec)
+    config = sim_config(cell, block_size=p.block_size, stats_period_s=p.stats_period_s, num_routers=p.num_routers, seed=p.seed)
+    oracle, _ = _oracle_rate(workload, cell.num_replicas, config.num_blocks)
+    runs = {policy: simulate(workload, policy, config, cost, p.policy_params(policy)) for policy in POLICIES}
+    figures = policy_figures(runs, oracle)
+    for f in figures.values():  # per-replica detail: the main runs have it; here it would be most of the file
+        del f["computed_tokens_by_replica"], f["requests_by_replica"]
+    return {"request_rate_per_s": spec.request_rate_per_s, "oracle_hit_rate": oracle, "figures": figures}
+
+
+def _run_sweep(p: BenchParams, cost: CostModel, calibration: dict, machine: dict, started: float, command: str) -> dict:
+    grid_cells = cells(p.grid, prefix_len=p.prefix_len, suffix_len=p.suffix_len, block_size=p.block_size)
+    records = run_cells(grid_cells, lambda cell: _simulate_cell(p, cost, cell), _progress)
+    hardware.finish_machine_record(machine)
+    summary = {**summarize_sweep(records), "source": f"simulation, pressure sweep, {p.num_routers} router(s)"}
+    print(format_sweep(records, summary, cost))
+    return {
+        "summary": summary,
+        "config": {"command": command, "params": dataclasses.asdict(p), "calibration": calibration,
+                   "cost_model": dataclasses.asdict(cost)},
+        "raw": {"cells": records, "wall_s": time.monotonic() - started},
+        "hardware": machine,
+    }
+
+
 def params_from_args(args: argparse.Namespace) -> BenchParams:
     """The preset (--simulate or real, --quick or full), overridden by every knob given."""
-    if args.simulate:
+    if getattr(args, "pressure_sweep", False):
+        if not args.simulate:
+            raise SystemExit("--pressure-sweep runs simulated replicas only: add --simulate")
+        preset = SWEEP_QUICK_PRESET if args.quick else SWEEP_PRESET
+    elif args.simulate:
         preset = SIM_QUICK if args.quick else SIM_FULL
     else:
         preset = REAL_QUICK if args.quick else REAL_FULL
-    names = {f.name for f in dataclasses.fields(BenchParams)} - {"simulate", "quick", "sweep", "ours_params"}
+    names = {f.name for f in dataclasses.fields(BenchParams)} - {"simulate", "quick", "sweep", "ours_params", "pressure_sweep", "grid"}
     given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     if getattr(args, "sweep", None) is not None:
         given["sweep"] = tuple(int(n) for n in args.sweep.split(",") if n.strip()) if args.sweep != "none" else ()

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from load_tests.routing_metrics import PolicyRun, RoutedRequest
 from load_tests.routing_workload import Workload, WorkloadRequest
 from router.policies import POLICIES, RouteRequest, build_policy
-from router.replica_stats import RoutingStats
+from router.replica_stats import RequestRate, RoutingStats
 from router.routing_state import RouterState
 
 __all__ = ["CostModel", "SimConfig", "BlockCache", "SimReplica", "simulate", "oracle_hit_tokens", "make_policy"]
@@ -125,13 +125,15 @@ class BlockCache:
             block_hash = block_hashes[i]
             if block_hash not in self.lru:  # a duplicate of a cached block is not cached twice
                 self.lru[block_hash] = None
-                if i >= len(self.held):
-                    self.version += 1
+        if num_full:
+            self.version += 1  # new blocks, or the hits moved to the recent end
         self.held = []
         self.num_held_blocks = 0
 
-    def hashes(self) -> set[int]:
-        return set(self.lru).union(self.held)
+    def hashes(self) -> list[int]:
+        """Every cached hash in eviction order (the engine's free queue, then the running
+        prompt's hits, which are taken last): what a worker's snapshot lists."""
+        return [*self.lru, *reversed(self.held)]
 
 
 @dataclass
@@ -150,10 +152,12 @@ class SimReplica:
         self.queue: deque[_Job] = deque()
         self.running: _Job | None = None
         self.prefill_tokens_per_s = 0.0  # EMA like the engine's; 0 before any prefill
-        self._snapshot: tuple[int, set[int]] = (-1, set())
+        self.requests = RequestRate()  # as the worker measures it
+        self._snapshot: tuple[int, list[int]] = (-1, [])
 
     def submit(self, request: WorkloadRequest, now: float) -> _Job | None:
         """Queue a request; returns the job if it started now (its finish_s is then set)."""
+        self.requests.add(now)
         self.queue.append(_Job(request))
         return self._start_next(now) if self.running is None else None
 
@@ -198,11 +202,13 @@ class SimReplica:
         return RoutingStats(
             kv_version=self.cache.version,
             kv_hashes=self._snapshot[1],  # PrefixIndex.update copies it
+            num_blocks=self.cache.num_blocks,
             time=now,
             num_queued_prefill_tokens=self.queued_prefill_tokens(now),
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             num_running=int(self.running is not None),
             num_waiting=len(self.queue),
+            requests_per_s=self.requests.per_s(now),
         )
 
 

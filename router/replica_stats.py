@@ -13,11 +13,12 @@ string key is spelt anywhere else, and a field added here reaches both ends.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["RoutingStats"]
+__all__ = ["RoutingStats", "RequestRate"]
 
 # One metric family of a replica, as plain values: (name, type, help, [(sample name, labels, value)]).
 MetricFamily = tuple[str, str, str, list[tuple[str, dict[str, str], float]]]
@@ -29,9 +30,9 @@ class RoutingStats:
     time: float = 0.0  # wall clock when taken: tokens routed after it are not in its queue yet
     # The exact set of block hashes the engine holds (router/index.py CachedBlockSet), versioned.
     kv_version: int = 0
-    # Encoded (router/index.py encode_hashes); a set where nothing crosses a process (the
-    # simulator); None: not reported.
-    kv_hashes: bytes | set[int] | None = None
+    # Encoded (router/index.py encode_hashes), in eviction order (least recently used first); a
+    # sequence where nothing crosses a process (the simulator); None: not reported.
+    kv_hashes: bytes | Sequence[int] | None = None
     block_size: int = 16
     # The load figures of the cost model (router/policies.py).
     num_queued_prefill_tokens: int = 0
@@ -44,6 +45,9 @@ class RoutingStats:
     # A decode replica's recent KV hand-offs: claim to payload in hand, seconds (an average that
     # weighs recent imports most); 0 before its first (router/disaggregation.py).
     kv_import_s: float = 0.0
+    # Requests the replica took lately, per second (RequestRate below); 0 before the first. The
+    # prefill policy prices the delay a long prefill causes the requests arriving behind it.
+    requests_per_s: float = 0.0
     # The replica's metrics (WorkerRecorder.snapshot), which the ingress's GET /metrics re-exports
     # (serving/observability/export.py): they ride along instead of a scrape of every replica.
     metrics: tuple[MetricFamily, ...] = ()
@@ -59,3 +63,22 @@ class RoutingStats:
             return None
         names = {f.name for f in fields(cls)}
         return cls(**{key: value for key, value in data.items() if key in names})
+
+
+class RequestRate:
+    """Requests per second, decayed exponentially with time constant `window_s`: each arrival
+    adds 1 to a count that decays as exp(-age / window_s); the rate is that count / window_s,
+    which is the arrival rate once `window_s` of steady arrivals have passed (less before)."""
+
+    def __init__(self, window_s: float = 30.0) -> None:
+        assert window_s > 0, window_s
+        self.window_s = window_s
+        self._count = 0.0
+        self._at = 0.0
+
+    def add(self, now: float) -> None:
+        self._count = self._count * math.exp(-max(0.0, now - self._at) / self.window_s) + 1.0
+        self._at = now
+
+    def per_s(self, now: float) -> float:
+        return self._count * math.exp(-max(0.0, now - self._at) / self.window_s) / self.window_s

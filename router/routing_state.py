@@ -13,6 +13,15 @@ A router counts what it sent since a replica's last stats because stats lag (one
 0.5 s by default): without it a burst of requests would all see the same stale queue and pile
 onto one replica. Entries older than the stats they are covered by are dropped; entries older
 than INFLIGHT_HORIZON_S are dropped even if no stats arrive (a replica whose stats stopped).
+
+The same holds for the blocks a routed prompt will leave cached: a snapshot shows them only once
+the engine has computed them, which for a prompt queued behind a long prefill is several
+snapshots later. Until then each new snapshot would erase them from the index, and the next
+request of that prefix would go to compute it a second time elsewhere (issue 19: at a tight
+cache, 6% of requests did). So `PendingBlocks` keeps each routed prompt's hashes and lays them
+over every newer snapshot of its replica (PrefixIndex.note_routed) until a snapshot taken after
+twice its estimated TTFT arrives: the prompt should be in it by then, and if it is not, the
+engine has evicted it since.
 """
 
 from __future__ import annotations
@@ -21,10 +30,10 @@ from collections import Counter, deque
 from collections.abc import Hashable, Iterable, Sequence
 
 from router.index import PrefixIndex
-from router.policies import Decision, ReplicaLoad, RouteRequest
 from router.replica_stats import RoutingStats
+from router.route_types import Decision, ReplicaLoad, RouteRequest
 
-__all__ = ["RouterState", "InflightTokens", "load_from_stats", "INFLIGHT_HORIZON_S"]
+__all__ = ["RouterState", "InflightTokens", "PendingBlocks", "load_from_stats", "INFLIGHT_HORIZON_S"]
 
 INFLIGHT_HORIZON_S = 30.0  # forget routed-token accounting older than this even without stats
 
@@ -41,6 +50,7 @@ def load_from_stats(replica_id: Hashable, stats: RoutingStats | None) -> Replica
         num_free_blocks=stats.num_free_blocks,
         num_blocks=stats.num_blocks,
         kv_usage=stats.kv_cache_usage,
+        requests_per_s=stats.requests_per_s,
     )
 
 
@@ -68,6 +78,30 @@ class InflightTokens:
         self._sent.pop(replica_id, None)
 
 
+class PendingBlocks:
+    """Routed prompts' hashes per replica, until a snapshot that should show them arrives."""
+
+    def __init__(self, horizon_s: float = INFLIGHT_HORIZON_S) -> None:
+        self.horizon_s = horizon_s
+        self._routed: dict[Hashable, deque[tuple[float, Sequence[int]]]] = {}  # (settled by, hashes)
+
+    def add(self, replica_id: Hashable, settled_by: float, block_hashes: Sequence[int]) -> None:
+        self._routed.setdefault(replica_id, deque()).append((settled_by, block_hashes))
+
+    def unsettled(self, replica_id: Hashable, stats_time: float, now: float) -> list[Sequence[int]]:
+        """The hashes of the prompts a snapshot taken at `stats_time` may not show yet, oldest
+        first; the others are forgotten."""
+        routed = self._routed.get(replica_id)
+        if not routed:
+            return []
+        kept = deque(entry for entry in routed if entry[0] > max(stats_time, now - self.horizon_s))
+        self._routed[replica_id] = kept
+        return [hashes for _, hashes in kept]
+
+    def remove(self, replica_id: Hashable) -> None:
+        self._routed.pop(replica_id, None)
+
+
 class RouterState:
     """One router's policy, prefix index, in-flight accounting and decision counts."""
 
@@ -75,6 +109,7 @@ class RouterState:
         self.policy = policy
         self.index = PrefixIndex()
         self.inflight = InflightTokens()
+        self.pending = PendingBlocks()
         self.decisions: Counter[str] = Counter()  # by reason, for metrics
 
     def route(
@@ -90,17 +125,22 @@ class RouterState:
         assert candidates, "route() needs at least one candidate"
         self.index.retain({*known_replicas, *(replica_id for replica_id, _ in candidates)})
         loads = [self.load(replica_id, stats, now) for replica_id, stats in candidates]
+        self.policy._now = now
         decision = self.policy.choose(request, loads, self.index)
         self.decisions[decision.reason] += 1
         self.inflight.add(decision.chosen, now, max(0, request.num_prompt_tokens - decision.num_matched_tokens))
         if request.block_hashes:
             self.index.note_routed(decision.chosen, request.block_hashes)
+            ttft_s = decision.estimated_ttft_s.get(decision.chosen, 0.0)
+            self.pending.add(decision.chosen, now + 2 * ttft_s, request.block_hashes)
         return decision
 
     def load(self, replica_id: Hashable, stats: RoutingStats | None, now: float) -> ReplicaLoad:
         """Feed the index from the stats' snapshot; the load figures plus unreported tokens."""
         if stats is not None and stats.kv_hashes is not None:
-            self.index.update(replica_id, stats.kv_version, stats.kv_hashes, epoch=stats.epoch)
+            if self.index.update(replica_id, stats.kv_version, stats.kv_hashes, epoch=stats.epoch, num_blocks=stats.num_blocks):
+                for block_hashes in self.pending.unsettled(replica_id, stats.time, now):
+                    self.index.note_routed(replica_id, block_hashes)
         load = load_from_stats(replica_id, stats)
         load.queued_prefill_tokens += self.inflight.unreported(replica_id, stats.time if stats is not None else 0.0, now)
         return load
@@ -114,3 +154,4 @@ class RouterState:
         """A replica died or left: forget what this router knew of it."""
         self.index.remove(replica_id)
         self.inflight.remove(replica_id)
+        self.pending.remove(replica_id)

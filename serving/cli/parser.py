@@ -223,6 +223,12 @@ def _add_bench_routing(targets) -> None:
         ),
     )
     p.add_argument("--simulate", action="store_true", help="simulated replicas instead of a real pool (seconds, no Ray)")
+    p.add_argument(
+        "--pressure-sweep", action="store_true",
+        help="with --simulate: every policy over a grid of prefix groups (16-256), Zipf skew (0-1.2), replicas (8-64) "
+        "and cache sizes (ample to a quarter of the working set); summary: ours' worst cell against the oracle and the "
+        "tree (load_tests/routing_sweep.py; ~minutes, --quick a smaller grid)",
+    )
     p.add_argument("--quick", action="store_true", help="smaller preset (simulate: 800 requests, no sweep; real: 4 prefixes, 24 requests)")
     p.add_argument("--json", metavar="PATH", help="write summary, config (with the calibration), raw results and hardware here")
     p.add_argument("--num-groups", type=int, metavar="N", help="prefix groups [simulate 16; real 8]")

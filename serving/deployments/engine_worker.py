@@ -35,7 +35,7 @@ import ray
 
 from router.autoscaling.decide import ReplicaSignals
 from router.index import CachedBlockSet
-from router.replica_stats import RoutingStats
+from router.replica_stats import RequestRate, RoutingStats
 from serving.config import KVTransferConfig
 from serving.deployments import faults
 from serving.deployments.caller_watch import CallerWatch
@@ -77,6 +77,7 @@ class EngineWorker:
         self._cached_blocks = CachedBlockSet()
         self._cached_blocks_lock = threading.Lock()  # written on the engine thread
         self._epoch = time.time_ns()  # orders this engine's snapshots after a restarted one's
+        self._requests = RequestRate()  # requests this replica took lately (RoutingStats.requests_per_s)
         self.engine.subscribe_kv_events(self._on_kv_events)
         self._node_id: str | None = None
         self._callers = CallerWatch(self.engine.abort)  # aborts the requests of an ingress that died
@@ -112,12 +113,23 @@ class EngineWorker:
             num_blocks=stats.num_blocks,
             kv_cache_usage=stats.kv_cache_usage,
             kv_import_s=self.recorder.kv_import_s,
+            requests_per_s=self._requests.per_s(time.monotonic()),
             metrics=tuple(self.recorder.snapshot()),
         )
 
     def _on_kv_events(self, events) -> None:
         with self._cached_blocks_lock:
             self._cached_blocks.apply(events)
+
+    def _took(self) -> None:
+        self._requests.add(time.monotonic())
+
+    def _done(self, request: WorkerRequest) -> None:
+        """The request's prompt blocks are now the engine's most recently used (freed tail
+        first): the snapshot's eviction order follows (router/index.py)."""
+        if request.block_hashes:
+            with self._cached_blocks_lock:
+                self._cached_blocks.touch(request.block_hashes)
 
     def autoscaling_signals(self) -> ReplicaSignals:
         """What the pool's autoscaling policy reads (router/autoscaling/decide.py); never blocks."""
@@ -141,6 +153,7 @@ class EngineWorker:
         faults.reached("prefill.before_first_token")
         slot: KVSlot | None = None
         export_into = None
+        self._took()
         with self._callers.watch(request.caller, request.request_id):
             try:
                 # A decode worker will need the KV: where it goes. The arena is host memory: a CUDA
@@ -181,6 +194,7 @@ class EngineWorker:
             except EngineError as exc:
                 return WorkerError.from_exception(exc)
             finally:
+                self._done(request)
                 if trace is not None:
                     trace.engine_stages(last.metrics if last else None, prefill=True, decode=False, aborted=not ran)
                 if not handed_off:
@@ -257,6 +271,7 @@ class EngineWorker:
         tracker = self.recorder.track(continues=bool(prior_output_token_ids))
         last: RequestOutput | None = None
         num_streamed = 0
+        self._took()
         with self._callers.watch(request.caller, request.request_id):
             try:
                 async for out in self.engine.generate(
@@ -278,6 +293,7 @@ class EngineWorker:
             except EngineError as exc:
                 yield WorkerError.from_exception(exc)
             finally:
+                self._done(request)
                 if slot is not None:  # ended before its first output: the engine may be reading it
                     self.kv.release_soon(kv)  # a read range goes to quarantine, not straight back
                 if trace is not None:

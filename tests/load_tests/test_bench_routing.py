@@ -52,7 +52,7 @@ def test_block_cache_hits_cap_and_lru_eviction_order():
     assert cache.num_matched_blocks(a, 12) == 1  # a[1] is gone: a[2] could not be used anyway
     assert cache.acquire(a, 12) == 1  # holds a[0], needs 3 blocks: evicts b[2], b[1]
     assert cache.evicted == [a[2], a[1], b[2], b[1]]
-    assert cache.hashes() == {a[0], b[0], c[0], c[1]}
+    assert cache.hashes() == [b[0], c[1], c[0], a[0]]  # in eviction order: the running prompt's hit last
     cache.release(a, 12)
     assert list(cache.lru) == [b[0], c[1], c[0], a[2], a[1], a[0]]
     # One token is always computed: an 8-token prompt with both blocks cached hits 1 block.

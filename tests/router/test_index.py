@@ -24,11 +24,25 @@ def test_cached_block_set_replays_events_and_versions():
     blocks.apply([BlockRemoved((1, 3, 4)), stored(9)])
     assert blocks.hashes == {9} and blocks.version == 3
     version, encoded = blocks.snapshot()
-    assert version == 3 and decode_hashes(encoded) == {9}
+    assert version == 3 and decode_hashes(encoded) == [9]
 
 
-def test_hashes_round_trip_as_uint64_bytes():
-    hashes = {0, 1, 2**64 - 1, 1234567890123456789}
+def test_cached_block_set_lists_hashes_in_eviction_order():
+    blocks = CachedBlockSet()
+    blocks.apply([stored(1, 2, 3), stored(7, 8)])  # two prompts: [1 2 3] then [7 8]
+    assert list(blocks.hashes) == [1, 2, 3, 7, 8]
+    # The first prompt's request ends (hits on 1, 2; its block 3 and an unknown 5 as well):
+    # its blocks become the most recent, freed tail first, so its head is the newest.
+    blocks.touch([1, 2, 3, 5])
+    assert list(blocks.hashes) == [7, 8, 3, 2, 1] and blocks.version == 2
+    blocks.touch([1, 2, 3])  # already in that order: no new snapshot
+    assert blocks.version == 2
+    blocks.apply([stored(2)])  # stored again: the most recent
+    assert decode_hashes(blocks.snapshot()[1]) == [7, 8, 3, 1, 2]
+
+
+def test_hashes_round_trip_as_uint64_bytes_in_order():
+    hashes = [2**64 - 1, 0, 1234567890123456789, 1]
     assert len(encode_hashes(hashes)) == 8 * len(hashes)
     assert decode_hashes(encode_hashes(hashes)) == hashes
 
@@ -69,6 +83,31 @@ def test_note_routed_is_replaced_by_the_next_snapshot():
     assert index.num_matched_blocks("a", [5, 6, 7]) == 2
     index.update("a", 2, {5})  # the engine had evicted block 6 meanwhile
     assert index.num_matched_blocks("a", [5, 6]) == 1
+
+
+def test_note_routed_makes_the_prompt_recent_and_evicts_beyond_capacity():
+    index = PrefixIndex()
+    index.update("a", 1, [1, 2, 3, 4], num_blocks=6)  # 1 is the oldest
+    assert index.capacity("a") == 6 and index.victims("a", 2) == []  # 2 empty blocks
+    assert index.victims("a", 4) == [1, 2]
+    assert index.victims("a", 4, keep={1}) == [2, 3]  # the request's own hit is taken, not evicted
+    index.note_routed("a", [3, 9, 10, 11])  # 3 hits; 9..11 new: 7 blocks in 6, the oldest (1) goes
+    assert index.num_blocks("a") == 6 and not index.holds("a", 1)
+    assert index.victims("a", 6) == [2, 4, 11, 10, 9, 3]  # the prompt's head is the most recent
+    assert index.update("a", 2, [4, 3], num_blocks=6)  # the snapshot replaces the guess
+    assert index.victims("a", 6) == [4, 3] and index.victims("b", 6) == []  # unknown capacity: no victims
+
+
+def test_index_counts_the_replicas_holding_each_block():
+    index = PrefixIndex()
+    index.update("a", 1, [1, 2])
+    index.update("b", 1, [2, 3])
+    assert [index.num_holders(h) for h in (1, 2, 3, 4)] == [1, 2, 1, 0]
+    index.note_routed("a", [3])
+    index.update("b", 2, [2])  # b dropped 3
+    assert [index.num_holders(h) for h in (1, 2, 3)] == [1, 2, 1]
+    index.remove("a")
+    assert [index.num_holders(h) for h in (1, 2, 3)] == [0, 1, 0]
 
 
 def test_block_manager_events_rebuild_its_exact_cache():

@@ -112,8 +112,9 @@ def test_session_affinity_within_slack():
 
 def test_load_bound_sheds_a_prefix_holder_with_too_much_recent_work():
     # a holds the prefix (16 uncached tokens, the cheapest) but was sent 1000 tokens lately.
-    policy = PrefixCostPolicy(max_load_ratio=1.25, load_window_per_replica=64, seed=0)
+    policy = PrefixCostPolicy(max_load_ratio=1.25, load_window_per_replica=64, tie_tolerance=0.05, seed=0)
     policy.routed_tokens = {"a": 1000.0, "b": 200.0, "c": 200.0}
+    policy.routed_requests = {"a": 10.0, "b": 2.0, "c": 2.0}  # a takes 10/14 of requests: not exempt
     decision = policy.choose(REQUEST, loads(a=0, b=0, c=5), index_with(a=PREFIX))
     # bound = 1.25 x (1400 + 16) / 3 = 590: a's 1016 is over it; b (80 tokens, 0.08 s) beats c (0.085 s).
     assert (decision.chosen, decision.reason, decision.ranked) == ("b", "load_bound", ["b", "a", "c"])
@@ -156,5 +157,5 @@ def test_baselines_and_build_policy():
         build_policy("nope")
     with pytest.raises(ValueError, match="routing policy 'prefix_cost'.*unexpected keyword argument 'bogus'"):
         build_policy("prefix_cost", bogus=1)
-    with pytest.raises(ValueError, match="max_imbalance_ratio must be >= 1, got 0.5"):
+    with pytest.raises(ValueError, match=r"max_imbalance_ratio must be >= 1 \(or None: no relative guard\), got 0.5"):
         build_policy("prefix_cost", max_imbalance_ratio=0.5)

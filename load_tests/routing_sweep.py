@@ -1,0 +1,200 @@
+"""`kvrelay bench routing --simulate --pressure-sweep`: every policy over a grid of workloads and
+cache sizes, from caches that hold every prefix with room to spare to a pool that holds a quarter
+of them.
+
+    grid        prefix groups x Zipf skew x replicas x cache ratio, each cell one workload
+                (load_tests/routing_workload.py) simulated under every policy
+                (load_tests/routing_sim.py), the same seed for all of them
+    cache ratio the pool's KV capacity / the working set (groups x prefix tokens). The first
+                level is "ample": that ratio, and at least AMPLE_PROMPTS prompts per replica.
+                A tighter level whose share per replica would be under MIN_PROMPTS_PER_REPLICA
+                prompts (one running prompt and half a prefix) is skipped and listed as such:
+                16 prefixes on 64 replicas cannot be short of room.
+    requests    requests_per_group x groups, at least min_requests; the rate is the preset's
+                `load` x the pool's capacity for prompts that hit nothing, as in the main run
+
+    per cell    each policy's figures (hit rate, TTFT p50/p95, max/mean load) and the oracle's
+                hit rate (routing_sim.oracle_hit_tokens)
+    summary     over every cell, ours (prefix_cost):
+                min_fraction_of_oracle        worst hit rate / oracle's             target >= 0.9
+                min_hit_ratio_vs_char_tree    worst hit rate / the tree's           target >= 1.0
+                max_ttft_p95_ratio_vs_char_tree  worst TTFT p95 / the tree's        target <= 1.0
+                max_over_mean_load            worst max/mean computed tokens        target <= 1.3
+                with the cell each worst one came from.
+
+The oracle is the static placement of routing_sim.py: under pressure it is a good placement, not
+a bound (it ignores the blocks every running prompt and every finished suffix takes), so a
+fraction near 1 is as good as placement gets, and above 1 is possible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from load_tests.bench_engine import Target
+from load_tests.routing_sim import CostModel, SimConfig
+
+__all__ = [
+    "SweepGrid", "Cell", "SWEEP_FULL", "SWEEP_QUICK", "SWEEP_TARGETS", "cells", "summarize_sweep", "format_sweep",
+    "AMPLE_PROMPTS", "MIN_PROMPTS_PER_REPLICA",
+]
+
+AMPLE_PROMPTS = 4.0  # the ample level gives every replica room for at least this many prompts
+MIN_PROMPTS_PER_REPLICA = 1.5  # below it a replica cannot hold a prefix beside a running prompt
+
+
+@dataclass(frozen=True)
+class SweepGrid:
+    num_groups: tuple[int, ...] = (16, 64, 256)
+    zipf: tuple[float, ...] = (0.0, 0.6, 1.2)
+    num_replicas: tuple[int, ...] = (8, 16, 64)
+    cache_ratios: tuple[float, ...] = (4.0, 1.0, 0.5, 0.25)  # pool KV / working set; the first is "ample"
+    requests_per_group: int = 12
+    min_requests: int = 2000
+
+
+SWEEP_FULL = SweepGrid()
+SWEEP_QUICK = SweepGrid(num_groups=(16, 64, 256), zipf=(0.0, 1.2), num_replicas=(8, 16), cache_ratios=(4.0, 0.5, 0.25),
+                        requests_per_group=8, min_requests=1000)
+
+SWEEP_TARGETS = (
+    Target("min_fraction_of_oracle", "worst cell: hit rate / oracle's", ">=", 0.9),
+    Target("min_hit_ratio_vs_char_tree", "worst cell: hit rate / tree's", ">=", 1.0),
+    Target("max_ttft_p95_ratio_vs_char_tree", "worst cell: TTFT p95 / tree's", "<=", 1.0),
+    Target("max_over_mean_load", "worst cell: max / mean load", "<=", 1.3),
+)
+
+
+@dataclass(frozen=True)
+class Cell:
+    num_groups: int
+    zipf: float
+    num_replicas: int
+    cache_ratio: float  # as asked; `kv_cache_tokens` is what it came to
+    kv_cache_tokens: int  # per replica
+    num_requests: int
+    skipped: str | None = None  # why the cell was not run
+
+    @property
+    def name(self) -> str:
+        return f"g{self.num_groups}-z{self.zipf:g}-r{self.num_replicas}-c{self.cache_ratio:g}"
+
+
+def cells(grid: SweepGrid, *, prefix_len: int, suffix_len: int, block_size: int) -> list[Cell]:
+    """The grid's cells in order, skipped ones included (with the reason)."""
+    prompt_len = prefix_len + suffix_len
+    out = []
+    for num_groups, zipf, num_replicas, ratio in itertools.product(
+        grid.num_groups, grid.zipf, grid.num_replicas, grid.cache_ratios,
+    ):
+        tokens = ratio * num_groups * prefix_len / num_replicas
+        skipped = None
+        if ratio == grid.cache_ratios[0]:
+            tokens = max(tokens, AMPLE_PROMPTS * prompt_len)
+        elif tokens < MIN_PROMPTS_PER_REPLICA * prompt_len:
+            skipped = (f"{ratio:g} x the working set is {tokens:.0f} tokens per replica, under "
+                       f"{MIN_PROMPTS_PER_REPLICA:g} prompts ({MIN_PROMPTS_PER_REPLICA * prompt_len:.0f})")
+        kv_cache_tokens = math.ceil(tokens / block_size) * block_size
+        num_requests = max(grid.min_requests, grid.requests_per_group * num_groups)
+        out.append(Cell(num_groups, zipf, num_replicas, ratio, kv_cache_tokens, num_requests, skipped))
+    return out
+
+
+def run_cells(
+    grid_cells: Sequence[Cell], simulate_cell: Callable[[Cell], dict], progress: Callable[[str], None],
+) -> list[dict]:
+    """Each cell's record: the cell, then what `simulate_cell` returns for it (its policies'
+    figures and the oracle's hit rate), or the reason it was skipped."""
+    records = []
+    runnable = [cell for cell in grid_cells if cell.skipped is None]
+    started = time.monotonic()
+    for cell in grid_cells:
+        record = {"cell": cell.name, **dataclasses.asdict(cell)}
+        if cell.skipped is None:
+            record.update(simulate_cell(cell))
+            done = sum(1 for r in records if r["skipped"] is None) + 1
+            progress(f"sweep: {cell.name} ({done}/{len(runnable)}, {time.monotonic() - started:.0f}s)")
+        records.append(record)
+    return records
+
+
+def sim_config(cell: Cell, *, block_size: int, stats_period_s: float, num_routers: int, seed: int) -> SimConfig:
+    return SimConfig(cell.num_replicas, cell.kv_cache_tokens // block_size, block_size, stats_period_s, num_routers, seed)
+
+
+def _worst(records: list[dict], figure: Callable[[dict], float | None], pick) -> tuple[float | None, str | None]:
+    values = [(value, r["cell"]) for r in records if r["skipped"] is None and (value := figure(r)) is not None]
+    if not values:
+        return None, None
+    return pick(values, key=lambda item: item[0])
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return None if num is None or not den else num / den
+
+
+def summarize_sweep(records: list[dict]) -> dict:
+    """The summary of the module docstring from the cells' records."""
+    def ours(r):
+        return r["figures"]["prefix_cost"]
+
+    def tree(r):
+        return r["figures"].get("char_prefix_tree", {})
+
+    figures = {
+        "min_fraction_of_oracle": (lambda r: _ratio(ours(r)["hit_rate"], r["oracle_hit_rate"]), min),
+        "min_hit_ratio_vs_char_tree": (lambda r: _ratio(ours(r)["hit_rate"], tree(r).get("hit_rate")), min),
+        "max_ttft_p95_ratio_vs_char_tree": (lambda r: _ratio(ours(r)["ttft_ms_p95"], tree(r).get("ttft_ms_p95")), max),
+        "max_over_mean_load": (lambda r: ours(r)["max_over_mean_load"], max),
+    }
+    summary: dict = {}
+    for key, (figure, pick) in figures.items():
+        summary[key], summary[f"{key}_cell"] = _worst(records, figure, pick)
+    summary["num_cells"] = sum(1 for r in records if r["skipped"] is None)
+    summary["num_cells_skipped"] = sum(1 for r in records if r["skipped"] is not None)
+    summary["targets"] = {t.key: {"target": t.text, "met": t.met(summary[t.key])} for t in SWEEP_TARGETS}
+    return summary
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else f"{value:{spec}}"
+
+
+def format_sweep(records: list[dict], summary: dict, cost: CostModel) -> str:
+    lines = [
+        "pressure sweep: ours (prefix_cost) and the character prefix tree; hit rate / the oracle's, "
+        "TTFT p95 ms, max/mean load",
+        f"{'cell':<22}{'KV tok':>7}{'oracle':>8}{'ours':>7}{'tree':>7}{'pow2':>7}{'rr':>7}"
+        f"{'p95 ours':>10}{'p95 tree':>10}{'load ours':>10}{'load tree':>10}",
+    ]
+    for r in records:
+        if r["skipped"] is not None:
+            continue
+        f = r["figures"]
+        oracle = r["oracle_hit_rate"]
+
+        def frac(name, f=f, oracle=oracle):
+            return _fmt(_ratio(f[name]["hit_rate"], oracle), ".3f") if name in f else "-"
+
+        lines.append(
+            f"{r['cell']:<22}{r['kv_cache_tokens']:>7}{oracle:>8.3f}{frac('prefix_cost'):>7}{frac('char_prefix_tree'):>7}"
+            f"{frac('pow2'):>7}{frac('round_robin'):>7}"
+            f"{_fmt(f['prefix_cost']['ttft_ms_p95'], '.0f'):>10}{_fmt(f.get('char_prefix_tree', {}).get('ttft_ms_p95'), '.0f'):>10}"
+            f"{_fmt(f['prefix_cost']['max_over_mean_load'], '.2f'):>10}"
+            f"{_fmt(f.get('char_prefix_tree', {}).get('max_over_mean_load'), '.2f'):>10}"
+        )
+    skipped = [r for r in records if r["skipped"] is not None]
+    if skipped:
+        lines.append(f"skipped {len(skipped)} cells: " + ", ".join(r["cell"] for r in skipped))
+    lines += ["", f"{'summary (ours, ' + str(summary['num_cells']) + ' cells)':<40}{'value':>8}{'target':>10}{'result':>8}  worst cell"]
+    for t in SWEEP_TARGETS:
+        verdict = {True: "pass", False: "miss", None: "n/a"}[summary["targets"][t.key]["met"]]
+        lines.append(f"{t.label:<40}{_fmt(summary[t.key], '.3f'):>8}{t.text:>10}{verdict:>8}  {summary[t.key + '_cell']}")
+    lines.append(f"cost model: {cost.overhead_s * 1e3:.1f} ms + tokens / {cost.tokens_per_s:.0f}/s "
+                 f"+ {cost.attention_pair_s:.2e} s per attention pair")
+    return "\n".join(lines)

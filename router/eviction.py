@@ -1,0 +1,103 @@
+"""What a placement destroys: the expected recompute time of the cached blocks a replica would
+evict to take a request, the second term of PrefixCostPolicy's cost (router/policies.py).
+
+    cost(r) = ttft(r) + evict(r)
+
+    evict(r) = sum over v in victims(r) of  recompute_s(r) x P(v is wanted again within H requests)
+
+    victims(r)       the blocks r's engine would evict to take this request's new blocks: its
+                     oldest ones beyond its empty blocks (PrefixIndex.victims, router/index.py:
+                     the snapshot lists them in eviction order); none while it has room
+    recompute_s(r)   block_size / r's prefill rate: what a later request pays to compute it again
+    P(v wanted)      1 - exp(-p(v) x H): at least one of the next H requests uses v, each with
+                     the probability p(v) that a recent request used it (BlockReuse below)
+    H (horizon)      the pool's KV blocks / the new blocks an average request takes: how many
+                     requests it takes the pool to turn its cache over, after which a block not
+                     wanted meanwhile is gone whoever evicts it
+
+Without the second term a request whose prefix is cached nowhere goes wherever its TTFT is
+lowest now, and a busy holder's request goes to an idle replica, which then computes a second
+copy of the prefix: both evict other prefixes that will come back, and under cache pressure
+those come back as misses that evict still others (issue 19: 0.72 of the oracle's hit rate with
+64 prefixes on 16 replicas). With it, the cold request goes where the blocks it pushes out are
+the least wanted (a replica with empty blocks first, then one whose oldest blocks are suffixes
+nobody reuses, then the coldest prefixes), and a copy of a prefix is made where that is cheaper
+than waiting for its holder, which is where it is wanted enough to keep two copies: a hot prefix
+spreads (the load bound makes it spread when its holder cannot carry it), a cold one stays on
+one replica. When the caches hold everything, nothing is evicted and the term is 0.
+
+`BlockReuse` counts, per block hash, the requests this router routed that used it, decayed
+exponentially over a window of `window_requests` requests, and the blocks each decision made
+new. p(v) = the decayed count of v / the decayed count of requests. The entries of blocks not
+used for several windows are pruned, so its size is bounded by what recent traffic touched.
+Every router keeps its own; with several routers each sees a share of the traffic, whose
+proportions are the same.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+__all__ = ["BlockReuse"]
+
+_PRUNE_BELOW = 0.05  # decayed count: a block used once, (ln 20 =) 3 windows ago
+
+
+class BlockReuse:
+    def __init__(self, window_requests: int = 2048) -> None:
+        if window_requests < 1:
+            raise ValueError(f"window_requests must be >= 1, got {window_requests}")
+        self.window_requests = window_requests
+        self._decay = math.exp(-1.0 / window_requests)  # per request
+        self._counts: dict[int, tuple[float, int]] = {}  # hash -> (count at stamp, stamp)
+        self.num_requests = 0
+        self._new_blocks = 0.0  # decayed sum of new blocks per request
+        self._weight = 0.0  # decayed count of requests: sum of decay^age
+
+    def observe(self, block_hashes: Sequence[int], num_new_blocks: int) -> None:
+        """A request was routed: it used these blocks, and took `num_new_blocks` new ones."""
+        n = self.num_requests = self.num_requests + 1
+        self._weight = self._weight * self._decay + 1.0
+        self._new_blocks = self._new_blocks * self._decay + num_new_blocks
+        counts = self._counts
+        for block_hash in block_hashes:
+            count, stamp = counts.get(block_hash, (0.0, n))
+            counts[block_hash] = (count * self._decay ** (n - stamp) + 1.0, n)
+        if n % self.window_requests == 0:
+            self._prune()
+
+    def probability(self, block_hash: int) -> float:
+        """How likely a request is to use this block, from the recent ones."""
+        entry = self._counts.get(block_hash)
+        if entry is None or not self._weight:
+            return 0.0
+        count, stamp = entry
+        return min(1.0, count * self._decay ** (self.num_requests - stamp) / self._weight)
+
+    def horizon(self, num_pool_blocks: int) -> float:
+        """Requests until the pool has taken `num_pool_blocks` new blocks at the recent rate
+        (infinite before any request took one)."""
+        mean_new = self._new_blocks / self._weight if self._weight else 0.0
+        return num_pool_blocks / mean_new if mean_new > 0 else math.inf
+
+    def value_s(self, victims: Iterable[int], horizon: float, recompute_s: float, holders=lambda block_hash: 1) -> float:
+        """Expected recompute seconds lost by evicting `victims` from one replica; a block that
+        `holders` says n replicas hold counts 1/n (the others keep serving it)."""
+        total = 0.0
+        for block_hash in victims:
+            p = self.probability(block_hash)
+            if p > 0:
+                wanted = 1.0 if math.isinf(horizon) else -math.expm1(-p * horizon)
+                total += wanted / max(1, holders(block_hash))
+        return total * recompute_s
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def _prune(self) -> None:
+        n = self.num_requests
+        self._counts = {
+            block_hash: (count, stamp) for block_hash, (count, stamp) in self._counts.items()
+            if count * self._decay ** (n - stamp) >= _PRUNE_BELOW
+        }

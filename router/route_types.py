@@ -1,0 +1,57 @@
+"""What a routing policy sees and says: the request (`RouteRequest`), each candidate replica's
+figures (`ReplicaLoad`, from its routing stats plus the router's own accounting,
+router/routing_state.py) and the answer (`Decision`). Shared by every policy
+(router/policies.py, router/prefix_cost.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["ReplicaLoad", "RouteRequest", "Decision"]
+
+
+@dataclass
+class ReplicaLoad:
+    """What a policy knows of one replica (from its routing stats, plus local accounting)."""
+
+    replica_id: Hashable
+    queued_prefill_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0  # 0: not measured yet
+    queue_wait_s: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    kv_usage: float = 0.0
+    requests_per_s: float = 0.0  # requests the replica took lately (RoutingStats.requests_per_s); 0: unknown
+
+
+@dataclass
+class RouteRequest:
+    request_id: str
+    num_prompt_tokens: int
+    block_hashes: Sequence[int] = ()
+    block_size: int = 16
+    session: str | None = None
+    token_ids: Sequence[int] = ()  # the prompt, for policies that match text (char_prefix_tree)
+    text: str | None = None  # the prompt's text if known; else such policies use token_text(token_ids)
+
+    @property
+    def num_blocks_needed(self) -> int:
+        return -(-(self.num_prompt_tokens + 1) // self.block_size)
+
+
+@dataclass
+class Decision:
+    ranked: list[Hashable]  # best first
+    reason: str  # for metrics: prefix_hit | least_cost | load_bound | tie_break | imbalance_guard | session_affinity | ...
+    estimated_ttft_s: dict[Hashable, float] = field(default_factory=dict)
+    num_matched_tokens: int = 0
+    # PrefixCostPolicy's other terms, per replica where not 0 (router/prefix_cost.py)
+    delay_s: dict[Hashable, float] = field(default_factory=dict)
+    eviction_s: dict[Hashable, float] = field(default_factory=dict)
+
+    @property
+    def chosen(self) -> Hashable:
+        return self.ranked[0]
