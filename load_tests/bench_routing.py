@@ -38,8 +38,19 @@ from load_tests import hardware
 from load_tests.bench_engine import Target
 from load_tests.common import StepLog, load_note, run_and_report
 from load_tests.routing_metrics import PolicyRun
-from load_tests.routing_sim import CostModel, SimConfig, oracle_hit_tokens, simulate
-from load_tests.routing_sweep import SWEEP_FULL, SWEEP_QUICK, Cell, SweepGrid, cells, format_sweep, run_cells, sim_config, summarize_sweep
+from load_tests.routing_sim import CostModel, OracleReplayPolicy, SimConfig, oracle_hit_tokens, simulate
+from load_tests.routing_sweep import (
+    ONE_ROUTER,
+    SWEEP_FULL,
+    SWEEP_QUICK,
+    Cell,
+    SweepGrid,
+    cells,
+    format_sweep,
+    run_cells,
+    sim_config,
+    summarize_sweep,
+)
 from load_tests.routing_workload import Workload, WorkloadSpec, make_workload
 
 __all__ = [
@@ -331,6 +342,14 @@ def _simulate_cell(p: BenchParams, cost: CostModel, cell: Cell) -> dict:
     config = sim_config(cell, block_size=p.block_size, stats_period_s=p.stats_period_s, num_routers=p.num_routers, seed=p.seed)
     oracle, _ = _oracle_rate(workload, cell.num_replicas, config.num_blocks)
     runs = {policy: simulate(workload, policy, config, cost, p.policy_params(policy)) for policy in POLICIES}
+    runs[OracleReplayPolicy.name] = simulate(
+        workload, OracleReplayPolicy.name, config, cost,
+        policy_object=lambda seed: OracleReplayPolicy(workload, cell.num_replicas, config.num_blocks, seed),
+    )
+    if p.num_routers > 1:  # ours once more with one router: what several must stay close to
+        one = dataclasses.replace(config, num_routers=1)
+        runs[ONE_ROUTER] = dataclasses.replace(simulate(workload, "prefix_cost", one, cost, p.policy_params("prefix_cost")),
+                                               policy=ONE_ROUTER)
     figures = policy_figures(runs, oracle)
     for f in figures.values():  # per-replica detail: the main runs have it; here it would be most of the file
         del f["computed_tokens_by_replica"], f["requests_by_replica"]
@@ -368,6 +387,11 @@ def params_from_args(args: argparse.Namespace) -> BenchParams:
         given["sweep"] = tuple(int(n) for n in args.sweep.split(",") if n.strip()) if args.sweep != "none" else ()
     if getattr(args, "param", None):
         given["ours_params"] = tuple(_key_value(item) for item in args.param)
+    grid = _grid_from_args(args, preset.grid)
+    if grid != preset.grid:
+        if not preset.pressure_sweep:
+            raise SystemExit("--grid-* options shape the --pressure-sweep grid: add --simulate --pressure-sweep")
+        given["grid"] = grid
     p = dataclasses.replace(preset, **given)
     for name in ("num_groups", "num_requests", "num_replicas", "suffix_len", "num_routers", "block_size"):
         if getattr(p, name) < 1:
@@ -390,6 +414,34 @@ def params_from_args(args: argparse.Namespace) -> BenchParams:
     except ValueError as exc:
         raise SystemExit(f"--param: {exc}") from None
     return p
+
+
+def _grid_from_args(args: argparse.Namespace, grid: SweepGrid) -> SweepGrid:
+    def numbers(option: str, text: str | None, kind):
+        if text is None:
+            return None
+        try:
+            values = tuple(kind(item) for item in text.split(",") if item.strip())
+        except ValueError:
+            raise SystemExit(f"--{option} wants comma-separated numbers, got {text!r}") from None
+        if not values or any(value < 0 or (kind is int and value < 1) for value in values):
+            raise SystemExit(f"--{option} wants {'counts >= 1' if kind is int else 'values >= 0'}, got {text!r}")
+        return values
+
+    given = {
+        "num_groups": numbers("grid-groups", getattr(args, "grid_groups", None), int),
+        "zipf": numbers("grid-zipf", getattr(args, "grid_zipf", None), float),
+        "num_replicas": numbers("grid-replicas", getattr(args, "grid_replicas", None), int),
+        "cache_ratios": numbers("grid-cache", getattr(args, "grid_cache", None), float),
+        "requests_per_group": getattr(args, "grid_requests_per_group", None),
+        "min_requests": getattr(args, "grid_min_requests", None),
+    }
+    if any(ratio <= 0 for ratio in given["cache_ratios"] or ()):
+        raise SystemExit(f"--grid-cache wants ratios > 0, got {args.grid_cache!r}")
+    for name in ("requests_per_group", "min_requests"):
+        if given[name] is not None and given[name] < 1:
+            raise SystemExit(f"--grid-{name.replace('_', '-')} must be >= 1, got {given[name]}")
+    return dataclasses.replace(grid, **{name: value for name, value in given.items() if value is not None})
 
 
 def _key_value(item: str) -> tuple[str, object]:

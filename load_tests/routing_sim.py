@@ -49,11 +49,14 @@ from dataclasses import dataclass
 
 from load_tests.routing_metrics import PolicyRun, RoutedRequest
 from load_tests.routing_workload import Workload, WorkloadRequest
-from router.policies import POLICIES, RouteRequest, build_policy
+from router.policies import POLICIES, Decision, RouteRequest, build_policy
 from router.replica_stats import RequestRate, RoutingStats
 from router.routing_state import RouterState
 
-__all__ = ["CostModel", "SimConfig", "BlockCache", "SimReplica", "simulate", "oracle_hit_tokens", "make_policy"]
+__all__ = [
+    "CostModel", "SimConfig", "BlockCache", "SimReplica", "simulate", "oracle_hit_tokens", "oracle_placement",
+    "OracleReplayPolicy", "make_policy",
+]
 
 _FINISH, _STATS, _ARRIVAL = 0, 1, 2  # order of simultaneous events
 _MIN_RATE_TOKENS = 32  # like the engine: shorter prefills say more about overhead than rate
@@ -222,12 +225,17 @@ def make_policy(name: str, params: dict | None = None, seed: int = 0):
 
 def simulate(
     workload: Workload, policy: str, config: SimConfig, cost: CostModel, params: dict | None = None,
+    *, policy_object=None,
 ) -> PolicyRun:
-    """Every request of `workload` through `policy` on `config.num_replicas` replicas."""
+    """Every request of `workload` through `policy` (built by name, or `policy_object(seed)`,
+    reported as `policy`) on `config.num_replicas` replicas."""
     rng = random.Random(config.seed)
     replicas = [SimReplica(f"replica-{i:02d}", config, cost) for i in range(config.num_replicas)]
     by_name = {replica.name: replica for replica in replicas}
-    routers = [RouterState(make_policy(policy, params, seed=config.seed + k)) for k in range(config.num_routers)]
+    routers = [
+        RouterState(policy_object(config.seed + k) if policy_object else make_policy(policy, params, seed=config.seed + k))
+        for k in range(config.num_routers)
+    ]
     latest = {replica.name: replica.routing_stats(0.0) for replica in replicas}  # reported at start
     events: list[tuple[float, int, int, str]] = []  # (time, kind, tie-break, replica)
     order = 0
@@ -277,6 +285,14 @@ def simulate(
 
 def oracle_hit_tokens(workload: Workload, num_replicas: int, num_blocks: int) -> tuple[int, int, dict[int, int]]:
     """(hit tokens, prompt tokens, {group: prefix blocks pinned}) of the oracle in the module docstring."""
+    hit_tokens, prompt_tokens, pinned, _ = oracle_placement(workload, num_replicas, num_blocks)
+    return hit_tokens, prompt_tokens, pinned
+
+
+def oracle_placement(
+    workload: Workload, num_replicas: int, num_blocks: int,
+) -> tuple[int, int, dict[int, int], dict[int, int]]:
+    """oracle_hit_tokens, and {group: the replica it is pinned to}."""
     spec = workload.spec
     bs = spec.block_size
     num_prefix_blocks = spec.prefix_len // bs
@@ -285,11 +301,39 @@ def oracle_hit_tokens(workload: Workload, num_replicas: int, num_blocks: int) ->
     counts = workload.group_counts()
     max_hit_blocks = min(num_prefix_blocks, (spec.prompt_len - 1) // bs)
     pinned: dict[int, int] = {}
+    homes: dict[int, int] = {}
     for group in sorted(range(spec.num_groups), key=lambda g: (-counts[g], g)):
         best = max(range(num_replicas), key=lambda r: (room[r], -r))
         num_pinned = min(num_prefix_blocks, room[best])
         if counts[group] > 1 and num_pinned > 0:
             room[best] -= num_pinned
             pinned[group] = num_pinned
+            homes[group] = best
     hit_tokens = sum((counts[g] - 1) * min(n, max_hit_blocks) * bs for g, n in pinned.items())
-    return hit_tokens, sum(r.num_prompt_tokens for r in workload.requests), pinned
+    return hit_tokens, sum(r.num_prompt_tokens for r in workload.requests), pinned, homes
+
+
+class OracleReplayPolicy:
+    """The oracle's placement replayed on the simulated replicas: a pinned group's requests go to
+    its replica, every other request to the replica with the fewest queued tokens (ties at
+    random). The oracle's figure assumes pinned blocks stay cached; this shows how much of it the
+    same placement keeps once the other requests' blocks share the replicas' LRU caches."""
+
+    name = "oracle_replay"
+
+    def __init__(self, workload: Workload, num_replicas: int, num_blocks: int, seed: int = 0) -> None:
+        _, _, _, homes = oracle_placement(workload, num_replicas, num_blocks)
+        self._home_of_head = {}
+        for request in workload.requests:  # a group's first block hash names it
+            if request.group in homes and request.block_hashes:
+                self._home_of_head[request.block_hashes[0]] = homes[request.group]
+        self._rng = random.Random(seed)
+
+    def choose(self, request, loads, index=None):
+        ids = sorted((load.replica_id for load in loads), key=str)
+        home = self._home_of_head.get(request.block_hashes[0]) if request.block_hashes else None
+        if home is not None:
+            best = ids[home]
+        else:
+            best = min(loads, key=lambda load: (load.queued_prefill_tokens, self._rng.random())).replica_id
+        return Decision([best] + [replica_id for replica_id in ids if replica_id != best], "oracle_replay")

@@ -231,6 +231,14 @@ def _add_bench_routing(targets) -> None:
     )
     p.add_argument("--quick", action="store_true", help="smaller preset (simulate: 800 requests, no sweep; real: 4 prefixes, 24 requests)")
     p.add_argument("--json", metavar="PATH", help="write summary, config (with the calibration), raw results and hardware here")
+    p.add_argument("--grid-groups", metavar="N,N,...", help="--pressure-sweep: prefix groups [16,64,256]")
+    p.add_argument("--grid-zipf", metavar="S,S,...", help="--pressure-sweep: Zipf skews [0,0.6,1.2; quick 0,1.2]")
+    p.add_argument("--grid-replicas", metavar="N,N,...", help="--pressure-sweep: replica counts [8,16,64; quick 8,16]")
+    p.add_argument("--grid-cache", metavar="R,R,...",
+                   help="--pressure-sweep: pool KV / working set, the first one 'ample' [4,1,0.5,0.25; quick 4,0.5,0.25]")
+    p.add_argument("--grid-requests-per-group", type=int, metavar="N",
+                   help="--pressure-sweep: requests per prefix group, at least --grid-min-requests [12; quick 8]")
+    p.add_argument("--grid-min-requests", type=int, metavar="N", help="--pressure-sweep: requests per cell at least [2000; quick 1000]")
     p.add_argument("--num-groups", type=int, metavar="N", help="prefix groups [simulate 16; real 8]")
     p.add_argument("--prefix-len", type=int, metavar="TOKENS", help="shared prefix length [simulate 1024; real 512]")
     p.add_argument("--suffix-len", type=int, metavar="TOKENS", help="fresh tokens after the prefix [simulate 64; real 32]")

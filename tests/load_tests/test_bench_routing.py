@@ -4,6 +4,7 @@ through the CLI, and a short real run on a tiny model (integration)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from load_tests.bench_routing import REAL_QUICK, SIM_FULL, SIM_QUICK, params_fro
 from load_tests.routing_calibration import CalibrationPoint, fit
 from load_tests.routing_metrics import PolicyRun, RoutedRequest, percentile
 from load_tests.routing_sim import BlockCache, CostModel, SimConfig, oracle_hit_tokens, simulate
+from load_tests.routing_sweep import SWEEP_FULL, SWEEP_QUICK, SweepGrid, cells, summarize_sweep
 from load_tests.routing_workload import Workload, WorkloadRequest, WorkloadSpec, make_workload
 from router.char_prefix_tree import token_text
 from serving.cli.dispatch import main
@@ -222,3 +224,78 @@ def test_real_run_on_a_tiny_model(tiny_model_dir, tmp_path):
     assert report["config"]["calibration"]["source"] == "measured"
     assert set(report["raw"]["simulation"]["2"]["figures"]) == set(real)
     assert "ours (prefix_cost)" in proc.stdout
+
+
+def test_pressure_sweep_cells_skip_the_ones_that_cannot_be_short_of_room():
+    grid = SweepGrid(num_groups=(16, 64), zipf=(0.0,), num_replicas=(16,), cache_ratios=(4.0, 0.5),
+                     requests_per_group=10, min_requests=300)
+    out = cells(grid, prefix_len=1024, suffix_len=64, block_size=16)
+    assert [(c.name, c.kv_cache_tokens, c.num_requests, c.skipped is None) for c in out] == [
+        ("g16-z0-r16-c4", 4352, 300, True),  # 4 x 16 x 1024 / 16 = 4096 < 4 prompts (4352): ample gets 4 prompts
+        ("g16-z0-r16-c0.5", 512, 300, False),  # 512 tokens: not even one prompt
+        ("g64-z0-r16-c4", 16384, 640, True),
+        ("g64-z0-r16-c0.5", 2048, 640, True),  # 2048 >= 1.5 x 1088
+    ]
+    assert out[1].skipped == "0.5 x the working set is 512 tokens per replica, under 1.5 prompts (1632)"
+
+
+def sweep_record(name: str, oracle: float, skipped: str | None = None, **hit_p95_load) -> dict:
+    figures = {policy: {"hit_rate": h, "ttft_ms_p95": p, "max_over_mean_load": m} for policy, (h, p, m) in hit_p95_load.items()}
+    return {"cell": name, "skipped": skipped, "oracle_hit_rate": oracle, "figures": figures}
+
+
+def test_pressure_sweep_summary_takes_the_worst_cell_of_each_figure():
+    records = [
+        sweep_record("a", 0.8, prefix_cost=(0.76, 400.0, 1.1), char_prefix_tree=(0.8, 500.0, 1.5)),
+        sweep_record("b", 0.5, prefix_cost=(0.4, 900.0, 1.2), char_prefix_tree=(0.38, 600.0, 1.1)),
+        sweep_record("c", 0.9, skipped="too small"),
+    ]
+    summary = summarize_sweep(records)
+    assert summary["min_fraction_of_oracle"] == pytest.approx(0.8) and summary["min_fraction_of_oracle_cell"] == "b"
+    assert summary["min_hit_ratio_vs_char_tree"] == pytest.approx(0.95) and summary["min_hit_ratio_vs_char_tree_cell"] == "a"
+    assert summary["max_ttft_p95_ratio_vs_char_tree"] == pytest.approx(1.5) and summary["max_ttft_p95_ratio_vs_char_tree_cell"] == "b"
+    assert (summary["max_over_mean_load"], summary["max_over_mean_load_cell"]) == (1.2, "b")
+    assert summary["min_hit_ratio_vs_one_router"] is None  # one router: nothing to compare
+    assert (summary["num_cells"], summary["num_cells_skipped"]) == (2, 1)
+    assert {key: t["met"] for key, t in summary["targets"].items()} == {
+        "min_fraction_of_oracle": False, "min_hit_ratio_vs_char_tree": False,
+        "max_ttft_p95_ratio_vs_char_tree": False, "max_over_mean_load": True, "min_hit_ratio_vs_one_router": None,
+    }
+
+
+def test_pressure_sweep_presets_and_grid_options():
+    parse = build_parser().parse_args
+    p = params_from_args(parse(["bench", "routing", "--simulate", "--pressure-sweep"]))
+    assert p.pressure_sweep and p.grid == SWEEP_FULL and p.sweep == ()
+    p = params_from_args(parse(["bench", "routing", "--simulate", "--pressure-sweep", "--quick", "--grid-zipf", "0,0.6",
+                                "--grid-cache", "2,0.5", "--grid-min-requests", "100"]))
+    assert p.grid == dataclasses.replace(SWEEP_QUICK, zipf=(0.0, 0.6), cache_ratios=(2.0, 0.5), min_requests=100)
+    with pytest.raises(SystemExit, match="--pressure-sweep runs simulated replicas only: add --simulate"):
+        params_from_args(parse(["bench", "routing", "--pressure-sweep"]))
+    with pytest.raises(SystemExit, match="--grid-\\* options shape the --pressure-sweep grid"):
+        params_from_args(parse(["bench", "routing", "--simulate", "--grid-groups", "16"]))
+    with pytest.raises(SystemExit, match="--grid-replicas wants counts >= 1, got '0,8'"):
+        params_from_args(parse(["bench", "routing", "--simulate", "--pressure-sweep", "--grid-replicas", "0,8"]))
+
+
+def test_pressure_sweep_tiny_grid_through_the_cli(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    argv = ["bench", "routing", "--simulate", "--pressure-sweep", "--rate-tokens-per-s", "800", "--overhead-ms", "5",
+            "--grid-groups", "8,64", "--grid-zipf", "0", "--grid-replicas", "4", "--grid-cache", "4,0.5",
+            "--grid-min-requests", "120", "--grid-requests-per-group", "1", "--num-routers", "2", "--json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    cells_run = [r for r in report["raw"]["cells"] if r["skipped"] is None]
+    assert [r["cell"] for r in report["raw"]["cells"]] == ["g8-z0-r4-c4", "g8-z0-r4-c0.5", "g64-z0-r4-c4", "g64-z0-r4-c0.5"]
+    assert [r["cell"] for r in cells_run] == ["g8-z0-r4-c4", "g64-z0-r4-c4", "g64-z0-r4-c0.5"]
+    for record in cells_run:
+        assert set(record["figures"]) == {
+            "prefix_cost", "round_robin", "pow2", "char_prefix_tree", "oracle_replay", "prefix_cost_one_router",
+        }
+        assert all(f["num_requests"] == record["num_requests"] for f in record["figures"].values())
+    summary = report["summary"]
+    assert summary["num_cells"] == 3 and summary["source"] == "simulation, pressure sweep, 2 router(s)"
+    for key in ("min_fraction_of_oracle", "min_hit_ratio_vs_char_tree", "max_ttft_p95_ratio_vs_char_tree",
+                "max_over_mean_load", "min_hit_ratio_vs_one_router", "min_hit_ratio_vs_oracle_replay"):
+        assert summary[key] > 0 and summary[f"{key}_cell"] in {r["cell"] for r in cells_run}
+    assert "worst cell: hit rate / tree's" in capsys.readouterr().out

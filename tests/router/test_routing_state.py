@@ -65,3 +65,28 @@ def test_routing_stats_round_trip_the_wire_and_ignore_unknown_keys():
     assert type(wire) is dict and RoutingStats.from_wire(wire) == sent
     assert RoutingStats.from_wire({**wire, "added_by_a_newer_worker": 1}) == sent
     assert RoutingStats.from_wire({}) is None and RoutingStats.from_wire(None) is None
+
+
+def test_a_routed_prompt_stays_in_the_index_until_a_snapshot_should_show_it():
+    state = RouterState(PrefixCostPolicy(seed=0))
+    request = RouteRequest("r1", num_prompt_tokens=80, block_hashes=PREFIX + [15], block_size=16)
+    decision = state.route(request, [("a", stats(0.0, queued=900)), ("b", stats(0.0))], now=1.0)
+    # b: 80 cold tokens at 1000/s: TTFT 0.08 s; the prompt should be in b's snapshots from 1.16.
+    assert decision.chosen == "b" and decision.estimated_ttft_s["b"] == 0.08
+    # A snapshot taken at 1.1 does not have it yet (it is still queued there): kept over it.
+    state.load("b", stats(1.1, version=2), now=1.15)
+    assert state.index.num_matched_blocks("b", PREFIX + [15]) == 5
+    # One taken at 1.2 should have it; it does not (evicted since): the index follows it.
+    state.load("b", stats(1.2, version=3), now=1.25)
+    assert state.index.num_matched_blocks("b", PREFIX + [15]) == 0
+    assert state.pending.unsettled("b", stats_time=1.2, now=1.25) == []
+
+
+def test_a_router_started_while_the_caches_are_warm_routes_by_them_at_once():
+    """A new ingress replica's router has no history; the replicas' stats carry their snapshots
+    (every router reads the same ones), so its first decision already follows the prefix."""
+    fresh = RouterState(PrefixCostPolicy(seed=0))
+    request = RouteRequest("first", num_prompt_tokens=80, block_hashes=PREFIX + [15], block_size=16)
+    candidates = [("a", stats(5.0)), ("b", stats(5.0, hashes=PREFIX)), ("c", stats(5.0))]
+    decision = fresh.route(request, candidates, now=5.1)
+    assert (decision.chosen, decision.reason, decision.num_matched_tokens) == ("b", "prefix_hit", 64)

@@ -1,0 +1,105 @@
+"""PrefixCostPolicy's issue-19 terms on hand-built states: what a placement evicts, the delay it
+causes, the load bound's exemption for cold prefixes, and ties that never trade a holder away."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from router.index import PrefixIndex
+from router.policies import PrefixCostPolicy, ReplicaLoad, RouteRequest
+
+PREFIX = [1, 2, 3, 4]  # 4 blocks of 16 tokens
+
+
+def load(name: str, queued: int = 0, rate: float = 1000.0, requests_per_s: float = 0.0) -> ReplicaLoad:
+    return ReplicaLoad(name, queued_prefill_tokens=queued, prefill_tokens_per_s=rate, requests_per_s=requests_per_s)
+
+
+def policy(**params) -> PrefixCostPolicy:
+    return PrefixCostPolicy(reuse_window_requests=10**9, seed=0, **params)  # no decay: p = uses / requests
+
+
+def test_a_cold_prompt_goes_where_it_evicts_the_least_wanted_blocks():
+    # a's oldest blocks are a prefix three of four recent requests used; b's are a suffix seen once.
+    p = policy(tie_tolerance=0.05)
+    for _ in range(3):
+        p.reuse.observe([10, 11, 12, 13], num_new_blocks=4)
+    p.reuse.observe(list(range(20, 28)), num_new_blocks=8)
+    index = PrefixIndex()
+    index.update("a", 1, [10, 11, 12, 13, 14, 15, 16, 17], num_blocks=8)  # full, 10 the oldest
+    index.update("b", 1, list(range(20, 28)), num_blocks=8)
+    request = RouteRequest("r", num_prompt_tokens=64, block_hashes=[30, 31, 32, 33], block_size=16)
+    decision = p.choose(request, [load("a"), load("b")], index)
+    # Horizon: 16 pool blocks / (20 new blocks / 4 requests) = 3.2 requests. Each victim costs
+    # 16 tokens / 1000 per s x P(wanted): 4 x (1 - e^(-0.75 x 3.2)) on a, 4 x (1 - e^(-0.25 x 3.2)) on b.
+    assert decision.eviction_s == pytest.approx({
+        "a": 4 * 0.016 * (1 - math.exp(-2.4)), "b": 4 * 0.016 * (1 - math.exp(-0.8)),
+    })
+    assert (decision.chosen, decision.reason) == ("b", "least_cost")
+    assert decision.estimated_ttft_s == {"a": 0.064, "b": 0.064}
+    # Room on a (two of its eight blocks empty and the prompt needs two): nothing evicted there.
+    index.update("a", 2, [10, 11, 12, 13, 14, 15], num_blocks=8)
+    short = RouteRequest("s", num_prompt_tokens=32, block_hashes=[40, 41], block_size=16)
+    decision = p.choose(short, [load("a"), load("b")], index)
+    assert "a" not in decision.eviction_s and decision.chosen == "a"
+    # Without the term the two are alike again (no eviction priced).
+    assert policy(price_evictions=False).choose(request, [load("a"), load("b")], index).eviction_s == {}
+
+
+def test_the_delay_a_cold_prefill_causes_keeps_a_request_with_its_busy_holder():
+    # a holds the prefix but has 100 tokens queued; b is idle and has room. At 100 tokens/s:
+    # ttft a = (16 + 100) / 100 = 1.16 s, b = 80 / 100 = 0.8 s. b's 0.8 s of prefill delays the
+    # requests arriving there meanwhile: at least the pool's mean of 2 per s, 2 x 0.8^2 / 2.
+    request = RouteRequest("r", num_prompt_tokens=80, block_hashes=PREFIX + [5], block_size=16)
+    loads = [load("a", queued=100, rate=100.0, requests_per_s=4.0), load("b", rate=100.0)]
+    index = PrefixIndex()
+    index.update("a", 1, PREFIX)
+    decision = policy().choose(request, loads, index)
+    assert decision.delay_s == pytest.approx({"a": 4 * 0.16**2 / 2, "b": 2 * 0.8**2 / 2})
+    # b's total, 1.44 s, is within a's 1.21 x 1.25 but holds less of the prompt: not a tie.
+    assert (decision.chosen, decision.reason, decision.num_matched_tokens) == ("a", "prefix_hit", 64)
+    # Priced on TTFT alone, the idle replica would compute a second copy.
+    decision = policy(price_delay=False).choose(request, loads, index)
+    assert (decision.chosen, decision.reason, decision.delay_s) == ("b", "least_cost", {})
+
+
+def test_the_load_bound_spares_a_cold_prefix_and_spreads_a_hot_one():
+    request = RouteRequest("r", num_prompt_tokens=80, block_hashes=PREFIX + [5], block_size=16)
+    index = PrefixIndex()
+    index.update("a", 1, PREFIX)
+    loads = [load("a"), load("b"), load("c", queued=5)]
+
+    def over_the_bound(uses_of_prefix: int, requests_by_replica: dict[str, float]) -> PrefixCostPolicy:
+        p = policy(tie_tolerance=0.05)
+        for i in range(100):
+            p.reuse.observe(PREFIX if i < uses_of_prefix else [1000 + i], num_new_blocks=1)
+        # bound = 1.25 x (1400 + 16) / 3 = 590: a's 1000 + 16 is over it.
+        p.routed_tokens = {"a": 1000.0, "b": 200.0, "c": 200.0}
+        p.routed_requests = requests_by_replica
+        return p
+
+    even = {"a": 4.0, "b": 4.0, "c": 4.0}
+    # 1 request in 100 used the prefix: 0.01 x 3 replicas <= 1 holder. Spilling it would compute
+    # it again elsewhere to spare a one hit: it stays.
+    decision = over_the_bound(1, even).choose(request, loads, index)
+    assert (decision.chosen, decision.reason) == ("a", "prefix_hit")
+    # Half the requests use it: 0.5 x 3 > 1 holder, more than one replica's share: it spreads.
+    decision = over_the_bound(50, even).choose(request, loads, index)
+    assert (decision.chosen, decision.reason) == ("b", "load_bound")
+    # A cold prefix on a replica that takes more than 1.25 x its share of requests (10 of 12
+    # here: 2.5 x) is not spared either: that replica holds too much, and the bound moves it.
+    decision = over_the_bound(1, {"a": 10.0, "b": 1.0, "c": 1.0}).choose(request, loads, index)
+    assert (decision.chosen, decision.reason) == ("b", "load_bound")
+
+
+def test_ties_break_by_queue_then_routed_load_among_equal_holders():
+    request = RouteRequest("r", num_prompt_tokens=80, block_hashes=[50, 51, 52, 53, 54], block_size=16)
+    p = policy()
+    p.routed_tokens = {"a": 300.0, "b": 100.0, "c": 200.0}
+    # All cold and idle: within 25% of each other; the least routed load wins.
+    decision = p.choose(request, [load("a"), load("b"), load("c")], PrefixIndex())
+    assert (decision.chosen, decision.reason) == ("b", "tie_break")
+    decision = p.choose(request, [load("a"), load("b", queued=10), load("c")], PrefixIndex())
+    assert (decision.chosen, decision.reason) == ("c", "tie_break")  # a queue first, then load
