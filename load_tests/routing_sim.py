@@ -156,11 +156,13 @@ class SimReplica:
         self.running: _Job | None = None
         self.prefill_tokens_per_s = 0.0  # EMA like the engine's; 0 before any prefill
         self.requests = RequestRate()  # as the worker measures it
+        self._num_taken = 0  # submits and finishes: with the cache's version, the snapshot's
         self._snapshot: tuple[int, list[int]] = (-1, [])
 
     def submit(self, request: WorkloadRequest, now: float) -> _Job | None:
         """Queue a request; returns the job if it started now (its finish_s is then set)."""
         self.requests.add(now)
+        self._num_taken += 1
         self.queue.append(_Job(request))
         return self._start_next(now) if self.running is None else None
 
@@ -169,6 +171,7 @@ class SimReplica:
         job = self.running
         assert job is not None and abs(job.finish_s - now) < 1e-9, (job, now)
         self.cache.release(job.request.block_hashes, job.request.num_prompt_tokens)
+        self._num_taken += 1
         num_uncached = job.request.num_prompt_tokens - job.num_cached_tokens
         if num_uncached >= _MIN_RATE_TOKENS:
             rate = num_uncached / (job.finish_s - job.start_s)
@@ -199,11 +202,18 @@ class SimReplica:
         return queued
 
     def routing_stats(self, now: float) -> RoutingStats:
-        """What a worker reports (serving/deployments/engine_worker.py `routing_stats`), the fields the routers read."""
-        if self._snapshot[0] != self.cache.version:
-            self._snapshot = (self.cache.version, self.cache.hashes())
+        """What a worker reports (serving/deployments/engine_worker.py `routing_stats`), the fields
+        the routers read: the cached hashes in eviction order, then those of the prompts taken
+        and not finished (router/index.py CachedBlockSet.take)."""
+        version = self.cache.version + self._num_taken
+        if self._snapshot[0] != version:
+            cached = self.cache.hashes()
+            held = set(cached)
+            jobs = ([self.running] if self.running is not None else []) + list(self.queue)
+            taken = dict.fromkeys(h for job in jobs for h in job.request.block_hashes if h not in held)
+            self._snapshot = (version, cached + list(taken))
         return RoutingStats(
-            kv_version=self.cache.version,
+            kv_version=version,
             kv_hashes=self._snapshot[1],  # PrefixIndex.update copies it
             num_blocks=self.cache.num_blocks,
             time=now,

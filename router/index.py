@@ -16,7 +16,10 @@ free queue (serving/engine/block_manager.py) takes them: a stored block joins as
 and when a request ends the worker `touch`es its prompt's blocks, tail first, so the head of a
 shared prefix is the most recent, as the engine frees them. Nothing more crosses the wire than a
 set would; the order is what lets a router price what a placement would evict
-(router/eviction.py).
+(router/eviction.py). After the cached blocks come those of the prompts the worker has `take`n
+and not finished: a prompt queued behind a long prefill is not cached for seconds, and with
+several routers (one per ingress replica) only the one that sent it would know where it went;
+listed, it draws its prefix's next requests from every router.
 
     snapshot:  [ s9 s8 | p3 p2 p1 p0 | q1 q0 ]     p0..p3 a prefix, s* a suffix nobody reuses
                  ▲ evicted first                ▲ most recently used
@@ -69,11 +72,13 @@ def _move_to_end(order: dict[int, None], block_hashes: Sequence[int]) -> bool:
 
 
 class CachedBlockSet:
-    """The block hashes one engine holds, rebuilt from its KV events, in eviction order."""
+    """The block hashes one engine holds, rebuilt from its KV events, in eviction order, and the
+    hashes of the prompts it has taken but not computed yet."""
 
     def __init__(self) -> None:
         self._order: dict[int, None] = {}  # least recently used first
-        self.version = 0  # bumped by every applied batch or touch that changed something
+        self._taken: dict[str, Sequence[int]] = {}  # request id -> prompt hashes, oldest first
+        self.version = 0  # bumped by every change the snapshot shows
 
     @property
     def hashes(self) -> Collection[int]:
@@ -93,14 +98,27 @@ class CachedBlockSet:
         if changed:
             self.version += 1
 
-    def touch(self, block_hashes: Sequence[int]) -> None:
+    def take(self, request_id: str, block_hashes: Sequence[int]) -> None:
+        """A request arrived: until it ends, its prompt's hashes are in the snapshot as the most
+        recent (computed or not), so that every router, not only the one that sent it, sends the
+        next request of that prefix here rather than computing it a second time elsewhere."""
+        if block_hashes:
+            self._taken[request_id] = block_hashes
+            self.version += 1
+
+    def touch(self, block_hashes: Sequence[int], request_id: str | None = None) -> None:
         """A request over these blocks ended: the held ones are now the most recently used."""
-        if _move_to_end(self._order, block_hashes):
+        changed = self._taken.pop(request_id, None) is not None if request_id is not None else False
+        if _move_to_end(self._order, block_hashes) or changed:
             self.version += 1
 
     def snapshot(self) -> tuple[int, bytes]:
-        """(version, the encoded hashes in eviction order): RoutingStats.kv_version and kv_hashes."""
-        return self.version, encode_hashes(self._order)
+        """(version, the encoded hashes in eviction order, then those of the prompts taken and not
+        yet computed): RoutingStats.kv_version and kv_hashes."""
+        if not self._taken:
+            return self.version, encode_hashes(self._order)
+        pending = dict.fromkeys(h for hashes in self._taken.values() for h in hashes if h not in self._order)
+        return self.version, encode_hashes(itertools.chain(self._order, pending))
 
 
 class PrefixIndex:

@@ -43,9 +43,11 @@ eligible replica wins ("load_bound" when that is not the cheapest overall), so a
 holds several popular prefixes sheds the excess to the next cheapest, which then holds that
 prefix too: a hot prefix is replicated as far as its load needs. Exempt is a holder of a prefix
 too cold to need a second copy (its share of recent requests, p, is within its holders' share:
-p x replicas <= holders): spilling that request would compute the prefix again elsewhere, more
-work in all, to relieve the holder of one hit; the bound instead steers cold placements away
-from the holder. The window is long enough that one cold prefill does not push its replica over
+p x replicas <= holders) on a replica that does not take more than `max_load_ratio` x its share
+of the pool's requests (RoutingStats.requests_per_s, else what this router sent): spilling that
+request would compute the prefix again elsewhere, more work in all, to relieve the holder of one
+hit; the bound instead steers cold placements away from the holder. A replica over its share of
+requests holds too many prefixes, and its requests do spill: the prefix moves. The window is long enough that one cold prefill does not push its replica over
 at once. `max_load_ratio=None` turns the bound off.
 
 Candidates within `tie_tolerance` of the cheapest that hold as much of the prompt as it does are
@@ -236,14 +238,20 @@ class PrefixCostPolicy:
         """The holders of a prefix too cold to need another copy, on a replica that does not take
         more than its share of requests (module docstring)."""
         out = set()
-        total = sum(self.routed_requests.get(load.replica_id, 0.0) for load in loads)
+        # Each replica's share of requests: as the replicas count them (the same for every
+        # router), else as this router sent them.
+        if any(load.requests_per_s for load in loads):
+            taken = {load.replica_id: load.requests_per_s for load in loads}
+        else:
+            taken = {load.replica_id: self.routed_requests.get(load.replica_id, 0.0) for load in loads}
+        total = sum(taken.values())
         for load in loads:
             num = matched_blocks[load.replica_id]
             if not num or self.max_load_ratio is None:
                 continue
             deepest = request.block_hashes[num - 1]
             cold = self.reuse.probability(deepest) * len(loads) <= max(1, index.num_holders(deepest))
-            share = self.routed_requests.get(load.replica_id, 0.0) / total if total else 0.0
+            share = taken[load.replica_id] / total if total else 0.0
             if cold and share * len(loads) <= self.max_load_ratio:
                 out.add(load.replica_id)
         return out

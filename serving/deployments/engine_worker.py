@@ -121,15 +121,17 @@ class EngineWorker:
         with self._cached_blocks_lock:
             self._cached_blocks.apply(events)
 
-    def _took(self) -> None:
+    def _took(self, request: WorkerRequest) -> None:
+        """A request arrived: counted, and its prompt listed in the snapshot (router/index.py)."""
         self._requests.add(time.monotonic())
+        with self._cached_blocks_lock:
+            self._cached_blocks.take(request.request_id, request.block_hashes)
 
     def _done(self, request: WorkerRequest) -> None:
         """The request's prompt blocks are now the engine's most recently used (freed tail
         first): the snapshot's eviction order follows (router/index.py)."""
-        if request.block_hashes:
-            with self._cached_blocks_lock:
-                self._cached_blocks.touch(request.block_hashes)
+        with self._cached_blocks_lock:
+            self._cached_blocks.touch(request.block_hashes, request.request_id)
 
     def autoscaling_signals(self) -> ReplicaSignals:
         """What the pool's autoscaling policy reads (router/autoscaling/decide.py); never blocks."""
@@ -153,7 +155,7 @@ class EngineWorker:
         faults.reached("prefill.before_first_token")
         slot: KVSlot | None = None
         export_into = None
-        self._took()
+        self._took(request)
         with self._callers.watch(request.caller, request.request_id):
             try:
                 # A decode worker will need the KV: where it goes. The arena is host memory: a CUDA
@@ -271,7 +273,7 @@ class EngineWorker:
         tracker = self.recorder.track(continues=bool(prior_output_token_ids))
         last: RequestOutput | None = None
         num_streamed = 0
-        self._took()
+        self._took(request)
         with self._callers.watch(request.caller, request.request_id):
             try:
                 async for out in self.engine.generate(

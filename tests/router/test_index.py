@@ -41,6 +41,19 @@ def test_cached_block_set_lists_hashes_in_eviction_order():
     assert decode_hashes(blocks.snapshot()[1]) == [7, 8, 3, 1, 2]
 
 
+def test_cached_block_set_lists_the_prompts_taken_and_not_finished_last():
+    blocks = CachedBlockSet()
+    blocks.apply([stored(1, 2)])
+    blocks.take("r1", [1, 2, 3, 4])  # hits 1, 2; computes 3, 4
+    blocks.take("r2", [4, 5])
+    assert blocks.version == 3 and decode_hashes(blocks.snapshot()[1]) == [1, 2, 3, 4, 5]
+    blocks.apply([stored(3, 4)])  # r1 computed its blocks
+    blocks.touch([1, 2, 3, 4], "r1")  # and ended: its blocks are the most recent, head last
+    assert decode_hashes(blocks.snapshot()[1]) == [4, 3, 2, 1, 5]  # r2's 5 still taken
+    blocks.touch([4, 5], "r2")  # r2 ended without storing 5 (aborted): nothing left of it
+    assert decode_hashes(blocks.snapshot()[1]) == [3, 2, 1, 4] and blocks.version == 6
+
+
 def test_hashes_round_trip_as_uint64_bytes_in_order():
     hashes = [2**64 - 1, 0, 1234567890123456789, 1]
     assert len(encode_hashes(hashes)) == 8 * len(hashes)

@@ -92,6 +92,11 @@ def test_the_load_bound_spares_a_cold_prefix_and_spreads_a_hot_one():
     # here: 2.5 x) is not spared either: that replica holds too much, and the bound moves it.
     decision = over_the_bound(1, {"a": 10.0, "b": 1.0, "c": 1.0}).choose(request, loads, index)
     assert (decision.chosen, decision.reason) == ("b", "load_bound")
+    # The replicas' own request rates, where reported, stand for what this router sent them
+    # (every router reads the same): here a takes 5 of 7 requests a second.
+    reported = [load("a", requests_per_s=5.0), load("b", requests_per_s=1.0), load("c", queued=5, requests_per_s=1.0)]
+    decision = over_the_bound(1, even).choose(request, reported, index)
+    assert (decision.chosen, decision.reason) == ("b", "load_bound")
 
 
 def test_ties_break_by_queue_then_routed_load_among_equal_holders():
