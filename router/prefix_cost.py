@@ -28,9 +28,9 @@ replica r, the cost of placing the request there, in seconds somebody waits:
 
 Without the last two terms (the cost before issue 19), a request whose prefix is cached nowhere
 goes wherever it starts soonest, and a busy holder's request goes to an idle replica that then
-computes a second copy: under cache pressure both evict prefixes that come back as misses (0.72
+computes a second copy: under cache pressure both evict prefixes that come back as misses (0.70
 of the oracle's hit rate at 64 prefixes on 16 replicas of 4096 tokens, against the character
-tree's 0.90). With them, a cold prompt goes where what it evicts is least wanted (empty blocks,
+tree's 0.91; 0.90 with them: docs/benchmarks.md, issue 19). With them, a cold prompt goes where what it evicts is least wanted (empty blocks,
 then suffixes nobody reuses, then cold prefixes), and a prefix is copied only where the copy is
 worth its compute: the hot ones, which the load bound below spreads; the cold ones stay on one
 replica.
@@ -47,8 +47,9 @@ p x replicas <= holders) on a replica that does not take more than `max_load_rat
 of the pool's requests (RoutingStats.requests_per_s, else what this router sent): spilling that
 request would compute the prefix again elsewhere, more work in all, to relieve the holder of one
 hit; the bound instead steers cold placements away from the holder. A replica over its share of
-requests holds too many prefixes, and its requests do spill: the prefix moves. The window is long enough that one cold prefill does not push its replica over
-at once. `max_load_ratio=None` turns the bound off.
+requests holds too many prefixes, and its requests do spill: the prefix moves. The window is
+long enough that one cold prefill does not push its replica over at once. `max_load_ratio=None`
+turns the bound off.
 
 Candidates within `tie_tolerance` of the cheapest that hold as much of the prompt as it does are
 ties (a holder is never traded for a non-holder at equal cost), broken by queued tokens, then by

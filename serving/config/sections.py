@@ -292,8 +292,8 @@ class RoutingConfig(StrictModel):
         0.5, gt=0, le=60,
         description="How often replicas report routing stats (cached block hashes, queued prefill "
         "tokens) to the routers. With several ingress replicas each router learns of the others' "
-        "placements from these only: shorter periods keep their hit rates closer to one router's "
-        "(simulated: 0.5 s within 6%, 0.1 s within 2%), at the cost of more snapshots through the controller.",
+        "placements from these only (simulated with two routers at 0.5 s: hit rates within 2% of "
+        "one router's in 62 of 69 cells, worst 0.89; at 0.1 s worst 0.91; docs/benchmarks.md).",
     )
 
     @model_validator(mode="after")
