@@ -24,10 +24,11 @@ import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from serving.api.errors import QueueTimeoutError
-from serving.api.protocol import ChatMessage, message_text
+from serving.api.protocol import ChatMessage
+from serving.api.tool_calls import ToolPlan, render_conversation, template_knows_tools
 from serving.engine.block_hash import hash_blocks
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.errors import ContextLengthError, InvalidRequestError
@@ -139,20 +140,22 @@ class Frontend:
     # ---- prompts -----------------------------------------------------------------------------
     def encode_chat(
         self, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
-        chat_template_kwargs: dict | None = None,
+        chat_template_kwargs: dict | None = None, tools: ToolPlan | None = None,
+        tool_prompt: Literal["auto", "template", "kvrelay"] = "auto",
     ) -> list[int]:
-        conversation = [
-            {"role": "system" if m.role == "developer" else m.role, "content": message_text(m, i)}
-            for i, m in enumerate(messages)
-        ]
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        """The prompt's token ids; `tools`: the request's tool plan, shown by the template or by
+        kvrelay's tool prompt (`tool_prompt`, serving/api/tool_calls.py)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if template is None:
             raise InvalidRequestError(
                 "messages", "this model has no chat template; use /v1/completions with a prompt"
             )
+        knows_tools = tool_prompt == "template" or (tool_prompt == "auto" and template_knows_tools(template))
+        conversation, tool_kwargs = render_conversation(messages, tools, knows_tools=knows_tools)
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
-                **(chat_template_kwargs or {}),
+                **tool_kwargs, **(chat_template_kwargs or {}),
             )
         except Exception as exc:  # jinja2 errors from a template's raise_exception(...)
             raise InvalidRequestError("messages", f"the chat template rejected them: {exc}") from exc

@@ -16,6 +16,11 @@ from serving.engine.params import MAX_TOP_LOGPROBS, SamplingParams
 
 __all__ = [
     "ChatMessage",
+    "FunctionCall",
+    "FunctionDefinition",
+    "NamedToolChoice",
+    "ToolCall",
+    "ToolDefinition",
     "ChatCompletionRequest",
     "CompletionRequest",
     "StreamOptions",
@@ -41,10 +46,44 @@ class TextPart(_Lenient):
     text: str | None = None
 
 
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Lenient):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object; None: no arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, in a conversation's history
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class _SamplingFields(_Lenient):
@@ -83,6 +122,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_SamplingFields):

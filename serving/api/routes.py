@@ -70,6 +70,7 @@ from serving.api.openapi import openapi_document
 from serving.api.pipeline import ChoiceDelta, Frontend, Usage
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
 from serving.api.rate_limits import RateLimiter, Ticket
+from serving.api.tool_calls import ToolCallStream, ToolPlan, plan_tools, tool_chunk_choices, tool_finish_reason, tool_message
 from serving.api.usage import ModelPrice, RequestAccount, UsageLedger, load_pricing
 from serving.config import ServeConfig
 from serving.config.access import APIKey
@@ -327,12 +328,15 @@ class OpenAIServer:
         self._check_model(request.model, call.key)
         limits.check_request(request, 1, self.config.api)
         params = sampling_params(request)
+        tooling = self.config.tool_calling
+        tools = plan_tools(request, parser=tooling.parser, max_tools=tooling.max_tools)
         call.deadline = deadline_for(request.timeout, self.config, call.key.tier, call.received_at, self.clock)
         kwargs = template_kwargs(request.chat_template_kwargs, self.config.api)
         with tracing.stage(call.trace, "tokenize"):
             prompt_ids = await render_off_loop(
                 lambda: self.frontend.encode_chat(
                     request.messages, add_generation_prompt=request.add_generation_prompt, chat_template_kwargs=kwargs,
+                    tools=tools, tool_prompt=tooling.prompt,
                 ),
                 self.config.api.render_timeout_s,
                 param="chat_template_kwargs.chat_template" if "chat_template" in kwargs else "messages",
@@ -355,25 +359,33 @@ class OpenAIServer:
         deltas = self.metrics.track(call.record, deltas, prompt_tokens=len(prompt_ids), status_of=error_status)
         base = {"id": request_id, "created": created, "model": self.model_name, "system_fingerprint": None}
         want_logprobs = params.logprobs is not None
+        if tools is not None and not tools.is_shown:
+            tools = None  # tool_choice none, or no tools: plain text
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             first = await first_delta(deltas)
-            return sse_response(self._chat_chunks(base, first, deltas, params.n, call.account, include_usage, want_logprobs), deltas, call.finish, request_id)
+            chunks = self._chat_chunks(base, first, deltas, params.n, call.account, include_usage, want_logprobs, tools)
+            return sse_response(chunks, deltas, call.finish, request_id)
 
         texts = [""] * params.n
         finish: list[str | None] = [None] * params.n
         logprobs: list[list] = [[] for _ in range(params.n)]
 
+        def message(i: int) -> tuple[dict, str | None]:
+            if tools is None:
+                return {"role": "assistant", "content": texts[i], "refusal": None}, finish[i]
+            calls = ToolCallStream(tools, f"{request_id}-{i}")
+            calls.feed(texts[i])
+            calls.finish()
+            return tool_message(calls), tool_finish_reason(calls, finish[i])
+
         def response(usage: dict | None) -> dict:
-            choices = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": texts[i], "refusal": None},
-                    "logprobs": {"content": logprobs[i]} if want_logprobs else None,
-                    "finish_reason": finish[i],
-                }
-                for i in range(params.n)
-            ]
+            choices = []
+            for i in range(params.n):
+                msg, reason = message(i)
+                choices.append({
+                    "index": i, "message": msg, "logprobs": {"content": logprobs[i]} if want_logprobs else None, "finish_reason": reason,
+                })
             return {**base, "object": "chat.completion", "choices": choices, "usage": usage}
 
         try:
@@ -389,12 +401,20 @@ class OpenAIServer:
 
     async def _chat_chunks(
         self, base: dict, first: ChoiceDelta | None, deltas: AsyncIterator[ChoiceDelta], n: int,
-        account: RequestAccount, include_usage: bool, want_logprobs: bool,
+        account: RequestAccount, include_usage: bool, want_logprobs: bool, tools: ToolPlan | None = None,
     ) -> AsyncIterator[dict]:
         base = {**base, "object": "chat.completion.chunk"}
         extra = {"usage": None} if include_usage else {}
         for i in range(n):
             yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra}
+        if tools is not None:
+            calls = [ToolCallStream(tools, f"{base['id']}-{i}") for i in range(n)]
+            async for delta in chain_deltas(first, deltas):
+                for choice in tool_chunk_choices(calls[delta.index], delta, self._chat_logprobs if want_logprobs else None):
+                    yield {**base, "choices": [choice], **extra}
+            if include_usage:
+                yield {**base, "choices": [], "usage": account.settle()}
+            return
         async for delta in chain_deltas(first, deltas):
             choice: dict[str, Any] = {"index": delta.index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}
             if delta.text:

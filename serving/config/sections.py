@@ -15,7 +15,8 @@ from serving.engine.strict import StrictModel
 
 __all__ = [
     "SERVING_ENGINE_DEFAULTS", "SERVING_ENGINE_LIMITS", "POOLS", "MOVED_KEYS", "EngineSettings", "EngineOverrides", "PoolConfig", "IngressConfig",
-    "APIConfig", "TEMPLATE_CALL_KWARGS", "HTTPConfig", "RayConfig", "RoutingConfig", "KVTransferConfig", "FallbackConfig", "DegradationConfig",
+    "APIConfig", "ToolCallingConfig", "TEMPLATE_CALL_KWARGS", "HTTPConfig", "RayConfig", "RoutingConfig", "KVTransferConfig",
+    "FallbackConfig", "DegradationConfig",
 ]
 
 # The engine defaults of a served app, where they differ from EngineConfig's (an engine alone,
@@ -245,6 +246,25 @@ class APIConfig(StrictModel):
                 "not template variables; a request sets add_generation_prompt as a field of its own"
             )
         return self
+
+
+class ToolCallingConfig(StrictModel):
+    """How the served model is shown tools and how its tool calls are read (serving/api/tool_calls.py)."""
+
+    parser: Literal["hermes", "json"] = Field(
+        "hermes",
+        description="The model's own tool-call format, parsed when tool_choice is auto: `hermes`, JSON calls "
+        "in <tool_call></tool_call> blocks (Hermes, Qwen, SmolLM-style), or `json`, the whole answer a JSON "
+        "call {\"name\", \"arguments\"} or a list of them. required and named choices are constrained "
+        "decoding and need no parser.",
+    )
+    prompt: Literal["auto", "template", "kvrelay"] = Field(
+        "auto",
+        description="Who describes the tools to the model: `template`, the model's chat template (it is "
+        "given tools=); `kvrelay`, a system-prompt section written here in the parser's format; `auto`, the "
+        "template if it renders tools, else kvrelay's.",
+    )
+    max_tools: int = Field(128, ge=1, le=4096, description="Tools one request may offer; more: a 400 naming `tools`.")
 
 
 class HTTPConfig(StrictModel):
