@@ -88,6 +88,8 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # params.prompt_logprobs: on each choice's first delta after the engine scored the prompt
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -119,6 +121,7 @@ class _Choice:
         self.checker = StopChecker.for_text(params)
         self.num_tokens = 0
         self.finished = False
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # arrived, not yet on a delta
 
 
 class Frontend:
@@ -140,7 +143,7 @@ class Frontend:
     # ---- prompts -----------------------------------------------------------------------------
     def encode_chat(
         self, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
-        chat_template_kwargs: dict | None = None, tools: ToolPlan | None = None,
+        chat_template_kwargs: dict | None = None, add_special_tokens: bool = False, tools: ToolPlan | None = None,
         tool_prompt: Literal["auto", "template", "kvrelay"] = "auto",
     ) -> list[int]:
         """The prompt's token ids; `tools`: the request's tool plan, shown by the template or by
@@ -159,7 +162,7 @@ class Frontend:
             )
         except Exception as exc:  # jinja2 errors from a template's raise_exception(...)
             raise InvalidRequestError("messages", f"the chat template rejected them: {exc}") from exc
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -220,6 +223,9 @@ class Frontend:
             async for out in stream:
                 if num_cached is None:
                     num_cached = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    for choice in choices:
+                        choice.prompt_logprobs = out.prompt_logprobs
                 if any(c.finish_reason == _QUEUE_TIMEOUT for c in out.outputs):
                     raise QueueTimeoutError()  # refused before any token: the pool is overloaded
                 for completion in out.outputs:
@@ -263,7 +269,8 @@ class Frontend:
         if not choice.finished and finish_reason is not None:
             texts.append(choice.checker.flush() + choice.detokenizer.flush())
             choice.finished = True
-        return ChoiceDelta(completion.index, "".join(texts), list(token_ids), logprobs, finish_reason, stop_reason)
+        prompt_logprobs, choice.prompt_logprobs = choice.prompt_logprobs, None
+        return ChoiceDelta(completion.index, "".join(texts), list(token_ids), logprobs, finish_reason, stop_reason, prompt_logprobs)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

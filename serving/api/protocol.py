@@ -2,7 +2,7 @@
 
 Unknown fields are accepted and ignored, as OpenAI does (the ingress logs their names once per
 request at debug level). Known fields this server cannot honour (image parts, `suffix`,
-`echo` with streaming) are refused with a 400 naming them, never silently ignored.
+`prompt_logprobs` with streaming) are refused with a 400 naming them, never silently ignored.
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ __all__ = [
     "ToolDefinition",
     "ChatCompletionRequest",
     "CompletionRequest",
+    "DetokenizeRequest",
     "StreamOptions",
+    "TokenizeChatRequest",
+    "TokenizeCompletionRequest",
     "sampling_params",
     "message_text",
 ]
@@ -110,6 +113,7 @@ class _SamplingFields(_Lenient):
     include_stop_str_in_output: bool = False
     priority: int = 0
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob and top k (not with stream)
     # kvrelay's: seconds until the request is aborted (serving/api/deadlines.py)
     timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
 
@@ -135,6 +139,33 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
 
+class TokenizeCompletionRequest(_Lenient):
+    """POST /tokenize with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Lenient):
+    """POST /tokenize with chat messages, rendered as /v1/chat/completions renders them."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # the chat template writes the special tokens
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Lenient):
+    """POST /detokenize (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def message_text(message: ChatMessage, index: int) -> str:
     """A message's content as one string; text parts are joined, other parts refused."""
     content = message.content
@@ -155,6 +186,7 @@ def message_text(message: ChatMessage, index: int) -> str:
 
 def sampling_params(request: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
     """Translate the request's sampling fields; SamplingParams checks the ranges when built."""
+    prompt_logprobs = request.prompt_logprobs
     if isinstance(request, ChatCompletionRequest):
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if request.top_logprobs is not None and not request.logprobs:
@@ -167,6 +199,9 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest) -> Sampl
         logprobs = request.logprobs
         if request.suffix is not None:
             raise InvalidRequestError("suffix", "is not supported by this server")
+        if request.echo and logprobs is not None:  # the echoed prompt's tokens have logprobs too
+            prompt_logprobs = logprobs if prompt_logprobs is None else max(logprobs, prompt_logprobs)
+    _check_scoring(request, max_tokens)
     logit_bias = None
     if request.logit_bias:
         logit_bias = {}
@@ -194,9 +229,22 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest) -> Sampl
         logit_bias=logit_bias,
         seed=request.seed,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         stop=stop,
         stop_token_ids=list(request.stop_token_ids or []),
         include_stop_str_in_output=request.include_stop_str_in_output,
         ignore_eos=request.ignore_eos,
         skip_special_tokens=request.skip_special_tokens,
     )
+
+
+def _check_scoring(request: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> None:
+    """max_tokens 0 scores the prompt without generating: only where the prompt's logprobs come
+    back (prompt_logprobs, or a completion's echo). prompt_logprobs is not streamed (as vLLM)."""
+    if request.prompt_logprobs is not None and request.stream:
+        hint = "; stream echo with logprobs instead" if isinstance(request, CompletionRequest) else ""
+        raise InvalidRequestError("prompt_logprobs", f"is not available with stream{hint}")
+    if max_tokens == 0 and request.prompt_logprobs is None and not getattr(request, "echo", False):
+        field = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) is not None else "max_tokens"
+        needs = "prompt_logprobs or echo" if isinstance(request, CompletionRequest) else "prompt_logprobs"
+        raise InvalidRequestError(field, f"must be >= 1, got 0 (0 scores the prompt without generating: with {needs})")

@@ -2,7 +2,8 @@
 
     POST /v1/chat/completions   chat.completion / chat.completion.chunk (SSE)
     POST /v1/completions        text_completion (SSE when stream)
-    GET  /v1/models             the served model
+    GET  /v1/models             the served model, with its max_model_len
+    POST /tokenize, /detokenize vLLM's tokenization endpoints (serving/api/tokenize_routes.py)
     GET  /v1/usage              totals for the caller's API key, or every key's for an admin key
     GET  /health                200 when every pool has a live replica; 503 when one has none, or
                                 when what it reports cannot be read (the Serve controller's replica
@@ -68,8 +69,10 @@ from serving.api.http_io import chain_deltas, error_response, finite_logprob, fi
 from serving.api.keys import ANONYMOUS, KeyRing
 from serving.api.openapi import openapi_document
 from serving.api.pipeline import ChoiceDelta, Frontend, Usage
+from serving.api.prompt_scores import echoed_logprobs, joined, legacy_top, vllm_prompt_logprobs
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
 from serving.api.rate_limits import RateLimiter, Ticket
+from serving.api.tokenize_routes import add_tokenize_routes
 from serving.api.tool_calls import ToolCallStream, ToolPlan, plan_tools, tool_chunk_choices, tool_finish_reason, tool_message
 from serving.api.usage import ModelPrice, RequestAccount, UsageLedger, load_pricing
 from serving.config import ServeConfig
@@ -160,12 +163,14 @@ class OpenAIServer:
         async def models(request: Request):
             key = self._authenticate(request)
             allowed = self._may_use(key, self.model_name)
-            return {"object": "list", "data": [self._model_card()] if allowed else []}
+            return {"object": "list", "data": [await self._model_card()] if allowed else []}
 
         @app.get("/v1/models/{model:path}")
         async def model(model: str, request: Request):
             self._check_model(model, self._authenticate(request))
-            return self._model_card()
+            return await self._model_card()
+
+        add_tokenize_routes(app, self)
 
         @app.get("/v1/usage")
         async def usage(request: Request):
@@ -319,8 +324,13 @@ class OpenAIServer:
         if tier.priority_cost_step_tokens is not None:  # estimated cost: a long request yields to short ones
             call.priority += min(tier.max_cost_priority_levels, num_tokens // tier.priority_cost_step_tokens)
 
-    def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "kvrelay"}
+    async def _model_card(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "kvrelay"}
+        try:
+            card["max_model_len"] = (await self.frontend.model_info()).max_model_len  # as vLLM's cards
+        except APIError as exc:  # no live replica to ask (a request would get this 503): listed without it
+            logger.warning("the model card of %s has no max_model_len: %s", self.model_name, exc.message)
+        return card
 
     # ---- chat --------------------------------------------------------------------------------
     async def chat_completions(self, body: dict, call: _Call) -> Response:
@@ -370,6 +380,7 @@ class OpenAIServer:
         texts = [""] * params.n
         finish: list[str | None] = [None] * params.n
         logprobs: list[list] = [[] for _ in range(params.n)]
+        prompt_scores = None  # vLLM's prompt_logprobs, when asked for
 
         def message(i: int) -> tuple[dict, str | None]:
             if tools is None:
@@ -386,10 +397,15 @@ class OpenAIServer:
                 choices.append({
                     "index": i, "message": msg, "logprobs": {"content": logprobs[i]} if want_logprobs else None, "finish_reason": reason,
                 })
-            return {**base, "object": "chat.completion", "choices": choices, "usage": usage}
+            body = {**base, "object": "chat.completion", "choices": choices, "usage": usage}
+            if request.prompt_logprobs is not None:
+                body["prompt_logprobs"] = vllm_prompt_logprobs(self.frontend, prompt_ids, prompt_scores, request.prompt_logprobs)
+            return body
 
         try:
             async for delta in deltas:
+                if delta.prompt_logprobs is not None:
+                    prompt_scores = delta.prompt_logprobs
                 texts[delta.index] += delta.text
                 finish[delta.index] = delta.finish_reason or finish[delta.index]
                 if want_logprobs and delta.logprobs:
@@ -447,8 +463,6 @@ class OpenAIServer:
         prompts = split_prompts(request.prompt)
         limits.check_request(request, len(prompts), self.config.api)
         params = sampling_params(request)
-        if request.echo and request.stream:
-            raise APIError(400, "echo: is not supported with stream", param="echo", code="invalid_value")
         with tracing.stage(call.trace, "tokenize"):
             if any(isinstance(p, str) for p in prompts):  # token ids need no tokenizer
                 prompt_ids = await render_off_loop(
@@ -478,6 +492,8 @@ class OpenAIServer:
         base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name, "system_fingerprint": None}
         num_choices = params.n * len(prompts)
         want_logprobs = params.logprobs is not None
+        # echo: each choice's text starts with its prompt, and its logprobs with the prompt's tokens
+        prompt_texts = [p if isinstance(p, str) else self.frontend.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)] if request.echo else []
 
         def total_usage() -> Usage:
             total = Usage()
@@ -494,42 +510,62 @@ class OpenAIServer:
             async def chunks():
                 extra = {"usage": None} if include_usage else {}
                 offsets = [0] * num_choices
+                echoed = [not request.echo] * num_choices
                 async for delta in chain_deltas(first, deltas):
                     lp = None
+                    text = delta.text
+                    if not echoed[delta.index]:  # the choice's first delta: its prompt goes first
+                        echoed[delta.index] = True
+                        i = delta.index // params.n
+                        text = prompt_texts[i] + text
+                        if want_logprobs:
+                            lp = echoed_logprobs(self.frontend, prompt_ids[i], delta.prompt_logprobs, params.logprobs)
+                            offsets[delta.index] = len(prompt_texts[i])
                     if want_logprobs and delta.logprobs:
-                        lp = self._completion_logprobs(delta.logprobs, offsets[delta.index])
-                        offsets[delta.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                    if not delta.text and delta.finish_reason is None and lp is None:
+                        generated = self._completion_logprobs(delta.logprobs, offsets[delta.index])
+                        offsets[delta.index] = generated["text_offset"][-1] + len(generated["tokens"][-1])
+                        lp = generated if lp is None else joined(lp, generated)
+                    if not text and delta.finish_reason is None and lp is None:
                         continue  # held back by the detokenizer or a possible stop string
-                    yield {**base, "choices": [{"index": delta.index, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason}], **extra}
+                    yield {**base, "choices": [{"index": delta.index, "text": text, "logprobs": lp, "finish_reason": delta.finish_reason}], **extra}
                 if include_usage:
                     yield {**base, "choices": [], "usage": call.account.settle()}
 
             return sse_response(chunks(), deltas, call.finish, request_id)
 
-        echoed = [""] * num_choices
-        if request.echo:
-            for i, ids in enumerate(prompt_ids):
-                for j in range(params.n):
-                    echoed[i * params.n + j] = prompts[i] if isinstance(prompts[i], str) else self.frontend.tokenizer.decode(ids)
+        echoed = [prompt_texts[i // params.n] if request.echo else "" for i in range(num_choices)]
         texts = list(echoed)
         finish: list[str | None] = [None] * num_choices
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(num_choices)]
+        prompt_scores: list[list[TokenLogprob] | None] = [None] * num_choices
+
+        def choice_logprobs(i: int) -> dict:
+            generated = self._completion_logprobs(logprobs[i], len(echoed[i]))
+            if not request.echo:
+                return generated
+            return joined(echoed_logprobs(self.frontend, prompt_ids[i // params.n], prompt_scores[i], params.logprobs), generated)
 
         def response(usage: dict | None) -> dict:
             choices = [
                 {
                     "index": i,
                     "text": texts[i],
-                    "logprobs": self._completion_logprobs(logprobs[i], len(echoed[i])) if want_logprobs else None,
+                    "logprobs": choice_logprobs(i) if want_logprobs else None,
                     "finish_reason": finish[i],
                 }
                 for i in range(num_choices)
             ]
+            if request.prompt_logprobs is not None:
+                for i, choice in enumerate(choices):
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                        self.frontend, prompt_ids[i // params.n], prompt_scores[i], request.prompt_logprobs,
+                    )
             return {**base, "choices": choices, "usage": usage}
 
         try:
             async for delta in deltas:
+                if delta.prompt_logprobs is not None:
+                    prompt_scores[delta.index] = delta.prompt_logprobs
                 texts[delta.index] += delta.text
                 finish[delta.index] = delta.finish_reason or finish[delta.index]
                 if delta.logprobs:
@@ -545,7 +581,7 @@ class OpenAIServer:
             text = self.frontend.token_text(lp.token_id)
             tokens.append(text)
             token_logprobs.append(finite_logprob(lp.logprob))
-            top.append({self.frontend.token_text(t): finite_logprob(v) for t, v in lp.top})
+            top.append(legacy_top(self.frontend, lp, len(lp.top)))
             text_offset.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}

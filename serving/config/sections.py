@@ -199,7 +199,7 @@ class APIConfig(StrictModel):
     )
     max_logprobs: int = Field(
         MAX_TOP_LOGPROBS, ge=0, le=MAX_TOP_LOGPROBS,
-        description="Alternatives per token: chat `top_logprobs`, completions `logprobs`.",
+        description="Alternatives per token: chat `top_logprobs`, completions `logprobs`, `prompt_logprobs`.",
     )
     max_logit_bias_entries: int = Field(1024, ge=0, le=1 << 20, description="Tokens one `logit_bias` may name.")
     max_stop_strings: int = Field(

@@ -12,6 +12,11 @@ scheduling) raises out of `step()`; the caller must treat the engine as dead.
 A request with `n > 1` is one sequence per choice. Choice 0 computes the prompt; the others wait
 and, once it is done, start from its full prompt blocks (shared by reference count), computing
 only the partial last block themselves.
+
+Prompt logprobs (`params.prompt_logprobs`) are scored by choice 0 from the rows of its prompt
+chunks that the model runner keeps beside the sampling rows (prompt_logprobs.py), and leave with
+the request's first output once the whole prompt is scored. A request with `max_tokens=0` ends
+when its prompt is computed: finish_reason "length", no tokens, every choice.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from serving.engine.kv_payload import KVLayout, KVPayload
 from serving.engine.model_runner import ModelRunner
 from serving.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob, merge_outputs
 from serving.engine.params import SamplingParams
+from serving.engine.prompt_logprobs import score_span
 from serving.engine.request import RequestStatus, Sequence
 from serving.engine.sampler import LogitBias, Sampler, SamplingRow
 from serving.engine.scheduler import Scheduler
@@ -62,6 +68,7 @@ class _Request:
     arrival_time: float
     waiting_children: list[Sequence] = field(default_factory=list)
     logit_bias: LogitBias | None = None  # its params' logit_bias as tensors, for every step's rows
+    prompt_logprobs_sent: bool = False  # its prompt logprobs went out (in its first output after them)
 
     @property
     def finished(self) -> bool:
@@ -152,7 +159,7 @@ class LLMEngine:
                     "export_into", f"needs hold_kv and a contiguous {self.kv_cache.data.device} buffer of "
                     f"{need} bytes for a {num_prompt}-token prompt; got {have} bytes",
                 )
-        max_tokens = params.max_tokens or (self.max_model_len - num_prompt)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
         extra_keys = (cache_salt,) if cache_salt else ()
         arrival = arrival_time if arrival_time is not None else time.monotonic()
 
@@ -171,6 +178,8 @@ class LLMEngine:
             states.append(_SeqState(seq, detokenizer, StopChecker.for_params(params, self.eos_token_ids, max_tokens)))
         request = _Request(request_id, states, num_prompt, arrival, logit_bias=LogitBias.of(params.logit_bias, self.device))
         first = states[0].seq
+        if params.prompt_logprobs is not None and not prior and kv_payload is None:
+            first.prompt_logprobs = []  # else they came from the engine that computed the prompt
         first.pending_import = kv_payload
         first.export_into = export_into
         first.export_until = export_until
@@ -267,11 +276,24 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.num_computed_tokens += n
             self.block_manager.commit(seq)
-        if step.sampling_seqs:
-            sampled = self._sample(logits, step.sampling_seqs)
+        sampling_seqs = step.sampling_seqs
+        if step.prompt_spans:
+            num_sampling = len(sampling_seqs)
+            self._score_prompts(logits[num_sampling:], step.prompt_spans)
+            kept = [i for i, seq in enumerate(sampling_seqs) if seq.request_id in self._requests]
+            if len(kept) < num_sampling:  # a request whose scoring failed samples nothing
+                sampling_seqs = [sampling_seqs[i] for i in kept]
+                logits = logits.index_select(0, torch.tensor(kept, dtype=torch.long, device=logits.device))
+            else:
+                logits = logits[:num_sampling]
+        for seq in step.scored_seqs:
+            if seq.request_id in self._requests:  # not failed in this step
+                outputs.append(self._finish_scored(self._requests.pop(seq.request_id)))
+        if sampling_seqs:
+            sampled = self._sample(logits, sampling_seqs)
             now = time.monotonic()
             deltas: dict[str, list[CompletionOutput]] = {}
-            for seq, (token_id, logprob) in zip(step.sampling_seqs, sampled):
+            for seq, (token_id, logprob) in zip(sampling_seqs, sampled):
                 if seq.request_id not in self._requests:
                     continue  # failed in this step
                 try:
@@ -288,6 +310,34 @@ class LLMEngine:
                 if request.finished:
                     del self._requests[request_id]
         return outputs
+
+    def _score_prompts(self, logits: torch.Tensor, spans) -> None:
+        """Extend each span's sequence's prompt logprobs from its rows of `logits`; a span that
+        fails fails its request alone."""
+        row = 0
+        for span in spans:
+            rows = logits[row : row + span.num_rows]
+            row += span.num_rows
+            try:
+                span.seq.prompt_logprobs += score_span(rows, span)
+            except Exception as exc:  # noqa: BLE001 - its request alone
+                self._fail_request(span.seq.request_id, "prompt logprobs", exc)
+
+    def _finish_scored(self, request: _Request) -> RequestOutput:
+        """A max_tokens=0 request whose prompt is computed: every choice ends with "length" and
+        no tokens (the choices waiting for choice 0 never start)."""
+        first = request.seqs[0].seq
+        first.first_token_time = time.monotonic()  # its answer is ready: what a client waits for
+        outputs = []
+        for state in request.seqs:
+            state.finish_reason = RequestStatus.FINISHED_LENGTH.value
+            if state.seq is first:
+                self._finish(first, RequestStatus.FINISHED_LENGTH)
+            else:
+                state.seq.status = RequestStatus.FINISHED_LENGTH
+            outputs.append(CompletionOutput(state.seq.index, "", [], None, state.finish_reason))
+        request.waiting_children.clear()
+        return self._request_output(request, outputs)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int | None, TokenLogprob | None]]:
         """One (token, logprob) per row; a row at fault fails its request alone (Sampler.sample_each)."""
@@ -350,6 +400,10 @@ class LLMEngine:
     def _request_output(self, request: _Request, outputs: list[CompletionOutput]) -> RequestOutput:
         first = request.seqs[0].seq
         finished = request.finished
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None and not request.prompt_logprobs_sent and not first.needs_prompt_logprobs:
+            prompt_logprobs = first.prompt_logprobs
+            request.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=request.request_id,
             outputs=outputs,
@@ -362,6 +416,7 @@ class LLMEngine:
                 first_token_time=first.first_token_time,
                 finished_time=time.monotonic() if finished else None,
             ),
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ---- KV export / import (held_kv.py) ----------------------------------------------------

@@ -28,6 +28,14 @@ class SamplingParams:
     Defaults follow OpenAI's API: temperature 1, top_p 1, no penalties. `temperature == 0`
     means greedy. `logprobs=None` returns no logprobs; `logprobs=k` returns the sampled
     token's logprob plus the k most likely tokens (k may be 0).
+
+    `prompt_logprobs=k` returns, with the request's first output, each prompt token's logprob
+    (after the first), its rank and the k most likely tokens at its position, from the logits of
+    the prompt's own forward passes (model_runner.py). Such a request reads nothing from the
+    prefix cache (a cached block has KV but no logits). A request continued from tokens generated
+    elsewhere (`prior_output_token_ids`, a KV import) computes none: its prompt logprobs came with
+    its first output, from the engine that computed its prompt. `max_tokens=0` computes the prompt
+    and generates nothing (finish_reason "length"): scoring a prompt.
     """
 
     n: int = 1
@@ -43,6 +51,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
@@ -79,7 +88,7 @@ class SamplingParams:
         """Raise InvalidRequestError naming the first bad field and its allowed range."""
         _check_int("n", self.n, lo=1, hi=MAX_N)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, lo=1)
+            _check_int("max_tokens", self.max_tokens, lo=0)
         _check_int("min_tokens", self.min_tokens, lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
@@ -97,6 +106,8 @@ class SamplingParams:
             _check_int("seed", self.seed, lo=-(2**63), hi=2**63 - 1)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_TOP_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_TOP_LOGPROBS)
         for token_id, bias in (self.logit_bias or {}).items():
             if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
                 raise InvalidRequestError("logit_bias", f"bias for token {token_id} must be in [-100, 100], got {bias}")

@@ -172,6 +172,41 @@ def test_schemathesis_over_http_gets_no_5xx_and_only_openai_shaped_4xx(serve_ins
     for path in ("POST /v1/chat/completions", "POST /v1/completions"):
         assert 200 in statuses[path] and statuses[path] & {400, 422}, statuses
 
+@pytest.mark.parametrize("app", ["disagg", "coloc"])
+def test_scoring_a_prompt_and_tokenizing_it(serve_instance, tiny_model_dir, app):
+    """Echo + logprobs, max_tokens 0 and prompt_logprobs equal the engine's own prompt logprobs
+    (fp32); disaggregated, the prefill worker computes them and they cross Ray in its first output."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=TINY_KV_BYTES))
+    prompt = "Once upon a time there was"
+    ids = engine.tokenizer(prompt).input_ids
+    [expected] = engine.generate([ids], SamplingParams(temperature=0, max_tokens=3, logprobs=1, prompt_logprobs=1))
+    scores = [lp.logprob for lp in expected.prompt_logprobs]
+    prefills = stats(app, "PrefillWorker").counters.num_prefills if app == "disagg" else 0
+    client = openai.OpenAI(base_url=f"{serve_instance['url']}/{app}/v1", api_key="unused", max_retries=0)
+
+    echoed = client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=1, max_tokens=3, temperature=0)
+    scored = client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    with httpx.Client(base_url=f"{serve_instance['url']}/{app}", timeout=60) as http:
+        vllm_style = http.post("/v1/completions", json={"prompt": prompt, "prompt_logprobs": 0, "max_tokens": 2, "temperature": 0}).json()
+        tokenized = http.post("/tokenize", json={"prompt": prompt}).json()
+        detokenized = http.post("/detokenize", json={"tokens": ids}).json()
+        max_model_len = http.get("/v1/models").json()["data"][0]["max_model_len"]
+
+    lp = echoed.choices[0].logprobs
+    assert echoed.choices[0].text == prompt + expected.outputs[0].text
+    assert lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(scores, abs=1e-4)
+    assert lp.token_logprobs[len(ids):] == pytest.approx([t.logprob for t in expected.outputs[0].logprobs], abs=1e-4)
+    assert scored.choices[0].text == prompt and scored.choices[0].finish_reason == "length"
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(scores, abs=1e-4)
+    assert scored.usage.completion_tokens == 0
+    entries = vllm_style["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and [e[str(t)]["logprob"] for e, t in zip(entries[1:], ids[1:])] == pytest.approx(scores, abs=1e-4)
+    assert tokenized == {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": None}
+    assert detokenized == {"prompt": prompt}
+    if app == "disagg":  # the three completions were prefilled on the prefill pool
+        assert stats(app, "PrefillWorker").counters.num_prefills == prefills + 3
+
 
 def test_httpx_completions_and_models(serve_instance, reference):
     url = serve_instance["url"] + "/disagg"
