@@ -157,6 +157,9 @@ class TokenizeChatRequest(_Lenient):
     add_special_tokens: bool = False  # the chat template writes the special tokens
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+    tools: list[ToolDefinition] | None = None  # shown as a chat completion with them would show them
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class DetokenizeRequest(_Lenient):

@@ -32,6 +32,7 @@ from serving.api.chat_template import render_off_loop, template_kwargs
 from serving.api.errors import to_api_error, with_request_id
 from serving.api.http_io import error_response, parse_body, read_json
 from serving.api.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from serving.api.tool_calls import plan_tools
 from serving.engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -75,10 +76,12 @@ async def _tokenize(server: OpenAIServer, body: dict, key) -> dict:
         chat = parse_body(TokenizeChatRequest, body)
         server._check_model(chat.model, key)
         kwargs = template_kwargs(chat.chat_template_kwargs, api)
+        tooling = server.config.tool_calling
+        tools = plan_tools(chat, parser=tooling.parser, max_tools=tooling.max_tools)
         ids = await render_off_loop(
             lambda: frontend.encode_chat(
                 chat.messages, add_generation_prompt=chat.add_generation_prompt, chat_template_kwargs=kwargs,
-                add_special_tokens=chat.add_special_tokens,
+                add_special_tokens=chat.add_special_tokens, tools=tools, tool_prompt=tooling.prompt,
             ),
             api.render_timeout_s,
             param="chat_template_kwargs.chat_template" if "chat_template" in kwargs else "messages",

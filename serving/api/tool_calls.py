@@ -32,7 +32,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
-from serving.api.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, ToolDefinition, message_text
+from serving.api.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, TokenizeChatRequest, ToolDefinition, message_text
 from serving.engine.errors import InvalidRequestError
 
 __all__ = [
@@ -87,7 +87,7 @@ class ToolPlan:
         return schema
 
 
-def plan_tools(request: ChatCompletionRequest, *, parser: Literal["hermes", "json"], max_tools: int) -> ToolPlan | None:
+def plan_tools(request: ChatCompletionRequest | TokenizeChatRequest, *, parser: Literal["hermes", "json"], max_tools: int) -> ToolPlan | None:
     """The request's tool plan (None: no tools and no choice), or a 400 naming the field."""
     tools = tuple(request.tools or ())
     choice = request.tool_choice

@@ -80,9 +80,13 @@ async def test_auto_calls_come_back_in_openai_s_shape_streamed_and_not(engine, t
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [(call.function.name, call.function.arguments)]
     assert calls[0]["id"].startswith("call_")
     assert [r for r in reasons if r] == ["tool_calls"]
-    # The model was shown the tool, in kvrelay's prompt (SmolLM2's template renders no tools).
+    # The model was shown the tool, in kvrelay's prompt (SmolLM2's template renders no tools),
+    # and /tokenize given the same tools counts the same prompt.
     prompt = engine.tokenizer.decode(backend.prompts[0])
     assert "<tools>\n" + json.dumps(WEATHER) + "\n</tools>" in prompt
+    root = client.with_options(base_url="http://test")
+    tokenized = await root.post("/tokenize", body={"model": MODEL, "messages": ASK, "tools": [WEATHER]}, cast_to=httpx.Response)
+    assert tokenized.json()["tokens"] == backend.prompts[0]
 
 
 @pytest.mark.asyncio
