@@ -15,6 +15,10 @@ Every row goes through the same pipeline, in this order:
     4. penalties          repetition over prompt + output (HF: l > 0 ? l / p : l * p), then
                           presence and frequency over output only
                           (OpenAI: l -= frequency * count + presence * [count > 0])
+    4b. grammar           rows with a `grammar` (a structured output): each fills its row of one
+                          int32 bitmask (serving/engine/grammar.py) and the tokens it does not
+                          allow become -inf; rows without one are not touched, so a free row
+                          samples exactly as it would alone
       v
     5. greedy rows        argmax, ties -> lowest id  (temperature < 1e-5, or top_k == 1)
     6. sampled rows       / temperature -> top_k -> top_p on the renormalised top-k
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -57,6 +62,7 @@ from serving.engine.sampling_ops import (
     _put,
     _take,
     apply_penalties,
+    apply_token_bitmask,
     seed_from_key,
     top_k_top_p_min_p,
 )
@@ -64,6 +70,7 @@ from serving.engine.sampling_ops import (
 __all__ = [
     "LogitBias",
     "SamplingRow",
+    "TokenConstraint",
     "SamplerOutput",
     "Sampler",
     "RowFailure",
@@ -93,6 +100,14 @@ class LogitBias:
         )
 
 
+class TokenConstraint(Protocol):
+    """What step 4b needs of a row's grammar (serving/engine/grammar.py's GrammarMatcher)."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        """Row `index` of the int32 `bitmask`: bit set = the token may come next."""
+        ...
+
+
 @dataclass
 class SamplingRow:
     """One sequence that needs a next token this step."""
@@ -103,6 +118,7 @@ class SamplingRow:
     eos_token_ids: tuple[int, ...] = ()  # masked, with params.stop_token_ids, below min_tokens
     seed_key: tuple[int, int, int] | None = None  # (seed, choice index, output position)
     logit_bias: LogitBias | None = None  # LogitBias.of(params.logit_bias), built once per request
+    grammar: TokenConstraint | None = None  # params.guided's matcher, at this sequence's place in it
 
 
 @dataclass
@@ -172,9 +188,10 @@ class Sampler:
         masked_rows = [i for i, r in enumerate(rows) if _needs_min_tokens_mask(r)]
         penalty_rows = [i for i, r in enumerate(rows) if r.params.needs_penalties]
         logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        grammar_rows = [i for i, r in enumerate(rows) if r.grammar is not None]
 
         if len(greedy_rows) == num_rows and not (
-            bias_rows or masked_rows or penalty_rows or logprob_rows
+            bias_rows or masked_rows or penalty_rows or logprob_rows or grammar_rows
         ):
             return SamplerOutput(
                 token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * num_rows
@@ -198,6 +215,11 @@ class Sampler:
                 [rows[i].params.frequency_penalty for i in penalty_rows],
                 row_ids=penalty_rows,
             )
+        if grammar_rows:
+            bitmask = torch.empty((len(grammar_rows), (self.vocab_size + 31) // 32), dtype=torch.int32)
+            for j, i in enumerate(grammar_rows):
+                rows[i].grammar.fill_bitmask(bitmask, j)
+            apply_token_bitmask(x, bitmask, grammar_rows)
 
         token_ids = torch.empty(num_rows, dtype=torch.long, device=x.device)
         if greedy_rows:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["apply_penalties", "top_k_top_p_min_p", "seed_from_key"]
+__all__ = ["apply_penalties", "apply_token_bitmask", "top_k_top_p_min_p", "seed_from_key"]
 
 # A top_p-only row looks at its 256 most likely tokens, then 4096, and is sorted in full only
 # when those hold less than top_p of the mass (a flat distribution, or top_p near 1). On one
@@ -84,6 +84,21 @@ def apply_penalties(
                 presence_penalties, 0.0
             )[row]
             flat[tokens] -= penalty
+    return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, row_ids: Sequence[int]) -> torch.Tensor:
+    """Step 4b, in place on float32 `logits` [rows, vocab]: row `row_ids[j]` keeps the tokens whose
+    bit is set in `bitmask[j]` (int32 words on the CPU, bit b of word w = token 32 w + b, as
+    serving/engine/grammar.py fills it) and the others become -inf. Returns `logits`."""
+    assert bitmask.dtype == torch.int32 and bitmask.device.type == "cpu" and bitmask.is_contiguous()
+    vocab_size = logits.shape[1]
+    assert bitmask.shape == (len(row_ids), (vocab_size + 31) // 32), f"bitmask {tuple(bitmask.shape)} for {len(row_ids)} rows of {vocab_size}"
+    # Little-endian int32 words read as bytes, each byte's bits least significant first: token order.
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab_size, bitorder="little")
+    banned = torch.from_numpy(bits).to(logits.device) == 0
+    rows = torch.tensor(list(row_ids), device=logits.device)
+    logits[rows] = logits[rows].masked_fill(banned, -math.inf)
     return logits
 
 
