@@ -77,7 +77,7 @@ class _SamplingFields(_Lenient):
     # Structured outputs, at most one (serving/api/structured.py): OpenAI's, vLLM's, vLLM's older ones
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    guided_json: dict[str, Any] | bool | str | None = None
+    guided_json: Any = None  # a schema, or its JSON text: checked by guided_spec, naming the field
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None

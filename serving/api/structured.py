@@ -47,7 +47,7 @@ class _Lenient(BaseModel):
 class JSONSchemaFormat(_Lenient):
     name: str | None = None
     description: str | None = None
-    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    schema_: Any = Field(None, alias="schema")  # an object or a boolean: checked by guided_spec, naming the field
     strict: bool | None = None
 
 
@@ -59,7 +59,7 @@ class ResponseFormat(_Lenient):
 class StructuredOutputs(_Lenient):
     """vLLM's `structured_outputs` (its StructuredOutputsParams): one of these keys."""
 
-    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    json_: Any = Field(None, alias="json")  # a schema, or its JSON text
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -97,7 +97,7 @@ def _asked(request) -> list[tuple[str, Any]]:
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise InvalidRequestError(param, "is required with response_format type json_schema")
         schema = fmt.json_schema.schema_
-        asked.append((param, lambda: GuidedSpec.json_schema(schema)))
+        asked.append((param, lambda: _schema_spec(schema, text=False)))
     so: StructuredOutputs | None = request.structured_outputs
     if so is not None:
         if so.json_ is not None:
@@ -121,8 +121,9 @@ def _asked(request) -> list[tuple[str, Any]]:
     return asked
 
 
-def _schema_spec(schema: dict | bool | str) -> GuidedSpec:
-    if isinstance(schema, str):
+def _schema_spec(schema: Any, *, text: bool = True) -> GuidedSpec:
+    """A json_schema spec of a schema sent as an object or a boolean, or (`text`) as JSON text."""
+    if text and isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:

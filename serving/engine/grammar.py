@@ -45,14 +45,16 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from serving.engine.errors import InvalidRequestError
 from serving.engine.params import GuidedSpec
 
-__all__ = ["GrammarCompileError", "GrammarCompiler", "GrammarMatcher", "PendingGrammars", "allocate_bitmask", "compiler_for"]
+__all__ = ["CompiledGrammar", "GrammarCompileError", "GrammarCompiler", "GrammarMatcher", "PendingGrammars", "allocate_bitmask", "compiler_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,15 +75,26 @@ def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     return torch.empty((num_rows, (vocab_size + 31) // 32), dtype=torch.int32)
 
 
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A spec's grammar (xgrammar's), and the tokens it may ever use (None: any it allows)."""
+
+    handle: Any
+    allowed: torch.Tensor | None = None  # int32 words as a bitmask row, ANDed into every mask
+
+
 class GrammarMatcher:
     """One sequence's place in its grammar. Only the engine's step thread uses it."""
 
-    def __init__(self, handle: Any):
+    def __init__(self, handle: Any, allowed: torch.Tensor | None = None):
         self._handle = handle  # xgrammar.GrammarMatcher
+        self._allowed = allowed
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
         """Row `index` of `bitmask`: the tokens that may come next."""
         self._handle.fill_next_token_bitmask(bitmask, index)
+        if self._allowed is not None:
+            bitmask[index].bitwise_and_(self._allowed)
 
     def accept(self, token_id: int) -> bool:
         """Advance past `token_id`; False (state unchanged) when the grammar does not allow it."""
@@ -146,6 +159,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[GuidedSpec, Future] = OrderedDict()
         self._lock = threading.Lock()  # the cache; and building the backend's compiler, once
         self._backend: Any = None  # xgrammar.GrammarCompiler, built by the first compile
+        self._json_tokens: torch.Tensor | None = None  # bitmask row: tokens without a control byte
         self.num_compiled = 0  # specs compiled (cache misses), for tests and stats
 
     def submit(self, spec: GuidedSpec) -> Future:
@@ -164,16 +178,16 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
             return future
 
-    def compile(self, spec: GuidedSpec) -> Any:
+    def compile(self, spec: GuidedSpec) -> CompiledGrammar:
         """`submit(spec)`'s result, waiting for it."""
         return self.submit(spec).result()
 
-    def matcher(self, compiled: Any, replay: Sequence[int] = ()) -> GrammarMatcher:
+    def matcher(self, compiled: CompiledGrammar, replay: Sequence[int] = ()) -> GrammarMatcher:
         """A fresh matcher of a compiled grammar (one per sequence), past the tokens `replay`
         (generated elsewhere); InvalidRequestError when one does not follow the grammar."""
         import xgrammar
 
-        matcher = GrammarMatcher(xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=False))
+        matcher = GrammarMatcher(xgrammar.GrammarMatcher(compiled.handle, terminate_without_stop_token=False), compiled.allowed)
         for position, token_id in enumerate(replay):
             if not matcher.accept(token_id):
                 raise InvalidRequestError(
@@ -185,36 +199,50 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- in the pool's threads ---------------------------------------------------------------
-    def _compile(self, spec: GuidedSpec) -> Any:
+    def _compile(self, spec: GuidedSpec) -> CompiledGrammar:
         backend = self._compiler()
         try:
-            if spec.kind == "json_schema":
-                return backend.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
-            if spec.kind == "json_object":
-                return backend.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-            if spec.kind == "regex":
-                return backend.compile_regex(spec.value)
-            if spec.kind == "choice":
-                # JSON string literals are EBNF string literals (the same escapes).
-                options = json.loads(spec.value)
-                return backend.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
-            if "::=" in spec.value:
-                return backend.compile_grammar(spec.value)
-            return backend.compile_lark(spec.value)
-        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's parse and conversion errors
+            # Compact JSON never holds a raw control byte (< 0x20: JSON escapes them in strings, and
+            # there is no whitespace between tokens), but xgrammar's length-bounded strings allow
+            # them (`[^"\\\r\n]`): JSON grammars are kept to tokens without one.
+            compiled = CompiledGrammar(self._compile_with(backend, spec), self._json_tokens if spec.kind.startswith("json") else None)
+            # A grammar that allows no first token would leave its request nothing to sample.
+            bitmask = allocate_bitmask(1, self.vocab_size)
+            self.matcher(compiled).fill_bitmask(bitmask, 0)
+        except Exception as exc:  # xgrammar's parse and conversion errors (RuntimeError, ValueError, ...): the spec's
             raise GrammarCompileError(f"cannot be compiled: {_reason(exc)}") from None
+        if not bitmask.any():
+            raise GrammarCompileError("matches no output: its grammar allows no first token")
+        return compiled
+
+    @staticmethod
+    def _compile_with(backend: Any, spec: GuidedSpec) -> Any:
+        if spec.kind == "json_schema":
+            return backend.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+        if spec.kind == "json_object":
+            return backend.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        if spec.kind == "regex":
+            return backend.compile_regex(spec.value)
+        if spec.kind == "choice":
+            # JSON string literals are EBNF string literals (the same escapes).
+            options = json.loads(spec.value)
+            return backend.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
+        if "::=" in spec.value:
+            return backend.compile_grammar(spec.value)
+        return backend.compile_lark(spec.value)
 
     def _compiler(self) -> Any:
         with self._lock:
             if self._backend is None:
                 tokenizer = self._tokenizer()
                 assert tokenizer is not None, "the tokenizer was dropped while its grammars were still compiled"
-                self._backend = _build_backend(tokenizer, self.vocab_size, self.stop_token_ids)
+                self._backend, self._json_tokens = _build_backend(tokenizer, self.vocab_size, self.stop_token_ids)
             return self._backend
 
 
-def _build_backend(tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> Any:
-    """xgrammar's compiler for this tokenizer, with its special tokens made unmatchable."""
+def _build_backend(tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> tuple[Any, torch.Tensor]:
+    """xgrammar's compiler for this tokenizer, with its special tokens made unmatchable; and the
+    bitmask row of the tokens without a control byte."""
     import xgrammar
 
     assert sys.byteorder == "little", "the bitmask's bit order assumes a little-endian host"
@@ -231,7 +259,16 @@ def _build_backend(tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, .
         stop_token_ids=list(stop_token_ids), add_prefix_space=metadata["add_prefix_space"],
     )
     # One thread per compile: the pool runs beside the engine's step thread on the same cores.
-    return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    return compiler, _tokens_without_control_bytes(info.decoded_vocab, vocab_size)
+
+
+def _tokens_without_control_bytes(decoded_vocab: list[bytes], vocab_size: int) -> torch.Tensor:
+    """A bitmask row (int32 words) of the tokens none of whose bytes is below 0x20."""
+    clean = np.zeros(-(-vocab_size // 32) * 32, dtype=bool)
+    for token_id, piece in enumerate(decoded_vocab[:vocab_size]):
+        clean[token_id] = not any(b < 0x20 for b in piece)
+    return torch.from_numpy(np.packbits(clean, bitorder="little").view(np.int32).copy())
 
 
 def _reason(exc: BaseException) -> str:

@@ -34,7 +34,8 @@ process (on the CPU; a GPU kernel may order tied logits differently).
 
 Cost. A batch of greedy rows with nothing else to do is one argmax over the caller's tensor
 (bf16/fp16 -> fp32 is exact, so no copy). Otherwise there is one float32 copy; bias, masking
-and penalties touch only the listed tokens of the rows that ask for them; only rows with
+and penalties touch only the listed tokens of the rows that ask for them; a grammar costs its
+row a bitmask fill (xgrammar, microseconds) and one masked write of the row; only rows with
 top_k or top_p are ordered, and partially where that is exact:
 
     top_k = k            topk(k): nothing beyond it can survive

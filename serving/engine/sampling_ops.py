@@ -90,13 +90,17 @@ def apply_penalties(
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, row_ids: Sequence[int]) -> torch.Tensor:
     """Step 4b, in place on float32 `logits` [rows, vocab]: row `row_ids[j]` keeps the tokens whose
     bit is set in `bitmask[j]` (int32 words on the CPU, bit b of word w = token 32 w + b, as
-    serving/engine/grammar.py fills it) and the others become -inf. Returns `logits`."""
+    serving/engine/grammar.py fills it) and the others become -inf. Returns `logits`. A row with
+    no bit set raises ValueError: it would have nothing to sample."""
     assert bitmask.dtype == torch.int32 and bitmask.device.type == "cpu" and bitmask.is_contiguous()
     vocab_size = logits.shape[1]
     assert bitmask.shape == (len(row_ids), (vocab_size + 31) // 32), f"bitmask {tuple(bitmask.shape)} for {len(row_ids)} rows of {vocab_size}"
     # Little-endian int32 words read as bytes, each byte's bits least significant first: token order.
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab_size, bitorder="little")
     banned = torch.from_numpy(bits).to(logits.device) == 0
+    dead = banned.all(dim=1)
+    if dead.any():  # nothing to sample: the row's request fails (Sampler.sample_each finds it), not the batch
+        raise ValueError(f"the grammar of row {row_ids[int(dead.nonzero()[0])]} allows no token")
     rows = torch.tensor(list(row_ids), device=logits.device)
     logits[rows] = logits[rows].masked_fill(banned, -math.inf)
     return logits

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from typing import Literal
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from serving.api.pipeline import Frontend
 from serving.api.routes import OpenAIServer
@@ -39,9 +40,9 @@ SCHEMA = {
 
 
 class Person(BaseModel):
-    name: str
-    age: int
-    pet: str
+    name: str = Field(max_length=10)
+    age: int = Field(ge=0, le=120)
+    pet: Literal["cat", "dog", "none"]
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +136,7 @@ async def test_every_way_to_send_a_schema_on_completions_gives_the_same_document
 @pytest.mark.parametrize("field, value, check", [
     ("regex", r"[a-f]{4}-[0-9]{2}", lambda text: re.fullmatch(r"[a-f]{4}-[0-9]{2}", text)),
     ("choice", ["red", "green", "light blue"], lambda text: text in ("red", "green", "light blue")),
-    ("grammar", 'root ::= "(" [0-9] ("+" [0-9])* ")"', lambda text: re.fullmatch(r"\([0-9](\+[0-9])*\)", text)),
+    ("grammar", 'root ::= "(" digit ")" | "(" digit "+" digit ")"\ndigit ::= [0-9]', lambda text: re.fullmatch(r"\([0-9](\+[0-9])?\)", text)),
 ])
 @pytest.mark.asyncio
 async def test_regex_choice_and_grammar_hold_for_every_sampled_choice(app, field, value, check):
@@ -196,13 +197,17 @@ async def test_the_edge_compiles_a_schema_once_and_the_engine_uses_it(app, engin
     ("/v1/chat/completions", {"response_format": {"type": "xml"}},
      "response_format.type", "Input should be 'text', 'json_object' or 'json_schema' (got 'xml')"),
     ("/v1/completions", {"structured_outputs": {"regex": "a("}},
-     "structured_outputs.regex", "cannot be compiled: Regex parsing error at position 2: The parenthesis is not closed."),
+     "structured_outputs.regex", "cannot be compiled: Regex parsing error at position 3: The parenthesis is not closed."),
     ("/v1/completions", {"guided_grammar": "root ::= foo"},
      "guided_grammar", 'cannot be compiled: EBNF parser error at line 1, column 10: Rule "foo" is not defined'),
     ("/v1/completions", {"guided_json": "{not json"},
      "guided_json", "the JSON schema is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
     ("/v1/completions", {"guided_json": [1, 2]},
      "guided_json", "a JSON schema is an object or a boolean, got list"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}},
+     "response_format.json_schema.schema", "a JSON schema is an object or a boolean, got str"),
+    ("/v1/completions", {"structured_outputs": {"json": 5}},
+     "structured_outputs.json", "a JSON schema is an object or a boolean, got int"),
     ("/v1/completions", {"guided_choice": []},
      "guided_choice", "choice is a JSON array of one or more non-empty strings"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "guided_regex": "a+"},

@@ -188,7 +188,7 @@ def test_a_spec_that_does_not_compile_fails_its_request(tiny_model_dir):
     assert engine.step() == []
     (failure,) = engine.take_failures()
     assert failure.request_id == "compiling" and failure.stage == "grammar"
-    assert "cannot be compiled: Regex parsing error at position 2" in str(failure)
+    assert "cannot be compiled: Regex parsing error at position 3" in str(failure)
     # Now cached with its error: refused as it is added.
     with pytest.raises(InvalidRequestError) as info:
         engine.add_request("cached", params=bad, prompt_token_ids=[5, 6])

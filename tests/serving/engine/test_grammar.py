@@ -225,3 +225,19 @@ def test_pending_grammars_say_when_one_is_ready():
 def test_the_bitmask_is_int32_words_with_one_bit_per_token():
     bitmask = allocate_bitmask(3, 100)
     assert bitmask.dtype == torch.int32 and tuple(bitmask.shape) == (3, 4)
+
+
+def test_json_grammars_never_allow_a_raw_control_character(compiler, tokenizer):
+    """Valid JSON escapes them; xgrammar's length-bounded strings would let them through."""
+    control = {t for t in range(VOCAB) if any(ord(c) < 0x20 for c in tokenizer.decode([t]))}
+    assert control  # the vocabulary has such tokens (\\n, \\t, \\x1b, ...)
+    for spec, prefix in (
+        (GuidedSpec.json_schema({"type": "object", "properties": {"a": {"type": "string", "maxLength": 8}}, "required": ["a"]}), '{"a": "'),
+        (GuidedSpec("json_object"), '{"a": "'),
+    ):
+        matcher = compiler.matcher(compiler.compile(spec))
+        feed(matcher, tokenizer(prefix, add_special_tokens=False).input_ids)
+        assert not allowed(matcher) & control
+    regex = compiler.matcher(compiler.compile(GuidedSpec("regex", "a[\\n\\t]b")))  # a regex may ask for them
+    feed(regex, tokenizer("a", add_special_tokens=False).input_ids)
+    assert allowed(regex) & control

@@ -116,3 +116,10 @@ def test_a_row_whose_grammar_fails_fails_alone():
     results, failures = Sampler(VOCAB, seed=0).sample_each(x, [row(temperature=0), row(Broken(), temperature=0), row(Allow(4), temperature=0)])
     assert [f.row for f in failures] == [1] and str(failures[0].error) == "matcher state lost"
     assert results[0][0] == x[0].argmax().item() and results[1] == (None, None) and results[2][0] == 4
+
+
+def test_a_row_whose_grammar_allows_nothing_fails_alone():
+    x = logits(2)
+    results, failures = Sampler(VOCAB, seed=0).sample_each(x, [row(Allow(), temperature=1.0), row(temperature=0)])
+    assert [f.row for f in failures] == [0] and str(failures[0].error) == "the grammar of row 0 allows no token"
+    assert results[1][0] == x[1].argmax().item()
