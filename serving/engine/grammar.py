@@ -24,9 +24,11 @@ Grammars per kind (GuidedSpec in params.py): JSON schemas in xgrammar's strict m
 properties or items beyond those named, unless the schema allows them) and compact separators
 (`, ` and `: `, no other whitespace): a model cannot spend its budget on whitespace; json_object is
 the schema `{"type": "object"}` with any properties; a choice is the EBNF `root ::= "a" | "b"`; a
-grammar with `::=` is EBNF (xgrammar's GBNF dialect), otherwise Lark. Special tokens (`<|im_start|>`
-...) are never allowed inside an output: the detokenizer drops them, and the text would not be
-what the grammar matched. When the grammar is complete and cannot go on, only the stop tokens
+grammar with `::=` is EBNF (xgrammar's GBNF dialect), otherwise Lark. A JSON grammar never allows
+a token holding a raw control byte (< 0x20): compact JSON has none (strings escape them), but
+xgrammar's length-bounded strings would let one through and no JSON parser would take the output.
+Special tokens (`<|im_start|>` ...) are never allowed inside an output: the detokenizer drops them,
+and the text would not be what the grammar matched. When the grammar is complete and cannot go on, only the stop tokens
 (the model's EOS ids) are allowed.
 
 One GrammarCompiler per tokenizer and process (`compiler_for`): an in-process API front and its

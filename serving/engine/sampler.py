@@ -32,8 +32,9 @@ position) draws from a fresh generator seeded by `seed_from_key(seed_key)`, a bl
 the three ints: the token at that position is the same alone or in any batch, and in any
 process (on the CPU; a GPU kernel may order tied logits differently).
 
-Cost. A batch of greedy rows with nothing else to do is one argmax over the caller's tensor
-(bf16/fp16 -> fp32 is exact, so no copy). Otherwise there is one float32 copy; bias, masking
+Cost. Greedy rows with nothing else to do take one argmax over the caller's tensor (bf16/fp16 ->
+fp32 is exact, so no copy), whatever else is in the batch. The other rows get one float32 copy
+(on this CPU, a bf16 -> fp32 copy of 32 x 49k logits takes 3.7 ms: a step of 45 ms); bias, masking
 and penalties touch only the listed tokens of the rows that ask for them; a grammar costs its
 row a bitmask fill (xgrammar, microseconds) and one masked write of the row; only rows with
 top_k or top_p are ordered, and partially where that is exact:
@@ -191,12 +192,14 @@ class Sampler:
         logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         grammar_rows = [i for i, r in enumerate(rows) if r.grammar is not None]
 
-        if len(greedy_rows) == num_rows and not (
-            bias_rows or masked_rows or penalty_rows or logprob_rows or grammar_rows
-        ):
+        busy = set(bias_rows) | set(masked_rows) | set(penalty_rows) | set(logprob_rows) | set(grammar_rows)
+        plain = [i for i in greedy_rows if i not in busy]
+        if len(plain) == num_rows:
             return SamplerOutput(
                 token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * num_rows
             )
+        if plain:
+            return self._split(logits, rows, plain)
 
         x = logits.to(torch.float32, copy=True).contiguous()
         raw_logprobs = (
@@ -240,6 +243,21 @@ class Sampler:
             for i, lp in zip(logprob_rows, collected):
                 logprobs[i] = lp
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    def _split(self, logits: torch.Tensor, rows: list[SamplingRow], plain: list[int]) -> SamplerOutput:
+        """Plain greedy rows (nothing else to do) take one argmax over the caller's tensor; the
+        others go through the pipeline as a batch of their own. Only greedy rows move, and they
+        draw no uniform, so every row's token is what the whole batch would have given it."""
+        plain_set = set(plain)
+        rest = [i for i in range(len(rows)) if i not in plain_set]
+        token_ids = [0] * len(rows)
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        for i, token_id in zip(plain, _take(logits, plain).argmax(dim=-1).tolist()):
+            token_ids[i] = token_id
+        others = self(_take(logits, rest), [rows[i] for i in rest])
+        for i, token_id, logprob in zip(rest, others.token_ids, others.logprobs):
+            token_ids[i], logprobs[i] = token_id, logprob
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Step 6 on `x`, a private copy of the sampled rows' processed logits."""

@@ -123,3 +123,16 @@ def test_a_row_whose_grammar_allows_nothing_fails_alone():
     results, failures = Sampler(VOCAB, seed=0).sample_each(x, [row(Allow(), temperature=1.0), row(temperature=0)])
     assert [f.row for f in failures] == [0] and str(failures[0].error) == "the grammar of row 0 allows no token"
     assert results[1][0] == x[1].argmax().item()
+
+
+def test_plain_greedy_rows_split_off_change_no_other_rows_token():
+    """Plain greedy rows take the argmax of the caller's tensor apart from the rest of the batch;
+    they draw no uniform, so unseeded sampled rows get the same draws as in a batch without them."""
+    x = logits(6, seed=11)
+    others = [row(temperature=1.0), row(Allow(3, 4, 5), temperature=0.9), row(temperature=0, logprobs=1), row(temperature=1.2)]
+    mixed = [row(temperature=0), others[0], others[1], row(temperature=0), others[2], others[3]]
+    alone = Sampler(VOCAB, seed=4)(x[[1, 2, 4, 5]], others)
+    together = Sampler(VOCAB, seed=4)(x, mixed)
+    assert [together.token_ids[i] for i in (1, 2, 4, 5)] == alone.token_ids
+    assert [together.token_ids[i] for i in (0, 3)] == x[[0, 3]].argmax(dim=-1).tolist()
+    assert together.logprobs[4] == alone.logprobs[2] and together.logprobs[0] is None
