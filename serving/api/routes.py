@@ -42,7 +42,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import prometheus_client
@@ -72,13 +72,15 @@ from serving.api.pipeline import ChoiceDelta, Frontend, Usage
 from serving.api.prompt_scores import echoed_logprobs, joined, legacy_top, vllm_prompt_logprobs
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
 from serving.api.rate_limits import RateLimiter, Ticket
+from serving.api.structured import guided_param
 from serving.api.tokenize_routes import add_tokenize_routes
 from serving.api.tool_calls import ToolCallStream, ToolPlan, plan_tools, tool_chunk_choices, tool_finish_reason, tool_message
 from serving.api.usage import ModelPrice, RequestAccount, UsageLedger, load_pricing
 from serving.config import ServeConfig
 from serving.config.access import APIKey
+from serving.engine.errors import InvalidRequestError
 from serving.engine.outputs import TokenLogprob
-from serving.engine.params import SamplingParams
+from serving.engine.params import GuidedSpec, SamplingParams
 from serving.observability import tracing
 from serving.observability.ingress_metrics import CLIENT_CLOSED, IngressMetrics, RequestRecord
 
@@ -340,6 +342,12 @@ class OpenAIServer:
         params = sampling_params(request)
         tooling = self.config.tool_calling
         tools = plan_tools(request, parser=tooling.parser, max_tools=tooling.max_tools)
+        guided_from = guided_param(request) if params.guided is not None else None
+        if tools is not None and tools.is_constrained:  # required / named: the calls' own grammar
+            if guided_from is not None:
+                raise InvalidRequestError(guided_from, f"cannot be combined with tool_choice {tools.mode!r}, which constrains the output itself; drop one")
+            params = replace(params, guided=GuidedSpec.json_schema(tools.output_schema()))
+            guided_from = "tools"
         call.deadline = deadline_for(request.timeout, self.config, call.key.tier, call.received_at, self.clock)
         kwargs = template_kwargs(request.chat_template_kwargs, self.config.api)
         with tracing.stage(call.trace, "tokenize"):
@@ -352,6 +360,8 @@ class OpenAIServer:
                 param="chat_template_kwargs.chat_template" if "chat_template" in kwargs else "messages",
             )
             await self.frontend.validate(prompt_ids, params)
+            if params.guided is not None:
+                await self.frontend.check_guided(params.guided, guided_from)
         info = await self.frontend.model_info()
         [params] = limits.fit_max_tokens(params, [len(prompt_ids)], info.max_model_len, self.config.api, param=limits.max_tokens_param(request))
         self._admit(call, [prompt_ids], [params])
@@ -472,6 +482,8 @@ class OpenAIServer:
                 prompt_ids = [self.frontend.encode_prompt(p) for p in prompts]
             for ids in prompt_ids:
                 await self.frontend.validate(ids, params, prompt_param="prompt")
+            if params.guided is not None:
+                await self.frontend.check_guided(params.guided, guided_param(request))
         info = await self.frontend.model_info()
         per_prompt = limits.fit_max_tokens(params, [len(ids) for ids in prompt_ids], info.max_model_len, self.config.api, param="max_tokens")
         self._admit(call, prompt_ids, per_prompt)

@@ -125,3 +125,65 @@ async def test_bad_tool_requests_get_400s_naming_the_field(engine, tiny_model_di
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}])
     assert info.value.body["param"] == "messages[0].tool_call_id"
+
+
+def engine_client(engine, tiny_model_dir) -> openai.AsyncOpenAI:
+    cfg = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL)
+    app = OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), cfg).build_app()
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    return openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0)
+
+
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+async def _streamed_calls(stream) -> tuple[list[tuple[str, str]], list[str]]:
+    calls: dict[int, list[str]] = {}
+    reasons = []
+    async for chunk in stream:
+        for part in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(part.index, ["", ""])
+            entry[0] += part.function.name or ""
+            entry[1] += part.function.arguments or ""
+        if chunk.choices[0].finish_reason:
+            reasons.append(chunk.choices[0].finish_reason)
+    return [tuple(v) for _, v in sorted(calls.items())], reasons
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("choice", ["named", "required", "required-single"])
+async def test_forced_calls_from_a_random_model_are_valid_and_stream_the_same(engine, tiny_model_dir, choice):
+    """The tiny random model writes nothing sensible: only constrained decoding makes these calls."""
+    import jsonschema
+
+    client = engine_client(engine, tiny_model_dir)
+    tool_choice = {"type": "function", "function": {"name": "get_time"}} if choice == "named" else "required"
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice, temperature=0, max_tokens=200,
+                  parallel_tool_calls=choice != "required-single")
+    whole = await client.chat.completions.create(**kwargs)
+    choice0 = whole.choices[0]
+    assert choice0.finish_reason == "tool_calls" and choice0.message.content is None
+    schemas = {"get_weather": WEATHER["function"]["parameters"], "get_time": TIME["function"]["parameters"]}
+    for call in choice0.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    if choice == "named":
+        assert [c.function.name for c in choice0.message.tool_calls] == ["get_time"]
+    if choice == "required-single":
+        assert len(choice0.message.tool_calls) == 1
+    streamed, reasons = await _streamed_calls(await client.chat.completions.create(**kwargs, stream=True))
+    assert streamed == [(c.function.name, c.function.arguments) for c in choice0.message.tool_calls]
+    assert reasons == ["tool_calls"]
+
+
+@pytest.mark.asyncio
+async def test_a_forced_choice_and_a_response_format_together_are_a_400(engine, tiny_model_dir):
+    client = engine_client(engine, tiny_model_dir)
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                             response_format={"type": "json_object"})
+    assert info.value.body["param"] == "response_format"
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "strin"}}}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model=MODEL, messages=ASK, tools=[bad], tool_choice="required")
+    assert info.value.body["param"] == "tools"
