@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 	# GPU kernels) is never used here: the sampler applies the bitmask itself. Its runtime
 	# dependency apache-tvm-ffi is pinned in pyproject.toml.
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.8
+	# A client library the tests drive; it pins jiter<0.15, which no openai release that
+	# pydantic-ai accepts allows, so it comes without its pins (what it imports is in [test]).
+	$(PY) -m pip install -q --no-deps instructor==1.17.0
 	touch $(STAMP)
 
 # The binaries the monitoring and chart tests run: promtool and prometheus (the Debian package
