@@ -711,8 +711,8 @@ async def test_the_openai_sdk_reads_completions(stack):
         ),
         ({"model": MODEL}, "messages: Field required", "messages"),
         ({**CHAT, "messages": []}, "messages: List should have at least 1 item after validation, not 0", "messages"),
-        ({**CHAT, "messages": [{"role": "tool", "content": "x"}]},
-         "messages[0].role: Input should be 'system', 'developer', 'user' or 'assistant' (got 'tool')", "messages[0].role"),
+        ({**CHAT, "messages": [{"role": "robot", "content": "x"}]},
+         "messages[0].role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool' (got 'robot')", "messages[0].role"),
         ({**CHAT, "temperature": "hot"}, "temperature: Input should be a valid number, unable to parse string as a number (got 'hot')", "temperature"),
     ],
 )

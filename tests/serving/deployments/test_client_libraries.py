@@ -9,7 +9,8 @@ One Ray and one Serve instance for the module, with two apps of SmolLM2-135M-Ins
 What every library gets is guaranteed by constrained decoding, not by the model's skill: a
 135M model does not choose tools well, so the checks are on shape and validity (every output
 parses and validates against its schema), and greedy streamed and non-streamed tool calls are
-the same calls.
+the same calls. Schemas bound their strings and numbers: JSON allows a number of any length, and
+a small model left a free number writes digits until max_tokens (finish_reason "length").
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ MAX_TOKENS = 96
 class City(BaseModel):
     name: str = Field(max_length=24)
     country: str = Field(max_length=24)
-    population_millions: float
+    population_millions: int = Field(ge=0, le=50)  # bounded: an unbounded JSON number is valid at any length
 
 
 WEATHER = {
@@ -156,7 +157,10 @@ def test_langchain_binds_tools_and_returns_structured_output(served, app):
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
 
-    @tool
+    class WeatherArgs(BaseModel):
+        city: str = Field(max_length=24)
+
+    @tool(args_schema=WeatherArgs)
     def get_weather(city: str) -> str:
         """The current weather in a city."""
         return f"18 C in {city}"
