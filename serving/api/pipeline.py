@@ -19,6 +19,7 @@ and embedding) or `ServeBackend` (prefill/decode pools behind Serve handles).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import re
 import time
@@ -31,8 +32,9 @@ from serving.api.protocol import ChatMessage, message_text
 from serving.engine.block_hash import hash_blocks
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.errors import ContextLengthError, InvalidRequestError
+from serving.engine.grammar import compiler_for
 from serving.engine.outputs import RequestOutput, TokenLogprob, merge_outputs
-from serving.engine.params import SamplingParams
+from serving.engine.params import GuidedSpec, SamplingParams
 from serving.engine.request import RequestStatus
 from serving.engine.stop_checker import StopChecker
 from serving.engine.validation import ModelInfo, check_request
@@ -186,6 +188,18 @@ class Frontend:
                 raise
             raise InvalidRequestError(prompt_param, exc.message) from None
 
+    async def check_guided(self, spec: GuidedSpec, param: str) -> None:
+        """Compile a structured output's grammar before the request goes anywhere (off the event
+        loop, in the grammar compiler's threads): InvalidRequestError naming `param` (the request's
+        field) when it does not compile. The grammar stays in this process's cache, which an
+        in-process engine shares (serving/engine/grammar.py)."""
+        info = await self.model_info()
+        compiler = compiler_for(self.tokenizer, info.vocab_size, info.eos_token_ids)
+        try:
+            await _shared_result(compiler.submit(spec))
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(param, exc.message) from None
+
     # ---- generation --------------------------------------------------------------------------
     async def generate(
         self,
@@ -285,6 +299,27 @@ class Frontend:
             return bytes(_BYTE_LEVEL_CHARS[c] for c in piece)
         return text.encode("utf-8")
 
+
+
+async def _shared_result(future: concurrent.futures.Future):
+    """A concurrent future's result, awaited without cancelling it when the awaiting task is
+    cancelled (asyncio.wrap_future would: the future is the compile cache's, shared by others)."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def settle(_: concurrent.futures.Future) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    def done(_: concurrent.futures.Future) -> None:
+        try:
+            loop.call_soon_threadsafe(settle, future)
+        except RuntimeError:  # the loop closed: nobody waits
+            pass
+
+    future.add_done_callback(done)
+    await waiter
+    return future.result()
 
 
 async def coalesced(stream: AsyncIterator[RequestOutput], max_tokens: int) -> AsyncIterator[RequestOutput]:

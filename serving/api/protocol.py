@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from serving.api.structured import ResponseFormat, StructuredOutputs, guided_spec
 from serving.engine.errors import InvalidRequestError
 from serving.engine.params import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -77,6 +78,13 @@ class _SamplingFields(_Lenient):
     prompt_logprobs: int | None = None  # each prompt token's logprob and top k (not with stream)
     # kvrelay's: seconds until the request is aborted (serving/api/deadlines.py)
     timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
+    # Structured outputs, at most one (serving/api/structured.py): OpenAI's, vLLM's, vLLM's older ones
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Any = None  # a schema, or its JSON text: checked by guided_spec, naming the field
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -193,6 +201,7 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest) -> Sampl
         include_stop_str_in_output=request.include_stop_str_in_output,
         ignore_eos=request.ignore_eos,
         skip_special_tokens=request.skip_special_tokens,
+        guided=guided_spec(request),
     )
 
 

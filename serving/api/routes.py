@@ -72,6 +72,7 @@ from serving.api.pipeline import ChoiceDelta, Frontend, Usage
 from serving.api.prompt_scores import echoed_logprobs, joined, legacy_top, vllm_prompt_logprobs
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
 from serving.api.rate_limits import RateLimiter, Ticket
+from serving.api.structured import guided_param
 from serving.api.tokenize_routes import add_tokenize_routes
 from serving.api.usage import ModelPrice, RequestAccount, UsageLedger, load_pricing
 from serving.config import ServeConfig
@@ -348,6 +349,8 @@ class OpenAIServer:
                 param="chat_template_kwargs.chat_template" if "chat_template" in kwargs else "messages",
             )
             await self.frontend.validate(prompt_ids, params)
+            if params.guided is not None:
+                await self.frontend.check_guided(params.guided, guided_param(request))
         info = await self.frontend.model_info()
         [params] = limits.fit_max_tokens(params, [len(prompt_ids)], info.max_model_len, self.config.api, param=limits.max_tokens_param(request))
         self._admit(call, [prompt_ids], [params])
@@ -452,6 +455,8 @@ class OpenAIServer:
                 prompt_ids = [self.frontend.encode_prompt(p) for p in prompts]
             for ids in prompt_ids:
                 await self.frontend.validate(ids, params, prompt_param="prompt")
+            if params.guided is not None:
+                await self.frontend.check_guided(params.guided, guided_param(request))
         info = await self.frontend.model_info()
         per_prompt = limits.fit_max_tokens(params, [len(ids) for ids in prompt_ids], info.max_model_len, self.config.api, param="max_tokens")
         self._admit(call, prompt_ids, per_prompt)

@@ -17,6 +17,15 @@ Prompt logprobs (`params.prompt_logprobs`) are scored by choice 0 from the rows 
 chunks that the model runner keeps beside the sampling rows (prompt_logprobs.py), and leave with
 the request's first output once the whole prompt is scored. A request with `max_tokens=0` ends
 when its prompt is computed: finish_reason "length", no tokens, every choice.
+
+A structured output (`params.guided`) needs its grammar compiled (serving/engine/grammar.py): a
+cached one starts at once; otherwise the request waits, compiling, outside the scheduler while
+the compiler's threads work and the batch goes on; when the grammar is ready it is queued as any
+request (its queue wait counts from its arrival). Each choice has its own matcher, which first
+replays the tokens generated elsewhere (`prior_output_token_ids`: the prefill worker's first
+token, or a resumed stream's), so a request continues in its grammar across the prefill→decode
+hand-off. A spec that fails to compile here ends its request (RequestFailedError); the ingress
+compiles every spec before it sends it, so over HTTP that is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.errors import InvalidRequestError, RequestFailedError
+from serving.engine.grammar import GrammarCompiler, GrammarMatcher, PendingGrammars, compiler_for
 from serving.engine.held_kv import HeldKV
 from serving.engine.kv_events import KVEvent
 from serving.engine.kv_payload import KVLayout, KVPayload
@@ -58,6 +68,7 @@ class _SeqState:
     detokenizer: IncrementalDetokenizer | None  # None: the caller detokenizes (params.detokenize False)
     stop_checker: StopChecker
     finish_reason: str | None = None
+    matcher: GrammarMatcher | None = None  # its place in params.guided's grammar
 
 
 @dataclass
@@ -110,6 +121,9 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.is_stalled = False  # the last step could schedule nothing (see step)
         self.prefill_tokens_per_s = 0.0
+        self._grammars: GrammarCompiler | None = None  # built on the first structured output
+        # Requests waiting for their grammar; its on_ready wakes an AsyncEngine's step loop.
+        self.compiling = PendingGrammars()
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -183,12 +197,46 @@ class LLMEngine:
         first.pending_import = kv_payload
         first.export_into = export_into
         first.export_until = export_until
-        self.scheduler.add(first)
+        if params.guided is not None:
+            grammar = self.grammars.submit(params.guided)
+            if not grammar.done():
+                self._requests[request_id] = request
+                self.compiling.add(request_id, grammar)
+                return num_prompt
+            self._start_grammar(request, grammar.result())  # raises for a spec that did not compile
+        self._queue(request)
+        self._requests[request_id] = request
+        return num_prompt
+
+    def _queue(self, request: _Request) -> None:
+        states = request.seqs
+        self.scheduler.add(states[0].seq)
         for state in states[1:]:
             state.seq.status = RequestStatus.WAITING_FOR_PARENT
             request.waiting_children.append(state.seq)
-        self._requests[request_id] = request
-        return num_prompt
+
+    # ---- structured outputs (grammar.py) ---------------------------------------------------
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """This process's compiler for the engine's tokenizer (shared with an in-process ingress)."""
+        if self._grammars is None:
+            self._grammars = compiler_for(self.tokenizer, self.vocab_size, tuple(self.eos_token_ids))
+        return self._grammars
+
+    def _start_grammar(self, request: _Request, compiled) -> None:
+        """A matcher per choice, past the tokens generated elsewhere."""
+        for state in request.seqs:
+            state.matcher = self.grammars.matcher(compiled, replay=state.seq.output_token_ids)
+
+    def _queue_compiled(self) -> None:
+        """Queue the requests whose grammar is ready; end those whose spec did not compile."""
+        for request_id, grammar in self.compiling.take_ready():
+            try:
+                self._start_grammar(self._requests[request_id], grammar.result())
+            except Exception as exc:
+                self._fail_request(request_id, "grammar", exc)
+                continue
+            self._queue(self._requests[request_id])
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; its final output says finish_reason 'abort'."""
@@ -202,6 +250,7 @@ class LLMEngine:
     def _end(self, request: _Request, status: RequestStatus) -> RequestOutput:
         """End a request before it finished on its own (aborted, or timed out in the queue): its
         unfinished choices end with `status`, their blocks are freed; its final output."""
+        self.compiling.discard(request.request_id)
         outputs = []
         for state in request.seqs:
             if state.finish_reason is None:
@@ -225,6 +274,7 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return
+        self.compiling.discard(request_id)
         for state in request.seqs:
             seq = state.seq
             if state.finish_reason is None:
@@ -245,6 +295,8 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self.compiling:
+            self._queue_compiled()
         sched = self.scheduler.schedule()
         scheduled = sched.scheduled
         for seq in sched.timed_out:  # waited past max_queue_wait_s: refused, nothing generated
@@ -258,8 +310,9 @@ class LLMEngine:
             scheduled = [(seq, n) for seq, n in scheduled if seq.request_id in self._requests]
         self.is_stalled = not scheduled and not sched.preempted and not sched.timed_out
         if not scheduled:
-            # Only possible while held exports pin the blocks a waiting request needs: nothing
-            # changes until one is exported, released or aborted.
+            # Only possible while held exports pin the blocks a waiting request needs, or while
+            # grammars compile: nothing changes until one is exported, released or aborted, or
+            # a grammar is ready (compiling.on_ready).
             return outputs
         num_prefill_tokens = sum(
             n for seq, n in scheduled if seq.num_computed_tokens < seq.num_prompt_tokens
@@ -298,8 +351,8 @@ class LLMEngine:
                     continue  # failed in this step
                 try:
                     delta = self._append(seq, token_id, logprob, now)
-                except Exception as exc:  # its detokenizer or stop checker
-                    self._fail_request(seq.request_id, "detokenize / stop check", exc)
+                except Exception as exc:  # its grammar, detokenizer or stop checker
+                    self._fail_request(seq.request_id, "grammar / detokenize / stop check", exc)
                     continue
                 deltas.setdefault(seq.request_id, []).append(delta)
             for request_id, completion_outputs in deltas.items():
@@ -348,13 +401,15 @@ class LLMEngine:
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.params
+        request = self._requests[seq.request_id]
         return SamplingRow(
             params=params,
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
             eos_token_ids=self.eos_token_ids,
             seed_key=None if params.seed is None else (params.seed, seq.index, seq.num_output_tokens),
-            logit_bias=self._requests[seq.request_id].logit_bias,
+            logit_bias=request.logit_bias,
+            grammar=request.seqs[seq.index].matcher,
         )
 
     def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, now: float) -> CompletionOutput:
@@ -362,6 +417,8 @@ class LLMEngine:
         state = request.seqs[seq.index]
         if seq.first_token_time is None:
             seq.first_token_time = now
+        if state.matcher is not None and not state.matcher.accept(token_id):
+            raise RuntimeError(f"the sampler chose token {token_id}, which the grammar does not allow")
         seq.append_token(token_id)
         self.num_generated_tokens += 1
         if seq.index == 0 and request.waiting_children:
@@ -446,7 +503,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.compiling),
             num_blocks=bm.num_blocks,
             num_free_blocks=bm.num_free_blocks,
             kv_cache_usage=bm.usage,
@@ -490,6 +547,8 @@ class LLMEngine:
         while self.has_unfinished_requests():
             for out in self.step():
                 merged[out.request_id] = merge_outputs(merged.get(out.request_id), out)
+            if self.is_stalled:
+                self.compiling.wait()
         failures = self.take_failures()
         if failures:
             raise failures[0]

@@ -5,20 +5,82 @@ InvalidRequestError that names the field), so the ingress, which builds one from
 validates them once, and no later layer checks them again (a copy made with `replace` is checked
 as it is made; one unpickled on a worker is the ingress's, already checked). What depends on the
 model (token ids within its vocabulary) is `check_vocab`, which the engine's invariant checks run.
+
+`guided` (a GuidedSpec) constrains the output to a grammar: a JSON schema, any JSON object, a
+regex, one of a list of strings, or an EBNF / Lark grammar (serving/engine/grammar.py compiles it
+and masks every step's logits to the tokens it allows). The spec is structurally checked here;
+whether it compiles is the grammar module's verdict, which the ingress asks for once, at the edge.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from serving.engine.errors import InvalidRequestError
 
-__all__ = ["SamplingParams", "MAX_N", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS"]
+__all__ = ["GuidedKind", "GuidedSpec", "SamplingParams", "MAX_N", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS"]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_N = 128  # OpenAI's limit for n
 MAX_STOP_STRINGS = 16  # the ingress's stop checker matches each at every token
+
+
+GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class GuidedSpec:
+    """What a structured output must match; hashable, so it is also the compile cache's key.
+
+    | kind          | value                                                               |
+    | ------------- | ------------------------------------------------------------------- |
+    | `json_schema` | the JSON schema, as JSON text (an object or a boolean)               |
+    | `json_object` | "" (any JSON object: OpenAI's `response_format: {"type": "json_object"}`) |
+    | `regex`       | the regular expression the whole output matches                      |
+    | `choice`      | a JSON array of strings, as JSON text: the output is exactly one     |
+    | `grammar`     | an EBNF grammar (GBNF style, `root ::= ...`), or a Lark one (no `::=`) |
+
+    Build the text values with `GuidedSpec.json_schema(schema)` and `GuidedSpec.choice(options)`:
+    equal schemas then give equal specs (one compile). The output is compact JSON for both JSON
+    kinds (`, ` and `: ` between items, no other whitespace), so a model cannot spend its budget on
+    whitespace.
+    """
+
+    kind: GuidedKind
+    value: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in get_args(GuidedKind):
+            raise InvalidRequestError("guided", f"kind must be one of {', '.join(get_args(GuidedKind))}, got {self.kind!r}")
+        if not isinstance(self.value, str):
+            raise InvalidRequestError("guided", f"value must be a string, got {type(self.value).__name__}")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.value)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError("guided", f"the JSON schema is not valid JSON: {exc}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequestError("guided", f"a JSON schema is an object or a boolean, got {type(schema).__name__}")
+        elif self.kind == "choice":
+            try:
+                options = json.loads(self.value)
+            except json.JSONDecodeError:
+                options = None
+            if not isinstance(options, list) or not options or not all(isinstance(o, str) and o for o in options):
+                raise InvalidRequestError("guided", "choice is a JSON array of one or more non-empty strings")
+        elif self.kind in ("regex", "grammar") and not self.value:
+            raise InvalidRequestError("guided", f"the {self.kind} must not be empty")
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool) -> GuidedSpec:
+        return cls("json_schema", json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
+
+    @classmethod
+    def choice(cls, options: list[str]) -> GuidedSpec:
+        return cls("choice", json.dumps(list(options), ensure_ascii=False))
 
 
 @dataclass
@@ -36,6 +98,13 @@ class SamplingParams:
     elsewhere (`prior_output_token_ids`, a KV import) computes none: its prompt logprobs came with
     its first output, from the engine that computed its prompt. `max_tokens=0` computes the prompt
     and generates nothing (finish_reason "length"): scoring a prompt.
+
+    With `guided`, every token is one the grammar allows, and once the grammar is complete only
+    EOS is: the output ends with finish_reason "stop" (EOS not shown), or "length" when max_tokens
+    (or the context window) cut it first, and then the output may be incomplete (a JSON document
+    without its closing braces): the finish_reason says so. Stop strings still apply, as asked,
+    and may cut it too (finish_reason "stop" with the string as stop_reason). `min_tokens` and
+    `ignore_eos` cannot be combined with it: the grammar decides where the output ends.
     """
 
     n: int = 1
@@ -60,6 +129,7 @@ class SamplingParams:
     # False: return token ids only (text "" in every output), for callers that detokenize
     # themselves (the ingress). Stop strings then are the caller's job too.
     detokenize: bool = True
+    guided: GuidedSpec | None = None  # structured output: the grammar every token must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -119,6 +189,15 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop", "stop strings must be non-empty strings")
+        if self.guided is not None:
+            if not isinstance(self.guided, GuidedSpec):
+                raise InvalidRequestError("guided", f"must be a GuidedSpec, got {type(self.guided).__name__}")
+            if self.min_tokens:
+                raise InvalidRequestError("min_tokens", "cannot be combined with a structured output (the grammar decides where it ends); drop min_tokens")
+            if self.ignore_eos:
+                raise InvalidRequestError(
+                    "ignore_eos", "cannot be combined with a structured output (it ends with EOS when the grammar is complete); drop ignore_eos",
+                )
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise InvalidRequestError for a token id (logit_bias, stop_token_ids) outside the vocabulary."""

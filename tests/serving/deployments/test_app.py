@@ -236,6 +236,65 @@ def test_disaggregated_equals_colocated_with_stop_string(serve_instance, referen
     assert results["disagg"] == results["coloc"] == (text[: text.index(stop)], "stop")
 
 
+# ---- structured outputs ----------------------------------------------------------------------
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pet": {"enum": ["cat", "dog", "none"]},
+    },
+    "required": ["name", "age", "pet"],
+}
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+
+@pytest.mark.parametrize("app", ["disagg", "coloc"])
+def test_structured_outputs_hold_greedy_and_sampled_100_times_out_of_100(serve_instance, reference, app):
+    """Disaggregated, the prefill worker samples the first token under the grammar and the decode
+    worker replays it into its own matcher before it goes on: the greedy document is the
+    in-process engine's, and 100 sampled ones each validate. A schema that does not compile is a
+    400 from the ingress, before any worker sees it."""
+    import jsonschema
+
+    from serving.engine.params import GuidedSpec
+
+    messages = [{"role": "user", "content": "Describe someone."}]
+    before = stats(app, "DecodeWorker" if app == "disagg" else "Worker")
+    _, text = reference("Describe someone.", max_tokens=64, guided=GuidedSpec.json_schema(PERSON))
+    client = openai.OpenAI(base_url=f"{serve_instance['url']}/{app}/v1", api_key="unused", max_retries=0)
+    greedy = client.chat.completions.create(model="tiny", messages=messages, response_format=PERSON_FORMAT, temperature=0, max_tokens=64)
+    assert greedy.choices[0].message.content == text and greedy.choices[0].finish_reason == "stop"
+
+    async def sampled() -> list[httpx.Response]:
+        limit = asyncio.Semaphore(16)
+
+        async def one(client: httpx.AsyncClient, seed: int) -> httpx.Response:
+            async with limit:
+                return await client.post("/v1/chat/completions", json={
+                    "messages": messages, "response_format": PERSON_FORMAT, "temperature": 1.0, "seed": seed, "max_tokens": 64,
+                })
+
+        async with httpx.AsyncClient(base_url=f"{serve_instance['url']}/{app}", timeout=120) as client:
+            return await asyncio.gather(*[one(client, seed) for seed in range(100)])
+
+    bodies = [r.json() for r in asyncio.run(sampled())]
+    assert [b["choices"][0]["finish_reason"] for b in bodies] == ["stop"] * 100, bodies[0]
+    for body in bodies:
+        jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), PERSON)
+    if app == "disagg":  # every one of them crossed the hand-off
+        after = stats(app, "DecodeWorker")
+        assert after.counters.num_kv_imports == before.counters.num_kv_imports + 101
+        assert after.counters.num_kv_fallbacks == before.counters.num_kv_fallbacks
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="tiny", messages=messages, response_format={**PERSON_FORMAT, "json_schema": {"name": "x", "schema": {"type": "strin"}}},
+        )
+    assert info.value.param == "response_format.json_schema.schema" and info.value.code == "invalid_value"
+    assert info.value.body["message"] == 'response_format.json_schema.schema: cannot be compiled: Unsupported type "strin"'
+
+
 def test_kv_crosses_through_the_transfer_actor(serve_instance, reference):
     before = stats("disagg", "DecodeWorker")
     actor_before = kv_actor_stats("disagg")
