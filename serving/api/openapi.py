@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest
+from serving.api.responses_api import ResponsesRequest
 
 __all__ = ["openapi_document"]
 
@@ -54,6 +55,7 @@ def openapi_document(model_name: str, *, has_keys: bool) -> dict[str, Any]:
     paths = {
         "/v1/chat/completions": post(ChatCompletionRequest, "chat completion"),
         "/v1/completions": post(CompletionRequest, "text completion"),
+        "/v1/responses": post(ResponsesRequest, "response (OpenAI's Responses API, text in and out)"),
         "/v1/models": get("the served models", *((401,) if has_keys else ())),
         "/health": get("whether every pool has a live replica", 503),
     }

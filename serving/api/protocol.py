@@ -1,8 +1,12 @@
 """OpenAI wire models for requests, and their translation to the engine's SamplingParams.
 
-Unknown fields are accepted and ignored, as OpenAI does (the ingress logs their names once per
-request at debug level). Known fields this server cannot honour (image parts, `suffix`,
-`echo` with streaming) are refused with a 400 naming them, never silently ignored.
+Unknown fields are accepted, as OpenAI does, and never silently: the response names them in its
+`x-kvrelay-ignored-fields` header (serving/api/field_support.py; nested ones by path, e.g.
+`messages[0].foo`). A known OpenAI field is one of three kinds, tabled in field_support.py and in
+README's API section: implemented (the fields of these models); not implemented, refused with a 400
+naming it whenever it asks for something (`audio`, `store: true`, `prediction`, ...; also image
+parts, `suffix`, `echo` with streaming); or accepted without effect, with the reason in the table
+(`metadata`, `prompt_cache_key`, ...), and named in the same header when set.
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ class _SamplingFields(_Lenient):
     cache_salt: str | None = None
     # kvrelay's: seconds until the request is aborted (serving/api/deadlines.py)
     timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
+    # vLLM's: keep the last k prompt tokens, -1 what fits (serving/api/context_budget.py)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -83,6 +89,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # kvrelay's, with the Responses API's name and values: "auto" drops the oldest turns to fit the
+    # context window (serving/api/context_budget.py); None: the server's default
+    truncation: Literal["auto", "disabled"] | None = None
 
 
 class CompletionRequest(_SamplingFields):
