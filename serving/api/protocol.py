@@ -29,11 +29,7 @@ __all__ = [
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    @property
-    def ignored_fields(self) -> list[str]:
-        return sorted((self.model_extra or {}).keys())
+    model_config = ConfigDict(extra="allow")  # unknown fields: kept as extras, named by field_support
 
 
 class StreamOptions(_Lenient):

@@ -4,6 +4,8 @@ window is 128 tokens."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -222,3 +224,16 @@ async def test_truncate_prompt_tokens_on_completions_per_prompt_and_minus_one_fi
     assert minus_one.json()["usage"]["prompt_tokens"] == (WINDOW - 3) + 10
     assert minus_one.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0, "dropped_tokens": len(ids) - (WINDOW - 3)}
     assert zero.status_code == 400 and zero.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+@pytest.mark.asyncio
+async def test_a_streamed_chat_says_what_was_dropped_in_its_headers_and_usage_chunk(stack):
+    response = await post(stack.app(truncation="auto"), "/v1/chat/completions", {
+        "messages": HISTORY, "max_tokens": 20, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+    })
+
+    assert response.status_code == 200, response.text
+    assert (response.headers["x-kvrelay-dropped-messages"], response.headers["x-kvrelay-dropped-tokens"]) == ("4", "70")
+    last = json.loads(response.text.split("\n\n")[-3].removeprefix("data: "))
+    assert last["usage"]["prompt_tokens"] == 90
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 0, "dropped_messages": 4, "dropped_tokens": 70}

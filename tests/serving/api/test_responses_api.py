@@ -5,6 +5,7 @@ greedy text, and the 400s for what kvrelay does not implement."""
 from __future__ import annotations
 
 import json
+from contextlib import aclosing
 
 import httpx
 import openai
@@ -15,6 +16,7 @@ from serving.api.routes import OpenAIServer
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from serving.engine import SamplingParams
+from serving.engine.errors import EngineDeadError
 from serving.engine.outputs import merge_outputs
 
 MODEL = "tiny"
@@ -197,3 +199,39 @@ async def test_accepted_no_ops_and_unknown_fields_are_named_in_the_header(app):
     assert response.status_code == 200, response.text
     assert response.headers["x-kvrelay-ignored-fields"] == "metadata,foo"
     assert response.json()["metadata"] == {"k": "v"}
+
+
+class _CrashingBackend:
+    """The engine's LocalBackend, except that every stream breaks after its first output."""
+
+    def __init__(self, backend: LocalBackend):
+        self.backend = backend
+
+    async def model_info(self):
+        return await self.backend.model_info()
+
+    async def generate(self, request):
+        async with aclosing(self.backend.generate(request)) as outputs:
+            async for out in outputs:
+                yield out
+                raise EngineDeadError("simulated crash")
+
+
+@pytest.mark.asyncio
+async def test_a_failure_after_the_first_event_is_a_response_failed_event(engine, tiny_model_dir):
+    config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL)
+    app = OpenAIServer(Frontend(engine.tokenizer, _CrashingBackend(LocalBackend(engine)), MODEL), config).build_app()
+
+    response = await post(app, {"input": QUESTION, "max_output_tokens": 20, "stream": True, "extra": 1})
+
+    assert response.status_code == 200 and response.headers["x-kvrelay-ignored-fields"] == "extra"
+    events = typed_events(response)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    failed = events[-1]
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"] == {
+        "code": "engine_dead",
+        "message": f"The engine serving this request stopped; retry once it has recovered. (request id: {response.headers['x-request-id']})",
+    }
+    assert failed["response"]["id"] == response.headers["x-request-id"]
+    assert not response.text.rstrip().endswith("[DONE]")
