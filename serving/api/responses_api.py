@@ -58,7 +58,7 @@ from serving.engine.params import SamplingParams
 __all__ = ["ResponsesRequest", "ResponsesEndpoint", "StartChat"]
 
 # What the route's handler is given to run a chat: OpenAIServer._start_chat.
-StartChat = Callable[[ChatCompletionRequest, Any], Awaitable[tuple[SamplingParams, AsyncIterator[ChoiceDelta]]]]
+StartChat = Callable[[ChatCompletionRequest, Any], Awaitable[tuple[list[int], SamplingParams, AsyncIterator[ChoiceDelta]]]]
 
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text")
@@ -150,7 +150,7 @@ class ResponsesEndpoint:
         request = parse_body(ResponsesRequest, body)
         call.headers.update(screen(request, RESPONSES_FIELDS))
         try:
-            params, deltas = await self.start_chat(request.chat_request(), call)
+            _, params, deltas = await self.start_chat(request.chat_request(), call)
         except Exception as exc:
             error = to_api_error(exc)
             if error.status >= 500 or error.param not in _RENAMED:
