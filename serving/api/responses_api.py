@@ -41,6 +41,7 @@ import itertools
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse, Response
@@ -55,10 +56,21 @@ from serving.config import ContextBudgetConfig
 from serving.engine.errors import InvalidRequestError
 from serving.engine.params import SamplingParams
 
-__all__ = ["ResponsesRequest", "ResponsesEndpoint", "StartChat"]
+__all__ = ["ResponsesRequest", "ResponsesEndpoint", "StartedChat", "StartChat"]
 
-# What the route's handler is given to run a chat: OpenAIServer._start_chat.
-StartChat = Callable[[ChatCompletionRequest, Any], Awaitable[tuple[list[int], SamplingParams, AsyncIterator[ChoiceDelta]]]]
+
+@dataclass
+class StartedChat:
+    """A chat request as OpenAIServer._start_chat hands it back, generating: its prompt ids (as
+    fitted into the context window), its params (max_tokens resolved) and its deltas."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    deltas: AsyncIterator[ChoiceDelta]
+
+
+# What the handler is given to run a chat: OpenAIServer._start_chat.
+StartChat = Callable[[ChatCompletionRequest, Any], Awaitable[StartedChat]]
 
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text")
@@ -150,7 +162,7 @@ class ResponsesEndpoint:
         request = parse_body(ResponsesRequest, body)
         call.headers.update(screen(request, RESPONSES_FIELDS))
         try:
-            _, params, deltas = await self.start_chat(request.chat_request(), call)
+            started = await self.start_chat(request.chat_request(), call)
         except Exception as exc:
             error = to_api_error(exc)
             if error.status >= 500 or error.param not in _RENAMED:
@@ -159,6 +171,7 @@ class ResponsesEndpoint:
                 error.status, _RENAMED_WORDS.sub("max_output_tokens", error.message), type=error.type,
                 param=_RENAMED[error.param], code=error.code, headers=error.headers,
             ) from exc
+        params, deltas = started.params, started.deltas
         shape = _Shape(request, call.request_id, self.model_name, params, request.truncation or self.budget.truncation)
         if request.stream:
             first = await first_delta(deltas)

@@ -77,7 +77,7 @@ from serving.api.openapi import openapi_document
 from serving.api.pipeline import ChoiceDelta, Frontend, Usage
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
 from serving.api.rate_limits import RateLimiter, Ticket
-from serving.api.responses_api import ResponsesEndpoint
+from serving.api.responses_api import ResponsesEndpoint, StartedChat
 from serving.api.usage import ModelPrice, RequestAccount, UsageLedger, load_pricing
 from serving.config import ServeConfig
 from serving.config.access import APIKey
@@ -333,7 +333,8 @@ class OpenAIServer:
     async def chat_completions(self, body: dict, call: _Call) -> Response:
         request = parse_body(ChatCompletionRequest, body)
         call.headers.update(screen(request, CHAT_FIELDS))
-        prompt_ids, params, deltas = await self._start_chat(request, call)
+        started = await self._start_chat(request, call)
+        params, deltas = started.params, started.deltas
         request_id = call.request_id
         created = int(time.time())
         base = {"id": request_id, "created": created, "model": self.model_name, "system_fingerprint": None}
@@ -370,12 +371,9 @@ class OpenAIServer:
             raise
         return JSONResponse(response(call.account.settle()), headers=call.account.headers())
 
-    async def _start_chat(
-        self, request: ChatCompletionRequest, call: _Call,
-    ) -> tuple[list[int], SamplingParams, AsyncIterator[ChoiceDelta]]:
+    async def _start_chat(self, request: ChatCompletionRequest, call: _Call) -> StartedChat:
         """A chat request up to its deltas: checked, rendered and fitted into the context window,
-        validated, admitted by its key's limits, generating. Its prompt ids (as fitted), params (with
-        max_tokens resolved) and deltas. /v1/responses runs through here too."""
+        validated, admitted by its key's limits, generating. /v1/responses runs through here too."""
         self._check_model(request.model, call.key)
         limits.check_request(request, 1, self.config.api)
         params = sampling_params(request)
@@ -410,7 +408,7 @@ class OpenAIServer:
         )
         deltas = bounded(deltas, call.deadline)
         deltas = self.metrics.track(call.record, deltas, prompt_tokens=len(prompt_ids), status_of=error_status)
-        return prompt_ids, params, deltas
+        return StartedChat(prompt_ids, params, deltas)
 
     async def _chat_chunks(
         self, base: dict, first: ChoiceDelta | None, deltas: AsyncIterator[ChoiceDelta], n: int,
