@@ -14,6 +14,7 @@ from serving.api.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from serving.api.responses_api import ResponsesRequest
 
 __all__ = ["openapi_document"]
 
@@ -69,6 +70,7 @@ def openapi_document(model_name: str, *, has_keys: bool) -> dict[str, Any]:
     paths = {
         "/v1/chat/completions": post(ChatCompletionRequest, "chat completion"),
         "/v1/completions": post(CompletionRequest, "text completion"),
+        "/v1/responses": post(ResponsesRequest, "response (OpenAI's Responses API, text in and out)"),
         "/v1/models": get("the served models", *((401,) if has_keys else ())),
         "/tokenize": post_tokens(
             [TokenizeCompletionRequest, TokenizeChatRequest], "a prompt's or chat's token ids (vLLM's shape)", 400, 404, 413, 422, 503,

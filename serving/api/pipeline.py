@@ -99,18 +99,31 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # What fitting the prompt into the context window dropped (serving/api/context_budget.py);
+    # None when the request asked for no fitting, and then not reported.
+    dropped_messages: int | None = None
+    dropped_tokens: int | None = None
 
     def add(self, other: Usage) -> None:
         self.prompt_tokens += other.prompt_tokens
         self.completion_tokens += other.completion_tokens
         self.cached_tokens += other.cached_tokens
+        for name in ("dropped_messages", "dropped_tokens"):
+            theirs = getattr(other, name)
+            if theirs is not None:
+                setattr(self, name, (getattr(self, name) or 0) + theirs)
 
     def to_dict(self) -> dict:
+        details = {"cached_tokens": self.cached_tokens}
+        if self.dropped_messages is not None:
+            details["dropped_messages"] = self.dropped_messages
+        if self.dropped_tokens is not None:
+            details["dropped_tokens"] = self.dropped_tokens
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": details,
         }
 
 

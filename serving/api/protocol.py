@@ -1,8 +1,12 @@
 """OpenAI wire models for requests, and their translation to the engine's SamplingParams.
 
-Unknown fields are accepted and ignored, as OpenAI does (the ingress logs their names once per
-request at debug level). Known fields this server cannot honour (image parts, `suffix`,
-`prompt_logprobs` with streaming) are refused with a 400 naming them, never silently ignored.
+Unknown fields are accepted, as OpenAI does, and never silently: the response names them in its
+`x-kvrelay-ignored-fields` header (serving/api/field_support.py; nested ones by path, e.g.
+`messages[0].foo`). A known OpenAI field is one of three kinds, tabled in field_support.py and in
+README's API section: implemented (the fields of these models); not implemented, refused with a 400
+naming it whenever it asks for something (`audio`, `store: true`, `prediction`, ...; also image
+parts, `suffix`, `prompt_logprobs` with streaming); or accepted without effect, with the reason in the table
+(`metadata`, `prompt_cache_key`, ...), and named in the same header when set.
 """
 
 from __future__ import annotations
@@ -34,11 +38,7 @@ __all__ = [
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    @property
-    def ignored_fields(self) -> list[str]:
-        return sorted((self.model_extra or {}).keys())
+    model_config = ConfigDict(extra="allow")  # unknown fields: kept as extras, named by field_support
 
 
 class StreamOptions(_Lenient):
@@ -124,6 +124,8 @@ class _SamplingFields(_Lenient):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: keep the last k prompt tokens, -1 what fits (serving/api/context_budget.py)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -137,6 +139,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # kvrelay's, with the Responses API's name and values: "auto" drops the oldest turns to fit the
+    # context window (serving/api/context_budget.py); None: the server's default
+    truncation: Literal["auto", "disabled"] | None = None
 
 
 class CompletionRequest(_SamplingFields):

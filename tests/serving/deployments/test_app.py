@@ -157,6 +157,13 @@ def test_openai_sdk_greedy_equals_engine(serve_instance, reference, app):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
+    # /v1/responses runs through the same pipeline: the same prompt, the same text
+    answer = client.responses.create(model="tiny", input=prompt, temperature=0, max_output_tokens=MAX_TOKENS)
+    assert answer.output_text == text and answer.usage.output_tokens == MAX_TOKENS
+    events = list(client.responses.create(model="tiny", input=prompt, temperature=0, max_output_tokens=MAX_TOKENS, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == text
+
 
 @pytest.mark.parametrize("app", ["disagg", "coloc"])
 def test_schemathesis_over_http_gets_no_5xx_and_only_openai_shaped_4xx(serve_instance, app):
