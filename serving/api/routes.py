@@ -519,6 +519,8 @@ class OpenAIServer:
             prompt_ids = [f.prompt_ids for f in fitted]
             for ids in prompt_ids:
                 await self.frontend.validate(ids, params, prompt_param="prompt")
+            if params.guided is not None:
+                await self.frontend.check_guided(params.guided, guided_param(request))
         per_prompt = limits.fit_max_tokens(params, [len(ids) for ids in prompt_ids], info.max_model_len, self.config.api, param="max_tokens")
         self._admit(call, prompt_ids, per_prompt)
         request_id = call.request_id
