@@ -543,7 +543,11 @@ class OpenAIServer:
         num_choices = params.n * len(prompts)
         want_logprobs = params.logprobs is not None
         # echo: each choice's text starts with its prompt, and its logprobs with the prompt's tokens
-        prompt_texts = [p if isinstance(p, str) else self.frontend.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)] if request.echo else []
+        # (a prompt cut by truncate_prompt_tokens echoes what the model was given)
+        prompt_texts = [
+            p if isinstance(p, str) and not f.dropped_tokens else self.frontend.tokenizer.decode(ids)
+            for p, ids, f in zip(prompts, prompt_ids, fitted)
+        ] if request.echo else []
 
         def total_usage() -> Usage:
             total = Usage()

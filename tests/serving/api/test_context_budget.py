@@ -237,3 +237,15 @@ async def test_a_streamed_chat_says_what_was_dropped_in_its_headers_and_usage_ch
     last = json.loads(response.text.split("\n\n")[-3].removeprefix("data: "))
     assert last["usage"]["prompt_tokens"] == 90
     assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 0, "dropped_messages": 4, "dropped_tokens": 70}
+
+
+@pytest.mark.asyncio
+async def test_an_echoed_prompt_is_the_part_the_model_was_given(stack):
+    long = " ".join(f"w{i}" for i in range(100))
+    ids = stack.tokenizer(long).input_ids
+
+    response = await post(stack.app(), "/v1/completions", {"prompt": long, "max_tokens": 1, "temperature": 0, "echo": True, "truncate_prompt_tokens": 40})
+
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"].startswith(stack.tokenizer.decode(ids[-40:]))
+    assert not response.json()["choices"][0]["text"].startswith(long[:10])
