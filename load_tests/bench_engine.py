@@ -659,4 +659,8 @@ def params_from_args(args: argparse.Namespace) -> BenchParams:
 
 
 def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
+    if getattr(args, "structured", False):  # what structured outputs cost a batch: a benchmark of its own
+        from load_tests import bench_structured
+
+        return bench_structured.run_from_args(args, argv)
     return run_and_report(args, argv, params_from_args, run, _progress)

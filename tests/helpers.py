@@ -145,3 +145,18 @@ def require_tool(name: str, how: str) -> str:
             pytest.fail(f"{message} (CI must run this test: `make test` installs {name})", pytrace=False)
         pytest.skip(message)
     return path
+
+
+def single_tokens(out):
+    """An engine RequestOutput of one choice as one output per token (the engine merges the
+    tokens a busy reader has not taken yet; tests that count tokens per output split them)."""
+    from dataclasses import replace
+
+    from serving.engine.outputs import CompletionOutput
+
+    [c] = out.outputs
+    for i, token_id in enumerate(c.token_ids):
+        last = i == len(c.token_ids) - 1
+        logprobs = c.logprobs[i : i + 1] if c.logprobs else None
+        one = CompletionOutput(c.index, "", [token_id], logprobs, c.finish_reason if last else None, c.stop_reason if last else None)
+        yield replace(out, outputs=[one], finished=out.finished and last)

@@ -23,7 +23,7 @@ def fuzz(schema, max_examples: int, **call_kwargs) -> tuple[list[str], dict[str,
         def check(case):
             if isinstance(case.body, dict) and case.body.get("max_tokens") is None and "max_completion_tokens" not in case.body:
                 case.body["max_tokens"] = 4  # short generations: the limits are under test, not the model
-            response = case.call(**call_kwargs)
+            response = case.call(**call_kwargs)  # call_kwargs may carry a timeout (the HTTP run: a loaded machine is slow)
             statuses.setdefault(f"{case.method} {case.operation.path}", set()).add(response.status_code)
             if response.status_code >= 500 and not (case.operation.path == "/health" and response.status_code == 503):
                 failures.append(f"{case.method} {case.path} {response.status_code}: {response.text[:200]} <- {case.body!r:.300}")

@@ -3,7 +3,7 @@ and what a request whose time runs out gets.
 
     request_timeout_s                 (ServeConfig; default 600, null: none)  the server's default
     tiers.<tier>.max_timeout_s        (null: request_timeout_s bounds it)     the most a key may ask for
-    "timeout": seconds > 0            (request body, /v1/chat/completions and /v1/completions)
+    "timeout": seconds > 0            (request body: /v1/chat/completions, /v1/completions, /v1/responses)
 
     limit    = the key's tier's max_timeout_s, else request_timeout_s, else none
     timeout  = the body's `timeout` (over the limit: 400 naming `timeout` and the limit),

@@ -76,7 +76,8 @@ def _content_length(request: Request) -> int | None:
 
 def parse_body(model, body: dict):
     """The request as `model`; a 400 naming the first bad field. Unknown top-level fields are
-    ignored, as OpenAI does, and named in a debug log line."""
+    kept as the model's extras (serving/api/field_support.py names them in a response header) and
+    in a debug log line."""
     try:
         request = model.model_validate(body)
     except ValidationError as exc:
@@ -86,8 +87,8 @@ def parse_body(model, body: dict):
         shown = "" if isinstance(value, (dict, list)) or err["type"] == "missing" else f" (got {value!r})"
         error = APIError(400, f"{param}: {err['msg']}{shown}", param=param, code="invalid_value")
         raise error from exc
-    if request.ignored_fields:
-        logger.debug("request fields ignored: %s", ", ".join(request.ignored_fields))
+    if request.model_extra:
+        logger.debug("request fields ignored: %s", ", ".join(sorted(request.model_extra)))
     return request
 
 
@@ -180,18 +181,26 @@ async def merge_deltas(streams: list[AsyncIterator[ChoiceDelta]]) -> AsyncIterat
 
 def sse_response(
     chunks: AsyncIterator[dict], deltas: AsyncIterator[ChoiceDelta], on_close: Callable[[int, str | None], None],
-    request_id: str,
+    request_id: str, *, typed_events: bool = False, failure_event: Callable[[dict], dict] | None = None,
 ) -> StreamingResponse:
     """`deltas` is closed explicitly: a disconnect can cancel us while `chunks` waits at a yield,
     and closing it would not reach the generator it iterates over. `on_close(200, error)` runs
     once the stream has ended, however it ended. A late failure's event is what a 5xx body would
-    be (errors.py: no exception text, the request id); the log has the exception."""
+    be (errors.py: no exception text, the request id); the log has the exception.
+
+    `typed_events` (the Responses API's framing, serving/api/responses_api.py): each event also
+    gets an `event: <its type>` line, a late failure is `failure_event(error body)`, and there is no
+    closing `data: [DONE]`."""
+
+    def frame(chunk: dict) -> str:
+        data = f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        return f"event: {chunk.get('type', 'error')}\n{data}" if typed_events else data
 
     async def body():
         failure = None
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+                yield frame(chunk)
         except asyncio.CancelledError:
             failure = "the client disconnected"
             raise
@@ -199,11 +208,13 @@ def sse_response(
             error = to_api_error(exc)
             failure = f"{type(exc).__name__}: {exc}"
             logger.warning("request %s: its stream failed after its first token", request_id, exc_info=exc)
-            yield f"data: {json.dumps(with_request_id(error, request_id).body())}\n\n"
+            error_body = with_request_id(error, request_id).body()
+            yield frame(failure_event(error_body) if failure_event is not None else error_body)
         finally:
             await chunks.aclose()
             await deltas.aclose()
             on_close(200, failure)
-        yield "data: [DONE]\n\n"
+        if not typed_events:
+            yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=_SSE_HEADERS)

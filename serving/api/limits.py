@@ -42,6 +42,8 @@ def check_request(request: ChatCompletionRequest | CompletionRequest, num_prompt
             raise InvalidRequestError("top_logprobs", f"must be in [0, {api.max_logprobs}], got {request.top_logprobs}")
     elif request.logprobs is not None and request.logprobs > api.max_logprobs:
         raise InvalidRequestError("logprobs", f"must be <= {api.max_logprobs}, got {request.logprobs}")
+    if request.prompt_logprobs is not None and request.prompt_logprobs > api.max_logprobs:
+        raise InvalidRequestError("prompt_logprobs", f"must be <= {api.max_logprobs}, got {request.prompt_logprobs}")
     if request.logit_bias is not None and len(request.logit_bias) > api.max_logit_bias_entries:
         raise InvalidRequestError("logit_bias", f"at most {api.max_logit_bias_entries} entries, got {len(request.logit_bias)}")
     stop = [request.stop] if isinstance(request.stop, str) else request.stop or []

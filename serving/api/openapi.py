@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from serving.api.protocol import ChatCompletionRequest, CompletionRequest
+from serving.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from serving.api.responses_api import ResponsesRequest
 
 __all__ = ["openapi_document"]
 
@@ -48,13 +55,27 @@ def openapi_document(model_name: str, *, has_keys: bool) -> dict[str, Any]:
             "responses": {"200": {"description": "the completion (JSON, or SSE when `stream`)"}, **generation_errors},
         }}
 
+    def post_tokens(models, summary: str, *statuses: int) -> dict[str, Any]:
+        schemas = [_body_schema(m, components) for m in models]
+        schema = schemas[0] if len(schemas) == 1 else {"oneOf": schemas}
+        return {"post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+            "responses": {"200": {"description": summary}, **_errors(*statuses, *((401,) if has_keys else ()))},
+        }}
+
     def get(summary: str, *statuses: int) -> dict[str, Any]:
         return {"get": {"summary": summary, "responses": {"200": {"description": summary}, **_errors(*statuses)}}}
 
     paths = {
         "/v1/chat/completions": post(ChatCompletionRequest, "chat completion"),
         "/v1/completions": post(CompletionRequest, "text completion"),
+        "/v1/responses": post(ResponsesRequest, "response (OpenAI's Responses API, text in and out)"),
         "/v1/models": get("the served models", *((401,) if has_keys else ())),
+        "/tokenize": post_tokens(
+            [TokenizeCompletionRequest, TokenizeChatRequest], "a prompt's or chat's token ids (vLLM's shape)", 400, 404, 413, 422, 503,
+        ),
+        "/detokenize": post_tokens([DetokenizeRequest], "token ids' text (vLLM's shape)", 400, 404, 413, 422),
         "/health": get("whether every pool has a live replica", 503),
     }
     document: dict[str, Any] = {

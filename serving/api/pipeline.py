@@ -19,20 +19,23 @@ and embedding) or `ServeBackend` (prefill/decode pools behind Serve handles).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from serving.api.errors import QueueTimeoutError
-from serving.api.protocol import ChatMessage, message_text
+from serving.api.protocol import ChatMessage
+from serving.api.tool_calls import ToolPlan, render_conversation, template_knows_tools
 from serving.engine.block_hash import hash_blocks
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.errors import ContextLengthError, InvalidRequestError
+from serving.engine.grammar import compiler_for
 from serving.engine.outputs import RequestOutput, TokenLogprob, merge_outputs
-from serving.engine.params import SamplingParams
+from serving.engine.params import GuidedSpec, SamplingParams
 from serving.engine.request import RequestStatus
 from serving.engine.stop_checker import StopChecker
 from serving.engine.validation import ModelInfo, check_request
@@ -87,6 +90,8 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # params.prompt_logprobs: on each choice's first delta after the engine scored the prompt
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -94,18 +99,31 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # What fitting the prompt into the context window dropped (serving/api/context_budget.py);
+    # None when the request asked for no fitting, and then not reported.
+    dropped_messages: int | None = None
+    dropped_tokens: int | None = None
 
     def add(self, other: Usage) -> None:
         self.prompt_tokens += other.prompt_tokens
         self.completion_tokens += other.completion_tokens
         self.cached_tokens += other.cached_tokens
+        for name in ("dropped_messages", "dropped_tokens"):
+            theirs = getattr(other, name)
+            if theirs is not None:
+                setattr(self, name, (getattr(self, name) or 0) + theirs)
 
     def to_dict(self) -> dict:
+        details = {"cached_tokens": self.cached_tokens}
+        if self.dropped_messages is not None:
+            details["dropped_messages"] = self.dropped_messages
+        if self.dropped_tokens is not None:
+            details["dropped_tokens"] = self.dropped_tokens
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": details,
         }
 
 
@@ -118,6 +136,7 @@ class _Choice:
         self.checker = StopChecker.for_text(params)
         self.num_tokens = 0
         self.finished = False
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # arrived, not yet on a delta
 
 
 class Frontend:
@@ -139,24 +158,26 @@ class Frontend:
     # ---- prompts -----------------------------------------------------------------------------
     def encode_chat(
         self, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
-        chat_template_kwargs: dict | None = None,
+        chat_template_kwargs: dict | None = None, add_special_tokens: bool = False, tools: ToolPlan | None = None,
+        tool_prompt: Literal["auto", "template", "kvrelay"] = "auto",
     ) -> list[int]:
-        conversation = [
-            {"role": "system" if m.role == "developer" else m.role, "content": message_text(m, i)}
-            for i, m in enumerate(messages)
-        ]
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        """The prompt's token ids; `tools`: the request's tool plan, shown by the template or by
+        kvrelay's tool prompt (`tool_prompt`, serving/api/tool_calls.py)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if template is None:
             raise InvalidRequestError(
                 "messages", "this model has no chat template; use /v1/completions with a prompt"
             )
+        knows_tools = tool_prompt == "template" or (tool_prompt == "auto" and template_knows_tools(template))
+        conversation, tool_kwargs = render_conversation(messages, tools, knows_tools=knows_tools)
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
-                **(chat_template_kwargs or {}),
+                **tool_kwargs, **(chat_template_kwargs or {}),
             )
         except Exception as exc:  # jinja2 errors from a template's raise_exception(...)
             raise InvalidRequestError("messages", f"the chat template rejected them: {exc}") from exc
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -182,6 +203,18 @@ class Frontend:
             if exc.param not in ("prompt", "prompt_token_ids") or exc.param == prompt_param:
                 raise
             raise InvalidRequestError(prompt_param, exc.message) from None
+
+    async def check_guided(self, spec: GuidedSpec, param: str) -> None:
+        """Compile a structured output's grammar before the request goes anywhere (off the event
+        loop, in the grammar compiler's threads): InvalidRequestError naming `param` (the request's
+        field) when it does not compile. The grammar stays in this process's cache, which an
+        in-process engine shares (serving/engine/grammar.py)."""
+        info = await self.model_info()
+        compiler = compiler_for(self.tokenizer, info.vocab_size, info.eos_token_ids)
+        try:
+            await _shared_result(compiler.submit(spec))
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(param, exc.message) from None
 
     # ---- generation --------------------------------------------------------------------------
     async def generate(
@@ -217,6 +250,9 @@ class Frontend:
             async for out in stream:
                 if num_cached is None:
                     num_cached = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    for choice in choices:
+                        choice.prompt_logprobs = out.prompt_logprobs
                 if any(c.finish_reason == _QUEUE_TIMEOUT for c in out.outputs):
                     raise QueueTimeoutError()  # refused before any token: the pool is overloaded
                 for completion in out.outputs:
@@ -260,7 +296,8 @@ class Frontend:
         if not choice.finished and finish_reason is not None:
             texts.append(choice.checker.flush() + choice.detokenizer.flush())
             choice.finished = True
-        return ChoiceDelta(completion.index, "".join(texts), list(token_ids), logprobs, finish_reason, stop_reason)
+        prompt_logprobs, choice.prompt_logprobs = choice.prompt_logprobs, None
+        return ChoiceDelta(completion.index, "".join(texts), list(token_ids), logprobs, finish_reason, stop_reason, prompt_logprobs)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -278,6 +315,27 @@ class Frontend:
             return bytes(_BYTE_LEVEL_CHARS[c] for c in piece)
         return text.encode("utf-8")
 
+
+
+async def _shared_result(future: concurrent.futures.Future):
+    """A concurrent future's result, awaited without cancelling it when the awaiting task is
+    cancelled (asyncio.wrap_future would: the future is the compile cache's, shared by others)."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def settle(_: concurrent.futures.Future) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    def done(_: concurrent.futures.Future) -> None:
+        try:
+            loop.call_soon_threadsafe(settle, future)
+        except RuntimeError:  # the loop closed: nobody waits
+            pass
+
+    future.add_done_callback(done)
+    await waiter
+    return future.result()
 
 
 async def coalesced(stream: AsyncIterator[RequestOutput], max_tokens: int) -> AsyncIterator[RequestOutput]:

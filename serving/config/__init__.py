@@ -6,7 +6,7 @@
     mode, min_remote_prefill_tokens ─▶ how the ingress routes a request
     prefill / decode / worker pools ─▶ Serve deployments (replicas, CPUs, torch threads)
     http, api_keys, kv_transfer ─▶ the proxy, the ingress, the KVTransfer actors
-    api ─▶ the ingress: what one request may ask for (limits, chat template kwargs)
+    api ─▶ the ingress: what one request may ask for (limits, chat template kwargs, context budget)
     degradation ─▶ the ingress, when a pool refuses a request (fallback app, shedding)
 
 Env overrides name a field path with `__` between levels, after the `KVRELAY_` prefix:
@@ -32,6 +32,7 @@ from serving.config.sections import (
     MOVED_KEYS,
     SERVING_ENGINE_DEFAULTS,
     APIConfig,
+    ContextBudgetConfig,
     DegradationConfig,
     EngineOverrides,
     EngineSettings,
@@ -46,7 +47,7 @@ from serving.config.sections import (
 from serving.config.serve_config import ENV_PREFIX, ServeConfig
 
 __all__ = [
-    "ENV_PREFIX", "MOVED_KEYS", "NON_CONFIG_ENV", "SERVING_ENGINE_DEFAULTS", "APIConfig", "ConfigError", "DegradationConfig",
+    "ENV_PREFIX", "MOVED_KEYS", "NON_CONFIG_ENV", "SERVING_ENGINE_DEFAULTS", "APIConfig", "ConfigError", "ContextBudgetConfig", "DegradationConfig",
     "EngineOverrides", "EngineSettings", "FallbackConfig", "HTTPConfig", "IngressConfig", "KVTransferConfig", "PoolConfig",
     "RayConfig", "RoutingConfig", "ServeConfig", "apply_overrides", "format_validation_error", "load_config",
     "parse_set_items",

@@ -15,7 +15,8 @@ from serving.engine.strict import StrictModel
 
 __all__ = [
     "SERVING_ENGINE_DEFAULTS", "SERVING_ENGINE_LIMITS", "POOLS", "MOVED_KEYS", "EngineSettings", "EngineOverrides", "PoolConfig", "IngressConfig",
-    "APIConfig", "TEMPLATE_CALL_KWARGS", "HTTPConfig", "RayConfig", "RoutingConfig", "KVTransferConfig", "FallbackConfig", "DegradationConfig",
+    "APIConfig", "ContextBudgetConfig", "ToolCallingConfig", "TEMPLATE_CALL_KWARGS", "HTTPConfig", "RayConfig", "RoutingConfig",
+    "KVTransferConfig", "FallbackConfig", "DegradationConfig",
 ]
 
 # The engine defaults of a served app, where they differ from EngineConfig's (an engine alone,
@@ -176,6 +177,25 @@ TEMPLATE_CALL_KWARGS = frozenset({
 })
 
 
+class ContextBudgetConfig(StrictModel):
+    """How a prompt that does not fit the context window is fitted instead of refused
+    (serving/api/context_budget.py). A request chooses with `truncation` (chat, /v1/responses) and
+    `truncate_prompt_tokens` (chat, completions); these are the server's side of it."""
+
+    truncation: Literal["disabled", "auto"] = Field(
+        "disabled",
+        description="For a chat or /v1/responses request that sends no `truncation`. disabled: a prompt "
+        "that, with the tokens reserved for the output, exceeds the context window is refused with a "
+        "400 context_length_exceeded. auto: its oldest turns (a user message and the replies after it) "
+        "are dropped until it fits; the system and developer messages and the last turn are always kept.",
+    )
+    reserve_output_tokens: int = Field(
+        256, ge=1, le=1 << 20,
+        description="Tokens kept free for the output when a prompt is fitted (truncation auto, or "
+        "truncate_prompt_tokens: -1) and the request sets no max_tokens; one that does reserves its max_tokens.",
+    )
+
+
 class APIConfig(StrictModel):
     """What one API request may ask for. Each limit refused is a 400 whose `param` names the field
     and whose message gives the limit (serving/api/limits.py, serving/api/chat_template.py). The
@@ -198,7 +218,7 @@ class APIConfig(StrictModel):
     )
     max_logprobs: int = Field(
         MAX_TOP_LOGPROBS, ge=0, le=MAX_TOP_LOGPROBS,
-        description="Alternatives per token: chat `top_logprobs`, completions `logprobs`.",
+        description="Alternatives per token: chat `top_logprobs`, completions `logprobs`, `prompt_logprobs`.",
     )
     max_logit_bias_entries: int = Field(1024, ge=0, le=1 << 20, description="Tokens one `logit_bias` may name.")
     max_stop_strings: int = Field(
@@ -224,6 +244,11 @@ class APIConfig(StrictModel):
     max_chat_template_kwarg_chars: int = Field(
         256, ge=1, le=65536, description="Characters of a string value in `chat_template_kwargs`.",
     )
+    context_budget: ContextBudgetConfig = Field(
+        default_factory=ContextBudgetConfig,
+        description="Fitting a prompt that exceeds the context window instead of refusing it: the "
+        "default `truncation` of a chat and the tokens reserved for the output (serving/api/context_budget.py).",
+    )
     render_timeout_s: float = Field(
         10.0, gt=0, le=600,
         description="The longest one request's prompt may take to render (chat template) and "
@@ -245,6 +270,25 @@ class APIConfig(StrictModel):
                 "not template variables; a request sets add_generation_prompt as a field of its own"
             )
         return self
+
+
+class ToolCallingConfig(StrictModel):
+    """How the served model is shown tools and how its tool calls are read (serving/api/tool_calls.py)."""
+
+    parser: Literal["hermes", "json"] = Field(
+        "hermes",
+        description="The model's own tool-call format, parsed when tool_choice is auto: `hermes`, JSON calls "
+        "in <tool_call></tool_call> blocks (Hermes, Qwen, SmolLM-style), or `json`, the whole answer a JSON "
+        "call {\"name\", \"arguments\"} or a list of them. required and named choices are constrained "
+        "decoding and need no parser.",
+    )
+    prompt: Literal["auto", "template", "kvrelay"] = Field(
+        "auto",
+        description="Who describes the tools to the model: `template`, the model's chat template (it is "
+        "given tools=); `kvrelay`, a system-prompt section written here in the parser's format; `auto`, the "
+        "template if it renders tools, else kvrelay's.",
+    )
+    max_tools: int = Field(128, ge=1, le=4096, description="Tools one request may offer; more: a 400 naming `tools`.")
 
 
 class HTTPConfig(StrictModel):

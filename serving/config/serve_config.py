@@ -22,6 +22,7 @@ from serving.config.sections import (
     PoolConfig,
     RayConfig,
     RoutingConfig,
+    ToolCallingConfig,
 )
 from serving.engine.config import EngineConfig
 from serving.engine.strict import StrictModel
@@ -119,6 +120,10 @@ class ServeConfig(StrictModel):
         default_factory=APIConfig,
         description="What one API request may ask for (prompts, n, max_tokens, logprobs, logit_bias, "
         "stop, chat template kwargs) and how long its prompt may take to render; over a limit: 400.",
+    )
+    tool_calling: ToolCallingConfig = Field(
+        default_factory=ToolCallingConfig,
+        description="How the model is shown tools and how its own tool calls are parsed (tool_choice auto).",
     )
     request_timeout_s: float | None = Field(
         600.0, gt=0, allow_inf_nan=False,

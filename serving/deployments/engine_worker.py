@@ -147,7 +147,10 @@ class EngineWorker:
         if trace is not None:
             trace.route_done()
         params = request.params
-        one = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), n=1)
+        # One token, or none when it only scores its prompt (max_tokens 0: nothing to decode). Its
+        # prompt logprobs, if asked for, come with the first output.
+        scores_only = params.max_tokens == 0
+        one = replace(params, max_tokens=0 if scores_only else 1, min_tokens=min(params.min_tokens, 1), n=1)
         last: RequestOutput | None = None
         handed_off = False
         ran = False  # the engine finished the request (its last output is then rewritten)
@@ -160,7 +163,7 @@ class EngineWorker:
             try:
                 # A decode worker will need the KV: where it goes. The arena is host memory: a CUDA
                 # engine's KV goes through Ray's object store.
-                if params.max_tokens != 1 and self.engine.engine.kv_cache.data.device.type == "cpu":
+                if params.max_tokens not in (0, 1) and self.engine.engine.kv_cache.data.device.type == "cpu":
                     num_bytes = self.engine.engine.kv_payload_bytes(len(request.prompt_token_ids))
                     slot = await self.kv.reserve(self._this_node(), request.request_id, num_bytes)
                     export_into = self._arena_view(slot)
@@ -168,7 +171,7 @@ class EngineWorker:
                         slot = None
                 async for out in self.engine.generate(
                     request.request_id, prompt_token_ids=request.prompt_token_ids, params=one,
-                    priority=request.priority, cache_salt=request.cache_salt, hold_kv=True,
+                    priority=request.priority, cache_salt=request.cache_salt, hold_kv=not scores_only,
                     export_into=export_into, export_until=slot.deadline if slot is not None else None,
                 ):
                     tracker.observe(out)
@@ -178,7 +181,7 @@ class EngineWorker:
                 self.recorder.prefilled(last.metrics)
                 if not ran:  # aborted, or timed out in the queue (the ingress answers 503)
                     return PrefillResult(last, None)
-                if completion.finish_reason == "stop" or params.max_tokens == 1:
+                if completion.finish_reason == "stop" or params.max_tokens in (0, 1):
                     return PrefillResult(last, None)
                 num_tokens = len(request.prompt_token_ids)
                 handle = self.kv.handle(request.request_id, self._this_node(), num_tokens,

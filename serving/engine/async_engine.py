@@ -60,6 +60,8 @@ class AsyncEngine:
         self._kv_subscribers: list[Callable[[list[KVEvent]], None]] = []
         self._stats = self.engine.stats()
         self._error: BaseException | None = None
+        # A grammar that finished compiling wakes the loop, which may be waiting with nothing else to do.
+        self.engine.compiling.on_ready = lambda: self._inbox.put(("wake",))
         self._thread = threading.Thread(target=self._run, name="kvrelay-engine", daemon=True)
         self._thread.start()
 
@@ -178,6 +180,8 @@ class AsyncEngine:
             self.engine.abort_request(command[1])
         elif command[0] == "release":
             self.engine.release_kv(command[1])
+        elif command[0] == "wake":
+            pass  # the step after it queues what a compiled grammar let go
         else:
             _, fn, future = command
             try:

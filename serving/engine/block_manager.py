@@ -84,9 +84,11 @@ class BlockManager:
     def lookup_prefix(self, seq: Sequence) -> list[int]:
         """Ids of cached blocks holding `seq`'s leading tokens (verified), without taking them.
 
-        At least one token is always left to compute, so the step produces logits.
+        At least one token is always left to compute, so the step produces logits. A sequence
+        that still needs prompt logprobs finds nothing: a cached block holds KV, not the logits
+        its prompt logprobs come from (as vLLM does; its blocks are still cached for others).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         self.update_hashes(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size

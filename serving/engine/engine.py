@@ -12,6 +12,20 @@ scheduling) raises out of `step()`; the caller must treat the engine as dead.
 A request with `n > 1` is one sequence per choice. Choice 0 computes the prompt; the others wait
 and, once it is done, start from its full prompt blocks (shared by reference count), computing
 only the partial last block themselves.
+
+Prompt logprobs (`params.prompt_logprobs`) are scored by choice 0 from the rows of its prompt
+chunks that the model runner keeps beside the sampling rows (prompt_logprobs.py), and leave with
+the request's first output once the whole prompt is scored. A request with `max_tokens=0` ends
+when its prompt is computed: finish_reason "length", no tokens, every choice.
+
+A structured output (`params.guided`) needs its grammar compiled (serving/engine/grammar.py): a
+cached one starts at once; otherwise the request waits, compiling, outside the scheduler while
+the compiler's threads work and the batch goes on; when the grammar is ready it is queued as any
+request (its queue wait counts from its arrival). Each choice has its own matcher, which first
+replays the tokens generated elsewhere (`prior_output_token_ids`: the prefill worker's first
+token, or a resumed stream's), so a request continues in its grammar across the prefill→decode
+hand-off. A spec that fails to compile here ends its request (RequestFailedError); the ingress
+compiles every spec before it sends it, so over HTTP that is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -26,12 +40,14 @@ from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.errors import InvalidRequestError, RequestFailedError
+from serving.engine.grammar import GrammarCompiler, GrammarMatcher, PendingGrammars, compiler_for
 from serving.engine.held_kv import HeldKV
 from serving.engine.kv_events import KVEvent
 from serving.engine.kv_payload import KVLayout, KVPayload
 from serving.engine.model_runner import ModelRunner
 from serving.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob, merge_outputs
 from serving.engine.params import SamplingParams
+from serving.engine.prompt_logprobs import score_span
 from serving.engine.request import RequestStatus, Sequence
 from serving.engine.sampler import LogitBias, Sampler, SamplingRow
 from serving.engine.scheduler import Scheduler
@@ -52,6 +68,7 @@ class _SeqState:
     detokenizer: IncrementalDetokenizer | None  # None: the caller detokenizes (params.detokenize False)
     stop_checker: StopChecker
     finish_reason: str | None = None
+    matcher: GrammarMatcher | None = None  # its place in params.guided's grammar
 
 
 @dataclass
@@ -62,6 +79,7 @@ class _Request:
     arrival_time: float
     waiting_children: list[Sequence] = field(default_factory=list)
     logit_bias: LogitBias | None = None  # its params' logit_bias as tensors, for every step's rows
+    prompt_logprobs_sent: bool = False  # its prompt logprobs went out (in its first output after them)
 
     @property
     def finished(self) -> bool:
@@ -103,6 +121,9 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.is_stalled = False  # the last step could schedule nothing (see step)
         self.prefill_tokens_per_s = 0.0
+        self._grammars: GrammarCompiler | None = None  # built on the first structured output
+        # Requests waiting for their grammar; its on_ready wakes an AsyncEngine's step loop.
+        self.compiling = PendingGrammars()
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -152,7 +173,7 @@ class LLMEngine:
                     "export_into", f"needs hold_kv and a contiguous {self.kv_cache.data.device} buffer of "
                     f"{need} bytes for a {num_prompt}-token prompt; got {have} bytes",
                 )
-        max_tokens = params.max_tokens or (self.max_model_len - num_prompt)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
         extra_keys = (cache_salt,) if cache_salt else ()
         arrival = arrival_time if arrival_time is not None else time.monotonic()
 
@@ -171,15 +192,51 @@ class LLMEngine:
             states.append(_SeqState(seq, detokenizer, StopChecker.for_params(params, self.eos_token_ids, max_tokens)))
         request = _Request(request_id, states, num_prompt, arrival, logit_bias=LogitBias.of(params.logit_bias, self.device))
         first = states[0].seq
+        if params.prompt_logprobs is not None and not prior and kv_payload is None:
+            first.prompt_logprobs = []  # else they came from the engine that computed the prompt
         first.pending_import = kv_payload
         first.export_into = export_into
         first.export_until = export_until
-        self.scheduler.add(first)
+        if params.guided is not None:
+            grammar = self.grammars.submit(params.guided)
+            if not grammar.done():
+                self._requests[request_id] = request
+                self.compiling.add(request_id, grammar)
+                return num_prompt
+            self._start_grammar(request, grammar.result())  # raises for a spec that did not compile
+        self._queue(request)
+        self._requests[request_id] = request
+        return num_prompt
+
+    def _queue(self, request: _Request) -> None:
+        states = request.seqs
+        self.scheduler.add(states[0].seq)
         for state in states[1:]:
             state.seq.status = RequestStatus.WAITING_FOR_PARENT
             request.waiting_children.append(state.seq)
-        self._requests[request_id] = request
-        return num_prompt
+
+    # ---- structured outputs (grammar.py) ---------------------------------------------------
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """This process's compiler for the engine's tokenizer (shared with an in-process ingress)."""
+        if self._grammars is None:
+            self._grammars = compiler_for(self.tokenizer, self.vocab_size, tuple(self.eos_token_ids))
+        return self._grammars
+
+    def _start_grammar(self, request: _Request, compiled) -> None:
+        """A matcher per choice, past the tokens generated elsewhere."""
+        for state in request.seqs:
+            state.matcher = self.grammars.matcher(compiled, replay=state.seq.output_token_ids)
+
+    def _queue_compiled(self) -> None:
+        """Queue the requests whose grammar is ready; end those whose spec did not compile."""
+        for request_id, grammar in self.compiling.take_ready():
+            try:
+                self._start_grammar(self._requests[request_id], grammar.result())
+            except Exception as exc:
+                self._fail_request(request_id, "grammar", exc)
+                continue
+            self._queue(self._requests[request_id])
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; its final output says finish_reason 'abort'."""
@@ -193,6 +250,7 @@ class LLMEngine:
     def _end(self, request: _Request, status: RequestStatus) -> RequestOutput:
         """End a request before it finished on its own (aborted, or timed out in the queue): its
         unfinished choices end with `status`, their blocks are freed; its final output."""
+        self.compiling.discard(request.request_id)
         outputs = []
         for state in request.seqs:
             if state.finish_reason is None:
@@ -216,6 +274,7 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return
+        self.compiling.discard(request_id)
         for state in request.seqs:
             seq = state.seq
             if state.finish_reason is None:
@@ -236,6 +295,8 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self.compiling:
+            self._queue_compiled()
         sched = self.scheduler.schedule()
         scheduled = sched.scheduled
         for seq in sched.timed_out:  # waited past max_queue_wait_s: refused, nothing generated
@@ -249,8 +310,9 @@ class LLMEngine:
             scheduled = [(seq, n) for seq, n in scheduled if seq.request_id in self._requests]
         self.is_stalled = not scheduled and not sched.preempted and not sched.timed_out
         if not scheduled:
-            # Only possible while held exports pin the blocks a waiting request needs: nothing
-            # changes until one is exported, released or aborted.
+            # Only possible while held exports pin the blocks a waiting request needs, or while
+            # grammars compile: nothing changes until one is exported, released or aborted, or
+            # a grammar is ready (compiling.on_ready).
             return outputs
         num_prefill_tokens = sum(
             n for seq, n in scheduled if seq.num_computed_tokens < seq.num_prompt_tokens
@@ -267,17 +329,30 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.num_computed_tokens += n
             self.block_manager.commit(seq)
-        if step.sampling_seqs:
-            sampled = self._sample(logits, step.sampling_seqs)
+        sampling_seqs = step.sampling_seqs
+        if step.prompt_spans:
+            num_sampling = len(sampling_seqs)
+            self._score_prompts(logits[num_sampling:], step.prompt_spans)
+            kept = [i for i, seq in enumerate(sampling_seqs) if seq.request_id in self._requests]
+            if len(kept) < num_sampling:  # a request whose scoring failed samples nothing
+                sampling_seqs = [sampling_seqs[i] for i in kept]
+                logits = logits.index_select(0, torch.tensor(kept, dtype=torch.long, device=logits.device))
+            else:
+                logits = logits[:num_sampling]
+        for seq in step.scored_seqs:
+            if seq.request_id in self._requests:  # not failed in this step
+                outputs.append(self._finish_scored(self._requests.pop(seq.request_id)))
+        if sampling_seqs:
+            sampled = self._sample(logits, sampling_seqs)
             now = time.monotonic()
             deltas: dict[str, list[CompletionOutput]] = {}
-            for seq, (token_id, logprob) in zip(step.sampling_seqs, sampled):
+            for seq, (token_id, logprob) in zip(sampling_seqs, sampled):
                 if seq.request_id not in self._requests:
                     continue  # failed in this step
                 try:
                     delta = self._append(seq, token_id, logprob, now)
-                except Exception as exc:  # its detokenizer or stop checker
-                    self._fail_request(seq.request_id, "detokenize / stop check", exc)
+                except Exception as exc:  # its grammar, detokenizer or stop checker
+                    self._fail_request(seq.request_id, "grammar / detokenize / stop check", exc)
                     continue
                 deltas.setdefault(seq.request_id, []).append(delta)
             for request_id, completion_outputs in deltas.items():
@@ -289,6 +364,34 @@ class LLMEngine:
                     del self._requests[request_id]
         return outputs
 
+    def _score_prompts(self, logits: torch.Tensor, spans) -> None:
+        """Extend each span's sequence's prompt logprobs from its rows of `logits`; a span that
+        fails fails its request alone."""
+        row = 0
+        for span in spans:
+            rows = logits[row : row + span.num_rows]
+            row += span.num_rows
+            try:
+                span.seq.prompt_logprobs += score_span(rows, span)
+            except Exception as exc:  # noqa: BLE001 - its request alone
+                self._fail_request(span.seq.request_id, "prompt logprobs", exc)
+
+    def _finish_scored(self, request: _Request) -> RequestOutput:
+        """A max_tokens=0 request whose prompt is computed: every choice ends with "length" and
+        no tokens (the choices waiting for choice 0 never start)."""
+        first = request.seqs[0].seq
+        first.first_token_time = time.monotonic()  # its answer is ready: what a client waits for
+        outputs = []
+        for state in request.seqs:
+            state.finish_reason = RequestStatus.FINISHED_LENGTH.value
+            if state.seq is first:
+                self._finish(first, RequestStatus.FINISHED_LENGTH)
+            else:
+                state.seq.status = RequestStatus.FINISHED_LENGTH
+            outputs.append(CompletionOutput(state.seq.index, "", [], None, state.finish_reason))
+        request.waiting_children.clear()
+        return self._request_output(request, outputs)
+
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int | None, TokenLogprob | None]]:
         """One (token, logprob) per row; a row at fault fails its request alone (Sampler.sample_each)."""
         results, failures = self.sampler.sample_each(logits, [self._sampling_row(s) for s in seqs])
@@ -298,13 +401,15 @@ class LLMEngine:
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.params
+        request = self._requests[seq.request_id]
         return SamplingRow(
             params=params,
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
             eos_token_ids=self.eos_token_ids,
             seed_key=None if params.seed is None else (params.seed, seq.index, seq.num_output_tokens),
-            logit_bias=self._requests[seq.request_id].logit_bias,
+            logit_bias=request.logit_bias,
+            grammar=request.seqs[seq.index].matcher,
         )
 
     def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, now: float) -> CompletionOutput:
@@ -312,6 +417,8 @@ class LLMEngine:
         state = request.seqs[seq.index]
         if seq.first_token_time is None:
             seq.first_token_time = now
+        if state.matcher is not None and not state.matcher.accept(token_id):
+            raise RuntimeError(f"the sampler chose token {token_id}, which the grammar does not allow")
         seq.append_token(token_id)
         self.num_generated_tokens += 1
         if seq.index == 0 and request.waiting_children:
@@ -350,6 +457,10 @@ class LLMEngine:
     def _request_output(self, request: _Request, outputs: list[CompletionOutput]) -> RequestOutput:
         first = request.seqs[0].seq
         finished = request.finished
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None and not request.prompt_logprobs_sent and not first.needs_prompt_logprobs:
+            prompt_logprobs = first.prompt_logprobs
+            request.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=request.request_id,
             outputs=outputs,
@@ -362,6 +473,7 @@ class LLMEngine:
                 first_token_time=first.first_token_time,
                 finished_time=time.monotonic() if finished else None,
             ),
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ---- KV export / import (held_kv.py) ----------------------------------------------------
@@ -391,7 +503,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.compiling),
             num_blocks=bm.num_blocks,
             num_free_blocks=bm.num_free_blocks,
             kv_cache_usage=bm.usage,
@@ -435,6 +547,8 @@ class LLMEngine:
         while self.has_unfinished_requests():
             for out in self.step():
                 merged[out.request_id] = merge_outputs(merged.get(out.request_id), out)
+            if self.is_stalled:
+                self.compiling.wait()
         failures = self.take_failures()
         if failures:
             raise failures[0]

@@ -2,19 +2,26 @@
 
 Token layout of a step (see attention.py): decodes first, one token each, then prefill chunks.
 A sequence samples when this step computes its last known token; a chunk that ends mid-prompt
-produces no logits, so the lm_head only runs on sampling rows.
+produces no logits, so the lm_head only runs on sampling rows, and on the rows of sequences that
+asked for prompt logprobs (prompt_logprobs.py), which follow the sampling rows:
+
+    logits  [ sampling rows (step.sampling_seqs) | prompt rows (step.prompt_spans, in order) ]
+
+A sequence with max_tokens 0 (scoring a prompt) that computes its last prompt token does not
+sample: it is in `scored_seqs`, and the engine finishes it.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from serving.engine.attention import AttentionMetadata, PrefillChunk
 from serving.engine.kv_cache import KVCache
 from serving.engine.model import LlamaModel
+from serving.engine.prompt_logprobs import PromptSpan, prompt_spans
 from serving.engine.request import Sequence
 
 __all__ = ["ModelRunner", "StepInput"]
@@ -27,6 +34,8 @@ class StepInput:
     seqs: list[Sequence]  # in token-layout order
     num_new_tokens: list[int]
     sampling_seqs: list[Sequence]  # those that sample this step, in logits-row order
+    prompt_spans: list[PromptSpan] = field(default_factory=list)  # their rows follow the sampling rows
+    scored_seqs: list[Sequence] = field(default_factory=list)  # max_tokens 0: prompt done, nothing to sample
 
 
 class ModelRunner:
@@ -40,17 +49,23 @@ class ModelRunner:
         decodes = [(s, n) for s, n in scheduled if n == 1]
         prefills = [(s, n) for s, n in scheduled if n > 1]
         ordered = decodes + prefills
-        sampling = [s for s, n in ordered if s.num_computed_tokens + n == s.num_tokens]
-        return StepInput([s for s, _ in ordered], [n for _, n in ordered], sampling)
+        done = [s for s, n in ordered if s.num_computed_tokens + n == s.num_tokens]
+        return StepInput(
+            [s for s, _ in ordered], [n for _, n in ordered], [s for s in done if s.max_tokens > 0],
+            prompt_spans(ordered), [s for s in done if s.max_tokens == 0],
+        )
 
     def execute(self, step: StepInput) -> torch.Tensor:
-        """Run one forward pass; returns [len(step.sampling_seqs), vocab] float32 logits."""
+        """Run one forward pass; returns float32 logits, [len(step.sampling_seqs) + the prompt
+        spans' rows, vocab]: the sampling rows first."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
         sample_rows: list[int] = []
         prefills: list[PrefillChunk] = []
+        span_of = {span.seq: span for span in step.prompt_spans}
+        prompt_rows: list[int] = []
 
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
@@ -62,8 +77,11 @@ class ModelRunner:
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            if end == seq.num_tokens:
+            if end == seq.num_tokens and seq.max_tokens > 0:
                 sample_rows.append(len(input_ids) - 1)
+            span = span_of.get(seq) if span_of else None
+            if span is not None:  # in step.prompt_spans order: spans follow the token layout
+                prompt_rows += range(q_start + span.start - start, q_start + span.end - start)
             if n == 1:
                 decode_tables.append(table)
                 decode_lens.append(end)
@@ -97,5 +115,5 @@ class ModelRunner:
             self.kv_cache.layers,
             meta,
         )
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        rows = torch.tensor(sample_rows + prompt_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows))

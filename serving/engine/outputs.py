@@ -9,11 +9,14 @@ __all__ = ["TokenLogprob", "CompletionOutput", "RequestOutput", "RequestMetrics"
 
 @dataclass
 class TokenLogprob:
-    """The sampled token's logprob and the `k` most likely alternatives (raw model distribution)."""
+    """The sampled token's logprob and the `k` most likely alternatives (raw model distribution).
+    A prompt token's (prompt logprobs) is the same, for the token the prompt holds there, with its
+    `rank`: 1 + how many tokens the model found strictly more likely."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # prompt logprobs only
 
 
 @dataclass
@@ -50,6 +53,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     metrics: RequestMetrics | None = None
+    # params.prompt_logprobs: one per prompt token after the first (the first has no context to
+    # be predicted from), in the request's first output after its prompt is computed; else None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def merge_outputs(acc: RequestOutput | None, new: RequestOutput) -> RequestOutput:
@@ -75,6 +81,8 @@ def merge_outputs(acc: RequestOutput | None, new: RequestOutput) -> RequestOutpu
     acc.finished = new.finished
     acc.metrics = new.metrics
     acc.num_cached_tokens = new.num_cached_tokens
+    if new.prompt_logprobs is not None:
+        acc.prompt_logprobs = new.prompt_logprobs
     return acc
 
 

@@ -18,6 +18,7 @@ from serving.engine.params import SamplingParams
 
 if TYPE_CHECKING:
     from serving.engine.kv_payload import KVPayload
+    from serving.engine.outputs import TokenLogprob
 
 __all__ = ["RequestStatus", "Sequence"]
 
@@ -74,6 +75,9 @@ class Sequence:
     export_until: float | None = None  # time.monotonic() after which export_into must not be written
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # params.prompt_logprobs (choice 0 only): the logprob of prompt token i + 1 at index i, filled
+    # as the prompt's chunks are computed; None when not asked for (then nothing costs anything)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -94,6 +98,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs that are not all computed yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def sort_key(self) -> tuple[int, float, int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["apply_penalties", "top_k_top_p_min_p", "seed_from_key"]
+__all__ = ["apply_penalties", "apply_token_bitmask", "top_k_top_p_min_p", "seed_from_key"]
 
 # A top_p-only row looks at its 256 most likely tokens, then 4096, and is sorted in full only
 # when those hold less than top_p of the mass (a flat distribution, or top_p near 1). On one
@@ -85,6 +86,46 @@ def apply_penalties(
             )[row]
             flat[tokens] -= penalty
     return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, row_ids: Sequence[int]) -> torch.Tensor:
+    """Step 4b, in place on float32 `logits` [rows, vocab]: row `row_ids[j]` keeps the tokens whose
+    bit is set in `bitmask[j]` (int32 words on the CPU, bit b of word w = token 32 w + b, as
+    serving/engine/grammar.py fills it) and the others become -inf. Returns `logits`. A row with
+    no bit set raises ValueError: it would have nothing to sample.
+
+    The words are read as bytes (little-endian: token order) and each byte looks up its 8 values,
+    0 or -inf, in a [256, 8] table; the rows get them added (x + 0 is x exactly). On 2 cores that is
+    0.2 ms for 16 rows of 49k, where a masked_fill from unpacked bits takes 1.9 ms.
+    """
+    assert bitmask.dtype == torch.int32 and bitmask.device.type == "cpu" and bitmask.is_contiguous()
+    assert sys.byteorder == "little", "the bitmask's bytes are read in little-endian order"
+    num_rows, vocab_size = len(row_ids), logits.shape[1]
+    assert bitmask.shape == (num_rows, (vocab_size + 31) // 32), f"bitmask {tuple(bitmask.shape)} for {num_rows} rows of {vocab_size}"
+    dead = (bitmask == 0).all(dim=1)  # bits past the vocabulary are never set
+    if dead.any():  # nothing to sample: the row's request fails (Sampler.sample_each finds it), not the batch
+        raise ValueError(f"the grammar of row {row_ids[int(dead.nonzero()[0])]} allows no token")
+    table = _bit_bias_table(logits.device)
+    byte_ids = bitmask.view(torch.uint8).view(-1).to(device=logits.device, dtype=torch.int32)
+    bias = torch.index_select(table, 0, byte_ids).view(num_rows, -1)[:, :vocab_size]
+    if num_rows == logits.shape[0]:
+        logits.add_(bias)
+    else:
+        logits.index_add_(0, torch.tensor(list(row_ids), device=logits.device), bias)
+    return logits
+
+
+_BIT_BIAS_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_bias_table(device: torch.device) -> torch.Tensor:
+    """[256, 8] float32: row b holds, for each bit k of the byte b (least significant first), 0 when
+    it is set and -inf when not."""
+    table = _BIT_BIAS_TABLES.get(device)
+    if table is None:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+        table = _BIT_BIAS_TABLES[device] = torch.where(bits == 1, 0.0, -math.inf).to(device)
+    return table
 
 
 def top_k_top_p_min_p(

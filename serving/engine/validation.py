@@ -69,7 +69,7 @@ def check_request(
             f"{max_model_len - len(prompt)})",
             num_tokens=len(prompt) + params.max_tokens, limit=max_model_len,
         )
-    if params.max_tokens is not None and len(prior) >= params.max_tokens:
+    if prior and params.max_tokens is not None and len(prior) >= params.max_tokens:
         raise InvalidRequestError("max_tokens", f"must exceed the {len(prior)} tokens generated already")
     if (hold_kv or kv_payload is not None) and params.n != 1:
         raise InvalidRequestError("n", "KV export/import supports n=1 only")

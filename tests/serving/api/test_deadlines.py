@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import aclosing
-from dataclasses import replace
 
 import httpx
 import pytest
@@ -27,8 +26,8 @@ from serving.deployments.local_backend import LocalBackend
 from serving.engine import EngineConfig, SamplingParams
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.detokenizer import IncrementalDetokenizer
-from serving.engine.outputs import CompletionOutput, merge_outputs
-from tests.helpers import VirtualClock
+from serving.engine.outputs import merge_outputs
+from tests.helpers import VirtualClock, single_tokens
 
 MODEL = "tiny"
 TEN = list(range(100, 110))  # a prompt of exactly 10 tokens
@@ -53,7 +52,7 @@ class Stalls(LocalBackend):
     async def generate(self, request):
         async with aclosing(super().generate(request)) as outputs:
             async for out in outputs:
-                for one in _single_tokens(out):
+                for one in single_tokens(out):
                     if len(self.sent) == self.count:
                         break
                     if len(self.sent) + 1 == self.count:
@@ -64,19 +63,11 @@ class Stalls(LocalBackend):
                     await asyncio.Event().wait()
 
 
-def _single_tokens(out):
-    """An output per token (the engine merges those a reader has not taken yet); one choice."""
-    [c] = out.outputs
-    for i, token_id in enumerate(c.token_ids):
-        last = i == len(c.token_ids) - 1
-        logprobs = c.logprobs[i : i + 1] if c.logprobs else None
-        one = CompletionOutput(c.index, "", [token_id], logprobs, c.finish_reason if last else None, c.stop_reason if last else None)
-        yield replace(out, outputs=[one], finished=out.finished and last)
-
-
 def server(engine, tiny_model_dir, backend, **config) -> tuple[OpenAIServer, VirtualClock]:
     cfg = ServeConfig.model_validate({"model": str(tiny_model_dir), "served_model_name": MODEL, **config})
-    srv = OpenAIServer(Frontend(engine.tokenizer, backend, MODEL), cfg)
+    # One token per SSE event, however busy the machine: the stream tests count events per token
+    # (with merging, tokens that arrive while the ingress is busy share one event).
+    srv = OpenAIServer(Frontend(engine.tokenizer, backend, MODEL, max_merged_tokens=1), cfg)
     clock = VirtualClock()
     srv.clock = clock
     return srv, clock

@@ -100,6 +100,7 @@ async def test_requests_at_the_default_limits_are_served(stack):
         ({"max_logprobs": 5}, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 6},
          "top_logprobs: must be in [0, 5], got 6", "top_logprobs"),
         ({"max_logprobs": 5}, "/v1/completions", {**COMPLETION, "logprobs": 6}, "logprobs: must be <= 5, got 6", "logprobs"),
+        ({"max_logprobs": 5}, "/v1/chat/completions", {**CHAT, "prompt_logprobs": 6}, "prompt_logprobs: must be <= 5, got 6", "prompt_logprobs"),
         ({"max_logit_bias_entries": 1}, "/v1/completions", {**COMPLETION, "logit_bias": {"1": 1, "2": 1}},
          "logit_bias: at most 1 entries, got 2", "logit_bias"),
         ({"max_stop_strings": 2}, "/v1/completions", {**COMPLETION, "stop": ["a", "b", "c"]}, "stop: at most 2 stop strings, got 3", "stop"),

@@ -24,15 +24,18 @@ def app(engine, tiny_model_dir):
     return OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config).build_app()
 
 
-def test_the_document_describes_both_completion_endpoints(app):
+def test_the_document_describes_the_generation_and_tokenization_endpoints(app):
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     operations = sorted(f"{op.ok().method.upper()} {op.ok().path}" for op in schema.get_all_operations())
-    assert operations == ["GET /health", "GET /v1/models", "POST /v1/chat/completions", "POST /v1/completions"]
+    assert operations == [
+        "GET /health", "GET /v1/models", "POST /detokenize", "POST /tokenize", "POST /v1/chat/completions", "POST /v1/completions",
+        "POST /v1/responses",
+    ]
 
 
 def test_no_request_gets_a_5xx_and_every_4xx_is_openai_shaped(app):
     failures, statuses = fuzz(schemathesis.openapi.from_asgi("/openapi.json", app), EXAMPLES_PER_OPERATION)
     assert failures == []
-    # The generator reached both sides of the completion endpoints: served, and refused.
-    for path in ("POST /v1/chat/completions", "POST /v1/completions"):
+    # The generator reached both sides of the generation and tokenization endpoints: served, and refused.
+    for path in ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "POST /tokenize", "POST /detokenize"):
         assert 200 in statuses[path] and statuses[path] & {400, 422}, statuses

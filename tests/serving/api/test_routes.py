@@ -666,9 +666,9 @@ async def test_completion_echo_with_logprobs_offsets_into_the_echoed_text(stack)
 
     choice = body["choices"][0]
     offsets, tokens = choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"]
-    assert offsets[0] == len(FOX)
+    assert offsets[:5] == [0, 3, 9, 15, len(FOX)]  # the prompt's 4 tokens, then the completion's
     assert [choice["text"][o: o + len(t)] for o, t in zip(offsets, tokens)] == tokens
-    assert choice["text"] == FOX + "".join(tokens)
+    assert choice["text"] == "".join(tokens) and choice["text"].startswith(FOX)
 
 
 @pytest.mark.asyncio
@@ -693,7 +693,8 @@ async def test_the_openai_sdk_reads_completions(stack):
         ({**CHAT, "temperature": 5}, "temperature: must be in [0.0, 2.0], got 5.0", "temperature"),
         ({**CHAT, "top_p": 0}, "top_p: must be in (0.0, 1.0], got 0.0", "top_p"),
         ({**CHAT, "n": 0}, "n: must be >= 1, got 0", "n"),
-        ({**CHAT, "max_tokens": 0}, "max_tokens: must be >= 1, got 0", "max_tokens"),
+        ({**CHAT, "max_tokens": 0}, "max_tokens: must be >= 1, got 0 (0 scores the prompt without generating: with prompt_logprobs)", "max_tokens"),
+        ({**CHAT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs: is not available with stream", "prompt_logprobs"),
         ({**CHAT, "logit_bias": {"hello": 5}}, "logit_bias: keys must be token ids, got 'hello'", "logit_bias"),
         ({**CHAT, "logit_bias": {"49152": 5}}, "logit_bias: token id 49152 is not in the vocabulary (0..49151)", "logit_bias"),
         ({**CHAT, "top_logprobs": 2}, "top_logprobs: requires logprobs to be true", "top_logprobs"),
@@ -710,8 +711,8 @@ async def test_the_openai_sdk_reads_completions(stack):
         ),
         ({"model": MODEL}, "messages: Field required", "messages"),
         ({**CHAT, "messages": []}, "messages: List should have at least 1 item after validation, not 0", "messages"),
-        ({**CHAT, "messages": [{"role": "tool", "content": "x"}]},
-         "messages[0].role: Input should be 'system', 'developer', 'user' or 'assistant' (got 'tool')", "messages[0].role"),
+        ({**CHAT, "messages": [{"role": "robot", "content": "x"}]},
+         "messages[0].role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool' (got 'robot')", "messages[0].role"),
         ({**CHAT, "temperature": "hot"}, "temperature: Input should be a valid number, unable to parse string as a number (got 'hot')", "temperature"),
     ],
 )
@@ -727,7 +728,12 @@ async def test_invalid_chat_requests_are_400s_naming_the_field(stack, body, mess
     ("body", "message", "param", "code"),
     [
         ({"prompt": FOX, "suffix": "!"}, "suffix: is not supported by this server", "suffix", "invalid_value"),
-        ({"prompt": FOX, "echo": True, "stream": True}, "echo: is not supported with stream", "echo", "invalid_value"),
+        ({"prompt": FOX, "max_tokens": 0},
+         "max_tokens: must be >= 1, got 0 (0 scores the prompt without generating: with prompt_logprobs or echo)", "max_tokens", "invalid_value"),
+        ({"prompt": FOX, "prompt_logprobs": 1, "stream": True},
+         "prompt_logprobs: is not available with stream; stream echo with logprobs instead", "prompt_logprobs", "invalid_value"),
+        ({"prompt": FOX, "prompt_logprobs": 21}, "prompt_logprobs: must be <= 20, got 21", "prompt_logprobs", "invalid_value"),
+        ({"prompt": FOX, "prompt_logprobs": -1}, "prompt_logprobs: must be >= 0, got -1", "prompt_logprobs", "invalid_value"),
         ({"prompt": FOX, "logprobs": 21}, "logprobs: must be <= 20, got 21", "logprobs", "invalid_value"),
         ({"prompt": ""}, "prompt: must not be empty", "prompt", "invalid_value"),
         ({"prompt": []}, "prompt: must not be empty", "prompt", "invalid_value"),
@@ -1181,7 +1187,9 @@ async def test_models_lists_the_served_name_and_health_is_ok(stack):
     assert models.status_code == card.status_code == health.status_code == 200
     created = card.json()["created"]
     assert isinstance(created, int)
-    assert models.json() == {"object": "list", "data": [{"id": MODEL, "object": "model", "created": created, "owned_by": "kvrelay"}]}
+    assert models.json() == {"object": "list", "data": [
+        {"id": MODEL, "object": "model", "created": created, "owned_by": "kvrelay", "max_model_len": MAX_MODEL_LEN},
+    ]}
     assert card.json() == models.json()["data"][0]
     assert health.json() == {"status": "ok", "pools": {"engine": {"RUNNING": 1}}}
     assert listed == [MODEL]

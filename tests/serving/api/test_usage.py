@@ -32,6 +32,7 @@ from serving.api.usage import (
 from serving.config import ConfigError, ServeConfig, load_config
 from serving.deployments.local_backend import LocalBackend
 from serving.engine import EngineDeadError
+from tests.helpers import single_tokens
 
 MODEL = "tiny"
 PRICE = ModelPrice(input_per_million=Decimal("0.15"), output_per_million=Decimal("0.60"))
@@ -285,11 +286,15 @@ class _StopsAfter(LocalBackend):
     async def generate(self, request):
         delivered = 0
         async with aclosing(super().generate(request)) as outputs:
-            async for out in outputs:
+            async for merged in outputs:
+                # An output per token: the engine merges those a busy reader has not taken yet.
+                for out in single_tokens(merged):
+                    if delivered == self.count:
+                        break
+                    yield out
+                    delivered += 1
                 if delivered == self.count:
                     break
-                yield out
-                delivered += len(out.outputs[0].token_ids)
         if self.fail is not None:
             raise self.fail
         self.reached.set()

@@ -157,6 +157,13 @@ def test_openai_sdk_greedy_equals_engine(serve_instance, reference, app):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
+    # /v1/responses runs through the same pipeline: the same prompt, the same text
+    answer = client.responses.create(model="tiny", input=prompt, temperature=0, max_output_tokens=MAX_TOKENS)
+    assert answer.output_text == text and answer.usage.output_tokens == MAX_TOKENS
+    events = list(client.responses.create(model="tiny", input=prompt, temperature=0, max_output_tokens=MAX_TOKENS, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == text
+
 
 @pytest.mark.parametrize("app", ["disagg", "coloc"])
 def test_schemathesis_over_http_gets_no_5xx_and_only_openai_shaped_4xx(serve_instance, app):
@@ -167,10 +174,45 @@ def test_schemathesis_over_http_gets_no_5xx_and_only_openai_shaped_4xx(serve_ins
     from tests.openapi_fuzz import fuzz
 
     base_url = f"{serve_instance['url']}/{app}"
-    failures, statuses = fuzz(schemathesis.openapi.from_url(f"{base_url}/openapi.json"), 12, base_url=base_url)
+    failures, statuses = fuzz(schemathesis.openapi.from_url(f"{base_url}/openapi.json"), 12, base_url=base_url, timeout=120)
     assert failures == []
     for path in ("POST /v1/chat/completions", "POST /v1/completions"):
         assert 200 in statuses[path] and statuses[path] & {400, 422}, statuses
+
+@pytest.mark.parametrize("app", ["disagg", "coloc"])
+def test_scoring_a_prompt_and_tokenizing_it(serve_instance, tiny_model_dir, app):
+    """Echo + logprobs, max_tokens 0 and prompt_logprobs equal the engine's own prompt logprobs
+    (fp32); disaggregated, the prefill worker computes them and they cross Ray in its first output."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=TINY_KV_BYTES))
+    prompt = "Once upon a time there was"
+    ids = engine.tokenizer(prompt).input_ids
+    [expected] = engine.generate([ids], SamplingParams(temperature=0, max_tokens=3, logprobs=1, prompt_logprobs=1))
+    scores = [lp.logprob for lp in expected.prompt_logprobs]
+    prefills = stats(app, "PrefillWorker").counters.num_prefills if app == "disagg" else 0
+    client = openai.OpenAI(base_url=f"{serve_instance['url']}/{app}/v1", api_key="unused", max_retries=0)
+
+    echoed = client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=1, max_tokens=3, temperature=0)
+    scored = client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    with httpx.Client(base_url=f"{serve_instance['url']}/{app}", timeout=60) as http:
+        vllm_style = http.post("/v1/completions", json={"prompt": prompt, "prompt_logprobs": 0, "max_tokens": 2, "temperature": 0}).json()
+        tokenized = http.post("/tokenize", json={"prompt": prompt}).json()
+        detokenized = http.post("/detokenize", json={"tokens": ids}).json()
+        max_model_len = http.get("/v1/models").json()["data"][0]["max_model_len"]
+
+    lp = echoed.choices[0].logprobs
+    assert echoed.choices[0].text == prompt + expected.outputs[0].text
+    assert lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(scores, abs=1e-4)
+    assert lp.token_logprobs[len(ids):] == pytest.approx([t.logprob for t in expected.outputs[0].logprobs], abs=1e-4)
+    assert scored.choices[0].text == prompt and scored.choices[0].finish_reason == "length"
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(scores, abs=1e-4)
+    assert scored.usage.completion_tokens == 0
+    entries = vllm_style["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and [e[str(t)]["logprob"] for e, t in zip(entries[1:], ids[1:])] == pytest.approx(scores, abs=1e-4)
+    assert tokenized == {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": None}
+    assert detokenized == {"prompt": prompt}
+    if app == "disagg":  # the three completions were prefilled on the prefill pool
+        assert stats(app, "PrefillWorker").counters.num_prefills == prefills + 3
 
 
 def test_httpx_completions_and_models(serve_instance, reference):
@@ -199,6 +241,65 @@ def test_disaggregated_equals_colocated_with_stop_string(serve_instance, referen
             }).json()
         results[app] = (body["choices"][0]["message"]["content"], body["choices"][0]["finish_reason"])
     assert results["disagg"] == results["coloc"] == (text[: text.index(stop)], "stop")
+
+
+# ---- structured outputs ----------------------------------------------------------------------
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pet": {"enum": ["cat", "dog", "none"]},
+    },
+    "required": ["name", "age", "pet"],
+}
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+
+@pytest.mark.parametrize("app", ["disagg", "coloc"])
+def test_structured_outputs_hold_greedy_and_sampled_100_times_out_of_100(serve_instance, reference, app):
+    """Disaggregated, the prefill worker samples the first token under the grammar and the decode
+    worker replays it into its own matcher before it goes on: the greedy document is the
+    in-process engine's, and 100 sampled ones each validate. A schema that does not compile is a
+    400 from the ingress, before any worker sees it."""
+    import jsonschema
+
+    from serving.engine.params import GuidedSpec
+
+    messages = [{"role": "user", "content": "Describe someone."}]
+    before = stats(app, "DecodeWorker" if app == "disagg" else "Worker")
+    _, text = reference("Describe someone.", max_tokens=64, guided=GuidedSpec.json_schema(PERSON))
+    client = openai.OpenAI(base_url=f"{serve_instance['url']}/{app}/v1", api_key="unused", max_retries=0)
+    greedy = client.chat.completions.create(model="tiny", messages=messages, response_format=PERSON_FORMAT, temperature=0, max_tokens=64)
+    assert greedy.choices[0].message.content == text and greedy.choices[0].finish_reason == "stop"
+
+    async def sampled() -> list[httpx.Response]:
+        limit = asyncio.Semaphore(16)
+
+        async def one(client: httpx.AsyncClient, seed: int) -> httpx.Response:
+            async with limit:
+                return await client.post("/v1/chat/completions", json={
+                    "messages": messages, "response_format": PERSON_FORMAT, "temperature": 1.0, "seed": seed, "max_tokens": 64,
+                })
+
+        async with httpx.AsyncClient(base_url=f"{serve_instance['url']}/{app}", timeout=120) as client:
+            return await asyncio.gather(*[one(client, seed) for seed in range(100)])
+
+    bodies = [r.json() for r in asyncio.run(sampled())]
+    assert [b["choices"][0]["finish_reason"] for b in bodies] == ["stop"] * 100, bodies[0]
+    for body in bodies:
+        jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), PERSON)
+    if app == "disagg":  # every one of them crossed the hand-off
+        after = stats(app, "DecodeWorker")
+        assert after.counters.num_kv_imports == before.counters.num_kv_imports + 101
+        assert after.counters.num_kv_fallbacks == before.counters.num_kv_fallbacks
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="tiny", messages=messages, response_format={**PERSON_FORMAT, "json_schema": {"name": "x", "schema": {"type": "strin"}}},
+        )
+    assert info.value.param == "response_format.json_schema.schema" and info.value.code == "invalid_value"
+    assert info.value.body["message"] == 'response_format.json_schema.schema: cannot be compiled: Unsupported type "strin"'
 
 
 def test_kv_crosses_through_the_transfer_actor(serve_instance, reference):
@@ -290,6 +391,7 @@ def test_unclaimed_kv_is_freed_when_its_lease_ends(serve_instance, tiny_model_di
 
 def test_client_disconnect_frees_every_block(serve_instance):
     baseline = {d: stats("disagg", d).engine.num_free_blocks for d in ("PrefillWorker", "DecodeWorker")}
+    generated_before = stats("disagg", "DecodeWorker").engine.num_generated_tokens  # the module's earlier tests count too
     url = serve_instance["url"] + "/disagg"
     with httpx.Client(base_url=url, timeout=60) as client:
         with client.stream("POST", "/v1/chat/completions", json={
@@ -312,7 +414,7 @@ def test_client_disconnect_frees_every_block(serve_instance):
         ) and current
 
     current = wait_until(settled, timeout_s=30)
-    assert current["DecodeWorker"].engine.num_generated_tokens < 2000
+    assert current["DecodeWorker"].engine.num_generated_tokens - generated_before < 2000
     assert kv_actor_stats("disagg").num_held == 0
 
 

@@ -350,7 +350,6 @@ def test_an_arena_range_is_written_and_read_only_before_its_leases_end(tiny_mode
     "kwargs, param",
     [
         (dict(max_tokens=-1), "max_tokens"),
-        (dict(max_tokens=0), "max_tokens"),
         (dict(top_p=1.5), "top_p"),
         (dict(top_p=0.0), "top_p"),
         (dict(temperature=-0.1), "temperature"),
@@ -360,6 +359,8 @@ def test_an_arena_range_is_written_and_read_only_before_its_leases_end(tiny_mode
         (dict(presence_penalty=3.0), "presence_penalty"),
         (dict(logit_bias={7: 101.0}), "logit_bias"),
         (dict(logprobs=21), "logprobs"),
+        (dict(prompt_logprobs=21), "prompt_logprobs"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
         (dict(min_tokens=10, max_tokens=5), "min_tokens"),
         (dict(stop=[""]), "stop"),
     ],
