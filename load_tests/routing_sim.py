@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from load_tests.routing_metrics import PolicyRun, RoutedRequest
 from load_tests.routing_workload import Workload, WorkloadRequest
+from router.index import eviction_order
 from router.policies import POLICIES, Decision, RouteRequest, build_policy
 from router.replica_stats import RequestRate, RoutingStats
 from router.routing_state import RouterState
@@ -157,12 +158,15 @@ class SimReplica:
         self.prefill_tokens_per_s = 0.0  # EMA like the engine's; 0 before any prefill
         self.requests = RequestRate()  # as the worker measures it
         self._num_taken = 0  # submits and finishes: with the cache's version, the snapshot's
+        self.num_requests = 0  # taken, cumulative (RoutingStats.num_requests)
+        self._num_computed_tokens = 0  # by finished prefills; the running one's part is added in stats
         self._snapshot: tuple[int, list[int]] = (-1, [])
 
     def submit(self, request: WorkloadRequest, now: float) -> _Job | None:
         """Queue a request; returns the job if it started now (its finish_s is then set)."""
         self.requests.add(now)
         self._num_taken += 1
+        self.num_requests += 1
         self.queue.append(_Job(request))
         return self._start_next(now) if self.running is None else None
 
@@ -173,6 +177,7 @@ class SimReplica:
         self.cache.release(job.request.block_hashes, job.request.num_prompt_tokens)
         self._num_taken += 1
         num_uncached = job.request.num_prompt_tokens - job.num_cached_tokens
+        self._num_computed_tokens += num_uncached
         if num_uncached >= _MIN_RATE_TOKENS:
             rate = num_uncached / (job.finish_s - job.start_s)
             self.prefill_tokens_per_s = 0.8 * self.prefill_tokens_per_s + 0.2 * rate if self.prefill_tokens_per_s else rate
@@ -189,12 +194,22 @@ class SimReplica:
         job.start_s, job.finish_s = now, now + self.cost.service_s(num_uncached, job.num_cached_tokens)
         return job
 
+    def _running_left(self, now: float) -> int:
+        """The running prompt's uncached tokens not computed yet (computed at an even pace)."""
+        job = self.running
+        if job is None:
+            return 0
+        left = (job.finish_s - now) / (job.finish_s - job.start_s) if job.finish_s > job.start_s else 0.0
+        return round((job.request.num_prompt_tokens - job.num_cached_tokens) * left)
+
+    def num_computed_tokens(self, now: float) -> int:
+        """Tokens computed so far: the finished prefills' and the running one's computed part."""
+        job = self.running
+        running = job.request.num_prompt_tokens - job.num_cached_tokens - self._running_left(now) if job else 0
+        return self._num_computed_tokens + running
+
     def queued_prefill_tokens(self, now: float) -> int:
-        queued = 0
-        if self.running is not None:
-            job = self.running
-            left = (job.finish_s - now) / (job.finish_s - job.start_s) if job.finish_s > job.start_s else 0.0
-            queued += round((job.request.num_prompt_tokens - job.num_cached_tokens) * left)
+        queued = self._running_left(now)
         for job in self.queue:
             request = job.request
             cached = self.cache.num_matched_blocks(request.block_hashes, request.num_prompt_tokens)
@@ -207,11 +222,8 @@ class SimReplica:
         and not finished (router/index.py CachedBlockSet.take)."""
         version = self.cache.version + self._num_taken
         if self._snapshot[0] != version:
-            cached = self.cache.hashes()
-            held = set(cached)
             jobs = ([self.running] if self.running is not None else []) + list(self.queue)
-            taken = dict.fromkeys(h for job in jobs for h in job.request.block_hashes if h not in held)
-            self._snapshot = (version, cached + list(taken))
+            self._snapshot = (version, eviction_order(self.cache.hashes(), (job.request.block_hashes for job in jobs)))
         return RoutingStats(
             kv_version=version,
             kv_hashes=self._snapshot[1],  # PrefixIndex.update copies it
@@ -222,6 +234,8 @@ class SimReplica:
             num_running=int(self.running is not None),
             num_waiting=len(self.queue),
             requests_per_s=self.requests.per_s(now),
+            num_computed_tokens=self.num_computed_tokens(now),
+            num_requests=self.num_requests,
         )
 
 

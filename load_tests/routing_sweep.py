@@ -147,6 +147,14 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return None if num is None or not den else num / den
 
 
+def _vs_one_router(record: dict) -> float | None:
+    """Ours with several routers / with one: the ratio of their mean hit rates over the seeds
+    where several ran, else of the one run each."""
+    if record.get("one_router_hit_rates"):
+        return _ratio(sum(record["several_routers_hit_rates"]), sum(record["one_router_hit_rates"]))
+    return _ratio(record["figures"]["prefix_cost"]["hit_rate"], record["figures"].get(ONE_ROUTER, {}).get("hit_rate"))
+
+
 def summarize_sweep(records: list[dict]) -> dict:
     """The summary of the module docstring from the cells' records."""
     def ours(r):
@@ -160,10 +168,12 @@ def summarize_sweep(records: list[dict]) -> dict:
         "min_hit_ratio_vs_char_tree": (lambda r: _ratio(ours(r)["hit_rate"], tree(r).get("hit_rate")), min),
         "max_ttft_p95_ratio_vs_char_tree": (lambda r: _ratio(ours(r)["ttft_ms_p95"], tree(r).get("ttft_ms_p95")), max),
         "max_over_mean_load": (lambda r: ours(r)["max_over_mean_load"], max),
-        # Not a target: ours against the oracle's own placement on the simulated LRU caches.
+        # Not targets: ours against the oracle's own placement on the simulated LRU caches, one
+        # LRU cache as large as the pool, and the same cache with offline-optimal eviction.
         "min_hit_ratio_vs_oracle_replay": (lambda r: _ratio(ours(r)["hit_rate"], r["figures"].get("oracle_replay", {}).get("hit_rate")), min),
-        "min_hit_ratio_vs_one_router": (
-            lambda r: _ratio(ours(r)["hit_rate"], r["figures"].get(ONE_ROUTER, {}).get("hit_rate")), min),
+        "min_hit_ratio_vs_pooled_lru": (lambda r: _ratio(ours(r)["hit_rate"], r.get("pooled_lru_hit_rate")), min),
+        "min_fraction_of_pooled_optimal": (lambda r: _ratio(ours(r)["hit_rate"], r.get("pooled_optimal_hit_rate")), min),
+        "min_hit_ratio_vs_one_router": (_vs_one_router, min),
     }
     summary: dict = {}
     for key, (figure, pick) in figures.items():
@@ -181,9 +191,10 @@ def _fmt(value: float | None, spec: str) -> str:
 def format_sweep(records: list[dict], summary: dict, cost: CostModel) -> str:
     several = any(ONE_ROUTER in r.get("figures", {}) for r in records)
     lines = [
-        "pressure sweep: ours (prefix_cost) and the character prefix tree; hit rate / the oracle's, "
-        "TTFT p95 ms, max/mean load" + ("; ours' hit rate / ours with one router" if several else ""),
-        f"{'cell':<22}{'KV tok':>7}{'oracle':>8}{'ours':>7}{'tree':>7}{'pow2':>7}{'rr':>7}{'replay':>7}"
+        "pressure sweep: every policy's hit rate / the oracle's (LRU, MIN: one cache as large as the pool, "
+        "routing_bounds.py), TTFT p95 ms, max/mean load"
+        + ("; ours' hit rate / ours with one router" if several else ""),
+        f"{'cell':<22}{'KV tok':>7}{'oracle':>8}{'ours':>7}{'tree':>7}{'pow2':>7}{'rr':>7}{'replay':>7}{'LRU':>7}{'MIN':>7}"
         f"{'p95 ours':>10}{'p95 tree':>10}{'load ours':>10}{'load tree':>10}" + (f"{'/1 router':>10}" if several else ""),
     ]
     for r in records:
@@ -198,10 +209,11 @@ def format_sweep(records: list[dict], summary: dict, cost: CostModel) -> str:
         lines.append(
             f"{r['cell']:<22}{r['kv_cache_tokens']:>7}{oracle:>8.3f}{frac('prefix_cost'):>7}{frac('char_prefix_tree'):>7}"
             f"{frac('pow2'):>7}{frac('round_robin'):>7}{frac('oracle_replay'):>7}"
+            f"{_fmt(_ratio(r.get('pooled_lru_hit_rate'), oracle), '.3f'):>7}{_fmt(_ratio(r.get('pooled_optimal_hit_rate'), oracle), '.3f'):>7}"
             f"{_fmt(f['prefix_cost']['ttft_ms_p95'], '.0f'):>10}{_fmt(f.get('char_prefix_tree', {}).get('ttft_ms_p95'), '.0f'):>10}"
             f"{_fmt(f['prefix_cost']['max_over_mean_load'], '.2f'):>10}"
             f"{_fmt(f.get('char_prefix_tree', {}).get('max_over_mean_load'), '.2f'):>10}"
-            + (f"{_fmt(_ratio(f['prefix_cost']['hit_rate'], f.get(ONE_ROUTER, {}).get('hit_rate')), '.3f'):>10}" if several else "")
+            + (f"{_fmt(_vs_one_router(r), '.3f'):>10}" if several else "")
         )
     skipped = [r for r in records if r["skipped"] is not None]
     if skipped:
@@ -212,6 +224,11 @@ def format_sweep(records: list[dict], summary: dict, cost: CostModel) -> str:
             continue  # one router: nothing to compare
         verdict = {True: "pass", False: "miss", None: "n/a"}[summary["targets"][t.key]["met"]]
         lines.append(f"{t.label:<40}{_fmt(summary[t.key], '.3f'):>8}{t.text:>10}{verdict:>8}  {summary[t.key + '_cell']}")
+    for key, label in (("min_hit_ratio_vs_oracle_replay", "worst cell: hit rate / replayed oracle's"),
+                       ("min_hit_ratio_vs_pooled_lru", "worst cell: hit rate / pooled LRU's"),
+                       ("min_fraction_of_pooled_optimal", "worst cell: hit rate / pooled MIN's")):
+        if summary.get(key) is not None:
+            lines.append(f"{label:<40}{_fmt(summary[key], '.3f'):>8}{'(info)':>10}{'':>8}  {summary[key + '_cell']}")
     lines.append(f"cost model: {cost.overhead_s * 1e3:.1f} ms + tokens / {cost.tokens_per_s:.0f}/s "
                  f"+ {cost.attention_pair_s:.2e} s per attention pair")
     return "\n".join(lines)

@@ -25,6 +25,9 @@ class ReplicaLoad:
     num_blocks: int = 0
     kv_usage: float = 0.0
     requests_per_s: float = 0.0  # requests the replica took lately (RoutingStats.requests_per_s); 0: unknown
+    # Cumulative counters from its stats (RoutingStats; router/pool_load.py); 0: not reported.
+    num_computed_tokens: int = 0
+    num_requests: int = 0
 
 
 @dataclass

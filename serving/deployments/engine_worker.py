@@ -78,6 +78,7 @@ class EngineWorker:
         self._cached_blocks_lock = threading.Lock()  # written on the engine thread
         self._epoch = time.time_ns()  # orders this engine's snapshots after a restarted one's
         self._requests = RequestRate()  # requests this replica took lately (RoutingStats.requests_per_s)
+        self._num_requests = 0  # requests taken since the engine started (RoutingStats.num_requests)
         self.engine.subscribe_kv_events(self._on_kv_events)
         self._node_id: str | None = None
         self._callers = CallerWatch(self.engine.abort)  # aborts the requests of an ingress that died
@@ -114,6 +115,8 @@ class EngineWorker:
             kv_cache_usage=stats.kv_cache_usage,
             kv_import_s=self.recorder.kv_import_s,
             requests_per_s=self._requests.per_s(time.monotonic()),
+            num_computed_tokens=stats.num_computed_tokens,
+            num_requests=self._num_requests,
             metrics=tuple(self.recorder.snapshot()),
         )
 
@@ -124,6 +127,7 @@ class EngineWorker:
     def _took(self, request: WorkerRequest) -> None:
         """A request arrived: counted, and its prompt listed in the snapshot (router/index.py)."""
         self._requests.add(time.monotonic())
+        self._num_requests += 1
         with self._cached_blocks_lock:
             self._cached_blocks.take(request.request_id, request.block_hashes)
 

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from load_tests.bench_routing import REAL_QUICK, SIM_FULL, SIM_QUICK, params_from_args, policy_figures, summarize
+from load_tests.routing_bounds import pooled_lru_hit_tokens, pooled_optimal_hit_tokens
 from load_tests.routing_calibration import CalibrationPoint, fit
 from load_tests.routing_metrics import PolicyRun, RoutedRequest, percentile
 from load_tests.routing_sim import BlockCache, CostModel, SimConfig, oracle_hit_tokens, simulate
@@ -299,3 +300,15 @@ def test_pressure_sweep_tiny_grid_through_the_cli(tmp_path, capsys):
                 "max_over_mean_load", "min_hit_ratio_vs_one_router", "min_hit_ratio_vs_oracle_replay"):
         assert summary[key] > 0 and summary[f"{key}_cell"] in {r["cell"] for r in cells_run}
     assert "worst cell: hit rate / tree's" in capsys.readouterr().out
+
+
+def test_pooled_references_lru_and_offline_optimal():
+    # Prefixes A and B (2 blocks each) alternate, A B A B A, into one cache of 4 blocks; every
+    # prompt also has a 1-block suffix nobody reuses. LRU keeps each prompt's blocks (the suffix
+    # too), so each of the last three requests finds only the head of its prefix: 3 x 1 block.
+    # MIN drops the suffixes and B once nobody wants it: the last three find both blocks.
+    workload = tiny_workload([(0.0, 0), (1.0, 1), (2.0, 0), (3.0, 1), (4.0, 0)])
+    assert pooled_lru_hit_tokens(workload, num_blocks=4) == 3 * BS
+    assert pooled_optimal_hit_tokens(workload, num_blocks=4) == 3 * 2 * BS
+    # Room for everything: both hit all they can (2 blocks of 3: one token is always computed).
+    assert pooled_lru_hit_tokens(workload, num_blocks=100) == pooled_optimal_hit_tokens(workload, num_blocks=100) == 3 * 2 * BS
