@@ -73,7 +73,6 @@ the cheapest.
 from __future__ import annotations
 
 import hashlib
-import random
 from collections.abc import Hashable, Sequence
 
 from router.eviction import BlockReuse
@@ -102,7 +101,6 @@ class PrefixCostPolicy:
         price_evictions: bool = True,
         price_delay: bool = True,
         reuse_window_requests: int = 2048,
-        seed: int | None = None,
     ):
         if default_prefill_tokens_per_s <= 0:
             raise ValueError(f"default_prefill_tokens_per_s must be > 0, got {default_prefill_tokens_per_s}")
@@ -132,7 +130,6 @@ class PrefixCostPolicy:
         self.price_evictions = price_evictions
         self.price_delay = price_delay
         self.reuse = BlockReuse(reuse_window_requests)
-        self._rng = random.Random(seed)
         self.pool = PoolLoad(load_window_per_replica)  # what the replicas report they computed
         self.routed_tokens: dict[Hashable, float] = {}  # replica -> decayed uncached tokens sent
         self.routed_requests: dict[Hashable, float] = {}  # replica -> decayed requests sent
@@ -174,25 +171,10 @@ class PrefixCostPolicy:
             num = matched_blocks[best.replica_id]
             key = request.block_hashes[num] if num < len(request.block_hashes) else request.request_id
             weight = _rendezvous_weights(key, [load.replica_id for load in ties])
-            import os
-            mode = os.environ.get("TIEMODE", "qh")
-            if mode == "qh":
-                best = min(ties, key=lambda load: (load.queued_prefill_tokens, -weight[load.replica_id]))
-            elif mode == "qlh":
-                best = min(ties, key=lambda load: (load.queued_prefill_tokens, self._tie_load(load), -weight[load.replica_id]))
-            elif mode == "qrr":
-                best = min(ties, key=lambda load: (load.queued_prefill_tokens, self.routed_tokens.get(load.replica_id, 0.0), self._rng.random()))
-            elif mode.startswith("wh"):
-                k = float(mode[2:] or 1)
-                import math as _m
-                def score(load):
-                    u = (weight[load.replica_id] + 0.5) / 2.0**64
-                    w = 1.0 / (recent[load.replica_id] + uncached[load.replica_id]) ** k
-                    return -w / _m.log(u)
-                best = max(ties, key=score)
-            elif mode == "h":
-                best = max(ties, key=lambda load: weight[load.replica_id])
-            reason = "tie_break" if matched[best.replica_id] == 0 else reason
+            best = min(ties, key=lambda load: (
+                load.queued_prefill_tokens, self.routed_tokens.get(load.replica_id, 0.0), -weight[load.replica_id]))
+            if reason != "load_bound":
+                reason = "tie_break" if matched[best.replica_id] == 0 else reason
 
         least = min(loads, key=lambda load: (load.queued_prefill_tokens, costs[load.replica_id]))
         mean_queued = sum(load.queued_prefill_tokens for load in loads) / len(loads)
@@ -253,9 +235,6 @@ class PrefixCostPolicy:
             return {load.replica_id: self.pool.tokens(load.replica_id) + load.queued_prefill_tokens for load in loads}
         return {load.replica_id: self.routed_tokens.get(load.replica_id, 0.0) for load in loads}
 
-    def _tie_load(self, load: ReplicaLoad) -> float:
-        return self.pool.tokens(load.replica_id) if self.pool.reported else self.routed_tokens.get(load.replica_id, 0.0)
-
     def _within_load_bound(
         self, loads: Sequence[ReplicaLoad], routed: dict[Hashable, float], uncached: dict[Hashable, int],
         exempt: set[Hashable] = frozenset(),
@@ -267,12 +246,9 @@ class PrefixCostPolicy:
             return list(loads)
         bound = self.max_load_ratio * (sum(routed.values()) + min(uncached.values())) / len(loads)
         within = [load for load in loads if routed[load.replica_id] + uncached[load.replica_id] <= bound]
-        import os
-        if os.environ.get("BOUNDMODE") == "mean":
+        if not within:  # one prompt outweighs the pool's mean: those at or under the mean
             mean = sum(routed.values()) / len(loads)
-            within = [load for load in loads if routed[load.replica_id] + uncached[load.replica_id] <= bound or routed[load.replica_id] <= mean]
-        if not within:
-            return list(loads)
+            within = [load for load in loads if routed[load.replica_id] <= mean]
         keep = {load.replica_id for load in within} | exempt
         return [load for load in loads if load.replica_id in keep]
 

@@ -15,7 +15,7 @@ from load_tests.bench_routing import REAL_QUICK, SIM_FULL, SIM_QUICK, params_fro
 from load_tests.routing_bounds import pooled_lru_hit_tokens, pooled_optimal_hit_tokens
 from load_tests.routing_calibration import CalibrationPoint, fit
 from load_tests.routing_metrics import PolicyRun, RoutedRequest, percentile
-from load_tests.routing_sim import BlockCache, CostModel, SimConfig, oracle_hit_tokens, simulate
+from load_tests.routing_sim import BlockCache, CostModel, SimConfig, SimReplica, oracle_hit_tokens, simulate
 from load_tests.routing_sweep import SWEEP_FULL, SWEEP_QUICK, SweepGrid, cells, summarize_sweep
 from load_tests.routing_workload import Workload, WorkloadRequest, WorkloadSpec, make_workload
 from router.char_prefix_tree import token_text
@@ -77,6 +77,22 @@ def test_simulated_queue_waits_and_hits_with_a_fixed_rate():
     assert run.hit_rate == 16 / 48
     assert run.computed_tokens_by_replica == {"replica-00": 4 + 4 + 12 + 12} and run.max_over_mean_load == 1.0
     assert len(by_id) == 4
+
+
+def test_simulated_replica_reports_counters_and_the_prompts_it_took_like_a_worker():
+    # 128 tokens/s: a cold 12-token prompt takes 0.09375 s. r0 runs, r1 waits behind it.
+    workload = tiny_workload([(0.0, 0), (0.0, 1)])
+    r0, r1 = workload.requests
+    replica = SimReplica("a", SimConfig(num_replicas=1, num_blocks=16, block_size=BS), CostModel(0.0, 128.0))
+    assert replica.submit(r0, 0.0) is not None and replica.submit(r1, 0.0) is None
+    half = replica.routing_stats(0.09375 / 2)
+    assert (half.num_computed_tokens, half.num_requests, half.num_queued_prefill_tokens) == (6, 2, 6 + 12)
+    # Nothing cached yet; both prompts listed as taken, each tail first, in the order taken.
+    assert half.kv_hashes == [*reversed(r0.block_hashes), *reversed(r1.block_hashes)]
+    replica.finish(0.09375)  # r0 done: its 3 blocks cached; r1 starts
+    done = replica.routing_stats(0.09375)
+    assert (done.num_computed_tokens, done.num_requests) == (12, 2)
+    assert done.kv_hashes == [*reversed(r0.block_hashes), *reversed(r1.block_hashes)]
 
 
 def test_routers_see_stats_and_their_own_routing():
