@@ -16,7 +16,7 @@ from load_tests.routing_bounds import pooled_lru_hit_tokens, pooled_optimal_hit_
 from load_tests.routing_calibration import CalibrationPoint, fit
 from load_tests.routing_metrics import PolicyRun, RoutedRequest, percentile
 from load_tests.routing_sim import BlockCache, CostModel, SimConfig, SimReplica, oracle_hit_tokens, simulate
-from load_tests.routing_sweep import SWEEP_FULL, SWEEP_QUICK, SweepGrid, cells, summarize_sweep
+from load_tests.routing_sweep import ONE_ROUTER, SWEEP_FULL, SWEEP_QUICK, SweepGrid, cells, summarize_sweep
 from load_tests.routing_workload import Workload, WorkloadRequest, WorkloadSpec, make_workload
 from router.char_prefix_tree import token_text
 from serving.cli.dispatch import main
@@ -267,8 +267,12 @@ def test_pressure_sweep_summary_takes_the_worst_cell_of_each_figure():
         sweep_record("b", 0.5, prefix_cost=(0.4, 900.0, 1.2), char_prefix_tree=(0.38, 600.0, 1.1)),
         sweep_record("c", 0.9, skipped="too small"),
     ]
+    records[0].update(pooled_lru_hit_rate=0.8, pooled_optimal_hit_rate=0.95)
+    records[1].update(pooled_lru_hit_rate=0.4, pooled_optimal_hit_rate=0.8)
     summary = summarize_sweep(records)
     assert summary["min_fraction_of_oracle"] == pytest.approx(0.8) and summary["min_fraction_of_oracle_cell"] == "b"
+    assert (summary["min_hit_ratio_vs_pooled_lru"], summary["min_hit_ratio_vs_pooled_lru_cell"]) == (pytest.approx(0.95), "a")
+    assert (summary["min_fraction_of_pooled_optimal"], summary["min_fraction_of_pooled_optimal_cell"]) == (pytest.approx(0.5), "b")
     assert summary["min_hit_ratio_vs_char_tree"] == pytest.approx(0.95) and summary["min_hit_ratio_vs_char_tree_cell"] == "a"
     assert summary["max_ttft_p95_ratio_vs_char_tree"] == pytest.approx(1.5) and summary["max_ttft_p95_ratio_vs_char_tree_cell"] == "b"
     assert (summary["max_over_mean_load"], summary["max_over_mean_load_cell"]) == (1.2, "b")
@@ -278,6 +282,19 @@ def test_pressure_sweep_summary_takes_the_worst_cell_of_each_figure():
         "min_fraction_of_oracle": False, "min_hit_ratio_vs_char_tree": False,
         "max_ttft_p95_ratio_vs_char_tree": False, "max_over_mean_load": True, "min_hit_ratio_vs_one_router": None,
     }
+
+
+def test_several_routers_compare_by_the_mean_hit_rate_over_their_seeds():
+    record = sweep_record("a", 0.8, prefix_cost=(0.7, 400.0, 1.1))
+    record["figures"][ONE_ROUTER] = {"hit_rate": 0.8}
+    assert summarize_sweep([record])["min_hit_ratio_vs_one_router"] == pytest.approx(0.7 / 0.8)  # one seed each
+    record.update(router_seeds=3, one_router_hit_rates=[0.8, 0.75, 0.85], several_routers_hit_rates=[0.7, 0.8, 0.78])
+    assert summarize_sweep([record])["min_hit_ratio_vs_one_router"] == pytest.approx(2.28 / 2.4)
+    p = params_from_args(build_parser().parse_args(
+        ["bench", "routing", "--simulate", "--pressure-sweep", "--num-routers", "2", "--router-seeds", "3"]))
+    assert (p.num_routers, p.router_seeds) == (2, 3)
+    with pytest.raises(SystemExit, match="--router-seeds must be >= 1"):
+        params_from_args(build_parser().parse_args(["bench", "routing", "--simulate", "--router-seeds", "0"]))
 
 
 def test_pressure_sweep_presets_and_grid_options():
