@@ -160,3 +160,18 @@ def single_tokens(out):
         logprobs = c.logprobs[i : i + 1] if c.logprobs else None
         one = CompletionOutput(c.index, "", [token_id], logprobs, c.finish_reason if last else None, c.stop_reason if last else None)
         yield replace(out, outputs=[one], finished=out.finished and last)
+
+
+def streamed_tool_calls(chunks) -> tuple[list[tuple[str, str]], list[str]]:
+    """The (name, arguments) of each tool call in a chat stream's chunks (the openai SDK's
+    objects), joined from their fragments by index, and the finish reasons the stream gave."""
+    calls: dict[int, list[str]] = {}
+    reasons = []
+    for chunk in chunks:
+        for part in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(part.index, ["", ""])
+            entry[0] += part.function.name or ""
+            entry[1] += part.function.arguments or ""
+        if chunk.choices[0].finish_reason:
+            reasons.append(chunk.choices[0].finish_reason)
+    return [tuple(v) for _, v in sorted(calls.items())], reasons
