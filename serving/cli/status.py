@@ -160,10 +160,10 @@ def _split_lines(samples, title: str, name: str, components: tuple[str, ...]) ->
     shown = [c for c in components if c in quantiles and quantiles[c][0] is not None]
     if not shown:
         return []
-    lines = ["", f"{title:<18} {'p50 ms':>8} {'p95 ms':>8}"]
+    lines = ["", f"{title:<19} {'p50 ms':>8} {'p95 ms':>8}"]
     for component in shown:
         p50, p95 = quantiles[component]
-        lines.append(f"  {component:<16} {p50 * 1000:>8.1f} {p95 * 1000:>8.1f}")
+        lines.append(f"  {component:<17} {p50 * 1000:>8.1f} {p95 * 1000:>8.1f}")
     return lines
 
 

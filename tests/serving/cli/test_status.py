@@ -114,10 +114,10 @@ def test_status_shows_the_routers_predictions_and_the_ttft_split():
     assert report[start + 1] == "  prefill          20     64.0%   60.8%  4 (20.0%): stale 3, unseen 1"
     assert report[start + 2:start + 8] == [
         "",
-        "TTFT split           p50 ms   p95 ms",
-        "  queue                10.0     46.0",  # p50: the 5th of 10 at 0.01; p95: 0.01 + 0.04 * 4.5/5
-        "  prefill             150.0    195.0",
-        "  handoff               0.5      0.9",
+        "TTFT split            p50 ms   p95 ms",
+        "  queue                 10.0     46.0",  # p50: the 5th of 10 at 0.01; p95: 0.01 + 0.04 * 4.5/5
+        "  prefill              150.0    195.0",
+        "  handoff                0.5      0.9",
         "",
     ]
-    assert report[start + 8:start + 10] == ["decode start         p50 ms   p95 ms", "  kv_transfer           7.5      9.8"]
+    assert report[start + 8:start + 10] == ["decode start          p50 ms   p95 ms", "  kv_transfer            7.5      9.8"]
