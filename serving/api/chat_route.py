@@ -141,7 +141,7 @@ class ChatEndpoint:
         call.account.track(lambda: usage)
         deltas = self.server.frontend.generate(
             call.request_id, prompt_ids, params, usage, priority=call.priority, cache_salt=request.cache_salt,
-            session=request.user, trace=call.trace,
+            session=request.user, trace=call.trace, record=call.record,
         )
         deltas = bounded(deltas, call.deadline)
         deltas = self.server.metrics.track(call.record, deltas, prompt_tokens=len(prompt_ids), status_of=error_status)

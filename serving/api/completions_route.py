@@ -75,6 +75,7 @@ class CompletionsEndpoint:
             self.server.frontend.generate(
                 f"{request_id}-{i}", ids, per_prompt[i], usages[i], priority=call.priority,
                 cache_salt=request.cache_salt, index_offset=i * params.n, session=request.user, trace=call.trace,
+                record=call.record,
             )
             for i, ids in enumerate(prompt_ids)
         ]

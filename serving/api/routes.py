@@ -179,7 +179,7 @@ class OpenAIServer:
     async def _guard(self, request: Request, handler, id_prefix: str) -> Response:
         received_at = self.clock()
         trace = tracing.start_request(request.headers, {"http.request.method": request.method, "url.path": request.url.path})
-        record = self.metrics.start()
+        record = self.metrics.start(trace)
         request_id = f"{id_prefix}{uuid.uuid4().hex}"
         call: Call | None = None
         key: APIKey | None = None
