@@ -12,7 +12,7 @@
     kvrelay policy check FILE                             validate an autoscaling policy, print it
     kvrelay policy simulate FILE --trace TRACE.csv        replica counts the policy picks over a trace
     kvrelay policy apply FILE                             switch a running app to a policy
-    kvrelay status                                        pools, replicas, queues, KV, TTFT/TPOT
+    kvrelay status                                        pools, replicas, queues, KV, TTFT/TPOT, prefix predictions, TTFT split
     kvrelay scale POOL N                                  set a pool's replica count in a running app
     kvrelay cluster up [--prefill-nodes N] [--decode-nodes M]   a multi-node Ray on this machine (dev)
     kvrelay cluster down                                  stop exactly what `cluster up` started
