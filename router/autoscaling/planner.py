@@ -26,6 +26,14 @@ hold m / c, so by Little's law m = rate * tokens * TPOT(m / c). The plan is the 
 attainment quantile of streams, m + z * sqrt(m), fits c * b_max; never fewer than the sequences
 running now need.
 
+Flow. Prefill is planned first, and decode plans for at least the rate prefill plans for (its
+arrivals and its queue's drain): every prefilled request decodes next, so a burst sizes decode as
+soon as prefill sees it, not a prefill time and a window later. This is what needs both pools'
+metrics in one call (router/autoscaling/plan_serve.py).
+
+Between plans the forecast and the learning stand still, but a pool whose need, with the load
+now, outgrows its count scales up at once (a burst's queue does not wait for the next plan).
+
 Learning. With profiles.learn, each plan folds what replicas report into a correction of the
 profile (an EWMA, weight learn_weight): prefill, the engine's measured prefill tokens/s over the
 profile's; decode, the tokens per second the profile predicts at each busy replica's mean batch
