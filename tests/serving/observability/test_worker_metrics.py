@@ -81,16 +81,17 @@ def test_replica_signals_report_every_signal_on_the_wire():
 
 def test_workload_window_reports_rates_lengths_and_tokens_since_the_last_report():
     workload = WorkloadWindow(window_s=10.0)
+    workload.arrived(50, now=0.5)
     workload.arrived(100, now=1.0)
     workload.arrived(300, now=2.0)
-    workload.arrived(50, now=0.5)
     assert workload.report(now=5.0) == (0.3, 150.0, 0.0, 0.0)  # no previous report: no token rate yet
     workload.generated(40)
     workload.finished(40, now=6.0)
     workload.generated(20)
     workload.finished(20, now=7.0)
-    # 60 tokens in the 5 s since the previous report; the arrival at 0.5 s has left the window.
-    assert workload.report(now=10.0) == (0.2, 200.0, 30.0, 12.0)
+    # 60 tokens in the 5 s since the previous report.
+    assert workload.report(now=10.0) == (0.3, 150.0, 30.0, 12.0)
+    # The arrivals at 0.5 s and 1 s have left the 10 s window.
     assert workload.report(now=12.0) == (0.1, 300.0, 30.0, 0.0)
 
 
