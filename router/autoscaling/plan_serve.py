@@ -72,11 +72,14 @@ def pool_load(pool: str, replicas: tuple[ReplicaSignals, ...]) -> PoolLoad | Non
 
 
 def _weighted(replicas: tuple[ReplicaSignals, ...], signal: str) -> float:
-    """The pool's mean of a per-request signal, weighted by each replica's request rate."""
+    """The pool's mean of a per-request signal, weighted by each replica's request rate; with no
+    arrivals in the window, the plain mean of the replicas that report one (a decode replica's
+    output lengths come from requests that arrived earlier)."""
     rate = sum(r.requests_per_s or 0.0 for r in replicas)
-    if rate <= 0:
-        return 0.0
-    return sum((r.requests_per_s or 0.0) * (getattr(r, signal) or 0.0) for r in replicas) / rate
+    if rate > 0:
+        return sum((r.requests_per_s or 0.0) * (getattr(r, signal) or 0.0) for r in replicas) / rate
+    values = [getattr(r, signal) for r in replicas if getattr(r, signal)]
+    return sum(values) / len(values) if values else 0.0
 
 
 def _policies(ctx) -> tuple[str, PoolPolicy, PlannerPolicy, str]:

@@ -12,8 +12,9 @@ from router.autoscaling.policy import load_policy
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 class StubPool:
-    def __init__(self, signals: dict[str, float]):
+    def __init__(self, signals: dict[str, float], upstream=None):
         self._signals = ReplicaSignals(**signals)
+        self._upstream = upstream  # decode binds prefill, so both are in the app's graph
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return self._signals.to_wire()

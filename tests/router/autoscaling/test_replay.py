@@ -169,6 +169,9 @@ def test_pool_load_from_replica_signals():
     assert pool_load("decode", decode) == PoolLoad(2.0, 30.0, backlog=3.0, measured_decode=((3.0, 20.0),))
     unfinished = (ReplicaSignals(updated_at=1.0, requests_per_s=2.0, output_tokens_per_request=0.0, num_seqs=3.0),)
     assert pool_load("decode", unfinished) is None
+    idle = (ReplicaSignals(updated_at=1.0, requests_per_s=0.0, output_tokens_per_request=40.0, num_seqs=0.0),
+            ReplicaSignals(updated_at=1.0, requests_per_s=0.0, output_tokens_per_request=0.0, num_seqs=0.0))
+    assert pool_load("decode", idle).tokens_per_request == 40.0  # lengths of earlier requests
     assert pool_load("decode", (ReplicaSignals(),)) is None
 
 
