@@ -137,6 +137,7 @@ class EngineWorker:
         Returns what the engine held of its prompt before it came, for the ingress to check its
         router's prediction against (serving/observability/request_path.py)."""
         self._requests.add(time.monotonic())
+        self.recorder.latencies.workload.arrived(len(request.prompt_token_ids))
         max_blocks = (len(request.prompt_token_ids) - 1) // request.block_size  # as an engine caps a hit
         with self._cached_blocks_lock:
             held, pending = self._cached_blocks.num_leading(request.block_hashes, max_blocks)
@@ -352,14 +353,20 @@ class EngineWorker:
 
 
 def replica_signals(stats: EngineStats, latencies: RequestLatencies) -> ReplicaSignals:
-    """A replica's autoscaling signals from its engine's figures and its latency windows. TTFT and
-    TPOT p95 are 0.0 without a sample in the window: an idle replica puts no latency pressure on
-    the pool, and queued work shows in the queue signals."""
+    """A replica's autoscaling signals from its engine's figures and its latency and workload
+    windows. TTFT and TPOT p95 are 0.0 without a sample in the window: an idle replica puts no
+    latency pressure on the pool, and queued work shows in the queue signals. Each call starts the
+    next interval of output_tokens_per_s (Serve calls it every metrics_interval_s)."""
+    requests_per_s, prompt_tokens, output_tokens, made_per_s = latencies.workload.report()
     return ReplicaSignals(
         queued_prefill_tokens=float(stats.num_queued_prefill_tokens),
         ttft_p95_ms=latencies.ttft_ms.percentile(95) or 0.0,
         num_seqs=float(stats.num_running + stats.num_waiting),
         kv_utilization=float(stats.kv_cache_usage),
         tpot_p95_ms=latencies.tpot_ms.percentile(95) or 0.0,
+        requests_per_s=requests_per_s,
+        prompt_tokens_per_request=prompt_tokens,
+        output_tokens_per_request=output_tokens,
+        output_tokens_per_s=made_per_s,
+        prefill_tokens_per_s=float(stats.prefill_tokens_per_s),
     )
-
