@@ -58,11 +58,16 @@ def _cpu_fit(args, need: bool) -> CostFit | None:
     from load_tests.roofline import resolve_dtype
     from serving.engine.model_loader import resolve_model_dir
 
-    model_dir = resolve_model_dir(args.model)
-    dtype = resolve_dtype(args.dtype, model_dir).dtype
-    _progress(f"cpu fit: probing the engine ({model_dir.name}, {dtype}, 1 thread, {args.probe_repeats} repeats)")
+    earlier = json.loads(Path(args.refit).read_text())["config"]["fits"]["cpu"] if args.refit else None
+    if earlier:
+        model_dir, dtype = Path(earlier["info"]["model_dir"]), earlier["info"]["dtype"]
+    else:
+        model_dir = resolve_model_dir(args.model)
+        dtype = resolve_dtype(args.dtype, model_dir).dtype
+        _progress(f"cpu fit: probing the engine ({model_dir.name}, {dtype}, 1 thread, {args.probe_repeats} repeats), "
+                  "then the served path")
     return cpu_fit(model_dir, dtype, json.loads(Path(args.serve_overhead).read_text()), repeats=args.probe_repeats,
-                   progress=_progress)
+                   earlier=earlier, progress=_progress)
 
 
 def sweep_params(args) -> SweepParams:
@@ -96,15 +101,18 @@ def run(args, *, command: str = "") -> dict:
     summary: dict = {}
     raw: dict = {}
     if args.validate:
-        measured = json.loads(Path(args.validate).read_text())
-        simulated = simulate_scenario(measured, cpu)
-        rows = compare(measured["summary"], simulated)
-        judged = [r for r in rows if r["within"] is not None]
-        summary["validation"] = {"scenario": str(args.validate), "tolerance": TOLERANCE, "rows": rows,
-                                 "num_within": sum(r["within"] for r in judged), "num_judged": len(judged)}
-        raw["validation_simulated"] = simulated
-        print(format_validation(rows))
-        print(f"within {TOLERANCE:.0%}: {summary['validation']['num_within']} of {len(judged)}\n")
+        summary["validation"], raw["validation_simulated"] = [], []
+        for path in args.validate:
+            measured = json.loads(Path(path).read_text())
+            simulated = simulate_scenario(measured, cpu)
+            rows = compare(measured["summary"], simulated)
+            judged = [r for r in rows if r["within"] is not None]
+            summary["validation"].append({"scenario": str(path), "tolerance": TOLERANCE, "rows": rows,
+                                          "num_within": sum(r["within"] for r in judged), "num_judged": len(judged)})
+            raw["validation_simulated"].append(simulated)
+            print(f"{path}:")
+            print(format_validation(rows))
+            print(f"within {TOLERANCE:.0%}: {summary['validation'][-1]['num_within']} of {len(judged)}\n")
     if not args.no_sweep:
         found = []
         for name in fit_names:

@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 __all__ = [
-    "CostFit", "CostLine", "HandoffCost", "ServeOverhead", "StepCost", "StepPoint", "StepShape",
+    "CostFit", "CostLine", "HandoffCost", "LayoutOverhead", "ServeOverhead", "StepCost", "StepPoint", "StepShape",
     "chunk_pairs", "fit_step_cost", "gpu_fit", "FITS_WITHOUT_MEASUREMENT",
 ]
 
@@ -121,35 +121,34 @@ class HandoffCost:
 
 
 @dataclass(frozen=True)
+class LayoutOverhead:
+    """What the served path adds to the engine in one layout:
+
+    request_s            to every request's first token (HTTP, ingress, routing; disaggregated:
+                         the prefill call and placing the decode call too)
+    step_s, row_s        to every step of a served replica, + row_s per sampled row (its step
+                         loop, turning each token into a stream on the replica's own core)
+    cpu_per_request_s,   CPU the other serving processes (proxy, ingress, controller, client)
+    cpu_per_token_s,     spend per request, per streamed token and per second, on the cores the
+    background_cpu       replicas run on: pd_sim charges it to the busy replicas (0 where the
+                         replicas have cores of their own, as on a GPU host)
+    """
+
+    request_s: float = 0.0
+    step_s: float = 0.0
+    row_s: float = 0.0
+    cpu_per_request_s: float = 0.0
+    cpu_per_token_s: float = 0.0
+    background_cpu: float = 0.0
+
+
+@dataclass(frozen=True)
 class ServeOverhead:
-    """What the served path adds to the engine, per layout: `*_request_s` to every request's
-    first token (HTTP, ingress, routing; disaggregated: the prefill call and placing the decode
-    call too); `*_step_s + *_row_s * rows` to every step of a served replica (its step loop, and
-    turning each sampled token into a stream on the replica's own core); `*_cpu_per_token_s`:
-    CPU the other serving processes (proxy, ingress, client) spend per streamed token on the
-    cores the replicas run on (pd_sim charges it to the busy replicas; 0 where they have
-    cores of their own, as on a GPU host)."""
+    colocated: LayoutOverhead = LayoutOverhead()
+    disaggregated: LayoutOverhead = LayoutOverhead()
 
-    colocated_request_s: float = 0.0
-    colocated_step_s: float = 0.0
-    colocated_row_s: float = 0.0
-    disaggregated_request_s: float = 0.0
-    disaggregated_step_s: float = 0.0
-    disaggregated_row_s: float = 0.0
-    colocated_cpu_per_token_s: float = 0.0
-    disaggregated_cpu_per_token_s: float = 0.0
-
-    def request_s(self, mode: str) -> float:
-        return self.colocated_request_s if mode == "colocated" else self.disaggregated_request_s
-
-    def step_s(self, mode: str) -> float:
-        return self.colocated_step_s if mode == "colocated" else self.disaggregated_step_s
-
-    def row_s(self, mode: str) -> float:
-        return self.colocated_row_s if mode == "colocated" else self.disaggregated_row_s
-
-    def cpu_per_token_s(self, mode: str) -> float:
-        return self.colocated_cpu_per_token_s if mode == "colocated" else self.disaggregated_cpu_per_token_s
+    def of(self, mode: str) -> LayoutOverhead:
+        return self.colocated if mode == "colocated" else self.disaggregated
 
 
 @dataclass(frozen=True)
@@ -175,7 +174,8 @@ class CostFit:
         return cls(
             name=data["name"],
             step=StepCost(tuple(CostLine(**line) for line in step["lines"]), step["pair_s"], step["context_s"]),
-            handoff=HandoffCost(**data["handoff"]), overhead=ServeOverhead(**data["overhead"]),
+            handoff=HandoffCost(**data["handoff"]),
+            overhead=ServeOverhead(**{mode: LayoutOverhead(**v) for mode, v in data["overhead"].items()}),
             max_num_batched_tokens=data["max_num_batched_tokens"],
             long_prefill_token_threshold=data["long_prefill_token_threshold"],
             max_num_seqs=data["max_num_seqs"], kv_capacity_tokens=data["kv_capacity_tokens"],

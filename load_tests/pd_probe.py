@@ -1,10 +1,9 @@
 """The CPU cost fit of the prefill/decode simulator, measured on this machine: engine steps timed
-one by one (`probe_steps`), the step-time model fitted to them (pd_costs.fit_step_cost), and the
-served path's overheads and KV hand-off from a `kvrelay bench serve-overhead` report of the same
-machine (`serve_overhead_parts`).
+one by one (`probe_steps`), the step-time model fitted to them (pd_costs.fit_step_cost), the
+served path's overheads (`overhead_of`) and the KV hand-off (`handoff_of`).
 
-The served replica's own overheads are measured by load_tests/pd_served_probe.py (pinned
-replicas, 1-8 streams) unless a served probe of an earlier report is given.
+The served path's overheads are measured by load_tests/pd_served_probe.py (the scenario's pinned
+layouts); the KV hand-off comes from a `kvrelay bench serve-overhead` report of this machine.
 
 One in-process LLMEngine as a served replica runs it: one torch thread, the serving engine
 defaults (512-token step budget, long prompts 256 tokens a step, one long prompt at a time),
@@ -34,10 +33,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 from load_tests import hardware
-from load_tests.pd_costs import CostFit, HandoffCost, ServeOverhead, StepPoint, StepShape, chunk_pairs, fit_step_cost
+from load_tests.pd_costs import (
+    CostFit,
+    HandoffCost,
+    LayoutOverhead,
+    ServeOverhead,
+    StepCost,
+    StepPoint,
+    StepShape,
+    chunk_pairs,
+    fit_step_cost,
+)
 from load_tests.roofline import torch_threads
 
-__all__ = ["SCENARIOS", "cpu_fit", "probe_steps", "serve_overhead_parts", "step_shape"]
+__all__ = ["SCENARIOS", "cpu_fit", "handoff_of", "overhead_of", "probe_steps", "step_shape"]
 
 # scenario name -> list of (arrive after step k, prompt length, max_tokens)
 SCENARIOS: dict[str, list[tuple[int, int, int]]] = {
@@ -128,63 +137,70 @@ def probe_steps(model_dir: Path, dtype: str, *, repeats: int = 3, seed: int = 0,
     return points
 
 
-def serve_overhead_parts(report: dict) -> tuple[dict, HandoffCost, dict]:
-    """The first-token overheads and the KV hand-off from a `kvrelay bench serve-overhead` JSON:
-    per layout, its added TTFT p50 (to every first token); the hand-off = its arena hand-off p50
-    of kv_tokens, taken as proportional to the tokens (fixed_s = 0: one size was measured). Its
-    added TPOT is not used: its replicas are not pinned (pd_served_probe.py measures that)."""
+def handoff_of(report: dict) -> tuple[HandoffCost, dict]:
+    """The KV hand-off from a `kvrelay bench serve-overhead` JSON: its arena hand-off p50 of
+    kv_tokens, taken as proportional to the tokens (fixed_s = 0: one size was measured)."""
     s = report["summary"]
     kv_tokens = report["config"]["params"]["kv_tokens"]
-
-    def seconds(key: str) -> float:
-        return max(0.0, s[key]) * 1e-3
-
-    request = {"colocated_request_s": seconds("added_ttft_ms_p50_colocated"),
-               "disaggregated_request_s": seconds("added_ttft_ms_p50")}
-    handoff = HandoffCost(0.0, s["kv_transfer_bytes"] / kv_tokens, s["kv_transfer_bytes"] / seconds("kv_transfer_ms_p50"))
-    info = {key: s[key] for key in ("added_ttft_ms_p50", "added_ttft_ms_p50_colocated", "added_tpot_ms_p50",
-                                    "added_tpot_ms_p50_colocated", "kv_transfer_ms_p50", "kv_transfer_bytes")}
-    return request, handoff, {**info, "kv_tokens": kv_tokens}
+    seconds = s["kv_transfer_ms_p50"] * 1e-3
+    handoff = HandoffCost(0.0, s["kv_transfer_bytes"] / kv_tokens, s["kv_transfer_bytes"] / seconds)
+    return handoff, {"kv_tokens": kv_tokens, "kv_transfer_ms_p50": s["kv_transfer_ms_p50"],
+                     "kv_transfer_bytes": s["kv_transfer_bytes"]}
 
 
-def cpu_fit(model_dir: Path, dtype: str, serve_overhead: dict, *, repeats: int = 3, served: dict | None = None,
+def overhead_of(served: dict, step: StepCost) -> tuple[ServeOverhead, dict]:
+    """The served path's overheads per layout from a probe_served result (pd_served_probe.py)."""
+    from load_tests.pd_served_probe import fit_overhead, request_overhead_s, serving_cpu
+
+    layouts, info = {}, {}
+    for layout, measured in served.items():
+        step_s, row_s, points = fit_overhead(measured, step.decode_s)
+        per_request, per_token, per_second = serving_cpu(measured)
+        layouts[layout] = LayoutOverhead(request_overhead_s(measured, step.prefill_s), step_s, row_s, per_request,
+                                         per_token, per_second)
+        info[layout] = {"tpot_points": points}
+    return ServeOverhead(**layouts), info
+
+
+def cpu_fit(model_dir: Path, dtype: str, serve_overhead: dict, *, repeats: int = 3, earlier: dict | None = None,
             kv_cache_bytes: int = 512 * 2**20, progress: Callable[[str], None] = lambda message: None) -> CostFit:
-    """This machine's fit: probed steps, the served probe (run now unless `served`, an earlier
-    probe_served result, is given) and a serve-overhead report of this machine."""
+    """This machine's fit: probed steps and the served probe, measured now, or taken from
+    `earlier` (an earlier cpu fit's JSON: its points and served probe, fitted again), and the KV
+    hand-off of a serve-overhead report of this machine."""
     import torch
 
-    from load_tests.pd_served_probe import fit_overhead, probe_served, serving_cpu_per_token
+    from load_tests.pd_served_probe import probe_served
     from serving.engine.kv_cache import kv_bytes_per_token
     from serving.engine.model_loader import load_model_spec
 
     machine = hardware.machine_record(num_threads=1)
-    points = probe_steps(model_dir, dtype, repeats=repeats, progress=progress)
+    if earlier:
+        points = [StepPoint(StepShape(p["num_tokens"], p["num_rows"], p["num_pairs"], p["num_context"]), p["seconds"])
+                  for p in earlier["info"]["points"]]
+        served = earlier["info"]["served_probe"]
+        machine = earlier["info"]["machine"]
+    else:
+        points = probe_steps(model_dir, dtype, repeats=repeats, progress=progress)
     step, quality = fit_step_cost(points)
-    if served is None:
+    if not earlier:
         served = probe_served(model_dir, dtype, progress=progress)
-    per_layout = {}
-    for layout in ("colocated", "disaggregated"):
-        step_s, row_s, served_points = fit_overhead(served[layout], step.decode_s)
-        per_layout[layout] = {"step_s": step_s, "row_s": row_s, "cpu_per_token_s": serving_cpu_per_token(served[layout]),
-                              "points": served_points}
-    request, handoff, overhead_info = serve_overhead_parts(serve_overhead)
-    overhead = ServeOverhead(**request, **{f"{layout}_{key}": per_layout[layout][key]
-                                           for layout in per_layout for key in ("step_s", "row_s", "cpu_per_token_s")})
+    overhead, served_info = overhead_of(served, step)
+    handoff, handoff_info = handoff_of(serve_overhead)
     spec = load_model_spec(model_dir)
     per_token = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, getattr(torch, dtype))
-    hardware.finish_machine_record(machine)
+    if not earlier:
+        hardware.finish_machine_record(machine)
     return CostFit(
         name="cpu", step=step, handoff=handoff, overhead=overhead, **PROBE_ENGINE,
         kv_capacity_tokens=kv_cache_bytes // per_token,
         source=f"this machine: {machine['cpu_model']}, {dtype}, 1 torch thread; steps probed in-process "
-        "(load_tests/pd_probe.py), a pinned served replica's overheads (load_tests/pd_served_probe.py), first-token "
-        "overheads and KV hand-off from a kvrelay bench serve-overhead report",
+        "(load_tests/pd_probe.py), the served path's overheads in pd-interference's pinned layouts "
+        "(load_tests/pd_served_probe.py), the KV hand-off from a kvrelay bench serve-overhead report",
         assumptions=("a served replica's overhead is step_s + row_s x sampled rows, fitted over 1-8 streams",
-                     "the other serving processes' CPU per streamed token is taken evenly from the busy replicas' cores",
-                     "the served path adds its measured added TTFT p50 to every first token",
+                     "the other serving processes' CPU is taken evenly from the busy replicas' cores",
                      "the KV hand-off time is proportional to the prompt's tokens"),
         info={"fit_quality": quality, "machine": machine, "model_dir": str(model_dir), "dtype": dtype,
-              "load_avg_1m": os.getloadavg()[0], "serve_overhead": overhead_info, "served_probe": served,
-              "served_fit": per_layout,
+              "load_avg_1m": os.getloadavg()[0], "handoff": handoff_info, "served_probe": served,
+              "served_fit": served_info,
               "points": [{**vars(p.shape), "seconds": p.seconds, "model_s": step.shape_s(p.shape)} for p in points]},
     )

@@ -88,7 +88,8 @@ def write_png(path: str, cells: list[dict]) -> str | None:
             ax.set_xlabel("replicas in the pool")
             ax.set_ylabel("disaggregated / colocated goodput per replica")
             ax.set_title(f"{fit} fit, {slo} SLO")
-            ax.legend(fontsize=8)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

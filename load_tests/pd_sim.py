@@ -18,15 +18,28 @@ kvrelay's engine would do instead when it ran out). A step takes CostFit.step's 
 shape plus the served path's overhead (per step and per sampled row); its sampled tokens
 appear when it ends.
 
-The other serving processes (proxy, ingress, client) use ServeOverhead.cpu_per_token_s of CPU
-per streamed token on the cores the replicas run on, one core each (pd-interference's layout):
-each replica's step takes its share, 1 / replicas, of that work done since its previous step;
-a replica that had nothing to run leaves its share to its idle core.
+The other serving processes (proxy, ingress, controller, client) share the cores the replicas
+run on, one core each (pd-interference's layout), using LayoutOverhead.background_cpu cores
+always, cpu_per_request_s per request and cpu_per_token_s per streamed token (a rate averaged
+over SERVING_TAU_S). As a processor-sharing scheduler would: the idle replicas' cores take that
+load first; what is left is spread over the busy replicas' cores, and a step that starts while
+a share s of its core is taken lasts 1 / (1 - s) times its cost (s at most 0.9).
 
-Routing sees every replica's state at once (no stats lag): a worker or decode replica is
-"least loaded" by KV tokens held (running and waiting, as the least_kv policy ranks them), then
-by sequences; a prefill replica by the prompt tokens it has still to compute (what prefix_cost
-reduces to without cache hits). Ties go round-robin.
+Routing: a prefill replica is chosen by the prompt tokens it has still to compute, counted at
+once (prefix_cost's queued tokens plus what the router sent since the stats; without cache hits
+that is all it weighs). A worker or decode replica, by `router`:
+
+    least_kv      kvrelay's decode policy: on the replicas' routing stats, taken every
+                  `stats_period_s` (0.5 s, as served), the KV tokens its sequences hold
+                  (computed ones: a waiting request holds none), then its running and waiting
+                  sequences. The replay of the measured scenario routes so.
+    least_loaded  on the replicas' state now: the KV its running and waiting sequences will
+                  hold (prompt and output), then their number. least_kv sends every request that
+                  arrives between two stats (or, with stats now, between two steps) to the same
+                  replica, which at tens of requests a second is most of them; the sweep
+                  compares layouts, so it routes so.
+
+Ties go round-robin.
 
 Per request: TTFT = first token - arrival (the served path's request overhead included: the
 request reaches an engine that much later); TPOT = (last token - first token) / (tokens - 1),
@@ -39,15 +52,19 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from load_tests.pd_costs import CostFit, chunk_pairs
 from load_tests.serve_metrics import percentile
 
-__all__ = ["SimRequest", "RequestResult", "SimRun", "simulate", "summarize", "attainment", "MODES"]
+__all__ = ["SimRequest", "RequestResult", "SimRun", "simulate", "summarize", "attainment", "MODES", "ROUTERS", "STATS_PERIOD_S"]
 
 MODES = ("colocated", "disaggregated")
+STATS_PERIOD_S = 0.5  # RoutingConfig.stats_period_s's default
+SERVING_TAU_S = 1.0  # the serving processes' CPU rate is their use over about this long
+ROUTERS = ("least_kv", "least_loaded")
 
 
 @dataclass(frozen=True)
@@ -115,11 +132,12 @@ def _account(seq: _Seq, n: int, tokens: int, rows: int, pairs: int, context: int
 
 class _Replica:
     __slots__ = ("rid", "fit", "step_overhead_s", "row_overhead_s", "is_prefill", "waiting", "running", "kv_used",
-                 "queued_kv", "queued_prompt", "busy", "busy_s", "is_idle", "paid_work_s")
+                 "queued_kv", "queued_prompt", "busy", "busy_s", "kv_held", "reported")
 
     def __init__(self, rid: int, fit: CostFit, mode: str, *, is_prefill: bool = False):
         self.rid, self.fit, self.is_prefill = rid, fit, is_prefill
-        self.step_overhead_s, self.row_overhead_s = fit.overhead.step_s(mode), fit.overhead.row_s(mode)
+        overhead = fit.overhead.of(mode)
+        self.step_overhead_s, self.row_overhead_s = overhead.step_s, overhead.row_s
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.kv_used = 0  # reserved by running sequences
@@ -127,8 +145,8 @@ class _Replica:
         self.queued_prompt = 0  # prompt tokens left to compute, running and waiting
         self.busy = False
         self.busy_s = 0.0
-        self.is_idle = True  # had nothing to run: its core absorbed the serving work meanwhile
-        self.paid_work_s = 0.0  # the pool's serving work up to this replica's last step
+        self.kv_held = 0  # KV tokens its running sequences hold now (computed ones)
+        self.reported = (0, 0)  # (kv_held, sequences) as its last routing stats said
 
     def add(self, seq: _Seq) -> None:
         self.waiting.append(seq)
@@ -193,6 +211,10 @@ class _Replica:
     def finish(self, seq: _Seq) -> None:
         self.running.remove(seq)
         self.kv_used -= seq.kv_need
+        self.kv_held -= seq.num_computed
+
+    def report(self) -> None:
+        self.reported = (self.kv_held, len(self.running) + len(self.waiting))
 
 
 @dataclass
@@ -202,11 +224,17 @@ class _Sim:
     prefill: list[_Replica]
     decode: list[_Replica]
     cpu_per_token_s: float = 0.0
+    cpu_per_request_s: float = 0.0
+    background_cpu: float = 0.0
     events: list = field(default_factory=list)
     counter: itertools.count = field(default_factory=itertools.count)
     rr: int = 0
     num_steps: int = 0
-    serving_work_s: float = 0.0  # CPU the other serving processes have used so far (cpu_per_token_s)
+    router: str = "least_kv"
+    report_always: bool = False  # routing sees the replicas' state now, not their last stats
+    serving_rate: float = 0.0  # the other serving processes' recent CPU use, in cores (background_cpu aside)
+    serving_rate_at: float = 0.0
+    num_busy: int = 0
 
     @property
     def num_replicas(self) -> int:
@@ -221,7 +249,12 @@ class _Sim:
         return min(replicas, key=lambda r: (key(r), (r.rid - self.rr) % n))
 
     def least_loaded(self) -> _Replica:
-        return self.pick(self.decode, lambda r: (r.kv_used + r.queued_kv, len(r.running) + len(r.waiting)))
+        if self.router == "least_loaded":  # the KV its sequences, running and waiting, will hold
+            return self.pick(self.decode, lambda r: (r.kv_used + r.queued_kv, len(r.running) + len(r.waiting)))
+        if self.report_always:  # least_kv: on the replicas' routing stats
+            for replica in self.decode:
+                replica.report()
+        return self.pick(self.decode, lambda r: r.reported)
 
     def least_queued(self) -> _Replica:
         return self.pick(self.prefill, lambda r: r.queued_prompt)
@@ -231,29 +264,40 @@ class _Sim:
             return
         scheduled, seconds = replica.schedule()
         if not scheduled:
-            replica.is_idle = True
             return
-        if replica.is_idle:
-            replica.is_idle, replica.paid_work_s = False, self.serving_work_s
-        # its share of the serving work done since its last step: the cores are the replicas'
-        seconds += (self.serving_work_s - replica.paid_work_s) / self.num_replicas
-        replica.paid_work_s = self.serving_work_s
         replica.busy = True
+        self.num_busy += 1
+        seconds /= 1.0 - self.stolen_share(now)
         replica.busy_s += seconds
         self.num_steps += 1
         self.push(now + seconds, _STEP_DONE, (replica, scheduled))
 
+    def serving_work(self, now: float, cpu_s: float) -> None:
+        """The other serving processes used `cpu_s` now: their rate, averaged over SERVING_TAU_S."""
+        self.serving_rate = self.serving_rate * math.exp((self.serving_rate_at - now) / SERVING_TAU_S) + cpu_s / SERVING_TAU_S
+        self.serving_rate_at = now
+
+    def stolen_share(self, now: float) -> float:
+        """The share of a busy replica's core the other serving processes take now: their load,
+        less what the idle replicas' cores absorb, spread over the busy ones (at most 0.9)."""
+        load = self.background_cpu + self.serving_rate * math.exp((self.serving_rate_at - now) / SERVING_TAU_S)
+        idle_cores = self.num_replicas - self.num_busy
+        return min(0.9, max(0.0, load - idle_cores) / self.num_busy)
+
     def step_done(self, replica: _Replica, scheduled: list[tuple[_Seq, int]], now: float) -> None:
         replica.busy = False
+        self.num_busy -= 1
         for seq, n in scheduled:
             if seq.num_computed < seq.num_prompt:
                 replica.queued_prompt -= n
             seq.num_computed += n
+            replica.kv_held += n
             if seq.num_computed < seq.num_tokens:
                 continue  # a prompt chunk that did not end the prompt
             seq.num_new += 1
             seq.num_tokens += 1
-            self.serving_work_s += self.cpu_per_token_s
+            if self.cpu_per_token_s:
+                self.serving_work(now, self.cpu_per_token_s)
             result = seq.result
             if result.first_token_s is None:
                 result.first_token_s = now
@@ -269,10 +313,13 @@ class _Sim:
         replica = self.least_loaded()
         result.decode_replica = replica.rid
         replica.add(_Seq(result, request.prompt_tokens, request.prompt_tokens, request.output_tokens - 1, now))
+        replica.kv_held += request.prompt_tokens  # the imported KV, written when it is admitted
         self.push(now, _KICK, replica)
 
     def arrive(self, result: RequestResult, now: float) -> None:
         request = result.request
+        if self.cpu_per_request_s:
+            self.serving_work(now, self.cpu_per_request_s)
         if self.mode == "colocated":
             replica = self.least_loaded()
             result.decode_replica = replica.rid
@@ -285,21 +332,31 @@ class _Sim:
         self.push(now, _KICK, replica)
 
 
-_ARRIVE, _STEP_DONE, _HANDOFF, _KICK = 0, 1, 2, 3
+_ARRIVE, _STEP_DONE, _HANDOFF, _KICK, _STATS = 0, 1, 2, 3, 4
 
 
-def simulate(requests: list[SimRequest], fit: CostFit, mode: str, *, num_prefill: int = 0, num_decode: int) -> SimRun:
+def simulate(requests: list[SimRequest], fit: CostFit, mode: str, *, num_prefill: int = 0, num_decode: int,
+             router: str = "least_kv", stats_period_s: float = STATS_PERIOD_S) -> SimRun:
     """Run `requests` through a colocated pool of `num_decode` workers, or a disaggregated one of
-    `num_prefill` prefill and `num_decode` decode replicas."""
+    `num_prefill` prefill and `num_decode` decode replicas. The worker and decode pools route by
+    `router` (module docstring): "least_kv" on routing stats taken every `stats_period_s` (0: on
+    the replicas' state at each decision), or "least_loaded"."""
+    assert router in ROUTERS, router
     assert mode in MODES, mode
     assert num_decode >= 1 and (mode == "colocated" or num_prefill >= 1), (mode, num_prefill, num_decode)
     prefill = [] if mode == "colocated" else [_Replica(i, fit, mode, is_prefill=True) for i in range(num_prefill)]
     decode = [_Replica(len(prefill) + i, fit, mode) for i in range(num_decode)]
-    sim = _Sim(fit, mode, prefill, decode, cpu_per_token_s=fit.overhead.cpu_per_token_s(mode))
-    request_s = fit.overhead.request_s(mode)
+    overhead = fit.overhead.of(mode)
+    sim = _Sim(fit, mode, prefill, decode, router=router, cpu_per_token_s=overhead.cpu_per_token_s,
+               cpu_per_request_s=overhead.cpu_per_request_s, background_cpu=overhead.background_cpu)
+    request_s = overhead.request_s
     results = [RequestResult(r) for r in requests]
     for result in results:
         sim.push(result.request.arrival_s + request_s, _ARRIVE, result)
+    if router == "least_kv" and stats_period_s > 0:
+        sim.push(min(r.arrival_s for r in requests), _STATS, None)
+    else:
+        sim.report_always = True
     while sim.events:
         now, _, kind, payload = heapq.heappop(sim.events)
         if kind == _ARRIVE:
@@ -308,8 +365,13 @@ def simulate(requests: list[SimRequest], fit: CostFit, mode: str, *, num_prefill
             sim.step_done(payload[0], payload[1], now)
         elif kind == _HANDOFF:
             sim.handoff(payload, now)
-        else:
+        elif kind == _KICK:
             sim.kick(payload, now)
+        else:  # every replica's routing stats; the next ones a period later while work remains
+            for replica in sim.decode:
+                replica.report()
+            if len(sim.events) > 0:
+                sim.push(now + stats_period_s, _STATS, None)
     unfinished = [r for r in results if r.last_token_s is None]
     assert not unfinished, f"{len(unfinished)} requests never finished (a prompt larger than a replica's KV?)"
     start = min(r.arrival_s for r in requests)

@@ -17,9 +17,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fits", metavar="A,B", help=f"cost fits to sweep [{','.join(FITS)}; quick: gpu, and cpu with --cpu-fit]")
     p.add_argument("--cpu-fit", metavar="FILE", help="reuse the cpu fit of an earlier pd-sim --json report (no probe)")
     p.add_argument("--serve-overhead", metavar="FILE",
-                   help="a `kvrelay bench serve-overhead` JSON of this machine: the cpu fit's served overheads and KV hand-off")
-    p.add_argument("--validate", metavar="SCENARIO_JSON",
-                   help="a `kvrelay bench scenario pd-interference` JSON of this machine to replay with the cpu fit")
+                   help="a `kvrelay bench serve-overhead` JSON of this machine: the cpu fit's KV hand-off")
+    p.add_argument("--refit", metavar="FILE",
+                   help="fit the cpu fit again from the probes of an earlier pd-sim report (no engine, no Ray)")
+    p.add_argument("--validate", metavar="SCENARIO_JSON", action="append", default=[],
+                   help="a `kvrelay bench scenario pd-interference` JSON of this machine to replay with the cpu fit; repeatable")
     p.add_argument("--no-sweep", action="store_true", help="fits and validation only")
     p.add_argument("--mixes", metavar="A,B", help=f"workload mixes [{','.join(MIX_NAMES)}]")
     p.add_argument("--pool-sizes", metavar="N,N", help="replicas per pool [2,4,8,16,32,64; quick 2,8]")

@@ -3,19 +3,29 @@ at a tight and a loose SLO, for each cost fit; the goodput crossover.
 
 Goodput of a layout, as DistServe measures it: the highest request rate at which at least
 `attainment` (0.9) of the requests meet both the TTFT and the TPOT bound, per replica of the
-pool. Found by bisection on the rate (`bisect_steps` halvings of a bracket whose top fails),
-each step one simulation of the same requests (pd_workload.generate: only the rate changes).
-A disaggregated pool of N replicas is tried at the prefill:decode splits around the one that
-balances the work (prefill of the mean prompt against the mean output's decode steps at batch 8):
-p* = N * W_prefill / (W_prefill + W_decode), and p* x 0.7, floor, ceil, p* x 1.4, each within
-1..N-1; its goodput is the best split's.
+pool. Found by bisection on the rate (`bisect_steps` halvings of a bracket whose top fails every
+SLO), each step one simulation of the same requests (pd_workload.generate: only the rate
+changes). A run lasts `run_e2e` lifetimes of a mean request (its prefill and its output decoded
+at batch 32, unqueued), so queues have time to build, and is judged on the requests that arrive
+after the first lifetime and before the last.
+
+A disaggregated pool of N replicas is tried at several prefill:decode splits: all of them up to
+4 replicas; from 8 up, a climb from the split that balances the work (the mean prompt's prefill
+against its output decoded in the largest batch the KV allows) to the better neighbour (x1.25 or
+/1.25) while goodput rises (`search_splits`). Its goodput is the best split's.
 
 SLOs scale with the fit and the mix, so CPU and GPU are judged alike:
 
     TTFT bound = scale x the mix's mean chat prompt prefilled alone (chunked as the engine does)
     TPOT bound = scale x one decode step of one row at the mix's mean context
-    tight: scale 2; loose: scale 5 (for the GPU fit's chat mix: 240 ms and 101 ms, close to
-    DistServe's chatbot SLO for OPT-13B, 200 ms and 100 ms, simdistserve/README.md)
+    tight: scale 2; loose: scale 5 (for the GPU fit's chat mix: 331 ms and 101 ms; DistServe's
+    chatbot SLO for OPT-13B is 200 ms and 100 ms, simdistserve/README.md)
+
+Routing in the sweep is pd_sim's least_loaded for both layouts: kvrelay's least_kv ranks on
+the KV replicas hold, which a request only holds once it runs, and on stats up to 0.5 s old, so
+at tens of requests a second the arrivals between two stats go to one replica (the validation,
+at about one request a second, routes as kvrelay does). The comparison here is of the layouts,
+not of that policy.
 
 The crossover of a (fit, mix, SLO): the smallest pool size at which disaggregated goodput per
 replica is at least colocated's, and whether it stays so at every larger size tried.
@@ -47,6 +57,7 @@ class SweepParams:
     run_e2e: float = 8.0  # a run lasts this many mean requests' lifetimes (lifetime_estimate)
     min_requests: int = 400  # ... and holds at least this many requests at the estimated capacity
     bisect_steps: int = 6
+    router: str = "least_loaded"  # pd_sim.simulate's: the replicas' state now (module docstring)
     seed: int = 0
 
 
@@ -172,6 +183,7 @@ class _PoolRuns:
 
     def __init__(self, fit: CostFit, mix: Mix, num_replicas: int, slos: dict[str, tuple[float, float]], params: SweepParams):
         self.fit, self.mix, self.n, self.slos, self.seed = fit, mix, num_replicas, slos, params.seed
+        self.router = params.router
         lifetime_s = lifetime_estimate(fit, mix)
         self.per_replica = capacity_estimate(fit, mix)
         # long enough for queues to build: run_e2e mean lifetimes, or min_requests at the estimate
@@ -184,7 +196,8 @@ class _PoolRuns:
             count = math.ceil(high * self.duration_s * 1.05) + 1
             self.templates[high] = generate(self.mix, count, 1.0, num_replicas=self.n, seed=self.seed)
         requests = [replace(r, arrival_s=r.arrival_s / rate) for r in self.templates[high] if r.arrival_s / rate <= self.duration_s]
-        results = simulate(requests, self.fit, mode, num_prefill=num_prefill, num_decode=self.n - num_prefill).results
+        results = simulate(requests, self.fit, mode, num_prefill=num_prefill, num_decode=self.n - num_prefill,
+                           router=self.router).results
         judged = [x for x in results if self.window[0] <= x.request.arrival_s <= self.window[1]] or results
         return {name: attainment(judged, *slo) for name, slo in self.slos.items()}
 

@@ -12,6 +12,7 @@ from load_tests.pd_costs import (
     CostFit,
     CostLine,
     HandoffCost,
+    LayoutOverhead,
     ServeOverhead,
     StepCost,
     StepPoint,
@@ -20,8 +21,8 @@ from load_tests.pd_costs import (
     fit_step_cost,
     gpu_fit,
 )
-from load_tests.pd_probe import serve_overhead_parts, step_shape
-from load_tests.pd_served_probe import cpu_delta, fit_overhead, serving_cpu_per_token
+from load_tests.pd_probe import handoff_of, step_shape
+from load_tests.pd_served_probe import cpu_delta, fit_overhead, request_overhead_s, serving_cpu
 
 SHAPES = [StepShape(t, r, p, c) for t, r, p, c in [
     (1, 1, 0, 100), (4, 4, 0, 800), (16, 16, 0, 4000), (64, 1, 2080, 0), (256, 1, 32896, 0), (256, 0, 98432, 0),
@@ -78,7 +79,8 @@ def test_the_gpu_fit_reproduces_distserves_published_formulas():
 
 def test_a_fit_survives_its_json():
     fit = CostFit("cpu", StepCost((CostLine(0.01, 0.001, 0.0001), CostLine(0.02)), 1e-6, 2e-6),
-                  HandoffCost(0.001, 23040, 3e9), ServeOverhead(0.04, 0.0, 0.0006, 0.05, 0.0, 0.0, 0.003, 0.004),
+                  HandoffCost(0.001, 23040, 3e9),
+                  ServeOverhead(LayoutOverhead(0.04, 0.0, 0.0006, 0.02, 0.003, 0.1), LayoutOverhead(0.05, 0.001)),
                   kv_capacity_tokens=1000, source="here", assumptions=("one",), info={"x": 1})
     assert CostFit.from_json(fit.to_json()) == fit
 
@@ -94,33 +96,50 @@ def test_the_probe_reads_a_steps_shape_from_the_scheduler_output():
     assert step_shape([(_seq(256, 300), 44)]) == StepShape(44, 1, chunk_pairs(44, 256), 0)
 
 
-def test_serve_overhead_parts_reads_a_serve_overhead_report():
-    report = {"config": {"params": {"kv_tokens": 1024}}, "summary": {
-        "added_ttft_ms_p50": 48.0, "added_ttft_ms_p50_colocated": 40.0, "added_tpot_ms_p50": 0.01,
-        "added_tpot_ms_p50_colocated": -0.2, "kv_transfer_ms_p50": 8.0, "kv_transfer_bytes": 1024 * 23040}}
-    request, handoff, info = serve_overhead_parts(report)
-    assert request == {"colocated_request_s": 0.04, "disaggregated_request_s": 0.048}
+def test_the_hand_off_comes_from_a_serve_overhead_report():
+    report = {"config": {"params": {"kv_tokens": 1024}},
+              "summary": {"kv_transfer_ms_p50": 8.0, "kv_transfer_bytes": 1024 * 23040}}
+    handoff, info = handoff_of(report)
     assert handoff == HandoffCost(0.0, 23040, 1024 * 23040 / 0.008)
     assert handoff.seconds(512) == pytest.approx(0.004)
     assert info["kv_tokens"] == 1024
 
 
-def test_the_served_overhead_is_fitted_over_the_streams():
-    measured = {1: {"tpot_s": 0.013, "context": 100}, 2: {"tpot_s": 0.016, "context": 100},
-                4: {"tpot_s": 0.022, "context": 100}, 8: {"tpot_s": 0.034, "context": 100}}
+def _round(streams: int, output_tokens: int, tpot_s: float, *, wall_s: float = 1.0, serving_cpu_s: float = 0.0,
+           ttft_s: float = 0.1, prompt: int = 100) -> dict:
+    return {"streams": streams, "output_tokens": output_tokens, "wall_s": wall_s, "serving_cpu_s": serving_cpu_s,
+            "tpot_s": [tpot_s] * streams, "ttft_s": [ttft_s] * streams, "prompt_tokens": [prompt] * streams}
+
+
+def test_the_served_step_overhead_is_fitted_over_the_streams():
     # the engine alone: 10 ms + 1 ms a row; served: 2 ms a step more and 1 ms a row more
-    step_s, row_s, points = fit_overhead(measured, lambda k, context: 0.010 + 0.001 * k)
+    layout = {"rounds": [_round(k, 64, 0.012 + 0.002 * k) for k in (1, 2, 4, 8)] + [_round(4, 8, 1.0)]}
+    step_s, row_s, points = fit_overhead(layout, lambda k, context: 0.010 + 0.001 * k)
     assert step_s == pytest.approx(0.002) and row_s == pytest.approx(0.001)
-    assert [p["streams"] for p in points] == [1, 2, 4, 8]
+    assert [p["streams"] for p in points] == [1, 2, 4, 8]  # the 8-token rounds are for the CPU fit
     # a served path faster than the engine alone adds nothing
-    assert fit_overhead({1: {"tpot_s": 0.009, "context": 1}}, lambda k, c: 0.010) == (0.0, 0.0, [
-        {"streams": 1, "served_s": 0.009, "engine_s": 0.010}])
+    assert fit_overhead({"rounds": [_round(1, 64, 0.009)]}, lambda k, c: 0.010)[:2] == (0.0, 0.0)
 
 
-def test_the_serving_cpu_is_what_the_non_engine_processes_used_per_token():
+def test_the_request_overhead_is_the_one_stream_ttft_beyond_the_prefill():
+    layout = {"rounds": [_round(1, 64, 0.01, ttft_s=0.35, prompt=200), _round(1, 64, 0.01, ttft_s=0.33, prompt=200),
+                         _round(4, 64, 0.01, ttft_s=9.0)]}
+    assert request_overhead_s(layout, lambda tokens: tokens * 0.0015) == pytest.approx(0.04)
+
+
+def test_the_serving_cpu_is_split_into_per_second_per_request_and_per_token():
+    # 0.1 CPU-s a second, 20 ms a request, 2 ms a token
+    def cpu(wall: float, k: int, tokens: int) -> float:
+        return 0.1 * wall + 0.02 * k + 0.002 * k * tokens
+
+    rounds = [_round(k, o, 0.01, wall_s=w, serving_cpu_s=cpu(w, k, o)) for k, o, w in
+              [(1, 64, 1.0), (4, 64, 1.6), (8, 64, 2.5), (4, 8, 0.5), (8, 8, 0.6)]]
+    layout = {"idle": {"wall_s": 4.0, "serving_cpu_s": 0.4}, "rounds": rounds}
+    per_request, per_token, per_second = serving_cpu(layout)
+    assert (per_request, per_token, per_second) == (pytest.approx(0.02), pytest.approx(0.002), pytest.approx(0.1))
+
+
+def test_cpu_deltas_are_taken_per_process():
     before = {1: ("Worker", 10.0), 2: ("OpenAIIngress", 1.0), 3: ("ProxyActor", 2.0)}
     after = {1: ("Worker", 13.0), 2: ("OpenAIIngress", 1.5), 3: ("ProxyActor", 2.25), 4: ("client", 0.25)}
     assert cpu_delta(before, after) == {"Worker": 3.0, "OpenAIIngress": 0.5, "ProxyActor": 0.25, "client": 0.25}
-    measured = {1: {"num_tokens": 64, "cpu_s": {"Worker": 3.0, "OpenAIIngress": 0.5, "ProxyActor": 0.25}},
-                2: {"num_tokens": 192, "cpu_s": {"DecodeWorker": 5.0, "client": 0.25, "PrefillWorker": 1.0}}}
-    assert serving_cpu_per_token(measured) == 1.0 / 256

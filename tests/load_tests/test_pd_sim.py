@@ -3,7 +3,11 @@ coefficients are powers of two (every sum below is exact in floating point)."""
 
 from __future__ import annotations
 
-from load_tests.pd_costs import CostFit, CostLine, HandoffCost, ServeOverhead, StepCost, chunk_pairs
+import math
+
+import pytest
+
+from load_tests.pd_costs import CostFit, CostLine, HandoffCost, LayoutOverhead, ServeOverhead, StepCost, chunk_pairs
 from load_tests.pd_sim import SimRequest, simulate, summarize
 
 BASE, TOKEN, ROW, PAIR, CONTEXT = 2**-6, 2**-10, 2**-9, 2**-20, 2**-16
@@ -88,11 +92,33 @@ def test_a_request_waits_for_kv_until_the_one_before_it_finishes():
     assert second.first_token_s == first.last_token_s + prefill_s(40)
 
 
-def test_the_served_path_overheads_are_added_per_request_and_per_step():
-    fit = make_fit(overhead=ServeOverhead(colocated_request_s=2**-5, colocated_step_s=2**-8))
+def test_the_served_path_overheads_are_added_per_request_per_step_and_per_row():
+    fit = make_fit(overhead=ServeOverhead(colocated=LayoutOverhead(request_s=2**-5, step_s=2**-8, row_s=2**-10)))
     (result,) = simulate([SimRequest(0, 0.0, 64, 2)], fit, "colocated", num_decode=1).results
-    assert result.ttft_s == 2**-5 + prefill_s(64) + 2**-8
-    assert result.tpot_s == decode_s(65) + 2**-8
+    assert result.ttft_s == 2**-5 + prefill_s(64) + 2**-8 + 2**-10
+    assert result.tpot_s == decode_s(65) + 2**-8 + 2**-10
+
+
+def test_the_serving_processes_cpu_slows_the_busy_replicas_beyond_what_idle_cores_absorb():
+    fit = make_fit(overhead=ServeOverhead(colocated=LayoutOverhead(background_cpu=0.5)))
+    # one replica on one core: half of it is taken, every step lasts twice its cost
+    (alone,) = simulate([SimRequest(0, 0.0, 64, 2)], fit, "colocated", num_decode=1).results
+    assert alone.ttft_s == 2 * prefill_s(64)
+    assert alone.tpot_s == 2 * decode_s(65)
+    # two replicas, one busy: the idle one's core takes the half core
+    (beside,) = simulate([SimRequest(0, 0.0, 64, 2)], fit, "colocated", num_decode=2).results
+    assert beside.ttft_s == prefill_s(64)
+
+
+def test_the_serving_cpu_per_token_is_a_rate_over_the_last_second():
+    overhead = LayoutOverhead(cpu_per_token_s=0.25)
+    (result,) = simulate([SimRequest(0, 0.0, 64, 3)], make_fit(overhead=ServeOverhead(colocated=overhead)),
+                         "colocated", num_decode=1).results
+    first = prefill_s(64)
+    # the first token's 0.25 CPU-s is a rate of 0.25 cores at once: the next step lasts 1 / 0.75
+    second = decode_s(65) / 0.75
+    assert result.last_token_s - first == pytest.approx(
+        second + decode_s(66) / (1 - (0.25 * math.exp(-second) + 0.25)), rel=1e-12)
 
 
 def test_routing_spreads_simultaneous_requests_over_the_least_loaded_replicas():
