@@ -28,7 +28,7 @@ at about one request a second, routes as kvrelay does). The comparison here is o
 not of that policy.
 
 The crossover of a (fit, mix, SLO): the smallest pool size at which disaggregated goodput per
-replica is at least colocated's, and whether it stays so at every larger size tried.
+replica is above colocated's, and whether it stays so at every larger size tried.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class SweepParams:
     attainment: float = 0.9
     run_e2e: float = 8.0  # a run lasts this many mean requests' lifetimes (lifetime_estimate)
     min_requests: int = 400  # ... and holds at least this many requests at the estimated capacity
-    bisect_steps: int = 6
+    bisect_steps: int = 8  # the goodput's resolution: 1/256 of the search bracket
     router: str = "least_loaded"  # pd_sim.simulate's: the replicas' state now (module docstring)
     seed: int = 0
 
@@ -241,15 +241,17 @@ def capacity_estimate(fit: CostFit, mix: Mix) -> float:
 
 
 def crossovers(cells: list[Cell]) -> list[dict]:
-    """Per (fit, mix, slo): the smallest pool size where disaggregated >= colocated per replica,
-    whether it holds at every larger size, and the ratio at the largest size."""
+    """Per (fit, mix, slo): the smallest pool size where disaggregated goodput per replica is
+    above colocated's (equal ones, within the search's resolution, are not a win), whether it
+    stays above at every larger size, and the ratio at each size."""
     out = []
     keys = sorted({(c.fit, c.mix, c.slo) for c in cells}, key=lambda k: (k[0], list(MIXES).index(k[1]), k[2]))
     for fit, mix, slo in keys:
         row = sorted((c for c in cells if (c.fit, c.mix, c.slo) == (fit, mix, slo)), key=lambda c: c.num_replicas)
-        wins = [c.num_replicas for c in row if c.ratio is not None and c.ratio >= 1.0]
+        wins = [c.num_replicas for c in row if c.disaggregated_per_replica > c.colocated_per_replica]
         first = wins[0] if wins else None
-        holds = first is not None and all(c.ratio is not None and c.ratio >= 1.0 for c in row if c.num_replicas >= first)
+        holds = first is not None and all(c.disaggregated_per_replica > c.colocated_per_replica
+                                          for c in row if c.num_replicas >= first)
         out.append({"fit": fit, "mix": mix, "slo": slo, "crossover_replicas": first, "holds_above": holds,
                     "ratio_by_size": {str(c.num_replicas): c.ratio for c in row}})
     return out
