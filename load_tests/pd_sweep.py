@@ -56,7 +56,7 @@ class SweepParams:
     attainment: float = 0.9
     run_e2e: float = 8.0  # a run lasts this many mean requests' lifetimes (lifetime_estimate)
     min_requests: int = 400  # ... and holds at least this many requests at the estimated capacity
-    bisect_steps: int = 8  # the goodput's resolution: 1/256 of the search bracket
+    bisect_steps: int = 6  # the goodput's resolution: 1/64 of the search bracket
     router: str = "least_loaded"  # pd_sim.simulate's: the replicas' state now (module docstring)
     seed: int = 0
 
