@@ -7,6 +7,7 @@
     kvrelay bench routing [--simulate] [--quick] [--json PATH]  prefix-aware routing vs round robin, pow2, prefix tree
     kvrelay bench serve [--base-url URL] [--dataset D] [--request-rate R,...] [--slo ...]  any OpenAI server: TTFT, TPOT, ITL, goodput
     kvrelay bench scenario NAME [--smoke] [--json PATH]   pd-interference | prefix-routing | peers: starts its servers
+    kvrelay bench pd-sim [--quick] [--validate SCENARIO.json] [--json PATH]   colocated vs disaggregated, simulated at scale
     kvrelay bench soak [--requests N] [--chaos] [--json PATH]   mixed load with client aborts (and kills): no leak, no hang
     kvrelay bench hostile [--quick] [--json PATH]         a normal stream's TTFT alone vs beside hostile clients
     kvrelay policy check FILE                             validate an autoscaling policy, print it
@@ -35,6 +36,7 @@ __all__ = ["BENCH_MODULES", "main"]
 BENCH_MODULES = {  # `kvrelay bench TARGET` -> its load_tests module
     "engine": "bench_engine", "serve-overhead": "bench_serve_overhead", "routing": "bench_routing",
     "serve": "bench_serve", "scenario": "bench_scenario", "soak": "bench_soak", "hostile": "bench_hostile",
+    "pd-sim": "bench_pd_sim",
 }
 
 

@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_routing(bench_targets)
     _add_bench_serve(bench_targets)
     _add_bench_scenario(bench_targets)
+    _add_bench_pd_sim(bench_targets)
     _add_bench_soak(bench_targets)
     _add_bench_hostile(bench_targets)
     _add_policy(commands)
@@ -344,6 +345,24 @@ def _add_bench_scenario(targets) -> None:
     p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
                    help="override a field of every kvrelay app's config by its dotted path, after the scenario's own, "
                    "e.g. --set engine.long_prefill_token_threshold=512 --set worker.engine.num_threads=2")
+
+
+def _add_bench_pd_sim(targets) -> None:
+    # argparse only (no torch, no numpy), so that --help stays fast
+    from load_tests.pd_sim_params import add_arguments
+
+    p = targets.add_parser(
+        "pd-sim",
+        help="where disaggregation pays: colocated vs disaggregated goodput simulated over 2-64 replicas",
+        description=(
+            "A discrete-event simulator of prefill and decode pools (load_tests/pd_sim.py) with step costs fitted "
+            "to this machine's engine (probed now, or --cpu-fit) and to published GPU figures (DistServe's OPT-13B "
+            "profile on A100): colocated against disaggregated goodput per replica over pool sizes and workload "
+            "mixes at a tight and a loose SLO, and the crossover pool size. --validate replays a measured "
+            "pd-interference run with the cpu fit and reports each figure's error (load_tests/bench_pd_sim.py)."
+        ),
+    )
+    add_arguments(p)
 
 
 def _add_bench_soak(targets) -> None:
