@@ -94,12 +94,23 @@ def serve_deploy_config(config) -> dict:
     for field in ("autoscaling_policy", "pricing"):  # read by the controller, from its own cwd
         if args.get(field):
             args[field] = str(Path(args[field]).resolve())
-    return {
-        "http_options": {"host": config.http.host, "port": config.http.port},
-        "applications": [
-            {"name": config.app_name, "route_prefix": "/", "import_path": APP_IMPORT_PATH, "args": args}
-        ],
-    }
+    app = {"name": config.app_name, "route_prefix": "/", "import_path": APP_IMPORT_PATH, "args": args}
+    if config.autoscaling_policy:
+        _set_app_policy(app, config.autoscaling_policy)
+    return {"http_options": {"host": config.http.host, "port": config.http.port}, "applications": [app]}
+
+
+def _set_app_policy(app: dict, policy_path: str) -> None:
+    """The application's own autoscaling policy: the planner's joint plan under `mode: planner`
+    (router/autoscaling/plan_serve.py), none otherwise (each pool's deployment policy)."""
+    from router.autoscaling.plan_serve import app_autoscaling_policy
+    from router.autoscaling.policy import load_policy
+
+    app_policy = app_autoscaling_policy(load_policy(policy_path))
+    if app_policy is None:
+        app.pop("autoscaling_policy", None)
+    else:
+        app["autoscaling_policy"] = app_policy
 
 
 def _deployed_config(client: DashboardClient, app_name: str) -> tuple[dict, dict]:
@@ -165,6 +176,7 @@ def apply_policy(client: DashboardClient, app_name: str, policy_path: str) -> st
     args = dict(app.get("args") or {})
     args["autoscaling_policy"] = str(Path(policy_path).resolve())
     app["args"] = args
+    _set_app_policy(app, policy_path)
     client.put_applications(whole)
     return f"{app_name}: autoscaling policy {args['autoscaling_policy']} applied"
 

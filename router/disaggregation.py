@@ -19,6 +19,19 @@ its own, else the prefill pool's; the hand-off: at least one import) every promp
 prefill pool, the configured layout.
 
 Ray-free: the ingress (serving/deployments/serve_backend.py) reads the stats from its routers.
+
+Whether to disaggregate at all is the pool's choice, not the request's: disaggregate only where it
+pays. `kvrelay bench pd-sim` (load_tests/pd_sim.py, issue 19 part 4) simulated pools of 2-64
+replicas, with this machine's engine and with DistServe's published OPT-13B/A100 costs:
+- 1 prefill + 1 decode replica lose to 2 colocated ones in every GPU cell (0.31-0.93x goodput
+  per replica).
+- Disaggregated wins from 4-8 replicas when the TPOT target is tight (2x an unloaded decode step):
+  1.29-2.17x at 64 on the GPU fit. It also wins when outputs are long (1.12-1.19x at a loose
+  target).
+- Colocated chunked prefill stays ahead when TPOT has room and prompts dominate (0.62-0.96x).
+
+Hence `mode: auto` splits a node only from 4 cores (serving/config/layout.py), and this rule only
+decides where each prompt of a split pool is prefilled. The tables are in docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -106,6 +106,30 @@ class CachedBlockSet:
             self._taken[request_id] = block_hashes
             self.version += 1
 
+    def num_leading(self, block_hashes: Sequence[int], max_blocks: int) -> tuple[int, int]:
+        """Of a prompt's first `max_blocks` blocks: how many lead it that the engine holds, and how
+        many that it holds or that a prompt it has taken and not finished shares (being computed,
+        or queued to be). Hashes chain, so a taken prompt shares a leading run: its length is
+        found by bisection."""
+        limit = min(max_blocks, len(block_hashes))
+        held = 0
+        while held < limit and block_hashes[held] in self._order:
+            held += 1
+        pending = held
+        for taken in self._taken.values():
+            lo, hi = pending, min(limit, len(taken))  # does it share more than `pending` blocks?
+            if hi <= lo or taken[lo] != block_hashes[lo]:
+                continue
+            lo += 1  # the first lo blocks are shared, at most hi: the longest shared run between
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if taken[mid - 1] == block_hashes[mid - 1]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            pending = lo
+        return held, pending
+
     def touch(self, block_hashes: Sequence[int], request_id: str | None = None) -> None:
         """A request over these blocks ended: the held ones are now the most recently used."""
         changed = self._taken.pop(request_id, None) is not None if request_id is not None else False

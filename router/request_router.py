@@ -12,6 +12,10 @@ replica since that replica's last stats so a burst does not pile onto one replic
 stats catch up. The request's block hashes were computed once, at the ingress. All of that is
 Ray-free, in router/routing_state.py (`RouterState`); this module adapts it to Serve.
 
+Each decision's prediction (the chosen replica and the prompt tokens the index says it holds) is
+kept for the ingress, which checks it against the hit the engine found when the request's first
+output comes back (serving/observability/request_path.py).
+
 Selected per deployment with `request_router_config` (see serving/deployments/app.py); parameters are the
 policy's (router/policies.py) and arrive as `request_router_kwargs`.
 """
@@ -27,12 +31,13 @@ from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
 
-from router.policies import LeastKVPolicy, PrefixCostPolicy, RouteRequest, build_policy
+from router.policies import Decision, LeastKVPolicy, PrefixCostPolicy, RouteRequest, build_policy
 from router.replica_stats import MetricFamily, RoutingStats
 from router.routing_state import RouterState
 from serving.observability.metrics import POOL_OF_DEPLOYMENT, record_routing_decision, register_router
+from serving.observability.request_path import Prediction, record_prediction
 
-__all__ = ["PrefixAwareRequestRouter", "KVAwareRequestRouter", "Routable", "route_request_from_args"]
+__all__ = ["PrefixAwareRequestRouter", "KVAwareRequestRouter", "Routable", "prediction_of", "route_request_from_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +68,14 @@ def route_request_from_args(pending_request: PendingRequest | None) -> RouteRequ
         session=request.session,
         token_ids=request.prompt_token_ids,
     )
+
+
+def prediction_of(policy: str, decision: Decision) -> Prediction:
+    """What the ingress checks against the engine's hit (serving/observability/request_path.py):
+    the chosen replica, by the id its worker reports (Serve's replica unique id), and the tokens
+    the router's index says it holds."""
+    chosen = decision.chosen
+    return Prediction(policy, getattr(chosen, "unique_id", str(chosen)), decision.num_predicted_tokens)
 
 
 class _PolicyRouter(FIFOMixin, RequestRouter):
@@ -99,6 +112,7 @@ class _PolicyRouter(FIFOMixin, RequestRouter):
             known_replicas=self._all_replica_ids(),
         )
         record_routing_decision(self.pool, self.state.policy.name, decision.reason)
+        record_prediction(request.request_id, self.pool, prediction_of(self.state.policy.name, decision))
         return [[by_id[replica_id]] for replica_id in decision.ranked]
 
     def on_replica_actor_died(self, replica_id) -> None:

@@ -54,6 +54,9 @@ class Decision:
     # PrefixCostPolicy's other terms, per replica where not 0 (router/prefix_cost.py)
     delay_s: dict[Hashable, float] = field(default_factory=dict)
     eviction_s: dict[Hashable, float] = field(default_factory=dict)
+    # The prompt tokens the chosen replica holds by the router's index, whatever the policy, capped
+    # as the engine caps a hit (RouterState.route): what the request should find cached there.
+    num_predicted_tokens: int = 0
 
     @property
     def chosen(self) -> Hashable:

@@ -129,6 +129,7 @@ class RouterState:
         loads = [self.load(replica_id, stats, now) for replica_id, stats in candidates]
         self.policy._now = now
         decision = self.policy.choose(request, loads, self.index)
+        decision.num_predicted_tokens = self.predicted_tokens(decision.chosen, request)
         self.decisions[decision.reason] += 1
         self.inflight.add(decision.chosen, now, max(0, request.num_prompt_tokens - decision.num_matched_tokens))
         if request.block_hashes:
@@ -146,6 +147,15 @@ class RouterState:
         load = load_from_stats(replica_id, stats)
         load.queued_prefill_tokens += self.inflight.unreported(replica_id, stats.time if stats is not None else 0.0, now)
         return load
+
+    def predicted_tokens(self, replica_id: Hashable, request: RouteRequest) -> int:
+        """The prompt tokens the replica should find cached, per the index: its leading blocks
+        there, at most those before the prompt's last token (an engine always computes that one,
+        to sample from it)."""
+        max_blocks = (request.num_prompt_tokens - 1) // request.block_size
+        if max_blocks <= 0:
+            return 0
+        return min(self.index.num_matched_blocks(replica_id, request.block_hashes), max_blocks) * request.block_size
 
     def cached_prefix_everywhere(self, block_hashes) -> int:
         """The leading blocks of a prompt that every replica of the pool holds (per the index):

@@ -8,7 +8,8 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -160,3 +161,42 @@ def single_tokens(out):
         logprobs = c.logprobs[i : i + 1] if c.logprobs else None
         one = CompletionOutput(c.index, "", [token_id], logprobs, c.finish_reason if last else None, c.stop_reason if last else None)
         yield replace(out, outputs=[one], finished=out.finished and last)
+
+
+def streamed_tool_calls(chunks) -> tuple[list[tuple[str, str]], list[str]]:
+    """The (name, arguments) of each tool call in a chat stream's chunks (the openai SDK's
+    objects), joined from their fragments by index, and the finish reasons the stream gave."""
+    calls: dict[int, list[str]] = {}
+    reasons = []
+    for chunk in chunks:
+        for part in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(part.index, ["", ""])
+            entry[0] += part.function.name or ""
+            entry[1] += part.function.arguments or ""
+        if chunk.choices[0].finish_reason:
+            reasons.append(chunk.choices[0].finish_reason)
+    return [tuple(v) for _, v in sorted(calls.items())], reasons
+
+
+@contextmanager
+def served_app(config, ray_temp_dir) -> Iterator[str]:
+    """`config`'s app deployed on a local Ray (8 logical CPUs, its temp root `ray_temp_dir`) behind
+    Serve's proxy on a free port; yields its base URL (route prefix = its name) and takes it all
+    down after: its KV-transfer actors, Serve, Ray."""
+    import ray
+    from ray import serve
+
+    from load_tests.local_ray import free_port
+    from serving.deployments import kv_transfer
+    from serving.deployments.app import build_app
+
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", _temp_dir=str(ray_temp_dir))
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
+        yield f"http://127.0.0.1:{port}/{config.app_name}"
+        kv_transfer.kill_all(config.app_name)
+        serve.shutdown()
+    finally:
+        ray.shutdown()

@@ -69,18 +69,29 @@ def _type_schema(annotation: Any) -> dict:
     return {"type": simple[annotation]}
 
 
+def _bound(value: Any, schema: dict) -> Any:
+    """A bound written as its field's type: `ge=0` and `ge=0.0` are equal and hash alike, so
+    whichever a process met first is the one `typing.Annotated`'s cache hands every field with
+    that constraint; the schema must not depend on what was imported before it."""
+    if schema.get("type") == "number":
+        return float(value)
+    if schema.get("type") == "integer" and float(value).is_integer():
+        return int(value)
+    return value
+
+
 def _constraints(metadata: list, schema: dict) -> dict:
     out: dict[str, Any] = {}
     is_object = schema.get("type") == "object"
     for item in metadata:
         if isinstance(item, annotated_types.Ge):
-            out["minimum"] = item.ge
+            out["minimum"] = _bound(item.ge, schema)
         elif isinstance(item, annotated_types.Gt):
-            out["exclusiveMinimum"] = item.gt
+            out["exclusiveMinimum"] = _bound(item.gt, schema)
         elif isinstance(item, annotated_types.Le):
-            out["maximum"] = item.le
+            out["maximum"] = _bound(item.le, schema)
         elif isinstance(item, annotated_types.Lt):
-            out["exclusiveMaximum"] = item.lt
+            out["exclusiveMaximum"] = _bound(item.lt, schema)
         elif isinstance(item, annotated_types.MinLen):
             out["minProperties" if is_object else "minItems" if schema.get("type") == "array" else "minLength"] = item.min_length
         elif getattr(item, "pattern", None):

@@ -50,12 +50,16 @@ from serving.observability.metrics import record_autoscaler_decision
 
 __all__ = [
     "SIGNALS",
+    "WORKLOAD_SIGNALS",
+    "WIRE_SIGNALS",
     "ReplicaSignals",
     "Observation",
     "ScaleState",
     "ScaleDecision",
     "decide",
     "observation_from_serve",
+    "data_problem",
+    "serve_decide",
     "serve_autoscaling_config",
     "prefill_policy",
     "decode_policy",
@@ -78,15 +82,25 @@ class ReplicaSignals:
     num_seqs: float | None = None  # running + waiting sequences
     kv_utilization: float | None = None
     tpot_p95_ms: float | None = None
+    # The workload and capacity the planner reads (router/autoscaling/planner.py), over the window:
+    requests_per_s: float | None = None  # requests that arrived here
+    prompt_tokens_per_request: float | None = None  # their mean prompt length
+    output_tokens_per_request: float | None = None  # mean tokens generated here per request finished here
+    output_tokens_per_s: float | None = None  # tokens generated here (with num_seqs: the decode step time)
+    prefill_tokens_per_s: float | None = None  # the engine's measured prefill rate (0: none yet)
 
     def to_wire(self) -> dict[str, float]:
         """What a replica's record_autoscaling_stats returns: Serve keeps a time series per key
         (and its controller unpickles them without our packages, hence plain floats)."""
-        return {signal: float(getattr(self, signal) or 0.0) for signal in SIGNALS}
+        return {signal: float(getattr(self, signal) or 0.0) for signal in WIRE_SIGNALS}
 
 
-# What every replica reports (record_autoscaling_stats keys), all per replica.
-SIGNALS = tuple(f.name for f in fields(ReplicaSignals) if f.name != "updated_at")
+# What every replica reports (record_autoscaling_stats keys), all per replica: the signals the
+# reactive targets bound, and the planner's.
+SIGNALS = ("queued_prefill_tokens", "ttft_p95_ms", "num_seqs", "kv_utilization", "tpot_p95_ms")
+WORKLOAD_SIGNALS = ("requests_per_s", "prompt_tokens_per_request", "output_tokens_per_request", "output_tokens_per_s",
+                    "prefill_tokens_per_s")
+WIRE_SIGNALS = SIGNALS + WORKLOAD_SIGNALS
 
 
 @dataclass(frozen=True)
@@ -131,7 +145,7 @@ def decide(policy: PoolPolicy, observation: Observation, state: ScaleState, now:
 
     # 2. missing or stale data
     targets = policy.target_by_signal()
-    problem = _data_problem(observation.replicas, targets, policy.stale_after_s, now)
+    problem = data_problem(observation.replicas, targets, policy.stale_after_s, now)
     if problem:
         return ScaleDecision(current, reset, f"hold: {problem}")
 
@@ -177,7 +191,7 @@ def decide(policy: PoolPolicy, observation: Observation, state: ScaleState, now:
     return ScaleDecision(current, reset, f"hold: {why} within ({floor:.2f}, {current}]")
 
 
-def _data_problem(
+def data_problem(
     replicas: tuple[ReplicaSignals, ...], targets: Mapping[str, float], stale_after_s: float, now: float
 ) -> str | None:
     if not replicas:
@@ -204,6 +218,13 @@ def serve_autoscaling_config(pool: str, config: AutoscalingPolicyConfig) -> dict
     policy = config.pool(pool)  # type: ignore[arg-type]
     if policy is None:
         return None
+    function = f"{__name__}:{pool}_policy"
+    kwargs: dict[str, Any] = {"policy_name": config.name, "pool": policy.model_dump(mode="json")}
+    if config.mode == "planner" and pool in ("prefill", "decode"):
+        # Serve runs plan_serve.plan_policy (the app's policy) instead when it can; this one is
+        # for apps started with serve.run (plan_serve's docstring).
+        function = f"router.autoscaling.plan_serve:{pool}_plan_policy"
+        kwargs.update(pool_name=pool, planner=config.planner.model_dump(mode="json"))  # type: ignore[union-attr]
     return {
         "min_replicas": policy.min_replicas,
         "max_replicas": policy.max_replicas,
@@ -212,10 +233,7 @@ def serve_autoscaling_config(pool: str, config: AutoscalingPolicyConfig) -> dict
         "metrics_interval_s": policy.metrics_interval_s,
         "upscale_delay_s": 0.0,
         "downscale_delay_s": 0.0,
-        "policy": {
-            "policy_function": f"{__name__}:{pool}_policy",
-            "policy_kwargs": {"policy_name": config.name, "pool": policy.model_dump(mode="json")},
-        },
+        "policy": {"policy_function": function, "policy_kwargs": kwargs},
     }
 
 
@@ -229,7 +247,7 @@ def observation_from_serve(
     for replica_id in running_replicas:
         values: dict[str, float] = {}
         newest: float | None = None
-        for signal in SIGNALS:
+        for signal in WIRE_SIGNALS:
             series = list(raw_metrics.get(signal, {}).get(replica_id) or ())
             if not series:
                 continue
@@ -244,17 +262,17 @@ def observation_from_serve(
 
 def prefill_policy(ctx, **policy_kwargs) -> tuple[int, dict[str, Any]]:
     """Serve autoscaling policy of the PrefillWorker pool."""
-    return _serve_decide("prefill", ctx, policy_kwargs)
+    return serve_decide("prefill", ctx, policy_kwargs)
 
 
 def decode_policy(ctx, **policy_kwargs) -> tuple[int, dict[str, Any]]:
     """Serve autoscaling policy of the DecodeWorker pool."""
-    return _serve_decide("decode", ctx, policy_kwargs)
+    return serve_decide("decode", ctx, policy_kwargs)
 
 
 def worker_policy(ctx, **policy_kwargs) -> tuple[int, dict[str, Any]]:
     """Serve autoscaling policy of the colocated Worker pool."""
-    return _serve_decide("worker", ctx, policy_kwargs)
+    return serve_decide("worker", ctx, policy_kwargs)
 
 
 # Serve logs its own scale events under "ray.serve" (the controller's log); the reason goes next
@@ -263,7 +281,9 @@ _serve_logger = logging.getLogger("ray.serve")
 _policies: dict[str, PoolPolicy] = {}  # validated policy_kwargs, by their JSON (ticks are 0.1 s)
 
 
-def _serve_decide(pool: str, ctx, policy_kwargs: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+def serve_decide(pool: str, ctx, policy_kwargs: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+    """One pool's reactive decision from a Serve AutoscalingContext (also called for the reactive
+    pools by the planner's application-level policy, router/autoscaling/plan_serve.py)."""
     # Serve 2.60 hands policy_kwargs only to class policies; functions find them in ctx.config.
     kwargs = policy_kwargs or dict(ctx.config.policy.policy_kwargs)
     key = pool + json.dumps(kwargs, sort_keys=True)

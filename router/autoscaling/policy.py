@@ -10,6 +10,8 @@
       max_replicas: 4
       targets: {num_seqs_per_replica: 32, kv_utilization: 0.85, tpot_p95_ms: 250}
     worker:                            # Worker (colocated mode): any of the five targets
+    mode: reactive                     # or planner: the planner section sizes prefill and decode
+    planner: ...                       # together (router/autoscaling/planner_policy.py)
 
 Every target is per replica; a null target turns its signal off (at least one stays on). The
 decision that reads this is `router.autoscaling.decide.decide`; the Serve options it becomes are
@@ -25,6 +27,7 @@ allowed values, in the layout of `serving.config.format_validation_error`, e.g.
 
 from __future__ import annotations
 
+import math
 import os
 import types
 import typing
@@ -35,6 +38,9 @@ import annotated_types
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from router.autoscaling.errors import FieldError as _FieldError
+from router.autoscaling.errors import PolicyError
+from router.autoscaling.planner_policy import PlannerPolicy
 from serving.engine.strict import StrictModel
 
 __all__ = [
@@ -58,13 +64,6 @@ __all__ = [
 PoolName = Literal["prefill", "decode", "worker"]
 
 
-class PolicyError(ValueError):
-    """A policy file is invalid; the message names the file, field, value and allowed values.
-
-    Not serving.config.ConfigError: this module stays free of torch (serving.config pulls in the
-    engine), because it is imported by the Serve controller and by `kvrelay policy`.
-    """
-
 # Target field -> the per-replica signal it bounds (the keys replicas report; see
 # serving/observability/worker_metrics.py). Every target is "this much per replica".
 TARGET_SIGNALS: dict[str, str] = {
@@ -74,14 +73,6 @@ TARGET_SIGNALS: dict[str, str] = {
     "kv_utilization": "kv_utilization",
     "tpot_p95_ms": "tpot_p95_ms",
 }
-
-
-class _FieldError(ValueError):
-    """A cross-field check that failed on one field: reported under that field's path."""
-
-    def __init__(self, field: str, value: Any, message: str):
-        super().__init__(f"{field} = {value!r}: {message}")
-        self.field, self.value, self.message = field, value, message
 
 
 # ---- targets ---------------------------------------------------------------------------------
@@ -250,11 +241,35 @@ class AutoscalingPolicyConfig(StrictModel):
     prefill: PrefillPoolPolicy | None = Field(None, description="PrefillWorker pool; null: fixed replicas.")
     decode: DecodePoolPolicy | None = Field(None, description="DecodeWorker pool; null: fixed replicas.")
     worker: WorkerPoolPolicy | None = Field(None, description="Worker pool (colocated); null: fixed replicas.")
+    mode: Literal["reactive", "planner"] = Field(
+        "reactive",
+        description="What sizes the prefill and decode pools live: each from its own signals (reactive), "
+        "or both together from the workload (planner: the planner section). The worker pool is always reactive.",
+    )
+    planner: PlannerPolicy | None = Field(
+        None, description="The planner (router/autoscaling/planner_policy.py); needs prefill and decode sections."
+    )
 
     @model_validator(mode="after")
     def _some_pool(self):
         if self.prefill is None and self.decode is None and self.worker is None:
             raise ValueError("no pool is configured; add at least one of prefill, decode, worker")
+        if self.mode == "planner" and self.planner is None:
+            raise _FieldError("mode", self.mode, "no planner section; add one (deploy/autoscaling/planner.yaml) "
+                              "or set mode: reactive (allowed: reactive, planner)")
+        if self.planner is not None:
+            missing = [pool for pool in ("prefill", "decode") if self.pool(pool) is None]
+            if missing:
+                raise _FieldError("planner", None, f"needs a {' and a '.join(missing)} section too: their "
+                                  "min_replicas and max_replicas bound the plan")
+            lowest = math.ceil(self.planner.ratio.min_prefill_per_decode * self.decode.min_replicas - 1e-9)
+            if lowest > self.prefill.max_replicas:
+                raise _FieldError(
+                    "planner.ratio.min_prefill_per_decode", self.planner.ratio.min_prefill_per_decode,
+                    f"needs {lowest} prefill replicas at decode.min_replicas = {self.decode.min_replicas}, above "
+                    f"prefill.max_replicas = {self.prefill.max_replicas} (allowed: <= "
+                    f"{self.prefill.max_replicas / self.decode.min_replicas:g})",
+                )
         return self
 
     def pool(self, name: PoolName) -> PoolPolicy | None:
@@ -299,7 +314,7 @@ def format_policy_error(exc: ValidationError, where: str) -> str:
         elif err["type"] == "value_error" and isinstance(err["ctx"]["error"], _FieldError):
             error = err["ctx"]["error"]
             field = ".".join((*loc, error.field))
-            shown, hint = f" = {error.value!r}", error.message
+            shown, hint = ("" if error.value is None else f" = {error.value!r}"), error.message
         elif err["type"] == "value_error":
             hint = str(err["ctx"]["error"])
         else:

@@ -39,6 +39,7 @@ from serving.engine.params import GuidedSpec, SamplingParams
 from serving.engine.request import RequestStatus
 from serving.engine.stop_checker import StopChecker
 from serving.engine.validation import ModelInfo, check_request
+from serving.observability.ingress_metrics import RequestRecord
 from serving.observability.tracing import RequestTrace
 
 __all__ = ["GenerateRequest", "Backend", "ChoiceDelta", "Usage", "Frontend"]
@@ -229,11 +230,16 @@ class Frontend:
         index_offset: int = 0,
         session: str | None = None,
         trace: RequestTrace | None = None,
+        record: RequestRecord | None = None,
     ) -> AsyncIterator[ChoiceDelta]:
         """Run and detokenize one prompt that `validate` passed; `usage` is filled in as tokens
         arrive. The workers get the parameters without what the ingress does itself (stop
-        strings, detokenizing): their one change of shape."""
+        strings, detokenizing): their one change of shape. `record`: the HTTP request's metrics
+        record, which follows this prompt's path (its router's prediction, where its first
+        token's time went: serving/observability/request_path.py)."""
         usage.prompt_tokens += len(prompt_ids)
+        if record is not None:
+            record.follow(request_id).needs_prompt_logprobs = params.prompt_logprobs is not None
         worker_params = replace(params, stop=[], include_stop_str_in_output=False, detokenize=False)
         info = await self.model_info()
         request = GenerateRequest(

@@ -7,12 +7,14 @@
     kvrelay bench routing [--simulate] [--quick] [--json PATH]  prefix-aware routing vs round robin, pow2, prefix tree
     kvrelay bench serve [--base-url URL] [--dataset D] [--request-rate R,...] [--slo ...]  any OpenAI server: TTFT, TPOT, ITL, goodput
     kvrelay bench scenario NAME [--smoke] [--json PATH]   pd-interference | prefix-routing | peers: starts its servers
+    kvrelay bench pd-sim [--quick] [--validate SCENARIO.json] [--json PATH]   colocated vs disaggregated, simulated at scale
     kvrelay bench soak [--requests N] [--chaos] [--json PATH]   mixed load with client aborts (and kills): no leak, no hang
     kvrelay bench hostile [--quick] [--json PATH]         a normal stream's TTFT alone vs beside hostile clients
     kvrelay policy check FILE                             validate an autoscaling policy, print it
     kvrelay policy simulate FILE --trace TRACE.csv        replica counts the policy picks over a trace
+    kvrelay policy simulate FILE --workload all           reactive vs planner vs Ray's default on workloads
     kvrelay policy apply FILE                             switch a running app to a policy
-    kvrelay status                                        pools, replicas, queues, KV, TTFT/TPOT
+    kvrelay status                                        pools, replicas, queues, KV, TTFT/TPOT, prefix predictions, TTFT split
     kvrelay scale POOL N                                  set a pool's replica count in a running app
     kvrelay cluster up [--prefill-nodes N] [--decode-nodes M]   a multi-node Ray on this machine (dev)
     kvrelay cluster down                                  stop exactly what `cluster up` started
@@ -34,6 +36,7 @@ __all__ = ["BENCH_MODULES", "main"]
 BENCH_MODULES = {  # `kvrelay bench TARGET` -> its load_tests module
     "engine": "bench_engine", "serve-overhead": "bench_serve_overhead", "routing": "bench_routing",
     "serve": "bench_serve", "scenario": "bench_scenario", "soak": "bench_soak", "hostile": "bench_hostile",
+    "pd-sim": "bench_pd_sim",
 }
 
 
@@ -165,6 +168,41 @@ def _k8s(args) -> int:
     return 0
 
 
+def _simulate_workload(args, config) -> int:
+    import json
+
+    from load_tests.hardware import finish_machine_record, machine_record
+    from router.autoscaling.pool_model import Capacity
+    from router.autoscaling.replay import compare, format_table
+    from router.autoscaling.workload import BUILTIN_TRACES, TraceError, builtin_trace, read_workload
+
+    if config.planner is None:
+        print(f"kvrelay policy: {args.file} has no planner section; --workload needs one (the SLO and the "
+              "replicas' capacity profile): see deploy/autoscaling/planner.yaml", file=sys.stderr)
+        return 2
+    if not args.cold_start_s >= 0:
+        print(f"kvrelay policy: --cold-start-s = {args.cold_start_s:g} (allowed: >= 0)", file=sys.stderr)
+        return 2
+    try:
+        if args.workload_trace:
+            traces = [read_workload(args.workload_trace)]
+        else:
+            traces = [builtin_trace(name) for name in (BUILTIN_TRACES if args.workload == "all" else (args.workload,))]
+    except TraceError as exc:
+        return _failed("kvrelay policy", exc)
+    machine = machine_record()
+    report = compare(config, traces, capacity=Capacity(cold_start_s=args.cold_start_s), seed=args.seed)
+    print(f"# policy {config.name!r} ({args.file}): reactive (its prefill/decode sections), planner, ray-default")
+    print(format_table(report))
+    if args.json:
+        report["config"] = {"command": " ".join(sys.argv), "policy_file": args.file,
+                            "policy": config.model_dump(mode="json"), "traces": [t.name for t in traces]}
+        report["hardware"] = finish_machine_record(machine)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
 def _policy(args) -> int:
     import yaml
 
@@ -179,6 +217,8 @@ def _policy(args) -> int:
         print(f"# {args.file}: valid; the effective policy (null pool: fixed replicas, null target: signal off)")
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         return 0
+    if args.trace is None:
+        return _simulate_workload(args, config)
     configured = [name for name in ("prefill", "decode", "worker") if config.pool(name) is not None]
     pool_name = args.pool or configured[0]
     pool = config.pool(pool_name)

@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_routing(bench_targets)
     _add_bench_serve(bench_targets)
     _add_bench_scenario(bench_targets)
+    _add_bench_pd_sim(bench_targets)
     _add_bench_soak(bench_targets)
     _add_bench_hostile(bench_targets)
     _add_policy(commands)
@@ -102,17 +103,37 @@ def _add_policy(commands) -> None:
     )
     check.add_argument("file", metavar="FILE", help="policy YAML")
     sim = actions.add_parser(
-        "simulate", help="print the replica count the policy picks at each row of a metric trace",
-        description="Replay TRACE.csv (time_s plus metric columns; router/autoscaling/simulator.py "
-        "documents them, deploy/autoscaling/example-trace.csv is one) through one pool's "
-        "decision, starting from min_replicas.",
+        "simulate", help="replay a metric trace through one pool, or a workload through three policies",
+        description="With --trace: replay TRACE.csv (time_s plus metric columns; "
+        "router/autoscaling/simulator.py documents them, deploy/autoscaling/example-trace.csv is one) "
+        "through one pool's decision, starting from min_replicas. With --workload or --workload-trace: "
+        "replay a whole workload (request rate, prompt and output lengths) through a queueing model of "
+        "both pools under the reactive policy, the planner and Ray Serve's default, and report each "
+        "one's SLO attainment and replica-seconds (router/autoscaling/replay.py; FILE needs a planner "
+        "section, deploy/autoscaling/planner.yaml is one).",
     )
     sim.add_argument("file", metavar="FILE", help="policy YAML")
-    sim.add_argument("--trace", metavar="TRACE.csv", required=True, help="the metric trace")
+    source = sim.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", metavar="TRACE.csv", help="a metric trace, replayed through one pool")
+    source.add_argument(
+        "--workload", choices=["steady", "ramp", "diurnal", "burst", "all"],
+        help="a built-in hour-long workload (router/autoscaling/workload.py), or all four",
+    )
+    source.add_argument(
+        "--workload-trace", metavar="WORKLOAD.csv",
+        help="a workload CSV: time_s,requests_per_s,prompt_tokens,output_tokens "
+        "(deploy/autoscaling/example-workload.csv)",
+    )
     sim.add_argument(
         "--pool", choices=["prefill", "decode", "worker"],
-        help="which pool's section to use [the first the policy has: prefill, decode, worker]",
+        help="with --trace: which pool's section to use [the first the policy has: prefill, decode, worker]",
     )
+    sim.add_argument("--seed", type=int, default=0, help="with a workload: the requests' seed [%(default)s]")
+    sim.add_argument(
+        "--cold-start-s", type=float, default=30.0, metavar="S",
+        help="with a workload: seconds before a new replica takes work [%(default)s]",
+    )
+    sim.add_argument("--json", metavar="OUT.json", help="with a workload: also write the results as JSON")
     apply = actions.add_parser(
         "apply", help="switch the live app to this policy (through the Ray dashboard's Serve API)",
         description="Validate FILE, then change the running app's autoscaling policy. The file must be "
@@ -326,6 +347,24 @@ def _add_bench_scenario(targets) -> None:
     p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
                    help="override a field of every kvrelay app's config by its dotted path, after the scenario's own, "
                    "e.g. --set engine.long_prefill_token_threshold=512 --set worker.engine.num_threads=2")
+
+
+def _add_bench_pd_sim(targets) -> None:
+    # argparse only (no torch, no numpy), so that --help stays fast
+    from load_tests.pd_sim_params import add_arguments
+
+    p = targets.add_parser(
+        "pd-sim",
+        help="where disaggregation pays: colocated vs disaggregated goodput simulated over 2-64 replicas",
+        description=(
+            "A discrete-event simulator of prefill and decode pools (load_tests/pd_sim.py) with step costs fitted "
+            "to this machine's engine (probed now, or --cpu-fit) and to published GPU figures (DistServe's OPT-13B "
+            "profile on A100): colocated against disaggregated goodput per replica over pool sizes and workload "
+            "mixes at a tight and a loose SLO, and the crossover pool size. --validate replays a measured "
+            "pd-interference run with the cpu fit and reports each figure's error (load_tests/bench_pd_sim.py)."
+        ),
+    )
+    add_arguments(p)
 
 
 def _add_bench_soak(targets) -> None:

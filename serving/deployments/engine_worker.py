@@ -41,7 +41,16 @@ from serving.deployments import faults
 from serving.deployments.caller_watch import CallerWatch
 from serving.deployments.kv_handoff import KVHandoff
 from serving.deployments.kv_transfer import ACTOR_ERRORS
-from serving.deployments.messages import ClaimMiss, KVHandle, KVSlot, PrefillResult, WorkerError, WorkerRequest, WorkerStats
+from serving.deployments.messages import (
+    ClaimMiss,
+    KVHandle,
+    KVSlot,
+    PrefillResult,
+    WorkerError,
+    WorkerOutput,
+    WorkerRequest,
+    WorkerStats,
+)
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.config import EngineConfig
 from serving.engine.errors import EngineError
@@ -50,6 +59,7 @@ from serving.engine.outputs import EngineStats, RequestOutput
 from serving.engine.request import RequestStatus
 from serving.engine.validation import ModelInfo
 from serving.observability import tracing
+from serving.observability.request_path import Admission, clock_offset_s
 from serving.observability.worker_metrics import RequestLatencies, WorkerRecorder
 
 __all__ = ["EngineWorker", "replica_signals"]
@@ -63,10 +73,11 @@ _NOT_RUN = (RequestStatus.FINISHED_ABORTED.value, RequestStatus.FINISHED_QUEUE_T
 class EngineWorker:
     def __init__(
         self, role: str, engine_config: EngineConfig, kv_config: KVTransferConfig, app_name: str,
-        recorder: WorkerRecorder | None = None,
+        recorder: WorkerRecorder | None = None, replica: str = "",
     ):
         self.role = role
         self.app_name = app_name
+        self.replica = replica  # Serve's replica unique id: the routers' name for this replica
         self.engine = AsyncEngine(engine_config)
         # Metrics, counters and latency windows (serving/observability/worker_metrics.py); the
         # engine is sampled in routing_stats.
@@ -124,12 +135,18 @@ class EngineWorker:
         with self._cached_blocks_lock:
             self._cached_blocks.apply(events)
 
-    def _took(self, request: WorkerRequest) -> None:
-        """A request arrived: counted, and its prompt listed in the snapshot (router/index.py)."""
+    def _took(self, request: WorkerRequest) -> Admission:
+        """A request arrived: counted, and its prompt listed in the snapshot (router/index.py).
+        Returns what the engine held of its prompt before it came, for the ingress to check its
+        router's prediction against (serving/observability/request_path.py)."""
         self._requests.add(time.monotonic())
         self._num_requests += 1
+        self.recorder.latencies.workload.arrived(len(request.prompt_token_ids))
+        max_blocks = (len(request.prompt_token_ids) - 1) // request.block_size  # as an engine caps a hit
         with self._cached_blocks_lock:
+            held, pending = self._cached_blocks.num_leading(request.block_hashes, max_blocks)
             self._cached_blocks.take(request.request_id, request.block_hashes)
+        return Admission(self.replica, held * request.block_size, pending * request.block_size, clock_offset_s())
 
     def _done(self, request: WorkerRequest) -> None:
         """The request's prompt blocks are now the engine's most recently used (freed tail
@@ -162,7 +179,7 @@ class EngineWorker:
         faults.reached("prefill.before_first_token")
         slot: KVSlot | None = None
         export_into = None
-        self._took(request)
+        admission = self._took(request)
         with self._callers.watch(request.caller, request.request_id):
             try:
                 # A decode worker will need the KV: where it goes. The arena is host memory: a CUDA
@@ -184,9 +201,9 @@ class EngineWorker:
                 ran = completion.finish_reason not in _NOT_RUN
                 self.recorder.prefilled(last.metrics)
                 if not ran:  # aborted, or timed out in the queue (the ingress answers 503)
-                    return PrefillResult(last, None)
+                    return PrefillResult(last, None, admission=admission)
                 if completion.finish_reason == "stop" or params.max_tokens in (0, 1):
-                    return PrefillResult(last, None)
+                    return PrefillResult(last, None, admission=admission)
                 num_tokens = len(request.prompt_token_ids)
                 handle = self.kv.handle(request.request_id, self._this_node(), num_tokens,
                                         self.engine.engine.kv_payload_bytes(num_tokens))
@@ -199,7 +216,7 @@ class EngineWorker:
                 completion.finish_reason = None
                 completion.stop_reason = None
                 last.finished = False
-                return PrefillResult(last, handle)
+                return PrefillResult(last, handle, admission=admission)
             except EngineError as exc:
                 return WorkerError.from_exception(exc)
             finally:
@@ -280,7 +297,7 @@ class EngineWorker:
         tracker = self.recorder.track(continues=bool(prior_output_token_ids))
         last: RequestOutput | None = None
         num_streamed = 0
-        self._took(request)
+        admission = replace(self._took(request), imported=imported)
         with self._callers.watch(request.caller, request.request_id):
             try:
                 async for out in self.engine.generate(
@@ -293,10 +310,12 @@ class EngineWorker:
                         self.kv.done_soon(kv.node_id, slot)
                         slot = None
                     tracker.observe(out)
-                    if last is None:  # a prompt not imported was computed here: its prefill time
+                    is_first, last = last is None, out
+                    if is_first:  # a prompt not imported was computed here: its prefill time
                         self.recorder.first_token(out.metrics, computed_prompt=not imported)
-                    last = out
-                    yield out
+                    # The first carries what this worker saw as the request arrived (the ingress's
+                    # prefix check and TTFT split: serving/observability/request_path.py).
+                    yield WorkerOutput.first(out, admission) if is_first else out
                     num_streamed += sum(len(c.token_ids) for c in out.outputs)
                     faults.reached(f"{self.role}.after_tokens", num_streamed)
             except EngineError as exc:
@@ -338,14 +357,20 @@ class EngineWorker:
 
 
 def replica_signals(stats: EngineStats, latencies: RequestLatencies) -> ReplicaSignals:
-    """A replica's autoscaling signals from its engine's figures and its latency windows. TTFT and
-    TPOT p95 are 0.0 without a sample in the window: an idle replica puts no latency pressure on
-    the pool, and queued work shows in the queue signals."""
+    """A replica's autoscaling signals from its engine's figures and its latency and workload
+    windows. TTFT and TPOT p95 are 0.0 without a sample in the window: an idle replica puts no
+    latency pressure on the pool, and queued work shows in the queue signals. Each call starts the
+    next interval of output_tokens_per_s (Serve calls it every metrics_interval_s)."""
+    requests_per_s, prompt_tokens, output_tokens, made_per_s = latencies.workload.report()
     return ReplicaSignals(
         queued_prefill_tokens=float(stats.num_queued_prefill_tokens),
         ttft_p95_ms=latencies.ttft_ms.percentile(95) or 0.0,
         num_seqs=float(stats.num_running + stats.num_waiting),
         kv_utilization=float(stats.kv_cache_usage),
         tpot_p95_ms=latencies.tpot_ms.percentile(95) or 0.0,
+        requests_per_s=requests_per_s,
+        prompt_tokens_per_request=prompt_tokens,
+        output_tokens_per_request=output_tokens,
+        output_tokens_per_s=made_per_s,
+        prefill_tokens_per_s=float(stats.prefill_tokens_per_s),
     )
-

@@ -6,6 +6,7 @@ in-process reference the serving-overhead benchmark compares the Serve path agai
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -16,6 +17,7 @@ from serving.engine.async_engine import AsyncEngine
 from serving.engine.outputs import RequestOutput
 from serving.engine.validation import ModelInfo
 from serving.observability import tracing
+from serving.observability.request_path import PATHS
 
 __all__ = ["LocalBackend"]
 
@@ -31,6 +33,7 @@ class LocalBackend:
         if not self.engine.is_alive:
             raise NoWorkerError("engine", "its step loop has stopped")
         trace = tracing.continue_trace(request.trace_context, "local", request.request_id)
+        path = PATHS.find(request.request_id)  # its TTFT split (the engine runs on this clock)
         last: RequestOutput | None = None
         try:
             # Closed explicitly, not left to garbage collection: closing it is what aborts the request.
@@ -39,6 +42,8 @@ class LocalBackend:
                 priority=request.priority, cache_salt=request.cache_salt,
             )) as outputs:
                 async for out in outputs:
+                    if last is None and path is not None:
+                        path.computed("local", out, None, time.monotonic())
                     last = out
                     yield out
         finally:

@@ -1,8 +1,8 @@
 """Every type that crosses a Ray boundary, in one place.
 
-    ingress ──WorkerRequest──▶ PrefillWorker.prefill ──PrefillResult (first token, KVHandle) | WorkerError──▶ ingress
+    ingress ──WorkerRequest──▶ PrefillWorker.prefill ──PrefillResult (first token, KVHandle, Admission) | WorkerError──▶ ingress
     ingress ──WorkerRequest, KVHandle, prior tokens──▶ DecodeWorker.generate
-                                       ──RequestOutput ... | WorkerError (a stream)──▶ ingress
+                                       ──WorkerOutput (the first), RequestOutput ... | WorkerError (a stream)──▶ ingress
     prefill worker ──reserve(request id, bytes)──▶ KVTransfer (its node's actor) ──KVSlot | None──▶
     prefill worker ──offer_slot(KVSlot described) | offer(request id, [ref to a KVPayload], ...)──▶ KVTransfer
     decode worker  ──claim(request id, wait, node)──▶ KVTransfer ──KVSlot | KVCopy | [ref] | ClaimMiss──▶
@@ -17,6 +17,7 @@ or reads them and may not import this one, and named here so this list is comple
 
     SamplingParams, RequestOutput, EngineStats, KVPayload, ModelInfo   serving/engine
     WorkerCounters                                                   serving/observability/worker_metrics.py
+    Admission                                                        serving/observability/request_path.py
     RoutingStats                                                     router/replica_stats.py
     ReplicaSignals                                                   router/autoscaling/decide.py
     GenerateRequest (WorkerRequest's fields), ForwardedRequest,
@@ -44,14 +45,15 @@ from serving.engine.kv_payload import KVLayout, KVPayload
 from serving.engine.outputs import EngineStats, RequestOutput
 from serving.engine.params import SamplingParams
 from serving.engine.validation import ModelInfo
+from serving.observability.request_path import Admission
 from serving.observability.worker_metrics import WorkerCounters
 
 __all__ = [
     # defined here
     "Caller", "ClaimMiss", "KVCopy", "KVHandle", "KVSlot", "KVTransferStats", "PrefillResult", "WorkerError", "WorkerErrorKind",
-    "WorkerRequest", "WorkerStats",
+    "WorkerOutput", "WorkerRequest", "WorkerStats",
     # defined below this layer
-    "EngineStats", "ForwardedRequest", "GenerateRequest", "KVPayload", "ModelInfo", "ReplicaSignals", "RequestOutput",
+    "Admission", "EngineStats", "ForwardedRequest", "GenerateRequest", "KVPayload", "ModelInfo", "ReplicaSignals", "RequestOutput",
     "ResponseStart", "RoutingStats", "SamplingParams", "WorkerCounters",
 ]
 
@@ -124,6 +126,21 @@ class PrefillResult:
     output: RequestOutput  # the first token; `finished` when the request needs no decode
     kv: KVHandle | None  # None when finished
     replica: str = ""  # which prefill replica computed it (Serve's replica id)
+    admission: Admission | None = None  # what the worker saw as the request arrived
+
+
+@dataclass
+class WorkerOutput(RequestOutput):
+    """A decode (or colocated) worker's first output of a request, with what it saw as the request
+    arrived: the ingress checks its router's prediction against the engine's hit, and splits the
+    request's TTFT, with it (serving/observability/request_path.py). The outputs after it are
+    plain RequestOutputs."""
+
+    admission: Admission | None = None
+
+    @classmethod
+    def first(cls, output: RequestOutput, admission: Admission) -> WorkerOutput:
+        return cls(**{f.name: getattr(output, f.name) for f in fields(RequestOutput)}, admission=admission)
 
 
 class WorkerErrorKind(str, Enum):

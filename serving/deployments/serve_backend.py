@@ -29,6 +29,11 @@ Failures, each with one outcome:
   (both counted by `on_recovery`: kvrelay_recoveries_total)
 - the client goes away                                        → the open handle call is
   cancelled (the replica's engine aborts and frees blocks) and unclaimed KV is released
+
+Each request's path (serving/observability/request_path.py) learns here when the output of the
+engine that computed its prompt came back, with what that worker saw as it arrived, and, when
+disaggregated, when its decode call was placed and when the decode engine started: the ingress's
+prefix check and TTFT split.
 """
 
 from __future__ import annotations
@@ -54,10 +59,11 @@ from serving.config import ServeConfig
 from serving.deployments import faults
 from serving.deployments.caller_watch import this_actor
 from serving.deployments.kv_handoff import KVHandoff
-from serving.deployments.messages import KVHandle, PrefillResult, WorkerError, WorkerRequest
+from serving.deployments.messages import KVHandle, PrefillResult, WorkerError, WorkerOutput, WorkerRequest
 from serving.engine.outputs import RequestOutput
 from serving.engine.validation import ModelInfo
 from serving.observability.metrics import live_routers
+from serving.observability.request_path import PATHS, RequestPath
 from serving.observability.tracing import ROUTE_START_KEY
 
 __all__ = ["ServeBackend"]
@@ -92,6 +98,7 @@ class ServeBackend:
         on_recovery: Callable[[str], None] | None = None,
         cached_tokens_fn: Callable[[WorkerRequest], int] | None = None,
         pool_stats_fn: Callable[[], tuple[list[RoutingStats], list[RoutingStats]]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.config = config
         self.prefill = prefill  # None in colocated mode
@@ -118,6 +125,9 @@ class ServeBackend:
         self._caller = this_actor()  # named in each request: workers abort it if we die
         self._releases: set[asyncio.Task] = set()  # background lookups of abandoned prefills
         self._kv_nodes: set[str] = set()  # nodes whose KVTransfer actor has held our requests' KV
+        # When outputs come back and decode calls are placed, for the requests' paths
+        # (serving/observability/request_path.py): the ingress's metrics clock.
+        self._clock = clock
 
     # ---- Backend protocol --------------------------------------------------------------------
     async def model_info(self) -> ModelInfo:
@@ -151,11 +161,12 @@ class ServeBackend:
             faults.reached("ingress.after_tokens", num_tokens)
 
     async def _generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
+        path = PATHS.find(request.request_id)  # None: nobody follows this request's path
         local = self.prefill is None or request.params.n > 1 or self._prefills_locally(request)
         if local:
             if self.prefill is not None:
                 self._local_sent_at.append(time.time())
-            async for out in self._decode(request, None, []):
+            async for out in self._decode(request, None, [], path=path):
                 yield out
             return
 
@@ -171,11 +182,13 @@ class ServeBackend:
             logger.warning("prefill replica died before the first token of %s (%s); prefilling on the decode pool",
                            request.request_id, type(exc.__cause__).__name__)
             self._recovered("prefill_on_decode")
-            async for out in self._decode(request, None, []):
+            async for out in self._decode(request, None, [], path=path):
                 yield out
             return
         if isinstance(result, WorkerError):
             raise result.to_exception()
+        if path is not None:
+            path.computed("prefill", result.output, result.admission, self._clock())
         kv = result.kv
         if kv is not None:
             self._kv_nodes.add(kv.node_id)
@@ -186,7 +199,7 @@ class ServeBackend:
                 yield first
                 return
             # The first token leaves once the decode call is placed, before the KV moves.
-            async for out in self._decode(request, kv, list(first.outputs[0].token_ids), first=first):
+            async for out in self._decode(request, kv, list(first.outputs[0].token_ids), first=first, path=path):
                 claimed = out is not first
                 yield out
             claimed = True
@@ -246,9 +259,11 @@ class ServeBackend:
 
     async def _decode(
         self, request: WorkerRequest, kv: KVHandle | None, prior: list[int], first: RequestOutput | None = None,
+        path: RequestPath | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The decode pool's outputs; `first` (the prefill's first token) is yielded ahead of them
-        as soon as Serve has placed the call on a replica (a full pool refuses it before then)."""
+        as soon as Serve has placed the call on a replica (a full pool refuses it before then).
+        `path`: the request's, which learns of the placement and of the worker's first output."""
         pool = "decode" if self.prefill is not None else "worker"
         await self._check_alive(pool, self.decode)
         generated: list[int] = []
@@ -259,11 +274,15 @@ class ServeBackend:
             try:
                 if first is not None:
                     await _placed(stream)
+                    if path is not None:
+                        path.placed(self._clock())
                     yield first
                     first = None
                 async for item in stream:
                     if isinstance(item, WorkerError):
                         raise item.to_exception()
+                    if path is not None and isinstance(item, WorkerOutput):
+                        self._first_output(path, pool, item)
                     if request.params.n == 1:
                         generated += item.outputs[0].token_ids if item.outputs else []
                     yield item
@@ -282,6 +301,14 @@ class ServeBackend:
             finally:
                 if is_open:
                     _cancel(stream)
+
+    def _first_output(self, path: RequestPath, pool: str, output: WorkerOutput) -> None:
+        """A decode or colocated worker's first output: after a KV import it starts the second
+        token's path; otherwise this pool's engine computed the prompt (only the first counts)."""
+        if output.admission is not None and output.admission.imported:
+            path.decode_started(output, output.admission)
+        else:
+            path.computed(pool, output, output.admission, self._clock())
 
     async def _call(self, response, pool: str, on_cancel: Callable[[Any], None] | None = None):
         try:

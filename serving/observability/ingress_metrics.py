@@ -1,6 +1,7 @@
 """The ingress replica's recorders: one RequestRecord per HTTP request (each delta a clock read and
-token counts; at its end TTFT, TPOT, ITLs, E2E, status, tokens), IngressMetrics over them, the pool
-gauges, the recoveries and degradations it saw (definitions: serving/observability/metrics.py)."""
+token counts; at its end TTFT, TPOT, ITLs, E2E, status, tokens, and from its requests' paths the
+prefix checks and the TTFT split: serving/observability/request_path.py), IngressMetrics over them,
+the pool gauges, the recoveries and degradations it saw (definitions: serving/observability/metrics.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from contextlib import aclosing
 from typing import Protocol
 
 from serving.observability.metrics import METRICS, Instruments
+from serving.observability.request_path import PATHS, RequestPath
+from serving.observability.tracing import RequestTrace
 
 __all__ = ["CLIENT_CLOSED", "Delta", "IngressMetrics", "RequestRecord"]
 
@@ -31,10 +34,13 @@ class Delta(Protocol):
 class RequestRecord:
     """One HTTP request at the ingress, timed as its client sees it; recorded once, at finish."""
 
-    def __init__(self, metrics: IngressMetrics):
+    def __init__(self, metrics: IngressMetrics, trace: RequestTrace | None = None):
         self._metrics = metrics
+        self.trace = trace  # its ingress span, which gets the prefix check and the TTFT split
         self.start = time.monotonic()
         self.first_token_at: float | None = None
+        self.second_token_at: float | None = None  # when its second token (any choice) came out
+        self.paths: list[RequestPath] = []  # of its GenerateRequests (one per prompt), until it finishes
         self._last_token_at: dict[int, float] = {}  # by choice
         self.gaps_s: list[float] = []  # one per token after each choice's first
         self.tokens_by_choice: dict[int, int] = {}
@@ -50,6 +56,8 @@ class RequestRecord:
             num = len(delta.token_ids)
             if self.first_token_at is None:
                 self.first_token_at = now
+            if self.second_token_at is None and num + sum(self.tokens_by_choice.values()) >= 2:
+                self.second_token_at = now
             last = self._last_token_at.get(delta.index)
             if last is None:  # this choice's first chunk: its tokens after the first arrived with it
                 self.gaps_s.extend([0.0] * (num - 1))
@@ -60,11 +68,19 @@ class RequestRecord:
         if delta.finish_reason is not None:
             self.finish_reasons[delta.index] = delta.finish_reason
 
+    def follow(self, request_id: str) -> RequestPath:
+        """Open the path of one of its GenerateRequests (Frontend.generate), closed when it finishes."""
+        path = PATHS.open(request_id)
+        self.paths.append(path)
+        return path
+
     def finish(self, status: int, finish_reason: str | None = None) -> None:
         """Record the request (only the first call counts). `finish_reason` None: choice 0's."""
         if self.is_finished:
             return
         self.is_finished = True
+        for path in self.paths:
+            PATHS.close(path.request_id)
         if finish_reason is None:
             finish_reason = self.finish_reasons[min(self.finish_reasons)] if self.finish_reasons else "none"
         if self._is_holding:
@@ -98,8 +114,8 @@ class IngressMetrics:
         self.instruments = Instruments(_INGRESS, {"model": model}, use_ray=use_ray)
         self.registry = self.instruments.registry
 
-    def start(self) -> RequestRecord:
-        return RequestRecord(self)
+    def start(self, trace: RequestTrace | None = None) -> RequestRecord:
+        return RequestRecord(self, trace)
 
     async def track(
         self, record: RequestRecord, deltas: AsyncIterator[Delta], *, prompt_tokens: int,
@@ -138,6 +154,9 @@ class IngressMetrics:
         if r.prompt_tokens:
             ins.inc("kvrelay_prompt_tokens_total", r.prompt_tokens)
         ins.inc("kvrelay_generation_tokens_total", sum(r.tokens_by_choice.values()))
+        attributes = self._record_paths(r)
+        if r.trace is not None and attributes:
+            r.trace.set(attributes)
         if r.first_token_at is None:
             return
         ins.observe("kvrelay_ttft_seconds", [r.first_token_at - r.start])
@@ -148,6 +167,47 @@ class IngressMetrics:
         num_tokens = max(r.tokens_by_choice.values())
         if num_tokens >= 2:
             ins.observe("kvrelay_tpot_seconds", [(now - r.first_token_at) / (num_tokens - 1)])
+
+    def _record_paths(self, r: RequestRecord) -> dict[str, float | int | str]:
+        """Its requests' prefix checks, and the TTFT split of the one whose first token came out
+        first; returns them as trace attributes."""
+        ins = self.instruments
+        attributes: dict[str, float | int | str] = {}
+        for path in r.paths:
+            check = path.check
+            if check is None:
+                continue
+            ins.inc("kvrelay_prefix_tokens_total", check.num_prompt_tokens, pool=check.pool, kind="prompt")
+            ins.inc("kvrelay_prefix_tokens_total", check.num_predicted_tokens, pool=check.pool, kind="predicted")
+            ins.inc("kvrelay_prefix_tokens_total", check.num_cached_tokens, pool=check.pool, kind="cached")
+            ins.inc("kvrelay_prefix_predictions_total", pool=check.pool, outcome=check.outcome, reason=check.reason)
+            if check.outcome != "exact":
+                ins.observe("kvrelay_prefix_prediction_error_tokens", [check.error_tokens], pool=check.pool, outcome=check.outcome)
+            if not attributes:  # the first prompt's (a completion of several prompts has one per prompt)
+                attributes.update({
+                    "kvrelay.prefix.pool": check.pool, "kvrelay.prefix.predicted_tokens": check.num_predicted_tokens,
+                    "kvrelay.prefix.cached_tokens": check.num_cached_tokens, "kvrelay.prefix.outcome": check.outcome,
+                    "kvrelay.prefix.reason": check.reason,
+                })
+        if r.first_token_at is None:
+            return attributes
+        timed = [path for path in r.paths if path.first_out_at is not None]
+        if not timed:
+            return attributes
+        first = min(timed, key=lambda path: path.first_out_at)
+        split = first.split(r.start, r.first_token_at)
+        if split is not None:
+            for component, seconds in split.items():
+                ins.observe("kvrelay_ttft_split_seconds", [seconds], pool=first.pool, component=component)
+                attributes[f"kvrelay.ttft.{component}_ms"] = seconds * 1000
+            attributes["kvrelay.ttft.pool"] = first.pool
+            attributes["kvrelay.ttft_ms"] = (r.first_token_at - r.start) * 1000
+        decode = first.decode_split(r.second_token_at)
+        if decode is not None:
+            for component, seconds in decode.items():
+                ins.observe("kvrelay_decode_start_seconds", [seconds], component=component)
+                attributes[f"kvrelay.decode_start.{component}_ms"] = seconds * 1000
+        return attributes
 
     def set_pool(self, pool: str, replica_states: Mapping[str, int], desired: int | None) -> None:
         """The controller's view of one pool: replicas by state, and its target count."""

@@ -78,6 +78,8 @@ class MetricSpec:
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 240.0, 480.0)
+_SPLIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0)
+_ERROR_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 _M, _MPR = ("model",), ("model", "pool", "replica")
@@ -116,6 +118,30 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kvrelay_routing_decisions_total", "counter",
                "Replica choices of the ingress's request routers, by policy and reason.",
                ("pool", "policy", "reason"), "ingress"),
+    # ---- the ingress: what the routers predicted, where the first token's time went
+    # (serving/observability/request_path.py) ------------------------------------------------
+    MetricSpec("kvrelay_prefix_tokens_total", "counter",
+               "Requests whose router's prefix prediction was checked against the engine that computed the prompt: "
+               "their prompt tokens (kind=prompt), the cached tokens the router predicted on its chosen replica "
+               "(kind=predicted) and those the engine found (kind=cached).",
+               ("model", "pool", "kind"), "ingress"),
+    MetricSpec("kvrelay_prefix_predictions_total", "counter",
+               "Checked prefix predictions by outcome (exact; miss: the engine found fewer cached tokens; surprise: "
+               "more) and reason (match, reassigned, prompt_logprobs, evicted_in_queue, in_flight, stale, unseen).",
+               ("model", "pool", "outcome", "reason"), "ingress"),
+    MetricSpec("kvrelay_prefix_prediction_error_tokens", "histogram",
+               "Mispredicted requests: |predicted - cached| prompt tokens, by outcome (miss, surprise).",
+               ("model", "pool", "outcome"), "ingress", _ERROR_TOKEN_BUCKETS),
+    MetricSpec("kvrelay_ttft_split_seconds", "histogram",
+               "Each request's TTFT split into components that sum to it: queue (received -> the engine scheduled "
+               "it), prefill (-> the engine's first token), handoff (disaggregated: the prefill's result at the "
+               "ingress -> the decode call placed), delivery (the rest); pool: where the prompt was computed.",
+               ("model", "pool", "component"), "ingress", _SPLIT_BUCKETS),
+    MetricSpec("kvrelay_decode_start_seconds", "histogram",
+               "Disaggregated requests whose KV the decode pool imported: the decode call placed -> the second token "
+               "at the ingress, split into kv_transfer (the call reaching the decode replica, the claim), "
+               "first_decode_step (the decode engine's arrival -> its first token) and delivery.",
+               ("model", "component"), "ingress", _SPLIT_BUCKETS),
     MetricSpec("kvrelay_replicas", "gauge",
                "Replicas of a pool by Serve replica state (the controller's view, read every few seconds).",
                ("model", "pool", "state"), "ingress"),

@@ -220,7 +220,8 @@ class RequestTrace(_Spans):
         self._is_ended = False
 
     def set(self, attributes: dict[str, Any]) -> None:
-        self.span.set_attributes(attributes)
+        if not self._is_ended:  # a record held for degradation finishes after its span
+            self.span.set_attributes(attributes)
 
     def carrier(self) -> dict[str, str]:
         """What rides on WorkerRequest.trace_context: this span's W3C context."""

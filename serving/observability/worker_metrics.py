@@ -33,7 +33,8 @@ from serving.observability.metrics import METRICS, Instruments
 if TYPE_CHECKING:
     from serving.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 
-__all__ = ["LATENCY_WINDOW_S", "LatencyWindow", "RequestLatencies", "RequestTracker", "WorkerCounters", "WorkerRecorder"]
+__all__ = ["LATENCY_WINDOW_S", "LatencyWindow", "RequestLatencies", "RequestTracker", "WorkerCounters", "WorkerRecorder",
+           "WorkloadWindow"]
 
 LATENCY_WINDOW_S = 30.0  # matches the policies' default window_s
 _MAX_SAMPLES = 4096  # bounds memory and the sort at record time under heavy load
@@ -60,12 +61,53 @@ class LatencyWindow:
         return values[max(0, math.ceil(q / 100 * len(values)) - 1)]
 
 
+class WorkloadWindow:
+    """What the planner reads of one replica's workload (router/autoscaling/planner.py): requests
+    that arrived and finished in the last `window_s`, with their prompt and output lengths, and the
+    tokens generated since the previous report."""
+
+    def __init__(self, window_s: float = LATENCY_WINDOW_S, max_samples: int = _MAX_SAMPLES):
+        self.window_s = window_s
+        self._arrived: deque[tuple[float, int]] = deque(maxlen=max_samples)  # (time, prompt tokens)
+        self._finished: deque[tuple[float, int]] = deque(maxlen=max_samples)  # (time, tokens made here)
+        self._generated = 0  # tokens generated here since the start
+        self._reported = (None, 0)  # (time, generated) at the previous report
+
+    def arrived(self, prompt_tokens: int, now: float | None = None) -> None:
+        self._arrived.append((time.monotonic() if now is None else now, prompt_tokens))
+
+    def generated(self, num_tokens: int) -> None:
+        self._generated += num_tokens
+
+    def finished(self, num_tokens: int, now: float | None = None) -> None:
+        self._finished.append((time.monotonic() if now is None else now, num_tokens))
+
+    def report(self, now: float | None = None) -> tuple[float, float, float, float]:
+        """(requests/s arrived, mean prompt tokens, mean output tokens of those finished, tokens/s
+        generated since the previous report); a report starts the next interval."""
+        now = time.monotonic() if now is None else now
+        for series in (self._arrived, self._finished):
+            while series and series[0][0] < now - self.window_s:
+                series.popleft()
+        since, then = self._reported
+        made_per_s = (self._generated - then) / (now - since) if since is not None and now > since else 0.0
+        self._reported = (now, self._generated)
+        return (
+            len(self._arrived) / self.window_s,
+            sum(n for _, n in self._arrived) / len(self._arrived) if self._arrived else 0.0,
+            sum(n for _, n in self._finished) / len(self._finished) if self._finished else 0.0,
+            made_per_s,
+        )
+
+
 class RequestLatencies:
-    """TTFT and TPOT windows of one replica; `track()` follows one request's outputs."""
+    """TTFT and TPOT windows of one replica, and its workload window; `track()` follows one
+    request's outputs."""
 
     def __init__(self, window_s: float = LATENCY_WINDOW_S):
         self.ttft_ms = LatencyWindow(window_s)
         self.tpot_ms = LatencyWindow(window_s)
+        self.workload = WorkloadWindow(window_s)
 
     def track(self, *, continues: bool = False) -> RequestTracker:
         """`continues`: the request's first token came from elsewhere (no TTFT here)."""
@@ -81,7 +123,11 @@ class RequestTracker:
 
     def observe(self, output: RequestOutput) -> None:
         """Every output of the request, in order. An aborted request gives a TTFT at most."""
-        self.num_tokens += sum(len(c.token_ids) for c in output.outputs if c.index == 0)
+        new_tokens = sum(len(c.token_ids) for c in output.outputs if c.index == 0)
+        self.num_tokens += new_tokens
+        self._latencies.workload.generated(new_tokens)
+        if output.finished and not any(c.finish_reason == "abort" for c in output.outputs):
+            self._latencies.workload.finished(self.num_tokens)
         m = output.metrics
         if m is None or m.first_token_time is None:
             return

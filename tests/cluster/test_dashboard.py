@@ -124,3 +124,19 @@ def test_serve_deploy_config_is_a_valid_serve_schema():
     app = schema.applications[0]
     assert (app.name, app.import_path, app.route_prefix) == ("kvrelay", "serving.deployments.app:build_app", "/")
     assert Path(app.args["autoscaling_policy"]).is_absolute()
+
+
+def test_planner_policy_becomes_the_apps_autoscaling_policy(tmp_path):
+    from serving.config import load_config
+
+    config = load_config(REPO / "deploy/local.yaml", env={})
+    planned = config.model_copy(update={"autoscaling_policy": str(REPO / "deploy/autoscaling/planner.yaml")})
+    assert dashboard.serve_deploy_config(planned)["applications"][0]["autoscaling_policy"] == {
+        "policy_function": "router.autoscaling.plan_serve:plan_policy"}
+    assert "autoscaling_policy" not in dashboard.serve_deploy_config(config)["applications"][0]
+
+    fake = FakeDashboard(recorded())
+    dashboard.apply_policy(fake.client(), "kvrelay", str(REPO / "deploy/autoscaling/planner.yaml"))
+    assert fake.puts[-1]["applications"][0]["autoscaling_policy"]["policy_function"].endswith(":plan_policy")
+    dashboard.apply_policy(fake.client(), "kvrelay", str(REPO / "deploy/autoscaling/cluster.yaml"))
+    assert "autoscaling_policy" not in fake.puts[-1]["applications"][0]

@@ -154,3 +154,20 @@ def test_block_manager_events_rebuild_its_exact_cache():
         blocks.apply(manager.take_events())
     # 4 blocks of capacity: the first prompt's two blocks were evicted for the third.
     assert blocks.hashes == set(hash_blocks(prompts[1], 4)) | set(hash_blocks(prompts[2], 4))
+
+
+def test_what_an_engine_holds_of_a_prompt_as_it_arrives():
+    """Leading blocks held, and held or shared with a prompt taken and not finished (hashes chain:
+    a taken prompt shares a leading run, found by bisection), both capped."""
+    blocks = CachedBlockSet()
+    blocks.apply([stored(1, 2)])
+    assert blocks.num_leading([1, 2, 3, 4, 5], 5) == (2, 2)
+    blocks.take("r1", [1, 2, 3, 4, 9])  # computing 3, 4, 9
+    blocks.take("r2", [1, 7])
+    assert blocks.num_leading([1, 2, 3, 4, 5], 5) == (2, 4)
+    assert blocks.num_leading([1, 2, 3, 4, 5], 3) == (2, 3)  # capped
+    assert blocks.num_leading([1, 2, 3, 4, 9, 10], 6) == (2, 5)
+    assert blocks.num_leading([6, 2, 3], 3) == (0, 0)
+    assert blocks.num_leading([], 0) == (0, 0)
+    blocks.touch([1, 2, 3, 4, 9], "r1")  # r1 ended without storing its blocks (aborted)
+    assert blocks.num_leading([1, 2, 3, 4, 5], 5) == (2, 2)

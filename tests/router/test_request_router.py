@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from router.request_router import Routable, route_request_from_args
+from router.request_router import Routable, prediction_of, route_request_from_args
 from serving.deployments.messages import WorkerRequest
 from serving.engine.params import SamplingParams
 
@@ -24,3 +24,12 @@ def test_a_control_call_has_no_route_request():
     assert route_request_from_args(None) is None
     assert route_request_from_args(SimpleNamespace(args=[])) is None
     assert route_request_from_args(SimpleNamespace(args=["not a request"])) is None
+
+
+def test_a_decisions_prediction_names_the_replica_as_its_worker_does():
+    from router.route_types import Decision
+
+    replica = SimpleNamespace(unique_id="abc123")
+    prediction = prediction_of("prefix_cost", Decision([replica, "other"], "prefix_hit", num_matched_tokens=64, num_predicted_tokens=48))
+    assert (prediction.policy, prediction.replica, prediction.num_tokens) == ("prefix_cost", "abc123", 48)
+    assert prediction_of("pow2", Decision(["r1"], "pow2")).replica == "r1"  # ids without unique_id (tests)

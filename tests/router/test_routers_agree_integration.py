@@ -13,11 +13,10 @@ import time
 import httpx
 import pytest
 
-from load_tests.local_ray import free_port
 from serving.deployments.messages import WorkerRequest
 from serving.engine.block_hash import hash_blocks
 from serving.engine.params import SamplingParams
-from tests.helpers import tiny_app_config
+from tests.helpers import served_app, tiny_app_config
 
 pytestmark = pytest.mark.integration
 
@@ -27,14 +26,6 @@ PREFIX_TOKENS = 64  # 4 blocks: what a request of its prefix finds cached on the
 
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory, tiny_model_dir):
-    import ray
-    from ray import serve
-
-    from serving.deployments.app import build_app
-
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", _temp_dir=str(tmp_path_factory.mktemp("ray")))
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     # The load bound off: with four prefixes on two workers it may move one on purpose, which
     # would make the exact count below depend on where the warm-up put them.
     config = tiny_app_config(
@@ -42,13 +33,8 @@ def app_url(tmp_path_factory, tiny_model_dir):
         ingress={"num_replicas": 2, "num_cpus": 0.1},
         routing={"stats_period_s": 0.2, "prefill_params": {"max_load_ratio": None}},
     )
-    serve.run(build_app(config), name="agree", route_prefix="/agree")
-    yield f"http://127.0.0.1:{port}/agree"
-    from serving.deployments import kv_transfer
-
-    kv_transfer.kill_all("agree")
-    serve.shutdown()
-    ray.shutdown()
+    with served_app(config, tmp_path_factory.mktemp("ray")) as url:
+        yield url
 
 
 def test_two_ingress_routers_and_a_late_one_follow_the_cached_prefixes(app_url):

@@ -90,3 +90,23 @@ def test_a_router_started_while_the_caches_are_warm_routes_by_them_at_once():
     candidates = [("a", stats(5.0)), ("b", stats(5.0, hashes=PREFIX)), ("c", stats(5.0))]
     decision = fresh.route(request, candidates, now=5.1)
     assert (decision.chosen, decision.reason, decision.num_matched_tokens) == ("b", "prefix_hit", 64)
+
+
+def test_each_decision_predicts_the_tokens_its_replica_holds_capped_as_an_engine_caps_a_hit():
+    """Whatever the policy, the router's index says what the chosen replica holds of the prompt;
+    an engine computes the prompt's last token whatever it holds, so a 64-token prompt whose four
+    blocks are all cached can find 48 of them, a 65-token one all 64."""
+    from router.policies import RoundRobinPolicy
+
+    for policy in (PrefixCostPolicy(), RoundRobinPolicy()):
+        state = RouterState(policy)
+        held = [("a", stats(0.0, hashes=PREFIX))]
+        assert state.route(RouteRequest("r1", 65, PREFIX, 16), held, now=1.0).num_predicted_tokens == 64
+        assert state.route(RouteRequest("r2", 64, PREFIX, 16), held, now=1.0).num_predicted_tokens == 48
+        assert state.route(RouteRequest("r3", 80, [11, 12, 99], 16), held, now=1.0).num_predicted_tokens == 32
+        assert state.route(RouteRequest("r4", 10, [], 16), held, now=1.0).num_predicted_tokens == 0
+    # The prediction is made before the request's own hashes are noted on its replica.
+    state = RouterState(PrefixCostPolicy())
+    cold = RouteRequest("r5", 80, [21, 22, 23, 24, 25], 16)
+    assert state.route(cold, [("a", stats(0.0))], now=1.0).num_predicted_tokens == 0
+    assert state.route(RouteRequest("r6", 80, cold.block_hashes, 16), [("a", stats(0.0))], now=1.0).num_predicted_tokens == 64

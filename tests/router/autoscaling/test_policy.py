@@ -69,7 +69,7 @@ def test_unknown_keys_list_the_allowed_ones(tmp_path):
         "p.yaml: invalid autoscaling policy\n"
         "  decode.targets.tpot_ms = 100: unknown key; remove it or fix its spelling (allowed keys: "
         "num_seqs_per_replica, kv_utilization, tpot_p95_ms)\n"
-        "  prefil: unknown key; remove it or fix its spelling (allowed keys: name, prefill, decode, worker)"
+        "  prefil: unknown key; remove it or fix its spelling (allowed keys: name, prefill, decode, worker, mode, planner)"
     )
 
 
@@ -182,6 +182,8 @@ def test_policy_check_prints_the_effective_policy(tmp_path, capsys):
         "    queued_prefill_tokens_per_replica: 1000",
         "decode: null",
         "worker: null",
+        "mode: reactive",
+        "planner: null",
     ]
 
 

@@ -15,6 +15,7 @@ from serving.api.routes import OpenAIServer
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from serving.engine.outputs import CompletionOutput, RequestOutput
+from tests.helpers import streamed_tool_calls
 
 MODEL = "tiny"
 WEATHER = {
@@ -139,16 +140,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 
 async def _streamed_calls(stream) -> tuple[list[tuple[str, str]], list[str]]:
-    calls: dict[int, list[str]] = {}
-    reasons = []
-    async for chunk in stream:
-        for part in chunk.choices[0].delta.tool_calls or []:
-            entry = calls.setdefault(part.index, ["", ""])
-            entry[0] += part.function.name or ""
-            entry[1] += part.function.arguments or ""
-        if chunk.choices[0].finish_reason:
-            reasons.append(chunk.choices[0].finish_reason)
-    return [tuple(v) for _, v in sorted(calls.items())], reasons
+    return streamed_tool_calls([chunk async for chunk in stream])
 
 
 @pytest.mark.asyncio

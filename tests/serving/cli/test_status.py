@@ -83,3 +83,41 @@ def test_status_reads_only_metrics_the_app_exports():
     exported = {spec.name for spec in METRICS}
     used = set(re.findall(r'"(kvrelay_[a-z_]+)"', Path(status.__file__).read_text()))
     assert used and used <= exported, used - exported
+
+
+DECISIONS = """\
+kvrelay_prefix_tokens_total{model="m",pool="prefill",kind="prompt"} 1000.0
+kvrelay_prefix_tokens_total{model="m",pool="prefill",kind="predicted"} 640.0
+kvrelay_prefix_tokens_total{model="m",pool="prefill",kind="cached"} 608.0
+kvrelay_prefix_predictions_total{model="m",pool="prefill",outcome="exact",reason="match"} 16.0
+kvrelay_prefix_predictions_total{model="m",pool="prefill",outcome="miss",reason="stale"} 3.0
+kvrelay_prefix_predictions_total{model="m",pool="prefill",outcome="surprise",reason="unseen"} 1.0
+kvrelay_prefix_predictions_total{model="m",pool="decode",outcome="exact",reason="match"} 0.0
+kvrelay_ttft_split_seconds_bucket{model="m",pool="prefill",component="queue",le="0.01"} 5.0
+kvrelay_ttft_split_seconds_bucket{model="m",pool="prefill",component="queue",le="0.05"} 10.0
+kvrelay_ttft_split_seconds_bucket{model="m",pool="prefill",component="queue",le="+Inf"} 10.0
+kvrelay_ttft_split_seconds_bucket{model="m",pool="prefill",component="prefill",le="0.1"} 0.0
+kvrelay_ttft_split_seconds_bucket{model="m",pool="prefill",component="prefill",le="0.2"} 10.0
+kvrelay_ttft_split_seconds_bucket{model="m",pool="prefill",component="prefill",le="+Inf"} 10.0
+kvrelay_ttft_split_seconds_bucket{model="m",pool="prefill",component="handoff",le="0.001"} 10.0
+kvrelay_ttft_split_seconds_bucket{model="m",pool="prefill",component="handoff",le="+Inf"} 10.0
+kvrelay_decode_start_seconds_bucket{model="m",component="kv_transfer",le="0.005"} 0.0
+kvrelay_decode_start_seconds_bucket{model="m",component="kv_transfer",le="0.01"} 10.0
+kvrelay_decode_start_seconds_bucket{model="m",component="kv_transfer",le="+Inf"} 10.0
+"""
+
+
+def test_status_shows_the_routers_predictions_and_the_ttft_split():
+    report = status.status_report(recorded(), "kvrelay", METRICS + DECISIONS).splitlines()
+    start = report.index("prefix hits  requests predicted  cached  mispredicted")
+    # 640 of 1000 prompt tokens predicted cached, 608 found; 4 of 20 requests mispredicted
+    assert report[start + 1] == "  prefill          20     64.0%   60.8%  4 (20.0%): stale 3, unseen 1"
+    assert report[start + 2:start + 8] == [
+        "",
+        "TTFT split            p50 ms   p95 ms",
+        "  queue                 10.0     46.0",  # p50: the 5th of 10 at 0.01; p95: 0.01 + 0.04 * 4.5/5
+        "  prefill              150.0    195.0",
+        "  handoff                0.5      0.9",
+        "",
+    ]
+    assert report[start + 8:start + 10] == ["decode start          p50 ms   p95 ms", "  kv_transfer            7.5      9.8"]

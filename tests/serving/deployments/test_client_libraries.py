@@ -24,7 +24,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from load_tests.local_ray import free_port
-from tests.helpers import tiny_app_config
+from tests.helpers import streamed_tool_calls, tiny_app_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -119,19 +119,6 @@ def test_openai_sdk_structured_outputs_parse_and_validate(served, app):
     assert isinstance(json.loads(anything.choices[0].message.content), dict)
 
 
-def _streamed_calls(stream) -> tuple[list[tuple[str, str]], list[str]]:
-    calls: dict[int, list[str]] = {}
-    reasons = []
-    for chunk in stream:
-        for part in chunk.choices[0].delta.tool_calls or []:
-            entry = calls.setdefault(part.index, ["", ""])
-            entry[0] += part.function.name or ""
-            entry[1] += part.function.arguments or ""
-        if chunk.choices[0].finish_reason:
-            reasons.append(chunk.choices[0].finish_reason)
-    return [tuple(v) for _, v in sorted(calls.items())], reasons
-
-
 @pytest.mark.parametrize("app", APPS)
 @pytest.mark.parametrize("choice", ["named", "required"])
 def test_openai_sdk_forced_tool_calls_are_valid_and_stream_the_same(served, app, choice):
@@ -151,7 +138,7 @@ def test_openai_sdk_forced_tool_calls_are_valid_and_stream_the_same(served, app,
         jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name]["function"]["parameters"])
     if choice == "named":
         assert [c.function.name for c in message.tool_calls] == ["get_weather"]
-    streamed, reasons = _streamed_calls(client.chat.completions.create(**kwargs, stream=True))
+    streamed, reasons = streamed_tool_calls(client.chat.completions.create(**kwargs, stream=True))
     assert streamed == [(c.function.name, c.function.arguments) for c in message.tool_calls]
     assert reasons == ["tool_calls"]
 

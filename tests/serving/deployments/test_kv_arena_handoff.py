@@ -221,3 +221,37 @@ def test_a_prompt_that_stops_at_its_first_token_gives_its_range_back_at_once(tin
         prefill.shutdown()
     assert actors["node-a"].calls == ["reserve", "release_slot"]
     assert transfer.allocator.free_bytes == transfer.arena.capacity and transfer.allocator.num_quarantined == 0
+
+
+def test_each_first_output_says_what_its_engine_held_as_the_request_arrived(tiny_model_dir, actors):
+    """What the ingress checks its router's prediction against (serving/observability/request_path.py):
+    the 75-token prompt's 4 whole blocks can be hits (its last token is always computed)."""
+    from dataclasses import replace
+
+    from serving.deployments.messages import WorkerOutput
+    from serving.engine.block_hash import hash_blocks
+
+    prefill, decode = workers(tiny_model_dir, arena_mib=1)
+    prefill.replica, decode.replica = "p1", "d1"
+    hashes = hash_blocks(PROMPT, 16)
+
+    async def main():
+        request = WorkerRequest("a", PROMPT, PARAMS, block_hashes=hashes)
+        cold = await prefill.prefill(request)
+        await asyncio.gather(*prefill._offers)
+        imported = [out async for out in decode.generate(request, cold.kv, cold.output.outputs[0].token_ids)]
+        for _ in range(3):
+            await asyncio.gather(*decode.kv._background, *prefill.kv._background)
+        warm = await prefill.prefill(WorkerRequest("b", PROMPT, replace(PARAMS, max_tokens=1), block_hashes=hashes))
+        return cold, imported, warm
+
+    try:
+        cold, imported, warm = asyncio.run(main())
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    assert (cold.admission.replica, cold.admission.num_held_tokens, cold.admission.num_pending_tokens) == ("p1", 0, 0)
+    assert cold.output.num_cached_tokens == 0
+    assert (warm.admission.num_held_tokens, warm.admission.num_pending_tokens, warm.output.num_cached_tokens) == (64, 64, 64)
+    assert isinstance(imported[0], WorkerOutput) and not any(isinstance(out, WorkerOutput) for out in imported[1:])
+    assert (imported[0].admission.replica, imported[0].admission.imported) == ("d1", True)

@@ -9,8 +9,7 @@ import time
 import httpx
 import pytest
 
-from load_tests.local_ray import free_port
-from tests.helpers import tiny_app_config
+from tests.helpers import served_app, tiny_app_config
 
 pytestmark = pytest.mark.integration
 
@@ -21,26 +20,13 @@ BODY = {"model": "tiny", "prompt": [100, 101, 102], "max_tokens": 2, "temperatur
 
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory, tiny_model_dir):
-    import ray
-    from ray import serve
-
-    from serving.deployments.app import build_app
-
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", _temp_dir=str(tmp_path_factory.mktemp("ray")))
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = tiny_app_config(
         tiny_model_dir, "limits", mode="colocated", worker={"num_cpus": 0.1},
         ingress={"num_replicas": 2, "num_cpus": 0.1, "limits_sync_interval_s": 0.2},
         api_keys=[{"key": KEY, "name": "team", "tier": "small"}], tiers={"small": {"requests_per_minute": 3}},
     )
-    serve.run(build_app(config), name="limits", route_prefix="/limits")
-    yield f"http://127.0.0.1:{port}/limits"
-    from serving.deployments import kv_transfer
-
-    kv_transfer.kill_all("limits")
-    serve.shutdown()
-    ray.shutdown()
+    with served_app(config, tmp_path_factory.mktemp("ray")) as url:
+        yield url
 
 
 def test_a_key_s_minute_is_shared_by_both_ingress_replicas(app_url):

@@ -484,3 +484,60 @@ def test_over_http_a_disaggregated_stream_refused_by_the_decode_pool_is_a_429_no
         "message": "The decode pool's queues are full; retry after 1 s.", "type": "rate_limit_error",
         "param": None, "code": "queue_full",
     }}
+
+
+# ---- what a request's path learns here (serving/observability/request_path.py) ---------------
+def _timed(token_ids, arrival, scheduled, first_token, *, num_cached=0, finish_reason=None):
+    from serving.engine.outputs import RequestMetrics
+
+    out = _output(token_ids, finish_reason)
+    out.num_cached_tokens, out.metrics = num_cached, RequestMetrics(arrival, scheduled, first_token)
+    return out
+
+
+def test_a_disaggregated_requests_path_learns_its_prefill_its_placement_and_its_decode_start(monkeypatch):
+    from serving.deployments.messages import KVHandle, PrefillResult, WorkerOutput
+    from serving.observability import request_path
+    from serving.observability.request_path import PATHS, Admission, Prediction
+
+    monkeypatch.setattr(request_path, "clock_offset_s", lambda: 0.0)  # the workers' clocks are ours
+    kv = KVHandle("r", "n", 5, 100)
+    prefilled = PrefillResult(_timed([7], 1.0, 1.25, 1.75, num_cached=0), kv, "p1", Admission("p1", 0, 0, 0.0))
+    decoded = WorkerOutput.first(_timed([8], 2.5, 2.5, 2.75), Admission("d1", 0, 0, 0.0, imported=True))
+    prefill = RecordingHandle("PrefillWorker", lambda name, args: _Call(prefilled))
+    decode = RecordingHandle("DecodeWorker", lambda name, args: _Stream([decoded, _output([9], "length")]))
+    times = iter([2.0, 2.125])  # the prefill's result back, the decode call placed
+    backend_ = ServeBackend(ServeConfig(min_remote_prefill_tokens=4), prefill=prefill, decode=decode,
+                            status_fn=lambda: {"PrefillWorker": {"RUNNING": 1}, "DecodeWorker": {"RUNNING": 1}},
+                            clock=lambda: next(times))
+    path = PATHS.open("r")
+    try:
+        path.predicted("prefill", Prediction("prefix_cost", "p1", 0))
+        assert asyncio.run(collect(backend_.generate(WorkerRequest("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3))))) == [[7], [8], [9]]
+    finally:
+        PATHS.close("r")
+    assert (path.pool, path.scheduled_at, path.engine_first_token_at, path.returned_at, path.placed_at) == ("prefill", 1.25, 1.75, 2.0, 2.125)
+    assert (path.decode_arrived_at, path.decode_first_token_at) == (2.5, 2.75)
+    assert (path.check.outcome, path.check.reason, path.check.replica) == ("exact", "match", "p1")
+    assert path.split(0.5, 2.25) == {"queue": 0.75, "prefill": 0.5, "delivery": 0.375, "handoff": 0.125}
+
+
+def test_a_colocated_requests_path_learns_where_its_prompt_was_computed(monkeypatch):
+    from serving.deployments.messages import WorkerOutput
+    from serving.observability import request_path
+    from serving.observability.request_path import PATHS, Admission, Prediction
+
+    monkeypatch.setattr(request_path, "clock_offset_s", lambda: 0.0)
+    first = WorkerOutput.first(_timed([8], 1.0, 1.5, 2.0, num_cached=16), Admission("w2", 32, 32, 0.0))
+    worker = RecordingHandle("Worker", lambda name, args: _Stream([first, _output([9], "length")]))
+    backend_ = ServeBackend(ServeConfig(mode="colocated"), decode=worker, status_fn=lambda: {"Worker": {"RUNNING": 1}},
+                            clock=lambda: 2.25)
+    path = PATHS.open("r")
+    try:
+        path.predicted("worker", Prediction("prefix_cost", "w1", 32))  # the router chose w1; Serve ran it on w2
+        asyncio.run(collect(backend_.generate(WorkerRequest("r", list(range(40)), SamplingParams(max_tokens=2)))))
+    finally:
+        PATHS.close("r")
+    assert (path.pool, path.returned_at, path.placed_at, path.decode_arrived_at) == ("worker", 2.25, None, None)
+    assert (path.check.outcome, path.check.reason, path.check.error_tokens) == ("miss", "reassigned", 16)
+    assert path.split(0.5, 2.5) == {"queue": 1.0, "prefill": 0.5, "delivery": 0.5}

@@ -93,7 +93,7 @@ def test_every_metric_is_defined_once_with_units_labels_and_buckets():
         assert spec.description and spec.labels, spec.name
         assert spec.name.endswith("_total") == (spec.kind == "counter"), spec.name
         if spec.kind == "histogram":
-            assert spec.name.endswith("_seconds") and list(spec.buckets) == sorted(set(spec.buckets)), spec.name
+            assert spec.name.endswith(("_seconds", "_tokens")) and list(spec.buckets) == sorted(set(spec.buckets)), spec.name
         else:
             assert not spec.buckets
     assert series_names(next(s for s in METRICS if s.name == "kvrelay_ttft_seconds")) == (

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from router.autoscaling.decide import SIGNALS
+from router.autoscaling.decide import WIRE_SIGNALS
 from serving.deployments.engine_worker import replica_signals
 from serving.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from serving.observability.worker_metrics import LatencyWindow, RequestLatencies
+from serving.observability.worker_metrics import LatencyWindow, RequestLatencies, WorkloadWindow
 
 
 def output(tokens: int, *, arrival: float, first: float | None, finished: float | None, reason: str | None = None):
@@ -69,9 +69,37 @@ def test_replica_signals_report_every_signal_on_the_wire():
         num_held_exports=0, num_queued_prefill_tokens=1234,
     )
     latencies = RequestLatencies()
-    assert replica_signals(stats, latencies).to_wire() == {
+    assert replica_signals(replace(stats, prefill_tokens_per_s=296.5), latencies).to_wire() == {
         "queued_prefill_tokens": 1234.0, "ttft_p95_ms": 0.0, "num_seqs": 5.0, "kv_utilization": 0.6, "tpot_p95_ms": 0.0,
+        "requests_per_s": 0.0, "prompt_tokens_per_request": 0.0, "output_tokens_per_request": 0.0,
+        "output_tokens_per_s": 0.0, "prefill_tokens_per_s": 296.5,
     }
     latencies.ttft_ms.add(80.0)
     assert replica_signals(replace(stats, num_waiting=0), latencies).ttft_p95_ms == 80.0
-    assert tuple(replica_signals(stats, latencies).to_wire()) == SIGNALS
+    assert tuple(replica_signals(stats, latencies).to_wire()) == WIRE_SIGNALS
+
+
+def test_workload_window_reports_rates_lengths_and_tokens_since_the_last_report():
+    workload = WorkloadWindow(window_s=10.0)
+    workload.arrived(50, now=0.5)
+    workload.arrived(100, now=1.0)
+    workload.arrived(300, now=2.0)
+    assert workload.report(now=5.0) == (0.3, 150.0, 0.0, 0.0)  # no previous report: no token rate yet
+    workload.generated(40)
+    workload.finished(40, now=6.0)
+    workload.generated(20)
+    workload.finished(20, now=7.0)
+    # 60 tokens in the 5 s since the previous report.
+    assert workload.report(now=10.0) == (0.3, 150.0, 30.0, 12.0)
+    # The arrivals at 0.5 s and 1 s have left the 10 s window.
+    assert workload.report(now=12.0) == (0.1, 300.0, 30.0, 0.0)
+
+
+def test_tracked_requests_feed_the_workload_window():
+    latencies = RequestLatencies(window_s=1e9)
+    latencies.workload.report(now=0.0)
+    tracker = latencies.track(continues=True)
+    tracker.observe(output(4, arrival=20.0, first=20.125, finished=20.5, reason="stop"))
+    latencies.track().observe(output(3, arrival=0.0, first=0.1, finished=0.5, reason="abort"))  # made, not finished
+    _, _, output_tokens, made_per_s = latencies.workload.report(now=7.0)
+    assert (output_tokens, made_per_s) == (4.0, 1.0)

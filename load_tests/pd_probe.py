@@ -1,0 +1,206 @@
+"""The CPU cost fit of the prefill/decode simulator, measured on this machine: engine steps timed
+one by one (`probe_steps`), the step-time model fitted to them (pd_costs.fit_step_cost), the
+served path's overheads (`overhead_of`) and the KV hand-off (`handoff_of`).
+
+The served path's overheads are measured by load_tests/pd_served_probe.py (the scenario's pinned
+layouts); the KV hand-off comes from a `kvrelay bench serve-overhead` report of this machine.
+
+One in-process LLMEngine as a served replica runs it: one torch thread, the serving engine
+defaults (512-token step budget, long prompts 256 tokens a step, one long prompt at a time),
+prefix caching off (every prompt computed), detokenizing off (the ingress does that). Each step
+is timed whole (`engine.step()`: schedule, forward, sample, outputs), and its shape read from
+the scheduler's output before the step runs:
+
+    decode      b prompts of 128 tokens, then 12 decode steps (b = 1, 2, 4, 8, 16); the same
+                with 1024-token prompts at b = 1, 4 (chunked prefill, long-context decode)
+    mixed       4 rows decoding while a 1200-token prompt arrives (256-token chunks beside the
+                rows), then a 160-token prompt (one chunk beside them); 2 rows beside a
+                2304-token prompt (chunks after up to 2048 computed tokens)
+    prefill     single prompts of 16, 64, 256, 512 and 2304 tokens
+
+Every scenario runs `repeats` times with fresh random prompts; the scheduler is deterministic,
+so step i has the same shape each time, and its time is the median over the repeats (a step
+another process delayed does not pull the fit). The fit's points, residuals and the machine
+(lscpu model, ISA flags) go into the fit's `info`.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from load_tests import hardware
+from load_tests.pd_costs import (
+    CostFit,
+    HandoffCost,
+    LayoutOverhead,
+    ServeOverhead,
+    StepCost,
+    StepPoint,
+    StepShape,
+    chunk_pairs,
+    fit_step_cost,
+)
+from load_tests.roofline import torch_threads
+
+__all__ = ["SCENARIOS", "cpu_fit", "handoff_of", "overhead_of", "probe_steps", "step_shape"]
+
+# scenario name -> list of (arrive after step k, prompt length, max_tokens)
+SCENARIOS: dict[str, list[tuple[int, int, int]]] = {
+    **{f"decode-b{b}": [(0, 128, 13)] * b for b in (1, 2, 4, 8, 16)},
+    **{f"decode-long-b{b}": [(0, 1024, 13)] * b for b in (1, 4)},
+    "mixed": [(0, 128, 60)] * 4 + [(3, 1200, 1), (12, 160, 1)],
+    "mixed-long": [(0, 128, 30)] * 2 + [(2, 2304, 1)],
+    **{f"prefill-{n}": [(0, n, 1)] for n in (16, 64, 256, 512, 2304)},
+}
+PROBE_ENGINE = {"max_num_batched_tokens": 512, "long_prefill_token_threshold": 256, "max_num_seqs": 128}
+
+
+def step_shape(scheduled) -> StepShape:
+    """The shape of a step from the scheduler's (sequence, new tokens) list, before it runs."""
+    tokens = rows = pairs = context = 0
+    for seq, num_new in scheduled:
+        tokens += num_new
+        if seq.num_computed_tokens < seq.num_prompt_tokens:  # a prompt chunk
+            pairs += chunk_pairs(num_new, seq.num_computed_tokens)
+            rows += seq.num_computed_tokens + num_new >= seq.num_prompt_tokens
+        else:  # a decoding row: reads its computed tokens and itself
+            rows += 1
+            context += seq.num_computed_tokens + num_new
+    return StepShape(tokens, rows, pairs, context)
+
+
+def _run_scenario(engine, plan: list[tuple[int, int, int]], draw: Callable[[int], list[int]]) -> list[tuple[StepShape, float]]:
+    from serving.engine import SamplingParams
+
+    shapes: list[tuple[StepShape, float]] = []
+    captured: list = []
+    schedule = engine.scheduler.schedule
+
+    def capture():
+        out = schedule()
+        captured.append(step_shape(out.scheduled))
+        return out
+
+    engine.scheduler.schedule = capture
+    try:
+        pending = sorted(enumerate(plan), key=lambda item: item[1][0])
+        step = 0
+        while pending or engine.has_unfinished_requests():
+            while pending and pending[0][1][0] <= step:
+                i, (_, length, max_tokens) = pending.pop(0)
+                params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+                engine.add_request(f"probe-{id(plan)}-{i}-{time.monotonic_ns()}", prompt_token_ids=draw(length), params=params)
+            captured.clear()
+            started = time.perf_counter()
+            engine.step()
+            elapsed = time.perf_counter() - started
+            if captured and captured[0].num_tokens:
+                shapes.append((captured[0], elapsed))
+            step += 1
+    finally:
+        engine.scheduler.schedule = schedule
+    return shapes
+
+
+def probe_steps(model_dir: Path, dtype: str, *, repeats: int = 3, seed: int = 0, scenarios: tuple[str, ...] = tuple(SCENARIOS),
+                progress: Callable[[str], None] = lambda message: None) -> list[StepPoint]:
+    """The steps of `scenarios`, each the median of `repeats` runs (module docstring)."""
+    import numpy as np
+
+    from serving.engine import EngineConfig, LLMEngine
+
+    with torch_threads(1):
+        engine = LLMEngine(EngineConfig(
+            model=str(model_dir), dtype=dtype, kv_cache_bytes=256 * 2**20, enable_prefix_caching=False,
+            num_threads=1, **PROBE_ENGINE,
+        ))
+        rng = np.random.default_rng([seed, 19])
+
+        def draw(length: int) -> list[int]:
+            return rng.integers(100, engine.vocab_size, length).tolist()
+
+        _run_scenario(engine, SCENARIOS["decode-b4"], draw)  # warm-up: kernels, allocator
+        points: list[StepPoint] = []
+        for name in scenarios:
+            plan = SCENARIOS[name]
+            runs = [_run_scenario(engine, plan, draw) for _ in range(repeats)]
+            shapes = [shape for shape, _ in runs[0]]
+            for run in runs[1:]:
+                assert [shape for shape, _ in run] == shapes, f"{name}: the steps differ between repeats"
+            for i, shape in enumerate(shapes):
+                points.append(StepPoint(shape, statistics.median(run[i][1] for run in runs)))
+            progress(f"probe {name}: {len(shapes)} steps, median step {statistics.median(p.seconds for p in points[-len(shapes):]) * 1e3:.1f} ms")
+    return points
+
+
+def handoff_of(report: dict) -> tuple[HandoffCost, dict]:
+    """The KV hand-off from a `kvrelay bench serve-overhead` JSON: its arena hand-off p50 of
+    kv_tokens, taken as proportional to the tokens (fixed_s = 0: one size was measured)."""
+    s = report["summary"]
+    kv_tokens = report["config"]["params"]["kv_tokens"]
+    seconds = s["kv_transfer_ms_p50"] * 1e-3
+    handoff = HandoffCost(0.0, s["kv_transfer_bytes"] / kv_tokens, s["kv_transfer_bytes"] / seconds)
+    return handoff, {"kv_tokens": kv_tokens, "kv_transfer_ms_p50": s["kv_transfer_ms_p50"],
+                     "kv_transfer_bytes": s["kv_transfer_bytes"]}
+
+
+def overhead_of(served: dict, step: StepCost) -> tuple[ServeOverhead, dict]:
+    """The served path's overheads per layout from a probe_served result (pd_served_probe.py)."""
+    from load_tests.pd_served_probe import fit_overhead, request_overhead_s, serving_cpu
+
+    layouts, info = {}, {}
+    for layout, measured in served.items():
+        step_s, row_s, points = fit_overhead(measured, step.decode_s)
+        per_request, per_token, per_second = serving_cpu(measured)
+        layouts[layout] = LayoutOverhead(request_overhead_s(measured, step.prefill_s), step_s, row_s, per_request,
+                                         per_token, per_second)
+        info[layout] = {"tpot_points": points}
+    return ServeOverhead(**layouts), info
+
+
+def cpu_fit(model_dir: Path, dtype: str, serve_overhead: dict, *, repeats: int = 3, earlier: dict | None = None,
+            kv_cache_bytes: int = 512 * 2**20, progress: Callable[[str], None] = lambda message: None) -> CostFit:
+    """This machine's fit: probed steps and the served probe, measured now, or taken from
+    `earlier` (an earlier cpu fit's JSON: its points and served probe, fitted again), and the KV
+    hand-off of a serve-overhead report of this machine."""
+    import torch
+
+    from load_tests.pd_served_probe import probe_served
+    from serving.engine.kv_cache import kv_bytes_per_token
+    from serving.engine.model_loader import load_model_spec
+
+    machine = hardware.machine_record(num_threads=1)
+    if earlier:
+        points = [StepPoint(StepShape(p["num_tokens"], p["num_rows"], p["num_pairs"], p["num_context"]), p["seconds"])
+                  for p in earlier["info"]["points"]]
+        served = earlier["info"]["served_probe"]
+        machine = earlier["info"]["machine"]
+    else:
+        points = probe_steps(model_dir, dtype, repeats=repeats, progress=progress)
+    step, quality = fit_step_cost(points)
+    if not earlier:
+        served = probe_served(model_dir, dtype, progress=progress)
+    overhead, served_info = overhead_of(served, step)
+    handoff, handoff_info = handoff_of(serve_overhead)
+    spec = load_model_spec(model_dir)
+    per_token = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, getattr(torch, dtype))
+    if not earlier:
+        hardware.finish_machine_record(machine)
+    return CostFit(
+        name="cpu", step=step, handoff=handoff, overhead=overhead, **PROBE_ENGINE,
+        kv_capacity_tokens=kv_cache_bytes // per_token,
+        source=f"this machine: {machine['cpu_model']}, {dtype}, 1 torch thread; steps probed in-process "
+        "(load_tests/pd_probe.py), the served path's overheads in pd-interference's pinned layouts "
+        "(load_tests/pd_served_probe.py), the KV hand-off from a kvrelay bench serve-overhead report",
+        assumptions=("a served replica's overhead is step_s + row_s x sampled rows, fitted over 1-8 streams",
+                     "the other serving processes' CPU is taken evenly from the busy replicas' cores",
+                     "the KV hand-off time is proportional to the prompt's tokens"),
+        info={"fit_quality": quality, "machine": machine, "model_dir": str(model_dir), "dtype": dtype,
+              "load_avg_1m": os.getloadavg()[0], "handoff": handoff_info, "served_probe": served,
+              "served_fit": served_info,
+              "points": [{**vars(p.shape), "seconds": p.seconds, "model_s": step.shape_s(p.shape)} for p in points]},
+    )

@@ -1,0 +1,213 @@
+"""What the served path adds to the engine on this machine, in pd-interference's pinned layouts,
+for the CPU cost fit (load_tests/pd_probe.py): measured apart from any scenario the simulator is
+checked against.
+
+`kvrelay bench serve-overhead` measures the served path with unpinned replicas and one request
+at a time. The scenario pins each replica to a core of its own (cpu_affinity) and has the
+proxy, ingress, controller and the load client share the two cores with them. This probe
+deploys the scenario's layouts on a local Ray:
+
+    colocated      one Worker pinned to core 1
+    disaggregated  prefill pinned to core 0, decode to core 1, as the scenario
+
+and measures, per layout (pd_costs.LayoutOverhead):
+
+    step_s, row_s      k = 1, 2, 4, 8 streams at once (chat prompts of ~160 tokens, 64 output
+                       tokens, ignore_eos), `rounds` times each: the served TPOT p50 less the
+                       engine's own decode step of k rows at that context (CostFit.step), fitted
+                       over k as step_s + row_s * k (`fit_overhead`)
+    request_s          the one-stream rounds' TTFT less the engine's prefill of the prompt
+                       (`request_overhead_s`)
+    cpu_per_*,         the CPU seconds of every process but the engines' (/proc: proxy, ingress,
+    background_cpu     controller, raylet, this client, ...) in each round and in an idle
+                       interval, fitted as per second * wall + per request + per token (rounds
+                       of 8 output tokens as well as 64 tell the last two apart, and a 20 s
+                       Poisson chat stream at 1.2 requests/s, pd-interference's rate, weighs the
+                       per-second part as the scenario runs it: `serving_cpu`)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+__all__ = ["LAYOUTS", "REPLICAS", "ROUNDS", "cpu_delta", "cpu_seconds_by_process", "fit_overhead", "probe_served",
+           "request_overhead_s", "serving_cpu"]
+
+LAYOUTS = ("colocated", "disaggregated")
+PROMPT_WORDS = 128  # ~160 prompt tokens with the chat template (the scenario's chat: 64-192 words)
+OUTPUT_TOKENS = 64
+# (requests, output tokens, Poisson rate or None: all at once)
+ROUNDS = ((1, OUTPUT_TOKENS, None), (2, OUTPUT_TOKENS, None), (4, OUTPUT_TOKENS, None), (8, OUTPUT_TOKENS, None),
+          (4, 8, None), (8, 8, None), (24, OUTPUT_TOKENS, 1.2))
+IDLE_S = 4.0
+
+
+REPLICAS = ("Worker", "PrefillWorker", "DecodeWorker")  # the engines' processes: the rest is serving work
+
+
+def cpu_seconds_by_process() -> dict[int, tuple[str, float]]:
+    """{pid: (short name, CPU seconds user + system)} of every user-space process of this machine
+    (kernel threads, with no command line, are left out): Ray's actors by their title
+    (ray::ServeReplica:app:Worker -> "Worker"), this process as "client", others by command."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        if not cmdline:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        name = cmdline.rsplit(":", 1)[-1] if cmdline.startswith("ray::") else Path(cmdline).name
+        out[int(pid)] = ("client" if int(pid) == os.getpid() else name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each process name used between two snapshots (a process that started in
+    between counts whole)."""
+    out: dict[str, float] = {}
+    for pid, (name, seconds) in after.items():
+        out[name] = out.get(name, 0.0) + seconds - (before[pid][1] if pid in before else 0.0)
+    return out
+
+
+async def _round(base_url: str, k: int, output_tokens: int, rng: np.random.Generator, *, rate: float | None = None) -> list:
+    """k requests at once, or (`rate`) a Poisson stream of k requests at that rate."""
+    from load_tests.serve_client import RequestSpec, ServeClient
+    from load_tests.serve_datasets import random_text
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=300) as http:
+        client = ServeClient(http, model=await ServeClient.first_model(http), ignore_eos=True,
+                             extra_body={"cache_salt": f"probe-{time.monotonic_ns()}"})
+        specs = [RequestSpec(i, output_tokens, messages=[{"role": "user", "content": random_text(rng, PROMPT_WORDS)}])
+                 for i in range(k)]
+        t0 = client.clock.now()
+        gaps = rng.exponential(1.0 / rate, k) if rate else np.zeros(k)
+
+        async def send(spec, at_s: float):
+            await asyncio.sleep(at_s)
+            return await client.send(spec, scheduled_s=at_s, t0=t0)
+
+        return await asyncio.gather(*(send(spec, float(at)) for spec, at in zip(specs, np.cumsum(gaps) - gaps[0])))
+
+
+def _serving(cpu: dict[str, float]) -> float:
+    return sum(seconds for name, seconds in cpu.items() if name not in REPLICAS)
+
+
+def probe_served(model_dir: Path, dtype: str, *, rounds: int = 3, seed: int = 0,
+                 progress: Callable[[str], None] = lambda message: None) -> dict:
+    """{layout: {"idle": {wall_s, serving_cpu_s, cpu_s}, "rounds": [{streams, output_tokens, wall_s,
+    serving_cpu_s, cpu_s, tpot_s, ttft_s, prompt_tokens}]}} (lists: one value per request)."""
+    from load_tests import local_ray
+    from load_tests.bench_scenario import ScenarioParams, config_url, kvrelay_config
+    from load_tests.scenario_servers import kvrelay_server
+
+    rng = np.random.default_rng([seed, 23])
+    params = ScenarioParams(name="pd-interference", model=str(model_dir), dtype=dtype,
+                            overrides=(("worker.num_replicas", 1), ("worker.cpu_affinity", [[1]])))
+    port = local_ray.free_port()
+    out: dict = {}
+    with local_ray.local_ray("bench pd-sim (served probe)", progress):
+        for layout in LAYOUTS:
+            config = kvrelay_config(params, model_dir, layout, port, app=f"kvrelay-pd-probe-{layout}")
+            url = config_url(config)
+            with kvrelay_server(config, progress=progress):
+                asyncio.run(_round(url, 2, 8, rng))  # warm-up
+                before, started = cpu_seconds_by_process(), time.monotonic()
+                time.sleep(IDLE_S)
+                cpu = cpu_delta(before, cpu_seconds_by_process())
+                idle = {"wall_s": time.monotonic() - started, "serving_cpu_s": _serving(cpu), "cpu_s": _rounded(cpu)}
+                runs = []
+                for k, output_tokens, rate in ROUNDS:
+                    for _ in range(rounds if rate is None else 1):
+                        before, started = cpu_seconds_by_process(), time.monotonic()
+                        records = asyncio.run(_round(url, k, output_tokens, rng, rate=rate))
+                        wall_s = time.monotonic() - started
+                        cpu = cpu_delta(before, cpu_seconds_by_process())
+                        failed = [r.error for r in records if not r.is_success]
+                        assert not failed, f"the served probe's requests failed: {failed[:2]}"
+                        runs.append({"streams": k, "output_tokens": output_tokens, "rate": rate, "wall_s": wall_s,
+                                     "serving_cpu_s": _serving(cpu), "cpu_s": _rounded(cpu),
+                                     "tpot_s": [r.tpot_s for r in records], "ttft_s": [r.ttft_s for r in records],
+                                     "prompt_tokens": [r.num_prompt_tokens for r in records]})
+                    tpot = statistics.median(runs[-1]["tpot_s"])
+                    shape = f"{k} at once" if rate is None else f"{k} at {rate:g}/s"
+                    progress(f"served probe, {layout}: {shape} x {output_tokens} tokens, TPOT p50 {tpot * 1e3:.1f} ms, "
+                             f"serving CPU {runs[-1]['serving_cpu_s'] / runs[-1]['wall_s']:.2f} cores")
+            out[layout] = {"idle": idle, "rounds": runs}
+    return out
+
+
+def _rounded(cpu: dict[str, float]) -> dict[str, float]:
+    return {name: round(seconds, 3) for name, seconds in sorted(cpu.items()) if seconds >= 0.01}
+
+
+def fit_overhead(layout: dict, decode_s: Callable[[int, int], float]) -> tuple[float, float, list[dict]]:
+    """(step_s, row_s) >= 0 by least squares of served TPOT p50 - decode_s(k, context) over the
+    stream counts k of the rounds of OUTPUT_TOKENS tokens, and the points. `layout`: one
+    layout of probe_served's result."""
+    by_k: dict[int, list[dict]] = {}
+    for run in layout["rounds"]:
+        if run["output_tokens"] == OUTPUT_TOKENS and run.get("rate") is None:
+            by_k.setdefault(run["streams"], []).append(run)
+    points = []
+    for k, runs in sorted(by_k.items()):
+        context = round(statistics.mean(p for run in runs for p in run["prompt_tokens"]) + OUTPUT_TOKENS / 2)
+        points.append({"streams": k, "served_s": statistics.median(t for run in runs for t in run["tpot_s"]),
+                       "engine_s": decode_s(k, context)})
+    ks = np.array([p["streams"] for p in points], dtype=float)
+    extra = np.array([p["served_s"] - p["engine_s"] for p in points])
+    step_s, row_s = _nonnegative_lstsq(np.stack([np.ones_like(ks), ks], axis=1), extra)
+    return step_s, row_s, points
+
+
+def request_overhead_s(layout: dict, prefill_s: Callable[[int], float]) -> float:
+    """The served first token's delay beyond the engine's prefill: the median over the one-stream
+    rounds of TTFT - prefill_s(prompt tokens), at least 0."""
+    extra = [ttft - prefill_s(tokens) for run in layout["rounds"] if run["streams"] == 1 and run.get("rate") is None
+             for ttft, tokens in zip(run["ttft_s"], run["prompt_tokens"])]
+    return max(0.0, statistics.median(extra))
+
+
+def serving_cpu(layout: dict) -> tuple[float, float, float]:
+    """(per request, per token, per second) CPU seconds of the processes other than the engines',
+    by least squares >= 0 over the idle interval and every round:
+    serving CPU = per_second * wall + per_request * streams + per_token * streams * tokens."""
+    rows = [(layout["idle"]["wall_s"], 0.0, 0.0, layout["idle"]["serving_cpu_s"])]
+    rows += [(r["wall_s"], r["streams"], r["streams"] * r["output_tokens"], r["serving_cpu_s"]) for r in layout["rounds"]]
+    data = np.array(rows)
+    per_second, per_request, per_token = _nonnegative_lstsq(data[:, [0, 1, 2]], data[:, 3])
+    return per_request, per_token, per_second
+
+
+def _nonnegative_lstsq(design: np.ndarray, target: np.ndarray) -> list[float]:
+    """Least squares with every coefficient >= 0: the best fit over the subsets of columns whose
+    coefficients all come out >= 0 (the empty subset: all 0)."""
+    import itertools
+
+    n = design.shape[1]
+    best = (float((target**2).sum()), [0.0] * n)
+    for size in range(1, n + 1):
+        for columns in itertools.combinations(range(n), size):
+            coef, *_ = np.linalg.lstsq(design[:, columns], target, rcond=None)
+            if (coef < 0).any():
+                continue
+            residual = float(((design[:, columns] @ coef - target) ** 2).sum())
+            if residual < best[0] - 1e-15:
+                full = [0.0] * n
+                for column, value in zip(columns, coef.tolist()):
+                    full[column] = value
+                best = (residual, full)
+    return best[1]

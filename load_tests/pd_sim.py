@@ -1,0 +1,411 @@
+"""A discrete-event simulator of prefill and decode pools: colocated against disaggregated serving,
+each replica a continuous-batching engine whose steps cost what a CostFit says (pd_costs.py).
+
+    colocated        arrival ──least loaded──▶ worker replica: prompt chunks and decoding rows
+                                              share its steps (the interference)
+    disaggregated    arrival ──least queued prompt tokens──▶ prefill replica: the prompt, its
+                     first token ──KV hand-off (HandoffCost)──least loaded──▶ decode replica:
+                     the other tokens
+
+A replica is kvrelay's scheduler (serving/engine/scheduler.py) reduced to what sets its timing:
+every step, the running sequences in arrival order each get min(tokens left, budget left)
+tokens, one for a decoding row, a chunk for a prompt; a prompt with more than
+`long_prefill_token_threshold` tokens left gets at most that many a step, and one such prompt
+prefills at a time (a waiting long one is passed over, shorter ones are admitted past it);
+waiting requests are admitted in arrival order while the budget and `max_num_seqs` last and the
+replica's KV holds their prompt and output (reserved whole at admission: no preemption, which
+kvrelay's engine would do instead when it ran out). A step takes CostFit.step's time for its
+shape plus the served path's overhead (per step and per sampled row); its sampled tokens
+appear when it ends.
+
+The other serving processes (proxy, ingress, controller, client) share the cores the replicas
+run on, one core each (pd-interference's layout), using LayoutOverhead.background_cpu cores
+always, cpu_per_request_s per request and cpu_per_token_s per streamed token (a rate averaged
+over SERVING_TAU_S). As a processor-sharing scheduler would: the idle replicas' cores take that
+load first; what is left is spread over the busy replicas' cores, and a step that starts while
+a share s of its core is taken lasts 1 / (1 - s) times its cost (s at most 0.9).
+
+Routing: a prefill replica is chosen by the prompt tokens it has still to compute, counted at
+once (prefix_cost's queued tokens plus what the router sent since the stats; without cache hits
+that is all it weighs). A worker or decode replica, by `router`:
+
+    least_kv      kvrelay's decode policy: on the replicas' routing stats, taken every
+                  `stats_period_s` (0.5 s, as served), the KV tokens its sequences hold
+                  (computed ones: a waiting request holds none), then its running and waiting
+                  sequences. The replay of the measured scenario routes so.
+    least_loaded  on the replicas' state now: the KV its running and waiting sequences will
+                  hold (prompt and output), then their number. least_kv sends every request that
+                  arrives between two stats (or, with stats now, between two steps) to the same
+                  replica, which at tens of requests a second is most of them; the sweep
+                  compares layouts, so it routes so.
+
+Ties go round-robin.
+
+Per request: TTFT = first token - arrival (the served path's request overhead included: the
+request reaches an engine that much later); TPOT = (last token - first token) / (tokens - 1),
+the hand-off included. Per run (`summarize`): TTFT/TPOT percentiles, goodput at each SLO
+(requests meeting every bound / (last completion - first arrival)), SLO attainment, replica
+utilisation (busy time / the run's span).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from load_tests.pd_costs import CostFit, chunk_pairs
+from load_tests.serve_metrics import percentile
+
+__all__ = ["SimRequest", "RequestResult", "SimRun", "simulate", "summarize", "attainment", "MODES", "ROUTERS", "STATS_PERIOD_S"]
+
+MODES = ("colocated", "disaggregated")
+STATS_PERIOD_S = 0.5  # RoutingConfig.stats_period_s's default
+SERVING_TAU_S = 1.0  # the serving processes' CPU rate is their use over about this long
+ROUTERS = ("least_kv", "least_loaded")
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    request_id: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    kind: str = "chat"
+
+
+@dataclass
+class RequestResult:
+    request: SimRequest
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    prefill_replica: int | None = None
+    decode_replica: int | None = None
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.request.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        n = self.request.output_tokens
+        return None if n < 2 else (self.last_token_s - self.first_token_s) / (n - 1)
+
+    def meets(self, ttft_ms: float, tpot_ms: float) -> bool:
+        tpot = self.tpot_s
+        return self.ttft_s * 1e3 <= ttft_ms and (tpot is None or tpot * 1e3 <= tpot_ms)
+
+
+@dataclass
+class SimRun:
+    mode: str
+    num_prefill: int
+    num_decode: int  # colocated: the workers
+    results: list[RequestResult]
+    busy_s: list[float]  # per replica: prefill ones first
+    span_s: float
+    num_steps: int
+
+
+class _Seq:
+    __slots__ = ("result", "num_prompt", "num_tokens", "num_computed", "max_new", "num_new", "kv_need", "arrival_s")
+
+    def __init__(self, result: RequestResult, num_prompt: int, num_computed: int, max_new: int, arrival_s: float):
+        self.result = result
+        self.num_prompt = num_prompt
+        self.num_computed = num_computed
+        self.num_tokens = max(num_prompt, num_computed + 1)  # an imported prompt still computes its first token
+        self.max_new = max_new
+        self.num_new = 0
+        self.kv_need = result.request.prompt_tokens + result.request.output_tokens
+        self.arrival_s = arrival_s
+
+
+def _account(seq: _Seq, n: int, tokens: int, rows: int, pairs: int, context: int) -> tuple[int, int, int, int]:
+    """The step's shape with `n` tokens of `seq` added (pd_costs.StepShape's fields)."""
+    if seq.num_computed < seq.num_prompt:  # a prompt chunk; it samples if it ends the prompt
+        return tokens + n, rows + (seq.num_computed + n >= seq.num_prompt), pairs + chunk_pairs(n, seq.num_computed), context
+    return tokens + n, rows + 1, pairs, context + seq.num_computed + n
+
+
+class _Replica:
+    __slots__ = ("rid", "fit", "step_overhead_s", "row_overhead_s", "is_prefill", "waiting", "running", "kv_used",
+                 "queued_kv", "queued_prompt", "busy", "busy_s", "kv_held", "reported")
+
+    def __init__(self, rid: int, fit: CostFit, mode: str, *, is_prefill: bool = False):
+        self.rid, self.fit, self.is_prefill = rid, fit, is_prefill
+        overhead = fit.overhead.of(mode)
+        self.step_overhead_s, self.row_overhead_s = overhead.step_s, overhead.row_s
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self.kv_used = 0  # reserved by running sequences
+        self.queued_kv = 0  # needed by waiting ones
+        self.queued_prompt = 0  # prompt tokens left to compute, running and waiting
+        self.busy = False
+        self.busy_s = 0.0
+        self.kv_held = 0  # KV tokens its running sequences hold now (computed ones)
+        self.reported = (0, 0)  # (kv_held, sequences) as its last routing stats said
+
+    def add(self, seq: _Seq) -> None:
+        self.waiting.append(seq)
+        self.queued_kv += seq.kv_need
+        self.queued_prompt += max(0, seq.num_prompt - seq.num_computed)
+
+    def _chunk(self, left: int, budget: int) -> tuple[int, bool]:
+        """(tokens to compute this step, whether the prompt counts as long)."""
+        threshold = self.fit.long_prefill_token_threshold
+        is_long = 0 < threshold < left
+        n = left if left < budget else budget
+        if 0 < threshold < n:
+            n = threshold
+        return n, is_long
+
+    def schedule(self) -> tuple[list[tuple[_Seq, int]], float]:
+        """This step's (sequence, tokens) and its seconds."""
+        fit = self.fit
+        budget = fit.max_num_batched_tokens
+        scheduled = []
+        num_long = tokens = rows = pairs = context = 0
+        for seq in self.running:
+            if budget <= 0:
+                break
+            left = seq.num_tokens - seq.num_computed
+            if left == 1 and seq.num_computed >= seq.num_prompt:  # a decoding row: the common case
+                scheduled.append((seq, 1))
+                budget -= 1
+                tokens += 1
+                rows += 1
+                context += seq.num_computed + 1
+                continue
+            n, is_long = self._chunk(left, budget)
+            num_long += is_long
+            scheduled.append((seq, n))
+            budget -= n
+            tokens, rows, pairs, context = _account(seq, n, tokens, rows, pairs, context)
+        skipped = []
+        while self.waiting and budget > 0 and len(self.running) < fit.max_num_seqs:
+            seq = self.waiting[0]
+            left = seq.num_tokens - seq.num_computed
+            threshold = fit.long_prefill_token_threshold
+            if 0 < threshold < left and num_long >= 1:  # one long prompt at a time: pass it over
+                skipped.append(self.waiting.popleft())
+                continue
+            if self.kv_used + seq.kv_need > fit.kv_capacity_tokens and self.running:
+                break
+            self.waiting.popleft()
+            self.queued_kv -= seq.kv_need
+            self.kv_used += seq.kv_need
+            self.running.append(seq)
+            n, is_long = self._chunk(left, budget)
+            num_long += is_long
+            scheduled.append((seq, n))
+            budget -= n
+            tokens, rows, pairs, context = _account(seq, n, tokens, rows, pairs, context)
+        self.waiting.extendleft(reversed(skipped))
+        if not scheduled:
+            return scheduled, 0.0
+        return scheduled, fit.step.step_s(tokens, rows, pairs, context) + self.step_overhead_s + self.row_overhead_s * rows
+
+    def finish(self, seq: _Seq) -> None:
+        self.running.remove(seq)
+        self.kv_used -= seq.kv_need
+        self.kv_held -= seq.num_computed
+
+    def report(self) -> None:
+        self.reported = (self.kv_held, len(self.running) + len(self.waiting))
+
+
+@dataclass
+class _Sim:
+    fit: CostFit
+    mode: str
+    prefill: list[_Replica]
+    decode: list[_Replica]
+    cpu_per_token_s: float = 0.0
+    cpu_per_request_s: float = 0.0
+    background_cpu: float = 0.0
+    events: list = field(default_factory=list)
+    counter: itertools.count = field(default_factory=itertools.count)
+    rr: int = 0
+    num_steps: int = 0
+    router: str = "least_kv"
+    report_always: bool = False  # routing sees the replicas' state now, not their last stats
+    serving_rate: float = 0.0  # the other serving processes' recent CPU use, in cores (background_cpu aside)
+    serving_rate_at: float = 0.0
+    num_busy: int = 0
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.prefill) + len(self.decode)
+
+    def push(self, time_s: float, kind: int, payload) -> None:
+        heapq.heappush(self.events, (time_s, next(self.counter), kind, payload))
+
+    def pick(self, replicas: list[_Replica], key) -> _Replica:
+        n = len(replicas)
+        self.rr += 1
+        return min(replicas, key=lambda r: (key(r), (r.rid - self.rr) % n))
+
+    def least_loaded(self) -> _Replica:
+        if self.router == "least_loaded":  # the KV its sequences, running and waiting, will hold
+            return self.pick(self.decode, lambda r: (r.kv_used + r.queued_kv, len(r.running) + len(r.waiting)))
+        if self.report_always:  # least_kv: on the replicas' routing stats
+            for replica in self.decode:
+                replica.report()
+        return self.pick(self.decode, lambda r: r.reported)
+
+    def least_queued(self) -> _Replica:
+        return self.pick(self.prefill, lambda r: r.queued_prompt)
+
+    def kick(self, replica: _Replica, now: float) -> None:
+        if replica.busy:
+            return
+        scheduled, seconds = replica.schedule()
+        if not scheduled:
+            return
+        replica.busy = True
+        self.num_busy += 1
+        seconds /= 1.0 - self.stolen_share(now)
+        replica.busy_s += seconds
+        self.num_steps += 1
+        self.push(now + seconds, _STEP_DONE, (replica, scheduled))
+
+    def serving_work(self, now: float, cpu_s: float) -> None:
+        """The other serving processes used `cpu_s` now: their rate, averaged over SERVING_TAU_S."""
+        self.serving_rate = self.serving_rate * math.exp((self.serving_rate_at - now) / SERVING_TAU_S) + cpu_s / SERVING_TAU_S
+        self.serving_rate_at = now
+
+    def stolen_share(self, now: float) -> float:
+        """The share of a busy replica's core the other serving processes take now: their load,
+        less what the idle replicas' cores absorb, spread over the busy ones (at most 0.9)."""
+        load = self.background_cpu + self.serving_rate * math.exp((self.serving_rate_at - now) / SERVING_TAU_S)
+        idle_cores = self.num_replicas - self.num_busy
+        return min(0.9, max(0.0, load - idle_cores) / self.num_busy)
+
+    def step_done(self, replica: _Replica, scheduled: list[tuple[_Seq, int]], now: float) -> None:
+        replica.busy = False
+        self.num_busy -= 1
+        for seq, n in scheduled:
+            if seq.num_computed < seq.num_prompt:
+                replica.queued_prompt -= n
+            seq.num_computed += n
+            replica.kv_held += n
+            if seq.num_computed < seq.num_tokens:
+                continue  # a prompt chunk that did not end the prompt
+            seq.num_new += 1
+            seq.num_tokens += 1
+            if self.cpu_per_token_s:
+                self.serving_work(now, self.cpu_per_token_s)
+            result = seq.result
+            if result.first_token_s is None:
+                result.first_token_s = now
+            result.last_token_s = now
+            if seq.num_new >= seq.max_new:
+                replica.finish(seq)
+                if replica.is_prefill and result.request.output_tokens > 1:
+                    self.push(now + self.fit.handoff.seconds(seq.num_prompt), _HANDOFF, result)
+        self.kick(replica, now)
+
+    def handoff(self, result: RequestResult, now: float) -> None:
+        request = result.request
+        replica = self.least_loaded()
+        result.decode_replica = replica.rid
+        replica.add(_Seq(result, request.prompt_tokens, request.prompt_tokens, request.output_tokens - 1, now))
+        replica.kv_held += request.prompt_tokens  # the imported KV, written when it is admitted
+        self.push(now, _KICK, replica)
+
+    def arrive(self, result: RequestResult, now: float) -> None:
+        request = result.request
+        if self.cpu_per_request_s:
+            self.serving_work(now, self.cpu_per_request_s)
+        if self.mode == "colocated":
+            replica = self.least_loaded()
+            result.decode_replica = replica.rid
+            replica.add(_Seq(result, request.prompt_tokens, 0, request.output_tokens, now))
+        else:
+            replica = self.least_queued()
+            result.prefill_replica = replica.rid
+            replica.add(_Seq(result, request.prompt_tokens, 0, 1, now))
+        # after every other arrival of this instant: the engine's next step sees them all
+        self.push(now, _KICK, replica)
+
+
+_ARRIVE, _STEP_DONE, _HANDOFF, _KICK, _STATS = 0, 1, 2, 3, 4
+
+
+def simulate(requests: list[SimRequest], fit: CostFit, mode: str, *, num_prefill: int = 0, num_decode: int,
+             router: str = "least_kv", stats_period_s: float = STATS_PERIOD_S) -> SimRun:
+    """Run `requests` through a colocated pool of `num_decode` workers, or a disaggregated one of
+    `num_prefill` prefill and `num_decode` decode replicas. The worker and decode pools route by
+    `router` (module docstring): "least_kv" on routing stats taken every `stats_period_s` (0: on
+    the replicas' state at each decision), or "least_loaded"."""
+    assert router in ROUTERS, router
+    assert mode in MODES, mode
+    assert num_decode >= 1 and (mode == "colocated" or num_prefill >= 1), (mode, num_prefill, num_decode)
+    prefill = [] if mode == "colocated" else [_Replica(i, fit, mode, is_prefill=True) for i in range(num_prefill)]
+    decode = [_Replica(len(prefill) + i, fit, mode) for i in range(num_decode)]
+    overhead = fit.overhead.of(mode)
+    sim = _Sim(fit, mode, prefill, decode, router=router, cpu_per_token_s=overhead.cpu_per_token_s,
+               cpu_per_request_s=overhead.cpu_per_request_s, background_cpu=overhead.background_cpu)
+    request_s = overhead.request_s
+    results = [RequestResult(r) for r in requests]
+    for result in results:
+        sim.push(result.request.arrival_s + request_s, _ARRIVE, result)
+    if router == "least_kv" and stats_period_s > 0:
+        sim.push(min(r.arrival_s for r in requests), _STATS, None)
+    else:
+        sim.report_always = True
+    while sim.events:
+        now, _, kind, payload = heapq.heappop(sim.events)
+        if kind == _ARRIVE:
+            sim.arrive(payload, now)
+        elif kind == _STEP_DONE:
+            sim.step_done(payload[0], payload[1], now)
+        elif kind == _HANDOFF:
+            sim.handoff(payload, now)
+        elif kind == _KICK:
+            sim.kick(payload, now)
+        else:  # every replica's routing stats; the next ones a period later while work remains
+            for replica in sim.decode:
+                replica.report()
+            if len(sim.events) > 0:
+                sim.push(now + stats_period_s, _STATS, None)
+    unfinished = [r for r in results if r.last_token_s is None]
+    assert not unfinished, f"{len(unfinished)} requests never finished (a prompt larger than a replica's KV?)"
+    start = min(r.arrival_s for r in requests)
+    span = max(r.last_token_s for r in results) - start
+    return SimRun(mode, len(prefill), len(decode), results, [r.busy_s for r in prefill + decode], span, sim.num_steps)
+
+
+# ---- figures -------------------------------------------------------------------------------------
+def _stats_ms(values_s: list[float]) -> dict:
+    if not values_s:
+        return {"mean": None, "p50": None, "p90": None, "p95": None, "p99": None}
+    ms = [v * 1e3 for v in values_s]
+    return {"mean": sum(ms) / len(ms), **{f"p{q}": percentile(ms, q) for q in (50, 90, 95, 99)}}
+
+
+def attainment(results: list[RequestResult], ttft_ms: float, tpot_ms: float) -> float:
+    """The fraction of requests meeting both bounds."""
+    return sum(r.meets(ttft_ms, tpot_ms) for r in results) / len(results)
+
+
+def summarize(run: SimRun, slos: dict[str, tuple[float, float]], *, kinds: set[str] | None = None) -> dict:
+    """Latency percentiles of the requests of `kinds` (None: all); goodput and attainment at each
+    named (ttft_ms, tpot_ms) SLO over all of them; utilisation per pool."""
+    chosen = [r for r in run.results if kinds is None or r.request.kind in kinds]
+    utilisation = [busy / run.span_s if run.span_s > 0 else 0.0 for busy in run.busy_s]
+    prefill_u, decode_u = utilisation[:run.num_prefill], utilisation[run.num_prefill:]
+    return {
+        "num_requests": len(chosen),
+        "ttft_ms": _stats_ms([r.ttft_s for r in chosen]),
+        "tpot_ms": _stats_ms([t for r in chosen if (t := r.tpot_s) is not None]),
+        "goodput": {name: sum(r.meets(*slo) for r in run.results) / run.span_s for name, slo in slos.items()},
+        "attainment": {name: attainment(run.results, *slo) for name, slo in slos.items()},
+        "span_s": run.span_s,
+        "utilisation": {"prefill": sum(prefill_u) / len(prefill_u) if prefill_u else None,
+                        "decode": sum(decode_u) / len(decode_u)},
+        "num_steps": run.num_steps,
+    }

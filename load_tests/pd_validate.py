@@ -1,0 +1,93 @@
+"""The simulator checked against reality: the four runs of a measured `kvrelay bench scenario
+pd-interference` JSON replayed through pd_sim with a cost fit of the same machine.
+
+Each run's requests are replayed exactly (pd_workload.scenario_requests: the client's scheduled
+send times, the prompt and output tokens the server reported) through the scenario's layout:
+disaggregated = 1 prefill + 1 decode replica, colocated = 2 workers (a core each). The simulated
+runs are summarised with the scenario's own definitions (load_tests/bench_scenario.py
+summarize_pd): chat requests' TTFT and TPOT percentiles with and without bursts, the long
+prompts' TTFT, goodput of the burst run at the scenario's SLO, and its ratios.
+
+`compare` puts each simulated figure beside the measured one with the relative error
+(sim / measured - 1); `TOLERANCE` is the issue's 15%.
+"""
+
+from __future__ import annotations
+
+from load_tests.pd_costs import CostFit
+from load_tests.pd_sim import simulate, summarize
+from load_tests.pd_workload import scenario_requests
+
+__all__ = ["METRICS", "TOLERANCE", "compare", "simulate_scenario"]
+
+TOLERANCE = 0.15
+CHAT_KINDS = {"chat", "random"}  # as bench_scenario: the burst run's short requests, the steady run's
+LAYOUT = {"disaggregated": (1, 1), "colocated": (0, 2)}  # (prefill, decode or worker) replicas
+
+# (label, key in summary["modes"][mode] or in summary, the statistic; None: a number)
+METRICS = [
+    ("chat TTFT p50 steady, ms", "chat_ttft_ms_steady", "p50"),
+    ("chat TTFT p95 steady, ms", "chat_ttft_ms_steady", "p95"),
+    ("chat TTFT p50 burst, ms", "chat_ttft_ms_burst", "p50"),
+    ("chat TTFT p95 burst, ms", "chat_ttft_ms_burst", "p95"),
+    ("chat TPOT p50 steady, ms", "chat_tpot_ms_steady", "p50"),
+    ("chat TPOT p99 steady, ms", "chat_tpot_ms_steady", "p99"),
+    ("chat TPOT p50 burst, ms", "chat_tpot_ms_burst", "p50"),
+    ("chat TPOT p99 burst, ms", "chat_tpot_ms_burst", "p99"),
+    ("long TTFT p50 burst, ms", "long_ttft_ms_burst", "p50"),
+    ("goodput burst, req/s", "goodput_burst", None),
+]
+RATIOS = ["tpot_p99_burst_ratio_disagg", "tpot_p99_burst_ratio_coloc", "goodput_ratio_disagg_vs_coloc"]
+
+
+def simulate_scenario(report: dict, fit: CostFit) -> dict:
+    """The scenario's summary (summarize_pd's keys) from its runs replayed through the simulator."""
+    slo = report["summary"]["slo"]
+    slos = {"scenario": (slo["ttft_ms"], slo["tpot_ms"])}
+    out: dict = {"slo": slo, "modes": {}}
+    for mode, (num_prefill, num_decode) in LAYOUT.items():
+        figures = {}
+        for run in ("steady", "burst"):
+            sim = simulate(scenario_requests(report, f"{mode}/{run}"), fit, mode, num_prefill=num_prefill, num_decode=num_decode)
+            chat = summarize(sim, slos, kinds=CHAT_KINDS)
+            figures[f"chat_ttft_ms_{run}"] = chat["ttft_ms"]
+            figures[f"chat_tpot_ms_{run}"] = chat["tpot_ms"]
+            everything = summarize(sim, slos)
+            figures[f"goodput_{run}"] = everything["goodput"]["scenario"]
+            figures[f"num_slo_met_{run}"] = round(everything["goodput"]["scenario"] * everything["span_s"])
+            figures[f"utilisation_{run}"] = everything["utilisation"]
+            if run == "burst":
+                figures["long_ttft_ms_burst"] = summarize(sim, slos, kinds={"long"})["ttft_ms"]
+                figures["num_requests_burst"] = everything["num_requests"]
+        out["modes"][mode] = figures
+    d, c = out["modes"]["disaggregated"], out["modes"]["colocated"]
+    out["tpot_p99_burst_ratio_disagg"] = _ratio(d["chat_tpot_ms_burst"]["p99"], d["chat_tpot_ms_steady"]["p99"])
+    out["tpot_p99_burst_ratio_coloc"] = _ratio(c["chat_tpot_ms_burst"]["p99"], c["chat_tpot_ms_steady"]["p99"])
+    out["goodput_ratio_disagg_vs_coloc"] = _ratio(d["goodput_burst"], c["goodput_burst"])
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def _get(summary: dict, mode: str | None, key: str, stat: str | None):
+    value = summary["modes"][mode][key] if mode else summary[key]
+    return value[stat] if stat else value
+
+
+def compare(measured: dict, simulated: dict, *, metrics: list = METRICS, ratios: list = RATIOS) -> list[dict]:
+    """[{metric, mode, measured, simulated, error, within}], error = simulated / measured - 1."""
+    rows = []
+    for mode in LAYOUT:
+        for label, key, stat in metrics:
+            rows.append(_row(label, mode, _get(measured, mode, key, stat), _get(simulated, mode, key, stat)))
+    for key in ratios:
+        rows.append(_row(key, None, measured.get(key), simulated.get(key)))
+    return rows
+
+
+def _row(label: str, mode: str | None, measured: float | None, simulated: float | None) -> dict:
+    error = None if measured in (None, 0) or simulated is None else simulated / measured - 1
+    return {"metric": label, "mode": mode, "measured": measured, "simulated": simulated, "error": error,
+            "within": None if error is None else abs(error) <= TOLERANCE}

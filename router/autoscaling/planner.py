@@ -1,0 +1,299 @@
+"""The planner: prefill and decode replica counts together, from the workload and each replica's
+capacity at the SLO (the approach of NVIDIA Dynamo's SLA planner).
+
+    every interval_s, per pool:  observed load ─▶ Holt forecast ─▶ load = max(observed, forecast)
+                                 reported capacity ─▶ learnt correction of the profile
+    prefill replicas = fewest c that keep P(TTFT > ttft_ms) <= 1 - attainment      (Erlang C)
+    decode replicas  = fewest c whose streams quantile fits c batches within tpot_ms   (Little)
+    then hysteresis per pool, then the prefill:decode ratio bound, then [min, max]
+
+Load. A pool's load is its request rate and tokens per request (prefill: prompt tokens; decode:
+tokens decoded per request), as its replicas report them (`PoolLoad`). Each series is forecast one
+interval ahead with Holt's linear trend (forecast.py), and the plan takes the larger of the value
+now and the forecast: on a line, the peak of the next interval is at one of its ends.
+
+Prefill at the TTFT target. A request waits for a replica, then takes s = prompt / tokens_per_s.
+With the router placing each prompt where it starts first, c replicas form one M/G/c queue;
+its waiting time is approximated by Erlang C with the Allen-Cunneen factor for the variability of
+s (time_cv):  P(wait > t) = C(c, a) * exp(-(c - a) / s * t * 2 / (1 + time_cv^2)),  a = rate * s.
+The plan is the fewest c with P(wait > ttft - s) <= 1 - attainment: pooling makes the throughput
+one replica can carry at the target grow with c, which a fixed "tokens/s per replica" misses.
+
+Decode at the TPOT target. TPOT at batch n is tpot_base_ms + n * tpot_ms_per_seq, so a replica
+keeps the target up to a batch of b_max = (tpot_ms - base) / per_seq. Concurrent streams are
+Poisson (M/G/inf) with mean m, and with the router's fewest-sequences placement c replicas each
+hold m / c, so by Little's law m = rate * tokens * TPOT(m / c). The plan is the fewest c whose
+attainment quantile of streams, m + z * sqrt(m), fits c * b_max; never fewer than the sequences
+running now need.
+
+Flow. Prefill is planned first, and decode plans for at least the rate prefill plans for (its
+arrivals and its queue's drain): every prefilled request decodes next, so a burst sizes decode as
+soon as prefill sees it, not a prefill time and a window later. This is what needs both pools'
+metrics in one call (router/autoscaling/plan_serve.py).
+
+Between plans the forecast and the learning stand still, but a pool whose need, with the load
+now, outgrows its count scales up at once (a burst's queue does not wait for the next plan).
+
+Learning. With profiles.learn, each plan folds what replicas report into a correction of the
+profile (an EWMA, weight learn_weight): prefill, the engine's measured prefill tokens/s over the
+profile's; decode, the tokens per second the profile predicts at each busy replica's mean batch
+over those it generated (a TPOT multiplier).
+
+Hysteresis. Up at once to the plan. Down only when the plan, and the arrivals grown by dead_band,
+fit fewer replicas continuously for downscale_delay_s; then to the highest need of the arrivals
+(grown by dead_band) over that time, or the plan now if higher. A backlog's drain raises the plan
+while it lasts but is not held.
+
+Ratio. After hysteresis, prefill / decode outside [min_prefill_per_decode, max_prefill_per_decode]
+raises the smaller side (never lowers the one the SLO needs); max_replicas wins over the ratio.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from statistics import NormalDist
+from typing import Any, NamedTuple
+
+from router.autoscaling.forecast import Holt
+from router.autoscaling.planner_policy import PlannerPolicy
+from router.autoscaling.policy import PoolPolicy
+
+__all__ = ["PoolLoad", "PoolPlanState", "PoolPlan", "Plan", "prefill_replicas", "decode_replicas",
+           "plan_pool", "plan", "Flow", "PLANNED_POOLS"]
+
+PLANNED_POOLS = ("prefill", "decode")
+_STATE_PREFIX = "kvrelay.plan."
+_EPS = 1e-9
+_CORRECTION_RANGE = (0.1, 10.0)
+# Below this mean batch the tokens/s of a replica says little of its step time: tokens/s is
+# concave in the batch, so a batch that moves between 0 and 2 makes fewer tokens than its mean
+# predicts (a TPOT that looks 20-50% slower than it is).
+_LEARN_MIN_BATCH = 2.0
+
+
+@dataclass(frozen=True)
+class PoolLoad:
+    """One pool's workload and capacity, as its replicas reported them over the window."""
+
+    requests_per_s: float
+    tokens_per_request: float  # prefill: prompt tokens; decode: tokens decoded per request
+    backlog: float = 0.0  # prefill: prompt tokens queued; decode: sequences running or waiting
+    measured_tokens_per_s: float | None = None  # prefill: the engines' measured prefill rate
+    # decode, per replica: (mean running + waiting sequences, tokens generated per second)
+    measured_decode: tuple[tuple[float, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class PoolPlanState:
+    """What the planner remembers of one pool between calls (Serve keeps it in policy_state)."""
+
+    planned_at: float | None = None
+    rate_level: float | None = None
+    rate_trend: float = 0.0
+    tokens_level: float | None = None
+    tokens_trend: float = 0.0
+    correction: float = 1.0  # prefill: capacity multiplier; decode: TPOT multiplier
+    below_since: float | None = None  # the lower plan has held since
+    peak_below: int | None = None  # the highest lower plan since below_since
+
+    def to_dict(self) -> dict[str, float | None]:
+        return {_STATE_PREFIX + k: v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PoolPlanState:
+        found = {f.name: data[_STATE_PREFIX + f.name] for f in fields(cls) if _STATE_PREFIX + f.name in data}
+        return cls(**found)
+
+
+class PoolPlan(NamedTuple):
+    num_replicas: int
+    state: PoolPlanState
+    reason: str
+    flow: Flow | None = None
+
+
+class Plan(NamedTuple):
+    num_replicas: dict[str, int]  # pool -> count
+    states: dict[str, PoolPlanState]
+    reason: str
+
+
+# ---- capacity at the targets -----------------------------------------------------------------
+def _erlang_c(c: int, a: float) -> float:
+    """Probability that an arrival waits in an M/M/c queue with offered load a (< c)."""
+    b = 1.0  # Erlang B by its recursion, stable for large c
+    for k in range(1, c + 1):
+        b = a * b / (k + a * b)
+    return c * b / (c - a * (1 - b))
+
+
+def prefill_replicas(policy: PlannerPolicy, rate: float, prompt_tokens: float, correction: float = 1.0,
+                     queued_tokens: float = 0.0, limit: int = 4096) -> int:
+    """Fewest prefill replicas keeping P(TTFT > target) <= 1 - attainment (module docstring), with
+    the queued tokens drained within one interval on top."""
+    if prompt_tokens <= 0:
+        return 0
+    rate += queued_tokens / (prompt_tokens * policy.interval_s)
+    if rate <= 0:
+        return 0
+    profile = policy.profiles.prefill
+    service_s = prompt_tokens / (profile.tokens_per_s * correction)
+    offered = rate * service_s
+    # A mean prompt that alone takes longer than the target misses it at any count: plan as if
+    # the budget for waiting were one service time (the pool stays stable and drains its queue).
+    budget_s = max(policy.targets.ttft_ms / 1000 - service_s, service_s)
+    shape = 2 / (1 + profile.time_cv**2)
+    miss = 1 - policy.targets.attainment
+    for c in range(max(1, math.floor(offered) + 1), limit + 1):
+        if _erlang_c(c, offered) * math.exp(-(c - offered) / service_s * budget_s * shape) <= miss + _EPS:
+            return c
+    return limit
+
+
+def decode_replicas(policy: PlannerPolicy, rate: float, decode_tokens: float, correction: float = 1.0,
+                    num_seqs: float = 0.0, limit: int = 4096) -> int:
+    """Fewest decode replicas whose batch, at the attainment quantile of concurrent streams, stays
+    within the TPOT target; and at least enough for the sequences running now (module docstring)."""
+    decode = policy.profiles.decode
+    base_s = decode.tpot_base_ms * correction / 1000
+    per_seq_s = decode.tpot_ms_per_seq * correction / 1000
+    max_batch = policy.max_batch(correction)
+    z = NormalDist().inv_cdf(policy.targets.attainment)
+    work = max(0.0, rate * decode_tokens)  # tokens/s to decode
+    for c in range(max(1, math.ceil(num_seqs / max_batch - _EPS)), limit + 1):
+        # Little's law at batch m / c: m = work * TPOT(m / c), solved for m.
+        stable = 1 - work * per_seq_s / c
+        if stable <= _EPS:
+            continue
+        mean = work * base_s / stable
+        if mean + z * math.sqrt(mean) <= c * max_batch + _EPS:
+            return c if work > 0 or num_seqs > 0 else 0
+    return limit
+
+
+def _replicas(policy: PlannerPolicy, pool: str, rate: float, tokens: float, correction: float, backlog: float) -> int:
+    if pool == "prefill":
+        return prefill_replicas(policy, rate, tokens, correction, backlog)
+    return decode_replicas(policy, rate, tokens, correction, backlog)
+
+
+def _learn(policy: PlannerPolicy, pool: str, load: PoolLoad, correction: float) -> float:
+    profiles = policy.profiles
+    sample = None
+    if pool == "prefill" and load.measured_tokens_per_s:
+        sample = load.measured_tokens_per_s / profiles.prefill.tokens_per_s
+    elif pool == "decode":
+        # Tokens/s the profile predicts at each busy replica's batch over the tokens/s it made:
+        # a TPOT multiplier (replicas idle or just started say nothing).
+        busy = [(batch, made) for batch, made in load.measured_decode if batch >= _LEARN_MIN_BATCH and made > 0]
+        if busy:
+            predicted = sum(1000 * batch / profiles.decode.tpot_ms(batch) for batch, _ in busy)
+            sample = predicted / sum(made for _, made in busy)
+    if not profiles.learn or sample is None:
+        return correction
+    learnt = (1 - profiles.learn_weight) * correction + profiles.learn_weight * sample
+    return min(max(learnt, _CORRECTION_RANGE[0]), _CORRECTION_RANGE[1])
+
+
+# ---- one pool ----------------------------------------------------------------------------------
+class Flow(NamedTuple):
+    """Requests/s a pool plans for, passed on to the next pool (every prefilled request decodes)."""
+
+    planned: float  # the forecast's: what to scale up to
+    held: float  # the observed and smoothed, without the trend: what a pool shrinks no lower than
+    drain: float = 0.0  # the backlog's, while it lasts
+
+
+def plan_pool(policy: PlannerPolicy, pool: str, bounds: PoolPolicy, load: PoolLoad, current: int,
+              state: PoolPlanState, now: float, upstream: Flow | None = None) -> PoolPlan:
+    """One pool's count now: a new plan every interval_s, else the current count. `upstream`
+    (decode) is the prefill pool's flow, which reaches decode next."""
+    assert pool in PLANNED_POOLS, pool
+    upstream = upstream or Flow(0.0, 0.0)
+    alpha, beta = policy.forecast.alpha, policy.forecast.beta
+    rate = Holt(state.rate_level, state.rate_trend)
+    tokens = Holt(state.tokens_level, state.tokens_trend)
+    between = state.planned_at is not None and now - state.planned_at < policy.interval_s - _EPS
+    if between:
+        # Between plans the forecast and the learning stand still, but a pool whose load (a
+        # burst's queue, the prefill pool's flow) outgrows it scales up now, not at the next plan.
+        planned_rate = max(load.requests_per_s, rate.forecast(), upstream.planned)
+        planned_tokens = max(load.tokens_per_request, tokens.forecast())
+        need = _replicas(policy, pool, planned_rate + upstream.drain, planned_tokens, state.correction, load.backlog)
+        need = min(max(need, bounds.min_replicas), bounds.max_replicas)
+        drain = load.backlog / (planned_tokens * policy.interval_s) if pool == "prefill" and planned_tokens > 0 else 0.0
+        flow = Flow(planned_rate, max(load.requests_per_s, rate.level or 0.0, upstream.held), drain)
+        if need > current:
+            why = f"{planned_rate + upstream.drain:.3g} req/s x {planned_tokens:.4g} tok, backlog {load.backlog:.4g}"
+            return PoolPlan(need, replace(state, below_since=None, peak_below=None), f"up: {current} -> {need} ({why})", flow)
+        return PoolPlan(current, state, f"hold: next plan in {policy.interval_s - (now - state.planned_at):.1f}s", flow)
+    rate = rate.update(load.requests_per_s, alpha, beta)
+    tokens = tokens.update(load.tokens_per_request, alpha, beta)
+    correction = _learn(policy, pool, load, state.correction)
+    held_rate = max(load.requests_per_s, rate.level, upstream.held)
+    planned_rate = max(held_rate, rate.forecast(), upstream.planned)
+    planned_tokens = max(load.tokens_per_request, tokens.forecast())
+    held_tokens = max(load.tokens_per_request, tokens.level)
+    need = _replicas(policy, pool, planned_rate + upstream.drain, planned_tokens, correction, load.backlog)
+    # What the arrivals need without the trend, grown by the dead band: the level a pool shrinks
+    # to. A backlog's drain and a trend's overshoot last a few intervals; they are not held.
+    steady = _replicas(policy, pool, held_rate * (1 + policy.dead_band), held_tokens, correction, 0.0)
+    drain = load.backlog / (planned_tokens * policy.interval_s) if pool == "prefill" and planned_tokens > 0 else 0.0
+    flow = Flow(planned_rate, held_rate, drain)
+    lo, hi = bounds.min_replicas, bounds.max_replicas
+    need, steady = min(max(need, lo), hi), min(max(steady, lo), hi)
+    state = replace(state, planned_at=now, rate_level=rate.level, rate_trend=rate.trend,
+                    tokens_level=tokens.level, tokens_trend=tokens.trend, correction=correction)
+    why = f"{planned_rate + upstream.drain:.3g} req/s x {planned_tokens:.4g} tok, capacity x{correction:.3g}"
+    reset = replace(state, below_since=None, peak_below=None)
+    if not lo <= current <= hi:
+        target = max(need, min(max(current, lo), hi))
+        return PoolPlan(target, reset, f"clamp: {current} -> {target} ({why})", flow)
+    if need > current:
+        return PoolPlan(need, reset, f"up: {current} -> {need} ({why})", flow)
+    if max(steady, need) < current:
+        since = state.below_since if state.below_since is not None else now
+        peak = max(steady, state.peak_below or 0)
+        if now - since >= policy.downscale_delay_s - _EPS:
+            peak = max(peak, need)
+            return PoolPlan(peak, reset, f"down: {current} -> {peak} ({why})", flow)
+        return PoolPlan(current, replace(state, below_since=since, peak_below=peak),
+                        f"hold: {max(peak, need)} < {current} for {now - since:.0f}s of downscale_delay_s "
+                        f"{policy.downscale_delay_s:g} ({why})", flow)
+    return PoolPlan(current, reset, f"hold: {current} ({why})", flow)
+
+
+# ---- both pools --------------------------------------------------------------------------------
+def plan(policy: PlannerPolicy, bounds: Mapping[str, PoolPolicy], loads: Mapping[str, PoolLoad | None],
+         currents: Mapping[str, int], states: Mapping[str, PoolPlanState], now: float) -> Plan:
+    """Both pools' counts now, from both pools' loads (None: that pool has no usable data)."""
+    missing = [pool for pool in PLANNED_POOLS if loads.get(pool) is None]
+    if missing:
+        return Plan(dict(currents), dict(states), f"hold: no usable data from the {' and '.join(missing)} pool")
+    # Prefill first: every request it plans for reaches decode next, and it sees them first (a
+    # burst shows in its arrivals, then its queue, one prefill time before decode's).
+    plans = {"prefill": plan_pool(policy, "prefill", bounds["prefill"], loads["prefill"], currents["prefill"],
+                                  states["prefill"], now)}
+    plans["decode"] = plan_pool(policy, "decode", bounds["decode"], loads["decode"], currents["decode"],
+                                states["decode"], now, upstream=plans["prefill"].flow)
+    counts = {pool: p.num_replicas for pool, p in plans.items()}
+    reasons = [f"{pool} {p.reason}" for pool, p in plans.items()]
+    ratio = policy.ratio
+    if counts["prefill"] < ratio.min_prefill_per_decode * counts["decode"] - _EPS:
+        raised = min(bounds["prefill"].max_replicas, math.ceil(ratio.min_prefill_per_decode * counts["decode"] - _EPS))
+        reasons.append(f"ratio: prefill {counts['prefill']} -> {raised} (min_prefill_per_decode "
+                       f"{ratio.min_prefill_per_decode:g})")
+        counts["prefill"] = raised
+    elif counts["prefill"] > ratio.max_prefill_per_decode * counts["decode"] + _EPS:
+        raised = min(bounds["decode"].max_replicas, math.ceil(counts["prefill"] / ratio.max_prefill_per_decode - _EPS))
+        reasons.append(f"ratio: decode {counts['decode']} -> {raised} (max_prefill_per_decode "
+                       f"{ratio.max_prefill_per_decode:g})")
+        counts["decode"] = raised
+    states_out = {}
+    for pool, p in plans.items():
+        # A pool the ratio raised above its own plan is not waiting to shrink.
+        raised = counts[pool] > p.num_replicas
+        states_out[pool] = replace(p.state, below_since=None, peak_below=None) if raised else p.state
+    return Plan(counts, states_out, "; ".join(reasons))

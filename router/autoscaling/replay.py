@@ -1,0 +1,261 @@
+"""`kvrelay policy simulate FILE --workload ...`: replay a whole workload through three autoscaling
+policies and score each on SLO attainment and replica-seconds.
+
+    requests (workload.py) ─▶ prefill pool ─▶ decode pool        (pool_model.py)
+                                    ▲              ▲
+               every tick_s: policy(observed signals, counts, now) ─▶ counts per pool
+
+The three policies, every one within the file's [min_replicas, max_replicas] per pool:
+
+    reactive    router.autoscaling.decide.decide per pool, with the file's prefill / decode sections
+    planner     router.autoscaling.planner.plan, with the file's planner section
+    ray-default Ray Serve 2.60's default policy per pool: desired = total ongoing requests (the
+                window's mean, summed over replicas) / target_ongoing_requests (2), applied after
+                upscale_delay_s 30 / downscale_delay_s 600 of the same wish
+                (ray/serve/autoscaling_policy.py: replica_queue_length_autoscaling_policy,
+                _apply_scaling_factors, _apply_delay_logic; the defaults of AutoscalingConfig)
+
+A request meets the SLO when its TTFT <= planner.targets.ttft_ms and its TPOT <= tpot_ms. The
+score counts every request that arrives before the trace ends, run to completion; replica-seconds
+count both pools from 0 to the trace's end. Every policy sees the same requests (one seed).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from router.autoscaling.decide import Observation, ScaleState, decide
+from router.autoscaling.plan_serve import pool_load
+from router.autoscaling.planner import PLANNED_POOLS, PoolPlanState, plan
+from router.autoscaling.policy import AutoscalingPolicyConfig
+from router.autoscaling.pool_model import CALIBRATION, Capacity, DecodeReplica, Pool, PrefillReplica, percentile
+from router.autoscaling.workload import WorkloadTrace, generate_requests
+
+__all__ = ["POLICIES", "RAY_DEFAULTS", "PolicyResult", "replay", "compare", "format_table"]
+
+POLICIES = ("reactive", "planner", "ray-default")
+# ray.serve.config.AutoscalingConfig's defaults in Ray 2.60 (a test checks them against Ray's).
+RAY_DEFAULTS = {"target_ongoing_requests": 2.0, "upscale_delay_s": 30.0, "downscale_delay_s": 600.0,
+                "look_back_period_s": 30.0}
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    num_requests: int = 0
+    num_met: int = 0
+    num_ttft_met: int = 0
+    num_tpot_met: int = 0
+    replica_seconds: dict[str, float] = field(default_factory=dict)
+    max_replicas: dict[str, int] = field(default_factory=dict)
+    ttft_p95_ms: float = 0.0
+    tpot_p95_ms: float = 0.0
+    num_scale_events: int = 0
+
+    @property
+    def attainment(self) -> float:
+        return self.num_met / self.num_requests if self.num_requests else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy, "slo_attainment": round(self.attainment, 4), "num_requests": self.num_requests,
+            "num_met": self.num_met, "num_ttft_met": self.num_ttft_met, "num_tpot_met": self.num_tpot_met,
+            "replica_seconds": round(sum(self.replica_seconds.values()), 1),
+            "replica_seconds_by_pool": {k: round(v, 1) for k, v in self.replica_seconds.items()},
+            "max_replicas": self.max_replicas, "ttft_p95_ms": round(self.ttft_p95_ms, 1),
+            "tpot_p95_ms": round(self.tpot_p95_ms, 1), "num_scale_events": self.num_scale_events,
+        }
+
+
+# ---- the policies ------------------------------------------------------------------------------
+class _Reactive:
+    def __init__(self, config: AutoscalingPolicyConfig):
+        self.config = config
+        self.states = {pool: ScaleState() for pool in PLANNED_POOLS}
+
+    def decide(self, pools: dict[str, Pool], now: float) -> dict[str, int]:
+        counts = {}
+        for name, pool in pools.items():
+            observation = Observation(pool.target, pool.observed(now))
+            counts[name], self.states[name], _ = decide(self.config.pool(name), observation, self.states[name], now)
+        return counts
+
+
+class _Planner:
+    def __init__(self, config: AutoscalingPolicyConfig):
+        assert config.planner is not None
+        self.config = config
+        self.states = {pool: PoolPlanState() for pool in PLANNED_POOLS}
+
+    def decide(self, pools: dict[str, Pool], now: float) -> dict[str, int]:
+        loads = {name: pool_load(name, pool.observed(now)) for name, pool in pools.items()}
+        bounds = {name: self.config.pool(name) for name in PLANNED_POOLS}
+        currents = {name: pool.target for name, pool in pools.items()}
+        counts, self.states, _ = plan(self.config.planner, bounds, loads, currents, self.states, now)
+        return counts
+
+
+class _RayDefault:
+    def __init__(self, config: AutoscalingPolicyConfig):
+        self.config = config
+        self.wish: dict[str, tuple[int, float | None]] = {pool: (0, None) for pool in PLANNED_POOLS}
+
+    def decide(self, pools: dict[str, Pool], now: float) -> dict[str, int]:
+        counts = {}
+        for name, pool in pools.items():
+            running = pool.running(now)
+            target = pool.target
+            # Ongoing requests per replica, the mean of its samples in the look-back window.
+            total = sum(_mean_ongoing(r, now) for r in running)
+            desired = total / RAY_DEFAULTS["target_ongoing_requests"] if running else target
+            scaled = math.ceil(desired) if running else target  # scaling factors 1.0
+            if running and math.ceil(desired) < len(running) and scaled == len(running):
+                scaled -= 1
+            counts[name] = self._delay(name, scaled, target, now)
+            bounds = self.config.pool(name)
+            counts[name] = min(max(counts[name], bounds.min_replicas), bounds.max_replicas)
+        return counts
+
+    def _delay(self, pool: str, desired: int, target: int, now: float) -> int:
+        direction, since = self.wish[pool]
+        want = (desired > target) - (desired < target)
+        if want == 0:
+            self.wish[pool] = (0, None)
+            return target
+        if want != direction:
+            since = now
+        delay = RAY_DEFAULTS["upscale_delay_s"] if want > 0 else RAY_DEFAULTS["downscale_delay_s"]
+        if now - since + 1e-6 >= delay:
+            self.wish[pool] = (0, None)
+            return max(1, desired)
+        self.wish[pool] = (want, since)
+        return target
+
+
+def _mean_ongoing(replica, now: float) -> float:
+    # The pool model's num_seqs is each replica's ongoing requests (prefill: queued or running
+    # prompts; decode: running sequences), the figure Serve's default policy counts.
+    return replica.observed(now).num_seqs or 0.0
+
+
+# ---- the replay --------------------------------------------------------------------------------
+def replay(config: AutoscalingPolicyConfig, trace: WorkloadTrace, policy: str, *, capacity: Capacity | None = None,
+           seed: int = 0, tick_s: float = 1.0) -> PolicyResult:
+    """One policy over one trace (module docstring)."""
+    assert config.planner is not None and policy in POLICIES, policy
+    capacity = capacity or Capacity()
+    controller = {"reactive": _Reactive, "planner": _Planner, "ray-default": _RayDefault}[policy](config)
+    pools = {name: Pool(name, capacity, config.pool(name).min_replicas) for name in PLANNED_POOLS}
+    # Serve's look-back for the default policy; the file's windows for ours.
+    window = {name: RAY_DEFAULTS["look_back_period_s"] if policy == "ray-default" else config.pool(name).window_s
+              for name in PLANNED_POOLS}
+    interval = {name: config.pool(name).metrics_interval_s for name in PLANNED_POOLS}
+    targets = config.planner.targets
+    requests = generate_requests(trace, seed)
+    result = PolicyResult(policy, num_requests=len(requests))
+    ttfts: list[float] = []
+    tpots: list[float] = []
+    to_decode: list[tuple[float, int]] = []  # heap of (first token at, request index)
+    unfinished = len(requests)
+
+    def finished(rid: int, joined: float, at: float) -> None:
+        nonlocal unfinished
+        tpot_ms = 1000 * (at - joined) / (requests[rid].output_tokens - 1)
+        tpots.append(tpot_ms)
+        ttft_ok = ttfts_by_id[rid] <= targets.ttft_ms
+        tpot_ok = tpot_ms <= targets.tpot_ms
+        result.num_tpot_met += tpot_ok
+        result.num_met += ttft_ok and tpot_ok
+        unfinished -= 1
+
+    ttfts_by_id: dict[int, float] = {}
+    next_request, t, next_sample = 0, 0.0, dict.fromkeys(PLANNED_POOLS, 0.0)
+    result.max_replicas = {name: pool.target for name, pool in pools.items()}
+    while unfinished > 0:
+        end = t + tick_s
+        prefill, decode = pools["prefill"], pools["decode"]
+        while next_request < len(requests) and requests[next_request].arrival_s < end:
+            request = requests[next_request]
+            replica = min(prefill.accepting(request.arrival_s), key=lambda r: r.free_at)
+            assert isinstance(replica, PrefillReplica)
+            first_token = replica.take(request.arrival_s, request.prompt_tokens)
+            ttfts_by_id[next_request] = 1000 * (first_token - request.arrival_s)
+            ttfts.append(ttfts_by_id[next_request])
+            result.num_ttft_met += ttfts_by_id[next_request] <= targets.ttft_ms
+            heapq.heappush(to_decode, (first_token, next_request))
+            next_request += 1
+        while to_decode and to_decode[0][0] < end:
+            at, rid = heapq.heappop(to_decode)
+            replica = min(decode.accepting(at), key=lambda r: len(r.active))
+            assert isinstance(replica, DecodeReplica)
+            replica.join(rid, at, requests[rid].output_tokens - 1, finished)
+        for r in decode.replicas:
+            r.advance(end, finished)
+        prefill.settle(end)
+        t = end
+        for name, pool in pools.items():
+            while next_sample[name] <= t:
+                pool.sample(t, window[name])
+                next_sample[name] += interval[name]
+        counts = controller.decide(pools, t)
+        for name, pool in pools.items():
+            if counts[name] != pool.target:
+                result.num_scale_events += 1
+                pool.scale_to(counts[name], t)
+                result.max_replicas[name] = max(result.max_replicas[name], pool.target)
+    result.replica_seconds = {name: pool.replica_seconds(trace.end_s) for name, pool in pools.items()}
+    result.ttft_p95_ms, result.tpot_p95_ms = percentile(ttfts, 95), percentile(tpots, 95)
+    return result
+
+
+# ---- every policy over every trace -------------------------------------------------------------
+def compare(config: AutoscalingPolicyConfig, traces: list[WorkloadTrace], *, capacity: Capacity | None = None,
+            seed: int = 0) -> dict[str, Any]:
+    """Every policy over every trace: the results and, per trace, whether the planner met the
+    target (SLO attainment >= each other policy's, replica-seconds <= each other's)."""
+    capacity = capacity or Capacity()
+    runs = []
+    verdicts = {}
+    for trace in traces:
+        results = {policy: replay(config, trace, policy, capacity=capacity, seed=seed) for policy in POLICIES}
+        planner = results["planner"]
+        others = [r for name, r in results.items() if name != "planner"]
+        total = sum(planner.replica_seconds.values())
+        verdicts[trace.name] = {
+            "attainment_at_least_others": all(planner.attainment >= o.attainment for o in others),
+            "replica_seconds_at_most_others": all(total <= sum(o.replica_seconds.values()) for o in others),
+        }
+        verdicts[trace.name]["met"] = all(verdicts[trace.name].values())
+        runs += [{"trace": trace.name, **r.to_dict()} for r in results.values()]
+    return {
+        "summary": {"planner_met_target_in": [t for t, v in verdicts.items() if v["met"]],
+                    "planner_missed_target_in": [t for t, v in verdicts.items() if not v["met"]],
+                    "by_trace": verdicts},
+        "results": runs,
+        "capacity": {**asdict(capacity), "calibration": CALIBRATION},
+        "slo": {"ttft_ms": config.planner.targets.ttft_ms, "tpot_ms": config.planner.targets.tpot_ms},  # type: ignore[union-attr]
+        "seed": seed,
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [f"SLO: TTFT <= {report['slo']['ttft_ms']:g} ms and TPOT <= {report['slo']['tpot_ms']:g} ms; "
+             f"cold start {report['capacity']['cold_start_s']:g} s",
+             f"{'trace':<10} {'policy':<12} {'SLO met':>8} {'requests':>9} {'replica-s':>10} {'prefill':>8} "
+             f"{'decode':>8} {'TTFT p95':>9} {'TPOT p95':>9} {'max P/D':>8}"]
+    for r in report["results"]:
+        by_pool = r["replica_seconds_by_pool"]
+        lines.append(
+            f"{r['trace']:<10} {r['policy']:<12} {r['slo_attainment']:>8.4f} {r['num_requests']:>9} "
+            f"{r['replica_seconds']:>10.0f} {by_pool['prefill']:>8.0f} {by_pool['decode']:>8.0f} "
+            f"{r['ttft_p95_ms']:>7.0f}ms {r['tpot_p95_ms']:>7.0f}ms "
+            f"{r['max_replicas']['prefill']:>4}/{r['max_replicas']['decode']}"
+        )
+    summary = report["summary"]
+    lines.append(f"planner met the target (SLO met >= the others', replica-s <= the others') in: "
+                 f"{', '.join(summary['planner_met_target_in']) or 'none'}; missed in: "
+                 f"{', '.join(summary['planner_missed_target_in']) or 'none'}")
+    return "\n".join(lines)

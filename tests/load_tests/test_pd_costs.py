@@ -1,0 +1,145 @@
+"""The simulator's cost models: the least-squares fit on synthetic steps, the published GPU fit
+against the formulas it comes from, the JSON round trip, the probe's step shapes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from load_tests.pd_costs import (
+    DISTSERVE_OPT13B_A100,
+    CostFit,
+    CostLine,
+    HandoffCost,
+    LayoutOverhead,
+    ServeOverhead,
+    StepCost,
+    StepPoint,
+    StepShape,
+    chunk_pairs,
+    fit_step_cost,
+    gpu_fit,
+)
+from load_tests.pd_probe import handoff_of, step_shape
+from load_tests.pd_served_probe import cpu_delta, fit_overhead, request_overhead_s, serving_cpu
+
+SHAPES = [StepShape(t, r, p, c) for t, r, p, c in [
+    (1, 1, 0, 100), (4, 4, 0, 800), (16, 16, 0, 4000), (64, 1, 2080, 0), (256, 1, 32896, 0), (256, 0, 98432, 0),
+    (260, 4, 32896, 600), (512, 2, 65792, 0), (2, 2, 0, 4100), (300, 3, 40000, 300),
+]]
+
+
+def test_chunk_pairs_count_each_new_token_reading_the_cached_ones_and_those_before_it():
+    assert chunk_pairs(1, 0) == 1
+    assert chunk_pairs(3, 0) == 6  # 1 + 2 + 3
+    assert chunk_pairs(2, 10) == 23  # 11 + 12
+
+
+def test_the_fit_recovers_the_coefficients_of_synthetic_steps():
+    truth = StepCost((CostLine(0.012, 0.0011, 0.0002),), pair_s=1e-6, context_s=5e-6)
+    points = [StepPoint(shape, truth.shape_s(shape)) for shape in SHAPES]
+    fitted, quality = fit_step_cost(points)
+    (line,) = fitted.lines
+    assert line.base_s == pytest.approx(0.012, rel=1e-9)
+    assert line.token_s == pytest.approx(0.0011, rel=1e-9)
+    assert line.row_s == pytest.approx(0.0002, rel=1e-9)
+    assert fitted.pair_s == pytest.approx(1e-6, rel=1e-9)
+    assert fitted.context_s == pytest.approx(5e-6, rel=1e-9)
+    assert quality["num_points"] == 10 and quality["max_rel_error"] < 1e-9
+
+
+def test_the_fit_keeps_every_coefficient_non_negative():
+    # times that a free fit would explain with a negative row cost
+    truth = StepCost((CostLine(0.01, 0.001, 0.0),), context_s=1e-5)
+    points = [StepPoint(shape, truth.shape_s(shape) - 0.0004 * shape.num_rows) for shape in SHAPES]
+    fitted, _ = fit_step_cost(points)
+    (line,) = fitted.lines
+    assert min(line.base_s, line.token_s, line.row_s, fitted.pair_s, fitted.context_s) >= 0.0
+    with pytest.raises(ValueError, match="at least 5 steps"):
+        fit_step_cost(points[:4])
+
+
+def test_the_gpu_fit_reproduces_distserves_published_formulas():
+    fit = gpu_fit()
+    a, b, c = DISTSERVE_OPT13B_A100["prefill"]
+    for tokens in (128, 512, 1536):  # a whole prompt alone: DistServe's prefill fit, in ms
+        assert fit.step.prefill_s(tokens) * 1e3 == pytest.approx(a + b * tokens + c * tokens**2, rel=1e-12)
+    a, ctx, per_row = DISTSERVE_OPT13B_A100["decoding_smallbs"]
+    assert fit.step.decode_s(8, 500) * 1e3 == pytest.approx(a + ctx * 8 * 500 + per_row * 8, rel=1e-12)
+    a_large, _, per_row_large = DISTSERVE_OPT13B_A100["decoding_largebs"]
+    # a large batch: the large-batch line's per-row cost, the small-batch fit's context cost
+    assert fit.step.decode_s(256, 500) * 1e3 == pytest.approx(a_large + per_row_large * 256 + ctx * 256 * 500, rel=1e-12)
+    # Vidur: 2 KiB in 0.024 ms, 64 MiB in 8.586 ms between A100 nodes
+    assert fit.handoff.seconds(0) == pytest.approx(0.024e-3)
+    assert fit.handoff.bytes_per_token == 819_200
+    assert fit.handoff.seconds(1000) == pytest.approx(0.024e-3 + 819_200_000 * 8.562e-3 / (67108864 - 2048), rel=1e-12)
+    assert fit.overhead == ServeOverhead()
+
+
+def test_a_fit_survives_its_json():
+    fit = CostFit("cpu", StepCost((CostLine(0.01, 0.001, 0.0001), CostLine(0.02)), 1e-6, 2e-6),
+                  HandoffCost(0.001, 23040, 3e9),
+                  ServeOverhead(LayoutOverhead(0.04, 0.0, 0.0006, 0.02, 0.003, 0.1), LayoutOverhead(0.05, 0.001)),
+                  kv_capacity_tokens=1000, source="here", assumptions=("one",), info={"x": 1})
+    assert CostFit.from_json(fit.to_json()) == fit
+
+
+def _seq(computed: int, prompt: int):
+    return SimpleNamespace(num_computed_tokens=computed, num_prompt_tokens=prompt)
+
+
+def test_the_probe_reads_a_steps_shape_from_the_scheduler_output():
+    scheduled = [(_seq(10, 5), 1), (_seq(40, 20), 1), (_seq(0, 300), 256), (_seq(0, 50), 50)]
+    # two decoding rows (reading 11 and 41 tokens), a long prompt's first chunk (no sample), a whole prompt
+    assert step_shape(scheduled) == StepShape(1 + 1 + 256 + 50, 3, chunk_pairs(256, 0) + chunk_pairs(50, 0), 11 + 41)
+    assert step_shape([(_seq(256, 300), 44)]) == StepShape(44, 1, chunk_pairs(44, 256), 0)
+
+
+def test_the_hand_off_comes_from_a_serve_overhead_report():
+    report = {"config": {"params": {"kv_tokens": 1024}},
+              "summary": {"kv_transfer_ms_p50": 8.0, "kv_transfer_bytes": 1024 * 23040}}
+    handoff, info = handoff_of(report)
+    assert handoff == HandoffCost(0.0, 23040, 1024 * 23040 / 0.008)
+    assert handoff.seconds(512) == pytest.approx(0.004)
+    assert info["kv_tokens"] == 1024
+
+
+def _round(streams: int, output_tokens: int, tpot_s: float, *, wall_s: float = 1.0, serving_cpu_s: float = 0.0,
+           ttft_s: float = 0.1, prompt: int = 100) -> dict:
+    return {"streams": streams, "output_tokens": output_tokens, "wall_s": wall_s, "serving_cpu_s": serving_cpu_s,
+            "tpot_s": [tpot_s] * streams, "ttft_s": [ttft_s] * streams, "prompt_tokens": [prompt] * streams}
+
+
+def test_the_served_step_overhead_is_fitted_over_the_streams():
+    # the engine alone: 10 ms + 1 ms a row; served: 2 ms a step more and 1 ms a row more
+    layout = {"rounds": [_round(k, 64, 0.012 + 0.002 * k) for k in (1, 2, 4, 8)] + [_round(4, 8, 1.0)]}
+    step_s, row_s, points = fit_overhead(layout, lambda k, context: 0.010 + 0.001 * k)
+    assert step_s == pytest.approx(0.002) and row_s == pytest.approx(0.001)
+    assert [p["streams"] for p in points] == [1, 2, 4, 8]  # the 8-token rounds are for the CPU fit
+    # a served path faster than the engine alone adds nothing
+    assert fit_overhead({"rounds": [_round(1, 64, 0.009)]}, lambda k, c: 0.010)[:2] == (0.0, 0.0)
+
+
+def test_the_request_overhead_is_the_one_stream_ttft_beyond_the_prefill():
+    layout = {"rounds": [_round(1, 64, 0.01, ttft_s=0.35, prompt=200), _round(1, 64, 0.01, ttft_s=0.33, prompt=200),
+                         _round(4, 64, 0.01, ttft_s=9.0)]}
+    assert request_overhead_s(layout, lambda tokens: tokens * 0.0015) == pytest.approx(0.04)
+
+
+def test_the_serving_cpu_is_split_into_per_second_per_request_and_per_token():
+    # 0.1 CPU-s a second, 20 ms a request, 2 ms a token
+    def cpu(wall: float, k: int, tokens: int) -> float:
+        return 0.1 * wall + 0.02 * k + 0.002 * k * tokens
+
+    rounds = [_round(k, o, 0.01, wall_s=w, serving_cpu_s=cpu(w, k, o)) for k, o, w in
+              [(1, 64, 1.0), (4, 64, 1.6), (8, 64, 2.5), (4, 8, 0.5), (8, 8, 0.6)]]
+    layout = {"idle": {"wall_s": 4.0, "serving_cpu_s": 0.4}, "rounds": rounds}
+    per_request, per_token, per_second = serving_cpu(layout)
+    assert (per_request, per_token, per_second) == (pytest.approx(0.02), pytest.approx(0.002), pytest.approx(0.1))
+
+
+def test_cpu_deltas_are_taken_per_process():
+    before = {1: ("Worker", 10.0), 2: ("OpenAIIngress", 1.0), 3: ("ProxyActor", 2.0)}
+    after = {1: ("Worker", 13.0), 2: ("OpenAIIngress", 1.5), 3: ("ProxyActor", 2.25), 4: ("client", 0.25)}
+    assert cpu_delta(before, after) == {"Worker": 3.0, "OpenAIIngress": 0.5, "ProxyActor": 0.25, "client": 0.25}

@@ -1,0 +1,144 @@
+"""The prefill/decode simulator on tiny deterministic workloads: exact times from a cost fit whose
+coefficients are powers of two (every sum below is exact in floating point)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from load_tests.pd_costs import CostFit, CostLine, HandoffCost, LayoutOverhead, ServeOverhead, StepCost, chunk_pairs
+from load_tests.pd_sim import SimRequest, simulate, summarize
+
+BASE, TOKEN, ROW, PAIR, CONTEXT = 2**-6, 2**-10, 2**-9, 2**-20, 2**-16
+STEP = StepCost((CostLine(BASE, TOKEN, ROW),), pair_s=PAIR, context_s=CONTEXT)
+HANDOFF = HandoffCost(2**-7, 4, 2**12)  # 1/128 s + 1 ms per 1024 bytes, 4 bytes a token
+
+
+def make_fit(**changes) -> CostFit:
+    return CostFit(**{"name": "test", "step": STEP, "handoff": HANDOFF, **changes})
+
+
+def prefill_s(tokens: int, computed: int = 0, *, rows: int = 1) -> float:
+    return BASE + TOKEN * tokens + ROW * rows + PAIR * chunk_pairs(tokens, computed)
+
+
+def decode_s(context: int) -> float:
+    return BASE + TOKEN + ROW + CONTEXT * context
+
+
+def test_one_request_colocated_ttft_is_its_prefill_step_and_tpot_its_decode_steps():
+    run = simulate([SimRequest(0, 0.0, 64, 3)], make_fit(), "colocated", num_decode=1)
+    (result,) = run.results
+    assert result.ttft_s == prefill_s(64)
+    # the two decode steps read 65 then 66 tokens
+    assert result.last_token_s == prefill_s(64) + decode_s(65) + decode_s(66)
+    assert result.tpot_s == (decode_s(65) + decode_s(66)) / 2
+    assert run.num_steps == 3 and run.busy_s == [result.last_token_s]
+
+
+def test_a_prompt_chunk_slows_the_decode_step_it_shares_by_exactly_its_cost():
+    # A decodes; B (300 tokens: long, 256 a step) arrives during A's first decode step
+    a_first = prefill_s(16)
+    b_arrival = a_first + 0.001
+    run = simulate([SimRequest(0, 0.0, 16, 4), SimRequest(1, b_arrival, 300, 2)], make_fit(), "colocated", num_decode=1)
+    a, b = run.results
+    t2 = a_first + decode_s(17)  # A's second token, alone
+    # A's third token comes from a step shared with B's first 256 tokens (which samples nothing)
+    shared = BASE + TOKEN * (1 + 256) + ROW * 1 + PAIR * chunk_pairs(256, 0) + CONTEXT * 18
+    assert shared - decode_s(18) == TOKEN * 256 + PAIR * chunk_pairs(256, 0)
+    # then A's last token beside B's remaining 44 tokens, which end B's prompt: 2 rows sample
+    last = BASE + TOKEN * (1 + 44) + ROW * 2 + PAIR * chunk_pairs(44, 256) + CONTEXT * 19
+    assert a.ttft_s == a_first
+    assert a.last_token_s == t2 + shared + last
+    assert b.first_token_s == t2 + shared + last
+    assert b.ttft_s == t2 + shared + last - b_arrival
+
+
+def test_disaggregated_the_first_token_comes_from_the_prefill_and_the_rest_after_the_hand_off():
+    run = simulate([SimRequest(0, 0.0, 64, 3)], make_fit(), "disaggregated", num_prefill=1, num_decode=1)
+    (result,) = run.results
+    assert (result.prefill_replica, result.decode_replica) == (0, 1)
+    assert result.ttft_s == prefill_s(64)
+    handoff = 2**-7 + 64 * 4 / 2**12
+    assert HANDOFF.seconds(64) == handoff
+    assert result.last_token_s == prefill_s(64) + handoff + decode_s(65) + decode_s(66)
+    assert run.busy_s == [prefill_s(64), decode_s(65) + decode_s(66)]
+
+
+def test_the_same_two_requests_interfere_colocated_and_not_disaggregated():
+    requests = [SimRequest(0, 0.0, 16, 4), SimRequest(1, prefill_s(16) + 0.001, 300, 2)]
+    colocated = simulate(requests, make_fit(), "colocated", num_decode=1).results[0]
+    disaggregated = simulate(requests, make_fit(), "disaggregated", num_prefill=1, num_decode=1).results[0]
+    # disaggregated, A decodes alone on its decode replica: 17, 18, 19 tokens of context
+    assert disaggregated.last_token_s - disaggregated.first_token_s == HANDOFF.seconds(16) + decode_s(17) + decode_s(18) + decode_s(19)
+    assert colocated.tpot_s > disaggregated.tpot_s
+
+
+def test_a_waiting_long_prompt_is_passed_over_for_a_short_one():
+    requests = [SimRequest(0, 0.0, 600, 1), SimRequest(1, 0.0, 600, 1), SimRequest(2, 0.0, 16, 1)]
+    run = simulate(requests, make_fit(), "colocated", num_decode=1)
+    long1, long2, short = run.results
+    # step 1: 256 of the first long prompt and the whole short one (the second long one waits)
+    step1 = BASE + TOKEN * (256 + 16) + ROW * 1 + PAIR * (chunk_pairs(256, 0) + chunk_pairs(16, 0))
+    assert short.ttft_s == step1
+    assert long2.first_token_s > long1.first_token_s > short.first_token_s
+
+
+def test_a_request_waits_for_kv_until_the_one_before_it_finishes():
+    fit = make_fit(kv_capacity_tokens=100)  # one request of 40 + 20 at a time
+    run = simulate([SimRequest(0, 0.0, 40, 20), SimRequest(1, 0.0, 40, 20)], fit, "colocated", num_decode=1)
+    first, second = run.results
+    assert second.first_token_s == first.last_token_s + prefill_s(40)
+
+
+def test_the_served_path_overheads_are_added_per_request_per_step_and_per_row():
+    fit = make_fit(overhead=ServeOverhead(colocated=LayoutOverhead(request_s=2**-5, step_s=2**-8, row_s=2**-10)))
+    (result,) = simulate([SimRequest(0, 0.0, 64, 2)], fit, "colocated", num_decode=1).results
+    assert result.ttft_s == 2**-5 + prefill_s(64) + 2**-8 + 2**-10
+    assert result.tpot_s == decode_s(65) + 2**-8 + 2**-10
+
+
+def test_the_serving_processes_cpu_slows_the_busy_replicas_beyond_what_idle_cores_absorb():
+    fit = make_fit(overhead=ServeOverhead(colocated=LayoutOverhead(background_cpu=0.5)))
+    # one replica on one core: half of it is taken, every step lasts twice its cost
+    (alone,) = simulate([SimRequest(0, 0.0, 64, 2)], fit, "colocated", num_decode=1).results
+    assert alone.ttft_s == 2 * prefill_s(64)
+    assert alone.tpot_s == 2 * decode_s(65)
+    # two replicas, one busy: the idle one's core takes the half core
+    (beside,) = simulate([SimRequest(0, 0.0, 64, 2)], fit, "colocated", num_decode=2).results
+    assert beside.ttft_s == prefill_s(64)
+
+
+def test_the_serving_cpu_per_token_is_a_rate_over_the_last_second():
+    overhead = LayoutOverhead(cpu_per_token_s=0.25)
+    (result,) = simulate([SimRequest(0, 0.0, 64, 3)], make_fit(overhead=ServeOverhead(colocated=overhead)),
+                         "colocated", num_decode=1).results
+    first = prefill_s(64)
+    # the first token's 0.25 CPU-s is a rate of 0.25 cores at once: the next step lasts 1 / 0.75
+    second = decode_s(65) / 0.75
+    assert result.last_token_s - first == pytest.approx(
+        second + decode_s(66) / (1 - (0.25 * math.exp(-second) + 0.25)), rel=1e-12)
+
+
+def test_routing_spreads_simultaneous_requests_over_the_least_loaded_replicas():
+    requests = [SimRequest(i, 0.0, 32, 2) for i in range(4)]
+    colocated = simulate(requests, make_fit(), "colocated", num_decode=2)
+    assert sorted(r.decode_replica for r in colocated.results) == [0, 0, 1, 1]
+    disaggregated = simulate(requests, make_fit(), "disaggregated", num_prefill=2, num_decode=2)
+    assert sorted(r.prefill_replica for r in disaggregated.results) == [0, 0, 1, 1]
+    assert sorted(r.decode_replica for r in disaggregated.results) == [2, 2, 3, 3]
+
+
+def test_summarize_counts_goodput_and_attainment_at_each_slo():
+    run = simulate([SimRequest(0, 0.0, 64, 3), SimRequest(1, 0.0, 64, 3)], make_fit(), "colocated", num_decode=1)
+    first, second = run.results
+    # the second request's prompt shares the first step: both first tokens at its end
+    assert first.ttft_s == second.ttft_s == BASE + TOKEN * 128 + ROW * 2 + PAIR * 2 * chunk_pairs(64, 0)
+    loose = (1000.0, 1000.0)
+    tight = (first.ttft_s * 1e3, 0.001)  # no TPOT that small
+    s = summarize(run, {"loose": loose, "tight": tight})
+    assert s["attainment"] == {"loose": 1.0, "tight": 0.0}
+    assert s["goodput"]["loose"] == 2 / run.span_s
+    assert s["span_s"] == first.last_token_s and s["num_requests"] == 2
+    assert s["utilisation"] == {"prefill": None, "decode": 1.0}

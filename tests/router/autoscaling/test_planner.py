@@ -1,0 +1,266 @@
+"""The planner: its YAML section's errors, its capacity arithmetic, its joint plan (ratio bound,
+hysteresis, the prefill -> decode flow, learning) and the forecast, on hand-built figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.autoscaling.forecast import Holt
+from router.autoscaling.planner import (
+    PoolLoad,
+    PoolPlanState,
+    decode_replicas,
+    plan,
+    plan_pool,
+    prefill_replicas,
+)
+from router.autoscaling.planner_policy import PlannerPolicy
+from router.autoscaling.policy import DecodePoolPolicy, PolicyError, PrefillPoolPolicy, load_policy, parse_policy
+from tests.helpers import REPO
+
+PROFILES = {"prefill": {"tokens_per_s": 100}, "decode": {"tpot_base_ms": 20, "tpot_ms_per_seq": 20}, "learn": False}
+
+
+def planner(**overrides) -> PlannerPolicy:
+    """Round numbers: 100 prompt tokens/s per prefill replica; TPOT 20 + 20 n ms, so a decode
+    replica holds a batch of 4 within 100 ms; no smoothing (the forecast is the value now)."""
+    base = {
+        "interval_s": 30, "targets": {"ttft_ms": 2000, "tpot_ms": 100, "attainment": 0.95},
+        "forecast": {"alpha": 1, "beta": 0}, "profiles": PROFILES,
+        "ratio": {"min_prefill_per_decode": 0.5, "max_prefill_per_decode": 1.5},
+        "downscale_delay_s": 60, "dead_band": 0,
+    }
+    return PlannerPolicy.model_validate({**base, **overrides})
+
+
+BOUNDS = {"prefill": PrefillPoolPolicy(max_replicas=8), "decode": DecodePoolPolicy(max_replicas=8)}
+
+
+def error_of(tmp_path, text: str) -> str:
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    with pytest.raises(PolicyError) as info:
+        load_policy(path)
+    return str(info.value).replace(str(path), "p.yaml")
+
+
+# ---- the YAML section --------------------------------------------------------------------------
+def test_shipped_planner_policy_loads():
+    config = load_policy(REPO / "deploy/autoscaling/planner.yaml")
+    assert config.mode == "planner" and config.planner.targets.attainment == 0.97
+    assert config.planner.profiles.decode.tpot_ms(4) == pytest.approx(89.28)  # the measured 89.27 ms at batch 4
+    assert config.planner.max_batch() == pytest.approx((100 - 27.68) / 15.40)
+
+
+def test_mode_planner_needs_a_planner_section(tmp_path):
+    assert error_of(tmp_path, "mode: planner\nprefill: {max_replicas: 2}\n") == (
+        "p.yaml: invalid autoscaling policy\n"
+        "  mode = 'planner': no planner section; add one (deploy/autoscaling/planner.yaml) or set mode: reactive "
+        "(allowed: reactive, planner)"
+    )
+    assert error_of(tmp_path, "mode: plan\nprefill: {max_replicas: 2}\n") == (
+        "p.yaml: invalid autoscaling policy\n"
+        "  mode = 'plan': Input should be 'reactive' or 'planner'"
+    )
+
+
+def test_planner_needs_both_pools(tmp_path):
+    text = "prefill: {max_replicas: 2}\nplanner: {profiles: {prefill: {tokens_per_s: 100}, decode: {tpot_base_ms: 20, tpot_ms_per_seq: 20}}}\n"
+    assert error_of(tmp_path, text) == (
+        "p.yaml: invalid autoscaling policy\n"
+        "  planner: needs a decode section too: their min_replicas and max_replicas bound the plan"
+    )
+
+
+def test_planner_field_errors_name_the_field(tmp_path):
+    text = """
+prefill: {max_replicas: 2}
+decode: {max_replicas: 2, min_replicas: 2}
+planner:
+  interval_s: 0
+  targets: {attainment: 1.0}
+  forecast: {alpha: 0, gamma: 1}
+  profiles: {prefill: {tokens_per_s: 100, cv: 1}, decode: {tpot_base_ms: 20}}
+"""
+    assert error_of(tmp_path, text) == (
+        "p.yaml: invalid autoscaling policy\n"
+        "  planner.interval_s = 0: Input should be greater than or equal to 1 (allowed: >= 1 and <= 3600)\n"
+        "  planner.targets.attainment = 1.0: Input should be less than 1 (allowed: >= 0.5 and < 1)\n"
+        "  planner.forecast.alpha = 0: Input should be greater than 0 (allowed: > 0 and <= 1)\n"
+        "  planner.forecast.gamma = 1: unknown key; remove it or fix its spelling (allowed keys: alpha, beta)\n"
+        "  planner.profiles.prefill.cv = 1: unknown key; remove it or fix its spelling (allowed keys: "
+        "tokens_per_s, time_cv)\n"
+        "  planner.profiles.decode.tpot_ms_per_seq: Field required (allowed: > 0 and <= 60000)"
+    )
+
+
+def test_planner_cross_field_errors(tmp_path):
+    head = "prefill: {max_replicas: 2}\ndecode: {max_replicas: 4, min_replicas: 2}\n"
+    profiles = "profiles: {prefill: {tokens_per_s: 100}, decode: {tpot_base_ms: 60, tpot_ms_per_seq: 50}}"
+    assert error_of(tmp_path, head + f"planner: {{{profiles}}}\n") == (
+        "p.yaml: invalid autoscaling policy\n"
+        "  planner.targets.tpot_ms = 100.0: below one sequence's TPOT in the decode profile (110 ms = tpot_base_ms "
+        "+ tpot_ms_per_seq): no batch meets it (allowed: >= 110)"
+    )
+    profiles = "profiles: {prefill: {tokens_per_s: 100}, decode: {tpot_base_ms: 20, tpot_ms_per_seq: 20}}"
+    assert error_of(tmp_path, head + f"planner: {{{profiles}, ratio: {{min_prefill_per_decode: 2, max_prefill_per_decode: 1}}}}\n") == (
+        "p.yaml: invalid autoscaling policy\n"
+        "  planner.ratio.max_prefill_per_decode = 1.0: below min_prefill_per_decode = 2.0 (allowed: >= 2.0 and <= 64)"
+    )
+    assert error_of(tmp_path, head + f"planner: {{{profiles}, ratio: {{min_prefill_per_decode: 1.5}}}}\n") == (
+        "p.yaml: invalid autoscaling policy\n"
+        "  planner.ratio.min_prefill_per_decode = 1.5: needs 3 prefill replicas at decode.min_replicas = 2, above "
+        "prefill.max_replicas = 2 (allowed: <= 1)"
+    )
+
+
+def test_reactive_files_stay_reactive():
+    config = parse_policy({"prefill": {"max_replicas": 2}})
+    assert (config.mode, config.planner) == ("reactive", None)
+
+
+# ---- capacity at the targets -------------------------------------------------------------------
+def test_prefill_replicas_by_erlang_c():
+    # s = 50 / 100 = 0.5 s, a = 0.5, waiting budget 2 - 0.5 = 1.5 s, time_cv 1 (exponential):
+    # c = 1: P(wait > 1.5) = 0.5 * exp(-0.5 / 0.5 * 1.5) = 0.1116 > 0.05
+    # c = 2: Erlang C(2, 0.5) = 0.1, P = 0.1 * exp(-1.5 / 0.5 * 1.5) = 0.0011
+    policy = planner()
+    assert prefill_replicas(policy, 1.0, 50) == 2
+    assert prefill_replicas(planner(targets={"ttft_ms": 2000, "tpot_ms": 100, "attainment": 0.85}), 1.0, 50) == 1
+    assert prefill_replicas(policy, 0.0, 50) == 0
+    # A queue of 4500 tokens drained within the 30 s interval: 3 more requests/s of 50 tokens.
+    assert prefill_replicas(policy, 1.0, 50, queued_tokens=4500) == prefill_replicas(policy, 4.0, 50) == 3
+    # Half the measured capacity: every prompt takes twice as long.
+    assert prefill_replicas(policy, 1.0, 50, correction=0.5) == 3
+
+
+def test_decode_replicas_by_littles_law():
+    # 2 req/s x 50 tokens = 100 tokens/s; per replica TPOT(m / c) = 20 + 20 m / c ms:
+    # c = 2 is unstable (100 tokens/s x 20 ms / 2 = 1); c = 3: m = 100 x 0.02 / (1 - 2/3) = 6,
+    # quantile 6 + 1.645 * sqrt(6) = 10.03 <= 3 x 4 batches.
+    policy = planner()
+    assert policy.max_batch() == 4.0
+    assert decode_replicas(policy, 2.0, 50) == 3
+    assert decode_replicas(policy, 2.0, 50, num_seqs=13) == 4  # 13 running need ceil(13 / 4)
+    assert decode_replicas(policy, 0.0, 50) == 0
+
+
+# ---- the joint plan ----------------------------------------------------------------------------
+def run_plan(policy, steps):
+    counts = {"prefill": 1, "decode": 1}
+    states = {"prefill": PoolPlanState(), "decode": PoolPlanState()}
+    out = []
+    for now, prefill_rate, decode_rate in steps:
+        loads = {"prefill": PoolLoad(prefill_rate, 50), "decode": PoolLoad(decode_rate, 10)}
+        result = plan(policy, BOUNDS, loads, counts, states, now)
+        counts, states = result.num_replicas, result.states
+        out.append((counts["prefill"], counts["decode"], result.reason))
+    return out
+
+
+def test_joint_plan_ratio_bound_interval_and_hysteresis():
+    out = run_plan(planner(), [(0, 1.0, 0.1), (10, 1.0, 0.1), (30, 0.2, 0.1), (60, 0.2, 0.1), (90, 0.2, 0.1)])
+    assert out == [
+        # Decode alone needs 1, though it plans for the prefill pool's 1 req/s (what reaches it next):
+        # 2 prefill per decode replica is above max_prefill_per_decode 1.5, so decode is raised.
+        (2, 2, "prefill up: 1 -> 2 (1 req/s x 50 tok, capacity x1); decode hold: 1 (1 req/s x 10 tok, capacity x1); "
+               "ratio: decode 1 -> 2 (max_prefill_per_decode 1.5)"),
+        (2, 2, "prefill hold: next plan in 20.0s; decode hold: next plan in 20.0s"),
+        (2, 2, "prefill hold: 1 < 2 for 0s of downscale_delay_s 60 (0.2 req/s x 50 tok, capacity x1); "
+               "decode hold: 1 < 2 for 0s of downscale_delay_s 60 (0.2 req/s x 10 tok, capacity x1)"),
+        (2, 2, "prefill hold: 1 < 2 for 30s of downscale_delay_s 60 (0.2 req/s x 50 tok, capacity x1); "
+               "decode hold: 1 < 2 for 30s of downscale_delay_s 60 (0.2 req/s x 10 tok, capacity x1)"),
+        (1, 1, "prefill down: 2 -> 1 (0.2 req/s x 50 tok, capacity x1); decode down: 2 -> 1 (0.2 req/s x 10 tok, capacity x1)"),
+    ]
+
+
+def test_min_ratio_raises_prefill():
+    policy = planner(ratio={"min_prefill_per_decode": 1, "max_prefill_per_decode": 4})
+    counts = {"prefill": 1, "decode": 1}
+    states = {"prefill": PoolPlanState(), "decode": PoolPlanState()}
+    loads = {"prefill": PoolLoad(0.1, 50), "decode": PoolLoad(2.0, 50)}
+    result = plan(policy, BOUNDS, loads, counts, states, 0.0)
+    assert result.num_replicas == {"prefill": 3, "decode": 3}
+    assert result.reason.endswith("ratio: prefill 1 -> 3 (min_prefill_per_decode 1)")
+
+
+def test_a_dip_shorter_than_the_delay_moves_nothing_and_the_peak_is_held():
+    # Prefill up to 3 at 4 req/s, then 0.2 req/s with one 1.2 req/s interval inside the delay: it
+    # goes down to what that interval needed (2), not to 1; decode to 1, which the ratio raises.
+    out = run_plan(planner(), [(0, 4.0, 4.0), (30, 0.2, 0.2), (60, 1.2, 1.2), (90, 0.2, 0.2)])
+    assert [(p, d) for p, d, _ in out] == [(3, 2), (3, 2), (3, 2), (2, 2)]
+    assert out[2][2].startswith("prefill hold: 2 < 3 for 30s of downscale_delay_s 60")
+    assert out[3][2] == (
+        "prefill down: 3 -> 2 (0.2 req/s x 50 tok, capacity x1); decode down: 2 -> 1 (0.2 req/s x 10 tok, "
+        "capacity x1); ratio: decode 1 -> 2 (max_prefill_per_decode 1.5)"
+    )
+
+
+def test_the_dead_band_keeps_a_load_just_below_a_replica():
+    # 1.0 req/s needs 2 prefill replicas, 0.7 req/s needs 1; grown by a 90% dead band (1.33
+    # req/s), 0.7 still needs 2, so the pool does not shrink.
+    assert (prefill_replicas(planner(), 0.7, 50), prefill_replicas(planner(), 1.33, 50)) == (1, 2)
+    out = run_plan(planner(dead_band=0.9, downscale_delay_s=0), [(0, 1.0, 0.1), (30, 0.7, 0.1)])
+    assert [(p, d) for p, d, _ in out] == [(2, 2), (2, 2)]
+    out = run_plan(planner(downscale_delay_s=0), [(0, 1.0, 0.1), (30, 0.7, 0.1)])
+    assert [(p, d) for p, d, _ in out] == [(2, 2), (1, 1)]
+
+
+def test_a_burst_between_plans_scales_up_at_once():
+    policy = planner()
+    state = plan_pool(policy, "prefill", BOUNDS["prefill"], PoolLoad(1.0, 50), 1, PoolPlanState(), 0.0).state
+    assert state.planned_at == 0.0
+    # 10 s later the queue holds 6000 tokens: 4 more requests/s over the interval, 5 in all.
+    result = plan_pool(policy, "prefill", BOUNDS["prefill"], PoolLoad(1.0, 50, backlog=6000.0), 2, state, 10.0)
+    assert (result.num_replicas, result.reason) == (4, "up: 2 -> 4 (1 req/s x 50 tok, backlog 6000)")
+    assert prefill_replicas(policy, 5.0, 50) == 4
+    assert result.state.planned_at == 0.0  # the forecast waits for the next plan
+
+
+def test_learning_corrects_the_profiles():
+    policy = planner(profiles={**PROFILES, "learn": True, "learn_weight": 0.5})
+    # The engines measure 50 tokens/s against the profile's 100: correction (1 + 0.5) / 2.
+    prefill = plan_pool(policy, "prefill", BOUNDS["prefill"], PoolLoad(1.0, 50, measured_tokens_per_s=50.0), 1,
+                        PoolPlanState(), 0.0)
+    assert prefill.state.correction == 0.75
+    # A decode replica at batch 4 made 25 tokens/s; the profile predicts 4 / 100 ms = 40: TPOT x1.6.
+    # Replicas at a batch under 2 say nothing.
+    load = PoolLoad(1.0, 10, measured_decode=((4.0, 25.0), (1.0, 2.0)))
+    decode = plan_pool(policy, "decode", BOUNDS["decode"], load, 1, PoolPlanState(), 0.0)
+    assert decode.state.correction == pytest.approx(1.3)
+    assert policy.max_batch(1.3) == pytest.approx((100 / 1.3 - 20) / 20)
+
+
+def test_missing_data_holds_both_pools():
+    result = plan(planner(), BOUNDS, {"prefill": PoolLoad(1.0, 50), "decode": None}, {"prefill": 2, "decode": 3},
+                  {"prefill": PoolPlanState(), "decode": PoolPlanState()}, 0.0)
+    assert (result.num_replicas, result.reason) == ({"prefill": 2, "decode": 3}, "hold: no usable data from the decode pool")
+
+
+def test_plan_state_round_trips_through_serve_policy_state():
+    state = PoolPlanState(planned_at=30.0, rate_level=1.5, rate_trend=0.25, correction=1.1, below_since=0.0, peak_below=3)
+    assert PoolPlanState.from_dict({**state.to_dict(), "serve.counter": 2}) == state
+    assert PoolPlanState.from_dict({}) == PoolPlanState()
+
+
+# ---- the forecast ------------------------------------------------------------------------------
+def test_holt_on_a_known_series():
+    holt = Holt()
+    levels = []
+    for value in (10, 12, 14, 16):
+        holt = holt.update(value, alpha=0.5, beta=0.3)
+        levels += [holt.level, holt.trend]
+    # 10; 0.5*12 + 0.5*10 = 11, trend 0.3*1 = 0.3; 0.5*14 + 0.5*11.3 = 12.65, trend 0.3*1.65 + 0.7*0.3
+    # = 0.705; 0.5*16 + 0.5*13.355 = 14.6775, trend 0.3*2.0275 + 0.7*0.705 = 1.10175.
+    assert levels == pytest.approx([10, 0, 11, 0.3, 12.65, 0.705, 14.6775, 1.10175], rel=1e-12)
+    assert holt.forecast() == pytest.approx(15.77925, rel=1e-12)
+    assert holt.forecast(2) == pytest.approx(16.881, rel=1e-12)
+
+
+def test_holt_without_trend_is_ewma_and_never_forecasts_below_zero():
+    holt = Holt()
+    for value in (10, 12, 14, 16):
+        holt = holt.update(value, alpha=0.5, beta=0.0)
+    assert (holt.level, holt.trend) == (14.25, 0.0)
+    falling = Holt(1.0, -3.0)
+    assert falling.forecast() == 0.0
