@@ -344,8 +344,10 @@ def _simulate_cell(p: BenchParams, cost: CostModel, cell: Cell) -> dict:
     config = sim_config(cell, block_size=p.block_size, stats_period_s=p.stats_period_s, num_routers=p.num_routers, seed=p.seed)
     oracle, _ = _oracle_rate(workload, cell.num_replicas, config.num_blocks)
     total = sum(request.num_prompt_tokens for request in workload.requests)
+    prior_hit, _, _ = oracle_hit_tokens(workload, cell.num_replicas, config.num_blocks, foresight=False)
     pool_blocks = cell.num_replicas * config.num_blocks
     references = {
+        "prior_oracle_hit_rate": prior_hit / total,
         "pooled_lru_hit_rate": pooled_lru_hit_tokens(workload, pool_blocks) / total,
         "pooled_optimal_hit_rate": pooled_optimal_hit_tokens(workload, pool_blocks) / total,
     }

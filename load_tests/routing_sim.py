@@ -122,13 +122,21 @@ class BlockCache:
             self.version += 1
         return num_hits
 
-    def release(self, block_hashes: list[int], num_tokens: int) -> None:
+    def release(self, block_hashes: list[int], num_tokens: int, retain: bool = True) -> None:
         """The prompt finished: its full blocks become cached, tail first (the head most recent)."""
         num_full = min(len(block_hashes), num_tokens // self.block_size)
+        held = set(self.held)
+        cold = []
         for i in reversed(range(num_full)):
             block_hash = block_hashes[i]
             if block_hash not in self.lru:  # a duplicate of a cached block is not cached twice
-                self.lru[block_hash] = None
+                if retain or block_hash in held:
+                    self.lru[block_hash] = None
+                else:
+                    cold.append(block_hash)
+        for block_hash in reversed(cold):  # the eviction end, the tail out first
+            self.lru[block_hash] = None
+            self.lru.move_to_end(block_hash, last=False)
         if num_full:
             self.version += 1  # new blocks, or the hits moved to the recent end
         self.held = []
@@ -143,6 +151,7 @@ class BlockCache:
 @dataclass
 class _Job:
     request: WorkloadRequest
+    retain: bool = True
     start_s: float = 0.0
     finish_s: float = 0.0
     num_cached_tokens: int = 0
@@ -162,19 +171,19 @@ class SimReplica:
         self._num_computed_tokens = 0  # by finished prefills; the running one's part is added in stats
         self._snapshot: tuple[int, list[int]] = (-1, [])
 
-    def submit(self, request: WorkloadRequest, now: float) -> _Job | None:
+    def submit(self, request: WorkloadRequest, now: float, retain: bool = True) -> _Job | None:
         """Queue a request; returns the job if it started now (its finish_s is then set)."""
         self.requests.add(now)
         self._num_taken += 1
         self.num_requests += 1
-        self.queue.append(_Job(request))
+        self.queue.append(_Job(request, retain))
         return self._start_next(now) if self.running is None else None
 
     def finish(self, now: float) -> tuple[_Job, _Job | None]:
         """The running prompt's first token; returns it and the job started next, if any."""
         job = self.running
         assert job is not None and abs(job.finish_s - now) < 1e-9, (job, now)
-        self.cache.release(job.request.block_hashes, job.request.num_prompt_tokens)
+        self.cache.release(job.request.block_hashes, job.request.num_prompt_tokens, job.retain)
         self._num_taken += 1
         num_uncached = job.request.num_prompt_tokens - job.num_cached_tokens
         self._num_computed_tokens += num_uncached
@@ -299,7 +308,7 @@ def simulate(
             text=request.text,
         )
         decision = router.route(route_request, [(name, latest[name]) for name in by_name], arrival_s)
-        started(by_name[decision.chosen].submit(request, arrival_s), decision.chosen)
+        started(by_name[decision.chosen].submit(request, arrival_s, decision.retain), decision.chosen)
 
     decisions: Counter[str] = Counter()
     for router in routers:
@@ -307,14 +316,21 @@ def simulate(
     return PolicyRun(policy, list(by_name), records, dict(decisions))
 
 
-def oracle_hit_tokens(workload: Workload, num_replicas: int, num_blocks: int) -> tuple[int, int, dict[int, int]]:
-    """(hit tokens, prompt tokens, {group: prefix blocks pinned}) of the oracle in the module docstring."""
-    hit_tokens, prompt_tokens, pinned, _ = oracle_placement(workload, num_replicas, num_blocks)
+def oracle_hit_tokens(
+    workload: Workload, num_replicas: int, num_blocks: int, *, foresight: bool = True,
+) -> tuple[int, int, dict[int, int]]:
+    """(hit tokens, prompt tokens, {group: prefix blocks pinned}) of the oracle in the module
+    docstring. `foresight=False`: the same static placement chosen by the groups' popularity
+    (the workload's weights), not by how often each was in fact requested: the best a placement
+    fixed in advance can expect. With uniform popularity the pinned groups are any, and
+    the clairvoyant oracle's edge is the luck of the draw: it pins the groups that happened to
+    come most often."""
+    hit_tokens, prompt_tokens, pinned, _ = oracle_placement(workload, num_replicas, num_blocks, foresight=foresight)
     return hit_tokens, prompt_tokens, pinned
 
 
 def oracle_placement(
-    workload: Workload, num_replicas: int, num_blocks: int,
+    workload: Workload, num_replicas: int, num_blocks: int, *, foresight: bool = True,
 ) -> tuple[int, int, dict[int, int], dict[int, int]]:
     """oracle_hit_tokens, and {group: the replica it is pinned to}."""
     spec = workload.spec
@@ -326,14 +342,16 @@ def oracle_placement(
     max_hit_blocks = min(num_prefix_blocks, (spec.prompt_len - 1) // bs)
     pinned: dict[int, int] = {}
     homes: dict[int, int] = {}
-    for group in sorted(range(spec.num_groups), key=lambda g: (-counts[g], g)):
+    # Popularity falls with the group's index (routing_workload.py): by index is by weight.
+    order = sorted(range(spec.num_groups), key=lambda g: (-counts[g], g)) if foresight else range(spec.num_groups)
+    for group in order:
         best = max(range(num_replicas), key=lambda r: (room[r], -r))
         num_pinned = min(num_prefix_blocks, room[best])
-        if counts[group] > 1 and num_pinned > 0:
+        if (counts[group] > 1 or not foresight) and num_pinned > 0:
             room[best] -= num_pinned
             pinned[group] = num_pinned
             homes[group] = best
-    hit_tokens = sum((counts[g] - 1) * min(n, max_hit_blocks) * bs for g, n in pinned.items())
+    hit_tokens = sum(max(0, counts[g] - 1) * min(n, max_hit_blocks) * bs for g, n in pinned.items())
     return hit_tokens, sum(r.num_prompt_tokens for r in workload.requests), pinned, homes
 
 

@@ -35,6 +35,18 @@ then suffixes nobody reuses, then cold prefixes), and a prefix is copied only wh
 worth its compute: the hot ones, which the load bound below spreads; the cold ones stay on one
 replica.
 
+Admission: a prompt's new blocks are computed on the chosen replica whatever happens; whether
+they then stay cached is a second choice (Decision.retain, carried to the engine as the request's
+`keep_cached`, serving/engine/block_manager.py). Kept, they sit at the replica's recent end and
+the next prompt there evicts its oldest cached blocks instead of them; not kept, they go to the
+eviction end and are the next prompt's room. They are kept unless the blocks the next prompt of
+the same size would evict instead are worth more (the reuse value of router/eviction.py, for the
+new blocks against those). This is what LRU alone cannot do under pressure: with more prefixes
+than room, every cold prompt pushes out a prefix that will come back, which comes back as a miss
+that pushes out another; here a prefix seen once does not displace one seen often, and the
+resident set changes only when popularity does (TinyLFU's admission, with the router's exact
+counts of every request instead of a per-cache sketch). `admission=False` keeps everything.
+
 Bounded load (consistent hashing with bounded loads, after Mirrokni et al.): only replicas whose
 recent load stays within `max_load_ratio` x the pool's mean are eligible. The load is the tokens
 a replica computed, as its own counters report them (RoutingStats.num_computed_tokens, decayed
@@ -101,6 +113,7 @@ class PrefixCostPolicy:
         price_evictions: bool = True,
         price_delay: bool = True,
         reuse_window_requests: int = 2048,
+        admission: bool = True,
     ):
         if default_prefill_tokens_per_s <= 0:
             raise ValueError(f"default_prefill_tokens_per_s must be > 0, got {default_prefill_tokens_per_s}")
@@ -130,6 +143,7 @@ class PrefixCostPolicy:
         self.price_evictions = price_evictions
         self.price_delay = price_delay
         self.reuse = BlockReuse(reuse_window_requests)
+        self.admission = admission
         self.pool = PoolLoad(load_window_per_replica)  # what the replicas report they computed
         self.routed_tokens: dict[Hashable, float] = {}  # replica -> decayed uncached tokens sent
         self.routed_requests: dict[Hashable, float] = {}  # replica -> decayed requests sent
@@ -194,9 +208,29 @@ class PrefixCostPolicy:
 
         self._account(best.replica_id, uncached[best.replica_id], len(loads))
         self.reuse.observe(request.block_hashes, new_blocks[best.replica_id])
+        retain = not self.admission or self._admit(
+            request, loads, index, best.replica_id, matched_blocks[best.replica_id], new_blocks[best.replica_id])
         rest = sorted((load for load in loads if load is not best), key=lambda load: (costs[load.replica_id], load.queued_prefill_tokens))
         ranked = [best.replica_id] + [load.replica_id for load in rest]
-        return Decision(ranked, reason, ttfts, matched[best.replica_id], delays, evictions)
+        return Decision(ranked, reason, ttfts, matched[best.replica_id], delays, evictions, retain=retain)
+
+    def _admit(self, request: RouteRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex, replica_id: Hashable,
+               num_matched: int, num_new: int) -> bool:
+        """Admission (module docstring): whether the chosen replica should keep this prompt's new
+        blocks as its most recently used. What taking the request evicts now is gone either way;
+        keeping the new blocks costs the blocks the next prompt of this size would evict instead
+        of them. Kept unless those are worth more."""
+        keep = set(request.block_hashes)
+        now = index.victims(replica_id, num_new, keep)
+        if not now:  # room to spare: nothing is lost by keeping them
+            return True
+        instead = index.victims(replica_id, 2 * num_new, keep)[len(now):]
+        if not instead:
+            return True
+        horizon = self.reuse.horizon(sum(index.capacity(load.replica_id) for load in loads))
+        gained = self.reuse.value_s(request.block_hashes[num_matched:], horizon, 1.0)
+        lost = self.reuse.value_s(instead, horizon, 1.0, index.num_holders)
+        return gained >= lost
 
     # ---- the cost's terms --------------------------------------------------------------------
     @staticmethod

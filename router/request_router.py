@@ -111,6 +111,10 @@ class _PolicyRouter(FIFOMixin, RequestRouter):
             time.time(),
             known_replicas=self._all_replica_ids(),
         )
+        # The admission (router/prefix_cost.py) travels with the request: the call's arguments
+        # are sent after this returns.
+        if not decision.retain and hasattr(pending_request.args[0], "keep_cached"):
+            pending_request.args[0].keep_cached = False
         record_routing_decision(self.pool, self.state.policy.name, decision.reason)
         record_prediction(request.request_id, self.pool, prediction_of(self.state.policy.name, decision))
         return [[by_id[replica_id]] for replica_id in decision.ranked]

@@ -57,6 +57,10 @@ class Decision:
     # The prompt tokens the chosen replica holds by the router's index, whatever the policy, capped
     # as the engine caps a hit (RouterState.route): what the request should find cached there.
     num_predicted_tokens: int = 0
+    # Whether the chosen replica should keep the prompt's new blocks cached as its most recently
+    # used (True), or free them to its eviction end because what they would push out is worth
+    # more (PrefixCostPolicy's admission, router/prefix_cost.py).
+    retain: bool = True
 
     @property
     def chosen(self) -> Hashable:

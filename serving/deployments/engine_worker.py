@@ -193,6 +193,7 @@ class EngineWorker:
                 async for out in self.engine.generate(
                     request.request_id, prompt_token_ids=request.prompt_token_ids, params=one,
                     priority=request.priority, cache_salt=request.cache_salt, hold_kv=not scores_only,
+                    keep_cached=request.keep_cached,
                     export_into=export_into, export_until=slot.deadline if slot is not None else None,
                 ):
                     tracker.observe(out)
@@ -303,7 +304,7 @@ class EngineWorker:
                 async for out in self.engine.generate(
                     request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
                     priority=request.priority, cache_salt=request.cache_salt, kv_payload=payload,
-                    prior_output_token_ids=prior_output_token_ids,
+                    prior_output_token_ids=prior_output_token_ids, keep_cached=request.keep_cached,
                 ):
                     payload = None  # imported (or never needed); let the shared-memory view go
                     if slot is not None:  # the engine scattered it into its blocks before this output

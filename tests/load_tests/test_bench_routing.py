@@ -63,6 +63,23 @@ def test_block_cache_hits_cap_and_lru_eviction_order():
     assert cache.num_matched_blocks(c[:2], 9) == 2
 
 
+def test_block_cache_frees_a_prompt_not_kept_to_the_eviction_end():
+    cache = BlockCache(num_blocks=8, block_size=BS)
+    a, b = (hash_blocks([base + i for i in range(12)], BS) for base in (0, 100))  # 3 blocks each
+    cache.acquire(a, 12)
+    cache.release(a, 12)
+    b_on_a = a[:2] + hash_blocks([0, 1, 2, 3, 4, 5, 6, 7, 90, 91, 92, 93], BS)[2:]  # a's first two blocks, its own third
+    assert cache.acquire(b_on_a, 12) == 2
+    cache.release(b_on_a, 12, retain=False)
+    # Its hits go back to the recent end as ever; the block it computed goes first out.
+    assert list(cache.lru) == [b_on_a[2], a[2], a[1], a[0]]
+    cache.acquire(b, 12)
+    cache.release(b, 12, retain=False)
+    assert list(cache.lru) == [b[2], b[1], b[0], b_on_a[2], a[2], a[1], a[0]]  # the tail first out
+    assert cache.acquire(hash_blocks(list(range(500, 512)), BS), 12) == 0  # needs 3, 1 empty: b[2], b[1] go
+    assert cache.evicted == [b[2], b[1]]
+
+
 def test_simulated_queue_waits_and_hits_with_a_fixed_rate():
     # 128 tokens/s, no overhead: a cold 12-token prompt takes 0.09375 s, 4 uncached tokens 0.03125 s.
     cost = CostModel(overhead_s=0.0, tokens_per_s=128.0)
@@ -125,6 +142,14 @@ def test_oracle_pins_the_most_requested_groups_that_fit():
     # Room 3: group 0's 2 blocks, then group 1's first block (4 tokens for its 1 later request).
     assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=4) == (16 + 4, 72, {0: 2, 1: 1})
     assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=1) == (0, 72, {})
+
+
+def test_the_oracle_without_foresight_pins_by_popularity_not_by_the_draw():
+    # Group 1 happened to come three times, group 0 (the more popular by its weight) once.
+    workload = tiny_workload([(0.0, 0), (0.1, 1), (0.2, 1), (0.3, 1)])
+    assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=3) == (16, 48, {1: 2})
+    assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=3, foresight=False) == (0, 48, {0: 2})
+    assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=5, foresight=False) == (16, 48, {0: 2, 1: 2})
 
 
 def test_workload_is_seeded_and_shares_prefix_hashes():

@@ -163,3 +163,31 @@ def test_equal_cold_candidates_go_where_rendezvous_hashing_puts_the_prefix_on_ev
     choices = [first_choice(head) for head in range(1000, 1064)]
     assert choices == [first_choice(head) for head in range(1000, 1064)]
     assert Counter(choices) == {"a": 14, "b": 15, "c": 19, "d": 16}  # 64 prefixes, 16 each on average
+
+
+def test_admission_keeps_new_blocks_only_where_they_are_worth_what_they_would_push_out():
+    # a is full: 10-13 go to make room for the prompt whatever happens; keeping the prompt's
+    # blocks would make the next prompt evict 14-17 instead of them.
+    def state(hot: list[int]) -> PrefixCostPolicy:
+        p = policy()
+        for _ in range(3):
+            p.reuse.observe(hot, num_new_blocks=4)
+        return p
+
+    full = PrefixIndex()
+    full.update("a", 1, [10, 11, 12, 13, 14, 15, 16, 17], num_blocks=8)
+    cold_prompt = RouteRequest("r", num_prompt_tokens=64, block_hashes=[30, 31, 32, 33], block_size=16)
+    # 14-17 were used by three of the four requests so far, the prompt's blocks by this one only.
+    decision = state([14, 15, 16, 17]).choose(cold_prompt, [load("a")], full)
+    assert (decision.chosen, decision.retain) == ("a", False)
+    # The same prompt when it is the popular one and 14-17 are not: kept.
+    assert state([30, 31, 32, 33]).choose(cold_prompt, [load("a")], full).retain is True
+    # Room for the prompt (4 of 8 blocks empty): nothing is lost by keeping it.
+    roomy = PrefixIndex()
+    roomy.update("a", 1, [14, 15, 16, 17], num_blocks=8)
+    assert state([14, 15, 16, 17]).choose(cold_prompt, [load("a")], roomy).retain is True
+    # Admission off: always kept.
+    p = PrefixCostPolicy(reuse_window_requests=10**9, admission=False)
+    for _ in range(3):
+        p.reuse.observe([14, 15, 16, 17], num_new_blocks=4)
+    assert p.choose(cold_prompt, [load("a")], full).retain is True
