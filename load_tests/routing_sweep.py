@@ -35,7 +35,11 @@ of them.
                 run's hit rate moves by up to 2-3% with the seed alone under pressure.
 
 The oracle is the static placement of routing_sim.py: it pins the groups that will turn out most
-requested (it knows the future counts) and counts its pinned blocks as always cached. Under
+requested (it knows the future counts) and counts its pinned blocks as always cached. Beside it,
+for information, the same placement chosen without foresight (`prior_oracle_hit_rate`: by the
+groups' popularity, which a router can learn, not by the draw, which it cannot): with uniform
+popularity and a dozen requests per group, the groups that happen to come most often are worth
+a third more hits than any others, and that edge is luck no online policy has. Under
 pressure that is not a bound any router reaches on LRU engines: the requests it does not pin
 must be computed somewhere, and their blocks evict pinned ones. The replayed oracle shows by
 how much (in the uniform cells at a quarter of the working set, to 0.4 of the oracle's figure),
