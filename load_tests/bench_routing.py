@@ -37,6 +37,7 @@ from pathlib import Path
 from load_tests import hardware
 from load_tests.bench_engine import Target
 from load_tests.common import StepLog, load_note, run_and_report
+from load_tests.routing_bounds import pooled_lru_hit_tokens, pooled_optimal_hit_tokens
 from load_tests.routing_metrics import PolicyRun
 from load_tests.routing_sim import CostModel, OracleReplayPolicy, SimConfig, oracle_hit_tokens, simulate
 from load_tests.routing_sweep import (
@@ -78,6 +79,7 @@ class BenchParams:
     block_size: int = 16
     stats_period_s: float = 0.5
     num_routers: int = 1
+    router_seeds: int = 1  # with num_routers > 1 in the sweep: ours with N routers and with one, over this many seeds
     model: str = "smollm2-135m-instruct"
     dtype: str = "auto"  # resolved before anything runs, as kvrelay's default picks on this machine
     rate_tokens_per_s: float | None = None  # skip calibration: this rate ...
@@ -341,19 +343,37 @@ def _simulate_cell(p: BenchParams, cost: CostModel, cell: Cell) -> dict:
     workload = make_workload(spec)
     config = sim_config(cell, block_size=p.block_size, stats_period_s=p.stats_period_s, num_routers=p.num_routers, seed=p.seed)
     oracle, _ = _oracle_rate(workload, cell.num_replicas, config.num_blocks)
+    total = sum(request.num_prompt_tokens for request in workload.requests)
+    prior_hit, _, _ = oracle_hit_tokens(workload, cell.num_replicas, config.num_blocks, foresight=False)
+    pool_blocks = cell.num_replicas * config.num_blocks
+    references = {
+        "prior_oracle_hit_rate": prior_hit / total,
+        "pooled_lru_hit_rate": pooled_lru_hit_tokens(workload, pool_blocks) / total,
+        "pooled_optimal_hit_rate": pooled_optimal_hit_tokens(workload, pool_blocks) / total,
+    }
     runs = {policy: simulate(workload, policy, config, cost, p.policy_params(policy)) for policy in POLICIES}
     runs[OracleReplayPolicy.name] = simulate(
         workload, OracleReplayPolicy.name, config, cost,
         policy_object=lambda seed: OracleReplayPolicy(workload, cell.num_replicas, config.num_blocks, seed),
     )
+    several = {}
     if p.num_routers > 1:  # ours once more with one router: what several must stay close to
+        ours = p.policy_params("prefix_cost")
         one = dataclasses.replace(config, num_routers=1)
-        runs[ONE_ROUTER] = dataclasses.replace(simulate(workload, "prefix_cost", one, cost, p.policy_params("prefix_cost")),
-                                               policy=ONE_ROUTER)
+        runs[ONE_ROUTER] = dataclasses.replace(simulate(workload, "prefix_cost", one, cost, ours), policy=ONE_ROUTER)
+        # A run's hit rate moves by a few percent with the stats timers' phases alone (the
+        # seed), as much as the routers' number does under pressure: several seeds of each,
+        # compared by their means (routing_sweep.py).
+        hits_one, hits_several = [runs[ONE_ROUTER].hit_rate], [runs["prefix_cost"].hit_rate]
+        for k in range(1, p.router_seeds):
+            seeded = dataclasses.replace(config, seed=p.seed + k)
+            hits_several.append(simulate(workload, "prefix_cost", seeded, cost, ours).hit_rate)
+            hits_one.append(simulate(workload, "prefix_cost", dataclasses.replace(seeded, num_routers=1), cost, ours).hit_rate)
+        several = {"router_seeds": p.router_seeds, "one_router_hit_rates": hits_one, "several_routers_hit_rates": hits_several}
     figures = policy_figures(runs, oracle)
     for f in figures.values():  # per-replica detail: the main runs have it; here it would be most of the file
         del f["computed_tokens_by_replica"], f["requests_by_replica"]
-    return {"request_rate_per_s": spec.request_rate_per_s, "oracle_hit_rate": oracle, "figures": figures}
+    return {"request_rate_per_s": spec.request_rate_per_s, "oracle_hit_rate": oracle, **references, **several, "figures": figures}
 
 
 def _run_sweep(p: BenchParams, cost: CostModel, calibration: dict, machine: dict, started: float, command: str) -> dict:
@@ -393,7 +413,7 @@ def params_from_args(args: argparse.Namespace) -> BenchParams:
             raise SystemExit("--grid-* options shape the --pressure-sweep grid: add --simulate --pressure-sweep")
         given["grid"] = grid
     p = dataclasses.replace(preset, **given)
-    for name in ("num_groups", "num_requests", "num_replicas", "suffix_len", "num_routers", "block_size"):
+    for name in ("num_groups", "num_requests", "num_replicas", "suffix_len", "num_routers", "block_size", "router_seeds"):
         if getattr(p, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(p, name)}")
     if p.prefix_len < 0:

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from load_tests.routing_metrics import PolicyRun, RoutedRequest
 from load_tests.routing_workload import Workload, WorkloadRequest
+from router.index import eviction_order
 from router.policies import POLICIES, Decision, RouteRequest, build_policy
 from router.replica_stats import RequestRate, RoutingStats
 from router.routing_state import RouterState
@@ -121,13 +122,21 @@ class BlockCache:
             self.version += 1
         return num_hits
 
-    def release(self, block_hashes: list[int], num_tokens: int) -> None:
+    def release(self, block_hashes: list[int], num_tokens: int, retain: bool = True) -> None:
         """The prompt finished: its full blocks become cached, tail first (the head most recent)."""
         num_full = min(len(block_hashes), num_tokens // self.block_size)
+        held = set(self.held)
+        cold = []
         for i in reversed(range(num_full)):
             block_hash = block_hashes[i]
             if block_hash not in self.lru:  # a duplicate of a cached block is not cached twice
-                self.lru[block_hash] = None
+                if retain or block_hash in held:
+                    self.lru[block_hash] = None
+                else:
+                    cold.append(block_hash)
+        for block_hash in reversed(cold):  # the eviction end, the tail out first
+            self.lru[block_hash] = None
+            self.lru.move_to_end(block_hash, last=False)
         if num_full:
             self.version += 1  # new blocks, or the hits moved to the recent end
         self.held = []
@@ -142,6 +151,7 @@ class BlockCache:
 @dataclass
 class _Job:
     request: WorkloadRequest
+    retain: bool = True
     start_s: float = 0.0
     finish_s: float = 0.0
     num_cached_tokens: int = 0
@@ -157,22 +167,26 @@ class SimReplica:
         self.prefill_tokens_per_s = 0.0  # EMA like the engine's; 0 before any prefill
         self.requests = RequestRate()  # as the worker measures it
         self._num_taken = 0  # submits and finishes: with the cache's version, the snapshot's
+        self.num_requests = 0  # taken, cumulative (RoutingStats.num_requests)
+        self._num_computed_tokens = 0  # by finished prefills; the running one's part is added in stats
         self._snapshot: tuple[int, list[int]] = (-1, [])
 
-    def submit(self, request: WorkloadRequest, now: float) -> _Job | None:
+    def submit(self, request: WorkloadRequest, now: float, retain: bool = True) -> _Job | None:
         """Queue a request; returns the job if it started now (its finish_s is then set)."""
         self.requests.add(now)
         self._num_taken += 1
-        self.queue.append(_Job(request))
+        self.num_requests += 1
+        self.queue.append(_Job(request, retain))
         return self._start_next(now) if self.running is None else None
 
     def finish(self, now: float) -> tuple[_Job, _Job | None]:
         """The running prompt's first token; returns it and the job started next, if any."""
         job = self.running
         assert job is not None and abs(job.finish_s - now) < 1e-9, (job, now)
-        self.cache.release(job.request.block_hashes, job.request.num_prompt_tokens)
+        self.cache.release(job.request.block_hashes, job.request.num_prompt_tokens, job.retain)
         self._num_taken += 1
         num_uncached = job.request.num_prompt_tokens - job.num_cached_tokens
+        self._num_computed_tokens += num_uncached
         if num_uncached >= _MIN_RATE_TOKENS:
             rate = num_uncached / (job.finish_s - job.start_s)
             self.prefill_tokens_per_s = 0.8 * self.prefill_tokens_per_s + 0.2 * rate if self.prefill_tokens_per_s else rate
@@ -189,12 +203,22 @@ class SimReplica:
         job.start_s, job.finish_s = now, now + self.cost.service_s(num_uncached, job.num_cached_tokens)
         return job
 
+    def _running_left(self, now: float) -> int:
+        """The running prompt's uncached tokens not computed yet (computed at an even pace)."""
+        job = self.running
+        if job is None:
+            return 0
+        left = (job.finish_s - now) / (job.finish_s - job.start_s) if job.finish_s > job.start_s else 0.0
+        return round((job.request.num_prompt_tokens - job.num_cached_tokens) * left)
+
+    def num_computed_tokens(self, now: float) -> int:
+        """Tokens computed so far: the finished prefills' and the running one's computed part."""
+        job = self.running
+        running = job.request.num_prompt_tokens - job.num_cached_tokens - self._running_left(now) if job else 0
+        return self._num_computed_tokens + running
+
     def queued_prefill_tokens(self, now: float) -> int:
-        queued = 0
-        if self.running is not None:
-            job = self.running
-            left = (job.finish_s - now) / (job.finish_s - job.start_s) if job.finish_s > job.start_s else 0.0
-            queued += round((job.request.num_prompt_tokens - job.num_cached_tokens) * left)
+        queued = self._running_left(now)
         for job in self.queue:
             request = job.request
             cached = self.cache.num_matched_blocks(request.block_hashes, request.num_prompt_tokens)
@@ -207,11 +231,8 @@ class SimReplica:
         and not finished (router/index.py CachedBlockSet.take)."""
         version = self.cache.version + self._num_taken
         if self._snapshot[0] != version:
-            cached = self.cache.hashes()
-            held = set(cached)
             jobs = ([self.running] if self.running is not None else []) + list(self.queue)
-            taken = dict.fromkeys(h for job in jobs for h in job.request.block_hashes if h not in held)
-            self._snapshot = (version, cached + list(taken))
+            self._snapshot = (version, eviction_order(self.cache.hashes(), (job.request.block_hashes for job in jobs)))
         return RoutingStats(
             kv_version=version,
             kv_hashes=self._snapshot[1],  # PrefixIndex.update copies it
@@ -222,6 +243,8 @@ class SimReplica:
             num_running=int(self.running is not None),
             num_waiting=len(self.queue),
             requests_per_s=self.requests.per_s(now),
+            num_computed_tokens=self.num_computed_tokens(now),
+            num_requests=self.num_requests,
         )
 
 
@@ -285,7 +308,7 @@ def simulate(
             text=request.text,
         )
         decision = router.route(route_request, [(name, latest[name]) for name in by_name], arrival_s)
-        started(by_name[decision.chosen].submit(request, arrival_s), decision.chosen)
+        started(by_name[decision.chosen].submit(request, arrival_s, decision.retain), decision.chosen)
 
     decisions: Counter[str] = Counter()
     for router in routers:
@@ -293,14 +316,21 @@ def simulate(
     return PolicyRun(policy, list(by_name), records, dict(decisions))
 
 
-def oracle_hit_tokens(workload: Workload, num_replicas: int, num_blocks: int) -> tuple[int, int, dict[int, int]]:
-    """(hit tokens, prompt tokens, {group: prefix blocks pinned}) of the oracle in the module docstring."""
-    hit_tokens, prompt_tokens, pinned, _ = oracle_placement(workload, num_replicas, num_blocks)
+def oracle_hit_tokens(
+    workload: Workload, num_replicas: int, num_blocks: int, *, foresight: bool = True,
+) -> tuple[int, int, dict[int, int]]:
+    """(hit tokens, prompt tokens, {group: prefix blocks pinned}) of the oracle in the module
+    docstring. `foresight=False`: the same static placement chosen by the groups' popularity
+    (the workload's weights), not by how often each was in fact requested: the best a placement
+    fixed in advance can expect. With uniform popularity the pinned groups are any, and
+    the clairvoyant oracle's edge is the luck of the draw: it pins the groups that happened to
+    come most often."""
+    hit_tokens, prompt_tokens, pinned, _ = oracle_placement(workload, num_replicas, num_blocks, foresight=foresight)
     return hit_tokens, prompt_tokens, pinned
 
 
 def oracle_placement(
-    workload: Workload, num_replicas: int, num_blocks: int,
+    workload: Workload, num_replicas: int, num_blocks: int, *, foresight: bool = True,
 ) -> tuple[int, int, dict[int, int], dict[int, int]]:
     """oracle_hit_tokens, and {group: the replica it is pinned to}."""
     spec = workload.spec
@@ -312,14 +342,16 @@ def oracle_placement(
     max_hit_blocks = min(num_prefix_blocks, (spec.prompt_len - 1) // bs)
     pinned: dict[int, int] = {}
     homes: dict[int, int] = {}
-    for group in sorted(range(spec.num_groups), key=lambda g: (-counts[g], g)):
+    # Popularity falls with the group's index (routing_workload.py): by index is by weight.
+    order = sorted(range(spec.num_groups), key=lambda g: (-counts[g], g)) if foresight else range(spec.num_groups)
+    for group in order:
         best = max(range(num_replicas), key=lambda r: (room[r], -r))
         num_pinned = min(num_prefix_blocks, room[best])
-        if counts[group] > 1 and num_pinned > 0:
+        if (counts[group] > 1 or not foresight) and num_pinned > 0:
             room[best] -= num_pinned
             pinned[group] = num_pinned
             homes[group] = best
-    hit_tokens = sum((counts[g] - 1) * min(n, max_hit_blocks) * bs for g, n in pinned.items())
+    hit_tokens = sum(max(0, counts[g] - 1) * min(n, max_hit_blocks) * bs for g, n in pinned.items())
     return hit_tokens, sum(r.num_prompt_tokens for r in workload.requests), pinned, homes
 
 

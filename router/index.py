@@ -47,7 +47,7 @@ import numpy as np
 
 from serving.engine.kv_events import BlockRemoved, BlockStored, KVEvent
 
-__all__ = ["CachedBlockSet", "PrefixIndex", "encode_hashes", "decode_hashes"]
+__all__ = ["CachedBlockSet", "PrefixIndex", "encode_hashes", "decode_hashes", "eviction_order"]
 
 
 def encode_hashes(hashes: Iterable[int]) -> bytes:
@@ -137,12 +137,23 @@ class CachedBlockSet:
             self.version += 1
 
     def snapshot(self) -> tuple[int, bytes]:
-        """(version, the encoded hashes in eviction order, then those of the prompts taken and not
-        yet computed): RoutingStats.kv_version and kv_hashes."""
-        if not self._taken:
-            return self.version, encode_hashes(self._order)
-        pending = dict.fromkeys(h for hashes in self._taken.values() for h in hashes if h not in self._order)
-        return self.version, encode_hashes(itertools.chain(self._order, pending))
+        """(version, the encoded hashes in eviction order as the engine will have them once the
+        prompts taken are computed: RoutingStats.kv_version and kv_hashes; `eviction_order`)."""
+        return self.version, encode_hashes(eviction_order(self._order, self._taken.values()))
+
+
+def eviction_order(cached: Iterable[int], taken: Iterable[Sequence[int]]) -> list[int]:
+    """The order a snapshot lists: the cached hashes least recently used first, then each prompt
+    taken and not finished, in the order taken, tail first (cached or not: computing it makes
+    its blocks the most recent, and the engine frees a prompt's blocks tail first). This is the
+    order `PrefixIndex.note_routed` gives the prompts a router sent itself, so that every router
+    predicts the same evictions from the same snapshot, whichever of them sent what."""
+    order = dict.fromkeys(cached)
+    for block_hashes in taken:
+        for block_hash in reversed(block_hashes):
+            order.pop(block_hash, None)
+            order[block_hash] = None
+    return list(order)
 
 
 class PrefixIndex:
@@ -169,6 +180,9 @@ class PrefixIndex:
             return False
         self._versions[replica] = (epoch, version)
         new = dict.fromkeys(decode_hashes(hashes) if isinstance(hashes, bytes) else hashes)
+        capacity = self._capacity.get(replica, 0)
+        if capacity and len(new) > capacity:  # the prompts taken will evict the oldest
+            new = dict.fromkeys(itertools.islice(new, len(new) - capacity, None))
         old = self._hashes.get(replica, {})
         self._count(old.keys() - new.keys(), -1)
         self._count(new.keys() - old.keys(), +1)

@@ -35,21 +35,36 @@ then suffixes nobody reuses, then cold prefixes), and a prefix is copied only wh
 worth its compute: the hot ones, which the load bound below spreads; the cold ones stay on one
 replica.
 
+Admission: a prompt's new blocks are computed on the chosen replica whatever happens; whether
+they then stay cached is a second choice (Decision.retain, carried to the engine as the request's
+`keep_cached`, serving/engine/block_manager.py). Kept, they sit at the replica's recent end and
+the next prompt there evicts its oldest cached blocks instead of them; not kept, they go to the
+eviction end and are the next prompt's room. They are kept unless the blocks the next prompt of
+the same size would evict instead are worth more (the reuse value of router/eviction.py, for the
+new blocks against those). This is what LRU alone cannot do under pressure: with more prefixes
+than room, every cold prompt pushes out a prefix that will come back, which comes back as a miss
+that pushes out another; here a prefix seen once does not displace one seen often, and the
+resident set changes only when popularity does (TinyLFU's admission, with the router's exact
+counts of every request instead of a per-cache sketch). `admission=False` keeps everything.
+
 Bounded load (consistent hashing with bounded loads, after Mirrokni et al.): only replicas whose
-recent routed load stays within `max_load_ratio` x the pool's mean are eligible. The load is the
-uncached tokens this router sent each replica, decayed by 1 / (`load_window_per_replica` x
-replicas) per decision (a window of about that many requests per replica). The cheapest
-eligible replica wins ("load_bound" when that is not the cheapest overall), so a replica that
-holds several popular prefixes sheds the excess to the next cheapest, which then holds that
-prefix too: a hot prefix is replicated as far as its load needs. Exempt is a holder of a prefix
-too cold to need a second copy (its share of recent requests, p, is within its holders' share:
-p x replicas <= holders) on a replica that does not take more than `max_load_ratio` x its share
-of the pool's requests (RoutingStats.requests_per_s, else what this router sent): spilling that
-request would compute the prefix again elsewhere, more work in all, to relieve the holder of one
-hit; the bound instead steers cold placements away from the holder. A replica over its share of
-requests holds too many prefixes, and its requests do spill: the prefix moves. The window is
-long enough that one cold prefill does not push its replica over at once. `max_load_ratio=None`
-turns the bound off.
+recent load stays within `max_load_ratio` x the pool's mean are eligible. The load is the tokens
+a replica computed, as its own counters report them (RoutingStats.num_computed_tokens, decayed
+per request the pool takes over a window of `load_window_per_replica` requests per replica:
+router/pool_load.py), plus what it still has to compute (its queued prefill tokens and what this
+router sent it since its stats). Every router (one per ingress replica) reads the same counters,
+so they bound the same load; where the replicas report none, the load is what this router sent.
+The cheapest eligible replica wins ("load_bound" when that is not the cheapest overall), so a
+replica that holds several popular prefixes sheds the excess to the next cheapest, which then
+holds that prefix too: a hot prefix is replicated as far as its load needs. Exempt is a holder
+of a prefix too cold to need a second copy (its share of recent requests, p, is within its
+holders' share: p x replicas <= holders) on a replica that does not take more than
+`max_load_ratio` x its share of the pool's requests (the same counters, else
+RoutingStats.requests_per_s, else what this router sent): spilling that request would compute
+the prefix again elsewhere, more work in all, to relieve the holder of one hit; the bound instead
+steers cold placements away from the holder. A replica over its share of requests holds too many
+prefixes, and its requests do spill: the prefix moves. The window is long enough that one cold
+prefill does not push its replica over at once. `max_load_ratio=None` turns the bound off.
 
 Candidates within `tie_tolerance` of the cheapest that hold as much of the prompt as it does are
 ties (a holder is never traded for a non-holder at equal cost), broken by queued tokens, then by
@@ -70,11 +85,11 @@ the cheapest.
 from __future__ import annotations
 
 import hashlib
-import random
 from collections.abc import Hashable, Sequence
 
 from router.eviction import BlockReuse
 from router.index import PrefixIndex
+from router.pool_load import PoolLoad
 from router.route_types import Decision, ReplicaLoad, RouteRequest
 
 __all__ = ["PrefixCostPolicy"]
@@ -98,7 +113,7 @@ class PrefixCostPolicy:
         price_evictions: bool = True,
         price_delay: bool = True,
         reuse_window_requests: int = 2048,
-        seed: int | None = None,
+        admission: bool = True,
     ):
         if default_prefill_tokens_per_s <= 0:
             raise ValueError(f"default_prefill_tokens_per_s must be > 0, got {default_prefill_tokens_per_s}")
@@ -128,12 +143,16 @@ class PrefixCostPolicy:
         self.price_evictions = price_evictions
         self.price_delay = price_delay
         self.reuse = BlockReuse(reuse_window_requests)
-        self._rng = random.Random(seed)
+        self.admission = admission
+        self.pool = PoolLoad(load_window_per_replica)  # what the replicas report they computed
         self.routed_tokens: dict[Hashable, float] = {}  # replica -> decayed uncached tokens sent
         self.routed_requests: dict[Hashable, float] = {}  # replica -> decayed requests sent
 
     def choose(self, request: RouteRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex) -> Decision:
         assert loads, "choose() needs at least one candidate"
+        for load in loads:
+            self.pool.observe(load.replica_id, load.num_computed_tokens, load.num_requests, len(loads))
+        recent = self._recent_load(loads)
         bs = request.block_size
         matched_blocks = {load.replica_id: index.num_matched_blocks(load.replica_id, request.block_hashes) for load in loads}
         matched = {replica_id: num * bs for replica_id, num in matched_blocks.items()}
@@ -151,7 +170,7 @@ class PrefixCostPolicy:
         evictions = self._eviction_s(request, loads, index, new_blocks, rates) if self.price_evictions else {}
         costs = {r: ttft + delays.get(r, 0.0) + evictions.get(r, 0.0) for r, ttft in ttfts.items()}
 
-        eligible = self._within_load_bound(loads, uncached, self._exempt(request, loads, index, matched_blocks))
+        eligible = self._within_load_bound(loads, recent, uncached, self._exempt(request, loads, index, matched_blocks))
         by_cost = sorted(eligible, key=lambda load: (costs[load.replica_id], load.queued_prefill_tokens))
         best = by_cost[0]
         reason = "prefix_hit" if matched[best.replica_id] > 0 else "least_cost"
@@ -163,9 +182,13 @@ class PrefixCostPolicy:
         limit = costs[best.replica_id] * (1 + self.tie_tolerance) + 1e-9
         ties = [load for load in by_cost if costs[load.replica_id] <= limit and matched[load.replica_id] == matched[best.replica_id]]
         if len(ties) > 1:
+            num = matched_blocks[best.replica_id]
+            key = request.block_hashes[num] if num < len(request.block_hashes) else request.request_id
+            weight = _rendezvous_weights(key, [load.replica_id for load in ties])
             best = min(ties, key=lambda load: (
-                load.queued_prefill_tokens, self.routed_tokens.get(load.replica_id, 0.0), self._rng.random()))
-            reason = "tie_break" if matched[best.replica_id] == 0 else reason
+                load.queued_prefill_tokens, self.routed_tokens.get(load.replica_id, 0.0), -weight[load.replica_id]))
+            if reason != "load_bound":
+                reason = "tie_break" if matched[best.replica_id] == 0 else reason
 
         least = min(loads, key=lambda load: (load.queued_prefill_tokens, costs[load.replica_id]))
         mean_queued = sum(load.queued_prefill_tokens for load in loads) / len(loads)
@@ -185,9 +208,29 @@ class PrefixCostPolicy:
 
         self._account(best.replica_id, uncached[best.replica_id], len(loads))
         self.reuse.observe(request.block_hashes, new_blocks[best.replica_id])
+        retain = not self.admission or self._admit(
+            request, loads, index, best.replica_id, matched_blocks[best.replica_id], new_blocks[best.replica_id])
         rest = sorted((load for load in loads if load is not best), key=lambda load: (costs[load.replica_id], load.queued_prefill_tokens))
         ranked = [best.replica_id] + [load.replica_id for load in rest]
-        return Decision(ranked, reason, ttfts, matched[best.replica_id], delays, evictions)
+        return Decision(ranked, reason, ttfts, matched[best.replica_id], delays, evictions, retain=retain)
+
+    def _admit(self, request: RouteRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex, replica_id: Hashable,
+               num_matched: int, num_new: int) -> bool:
+        """Admission (module docstring): whether the chosen replica should keep this prompt's new
+        blocks as its most recently used. What taking the request evicts now is gone either way;
+        keeping the new blocks costs the blocks the next prompt of this size would evict instead
+        of them. Kept unless those are worth more."""
+        keep = set(request.block_hashes)
+        now = index.victims(replica_id, num_new, keep)
+        if not now:  # room to spare: nothing is lost by keeping them
+            return True
+        instead = index.victims(replica_id, 2 * num_new, keep)[len(now):]
+        if not instead:
+            return True
+        horizon = self.reuse.horizon(sum(index.capacity(load.replica_id) for load in loads))
+        gained = self.reuse.value_s(request.block_hashes[num_matched:], horizon, 1.0)
+        lost = self.reuse.value_s(instead, horizon, 1.0, index.num_holders)
+        return gained >= lost
 
     # ---- the cost's terms --------------------------------------------------------------------
     @staticmethod
@@ -218,19 +261,28 @@ class PrefixCostPolicy:
         return out
 
     # ---- the load bound ----------------------------------------------------------------------
+    def _recent_load(self, loads: Sequence[ReplicaLoad]) -> dict[Hashable, float]:
+        """Each replica's recent load in tokens: what it reports it computed (router/pool_load.py)
+        plus what it has still to compute (queued, and routed since its stats); else, where the
+        replicas report no counters, what this router sent it."""
+        if self.pool.reported:
+            return {load.replica_id: self.pool.tokens(load.replica_id) + load.queued_prefill_tokens for load in loads}
+        return {load.replica_id: self.routed_tokens.get(load.replica_id, 0.0) for load in loads}
+
     def _within_load_bound(
-        self, loads: Sequence[ReplicaLoad], uncached: dict[Hashable, int], exempt: set[Hashable] = frozenset(),
+        self, loads: Sequence[ReplicaLoad], routed: dict[Hashable, float], uncached: dict[Hashable, int],
+        exempt: set[Hashable] = frozenset(),
     ) -> list[ReplicaLoad]:
-        """The candidates whose routed load plus this request stays within the bound, and the
+        """The candidates whose recent load plus this request stays within the bound, and the
         `exempt` ones (all of them while none is: early on, when one cold prompt outweighs the
         pool's mean)."""
         if self.max_load_ratio is None:
             return list(loads)
-        routed = {load.replica_id: self.routed_tokens.get(load.replica_id, 0.0) for load in loads}
         bound = self.max_load_ratio * (sum(routed.values()) + min(uncached.values())) / len(loads)
         within = [load for load in loads if routed[load.replica_id] + uncached[load.replica_id] <= bound]
-        if not within:
-            return list(loads)
+        if not within:  # one prompt outweighs the pool's mean: those at or under the mean
+            mean = sum(routed.values()) / len(loads)
+            within = [load for load in loads if routed[load.replica_id] <= mean]
         keep = {load.replica_id for load in within} | exempt
         return [load for load in loads if load.replica_id in keep]
 
@@ -241,7 +293,9 @@ class PrefixCostPolicy:
         out = set()
         # Each replica's share of requests: as the replicas count them (the same for every
         # router), else as this router sent them.
-        if any(load.requests_per_s for load in loads):
+        if self.pool.reported:
+            taken = {load.replica_id: self.pool.requests(load.replica_id) for load in loads}
+        elif any(load.requests_per_s for load in loads):
             taken = {load.replica_id: load.requests_per_s for load in loads}
         else:
             taken = {load.replica_id: self.routed_requests.get(load.replica_id, 0.0) for load in loads}
@@ -265,10 +319,16 @@ class PrefixCostPolicy:
         self.routed_requests[replica_id] = self.routed_requests.get(replica_id, 0.0) + 1.0
 
 
-def _rendezvous(key: str, replicas: Sequence[Hashable]) -> Hashable:
-    """Highest-random-weight hashing: stable under replicas joining or leaving."""
+def _rendezvous_weights(key: Hashable, replicas: Sequence[Hashable]) -> dict[Hashable, int]:
+    """Highest-random-weight hashing's weights: the same on every router, stable under replicas
+    joining or leaving."""
     def weight(replica: Hashable) -> int:
         digest = hashlib.blake2b(f"{key}\x00{replica}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little")
 
-    return max(replicas, key=weight)
+    return {replica: weight(replica) for replica in replicas}
+
+
+def _rendezvous(key: Hashable, replicas: Sequence[Hashable]) -> Hashable:
+    weights = _rendezvous_weights(key, replicas)
+    return max(replicas, key=weights.__getitem__)

@@ -48,6 +48,11 @@ class RoutingStats:
     # Requests the replica took lately, per second (RequestRate below); 0 before the first. The
     # prefill policy prices the delay a long prefill causes the requests arriving behind it.
     requests_per_s: float = 0.0
+    # Cumulative counters since the engine started: the tokens it ran through the model and the
+    # requests it took. Every router turns them into the same recent load per replica
+    # (router/pool_load.py), which the prefill policy bounds; 0: not reported.
+    num_computed_tokens: int = 0
+    num_requests: int = 0
     # The replica's metrics (WorkerRecorder.snapshot), which the ingress's GET /metrics re-exports
     # (serving/observability/export.py): they ride along instead of a scrape of every replica.
     metrics: tuple[MetricFamily, ...] = ()

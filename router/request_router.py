@@ -37,7 +37,9 @@ from router.routing_state import RouterState
 from serving.observability.metrics import POOL_OF_DEPLOYMENT, record_routing_decision, register_router
 from serving.observability.request_path import Prediction, record_prediction
 
-__all__ = ["PrefixAwareRequestRouter", "KVAwareRequestRouter", "Routable", "prediction_of", "route_request_from_args"]
+__all__ = [
+    "PrefixAwareRequestRouter", "KVAwareRequestRouter", "Routable", "apply_admission", "prediction_of", "route_request_from_args",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,14 @@ def route_request_from_args(pending_request: PendingRequest | None) -> RouteRequ
         session=request.session,
         token_ids=request.prompt_token_ids,
     )
+
+
+def apply_admission(pending_request: PendingRequest, decision: Decision) -> None:
+    """The admission (Decision.retain, router/prefix_cost.py) travels with the request as its
+    `keep_cached`: Serve sends the call's arguments after choose_replicas returns."""
+    request = pending_request.args[0]
+    if hasattr(request, "keep_cached"):
+        request.keep_cached = decision.retain
 
 
 def prediction_of(policy: str, decision: Decision) -> Prediction:
@@ -111,6 +121,7 @@ class _PolicyRouter(FIFOMixin, RequestRouter):
             time.time(),
             known_replicas=self._all_replica_ids(),
         )
+        apply_admission(pending_request, decision)
         record_routing_decision(self.pool, self.state.policy.name, decision.reason)
         record_prediction(request.request_id, self.pool, prediction_of(self.state.policy.name, decision))
         return [[by_id[replica_id]] for replica_id in decision.ranked]

@@ -25,6 +25,9 @@ class ReplicaLoad:
     num_blocks: int = 0
     kv_usage: float = 0.0
     requests_per_s: float = 0.0  # requests the replica took lately (RoutingStats.requests_per_s); 0: unknown
+    # Cumulative counters from its stats (RoutingStats; router/pool_load.py); 0: not reported.
+    num_computed_tokens: int = 0
+    num_requests: int = 0
 
 
 @dataclass
@@ -54,6 +57,10 @@ class Decision:
     # The prompt tokens the chosen replica holds by the router's index, whatever the policy, capped
     # as the engine caps a hit (RouterState.route): what the request should find cached there.
     num_predicted_tokens: int = 0
+    # Whether the chosen replica should keep the prompt's new blocks cached as its most recently
+    # used (True), or free them to its eviction end because what they would push out is worth
+    # more (PrefixCostPolicy's admission, router/prefix_cost.py).
+    retain: bool = True
 
     @property
     def chosen(self) -> Hashable:

@@ -51,6 +51,8 @@ def load_from_stats(replica_id: Hashable, stats: RoutingStats | None) -> Replica
         num_blocks=stats.num_blocks,
         kv_usage=stats.kv_cache_usage,
         requests_per_s=stats.requests_per_s,
+        num_computed_tokens=stats.num_computed_tokens,
+        num_requests=stats.num_requests,
     )
 
 

@@ -65,6 +65,9 @@ class GenerateRequest:
     block_hashes: list[int] = field(default_factory=list)
     block_size: int = 16
     session: str | None = None
+    # Set by the prefill pool's router (router/request_router.py): False when the prompt's new
+    # blocks are worth less than what caching them would evict on the chosen replica.
+    keep_cached: bool = True
     # The ingress span's W3C context (serving/observability/tracing.py), so workers continue the
     # trace; None when tracing is off.
     trace_context: dict[str, str] | None = None

@@ -279,6 +279,8 @@ def _add_bench_routing(targets) -> None:
     p.add_argument("--kv-cache-tokens", type=int, metavar="TOKENS", help="KV cache per replica [simulate 4096; real 2560]")
     p.add_argument("--stats-period-s", type=float, metavar="S", help="routing stats period [0.5]")
     p.add_argument("--num-routers", type=int, metavar="N", help="simulated routers (ingress replicas), requests alternate [1]")
+    p.add_argument("--router-seeds", type=int, metavar="N",
+                   help="--pressure-sweep with --num-routers: compare ours with N routers and with one over N seeds [1]")
     p.add_argument("--model", help="model to calibrate on and serve [smollm2-135m-instruct]")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], help="weights and KV dtype [auto: as kvrelay picks on this machine]")
     p.add_argument("--rate-tokens-per-s", type=float, metavar="TOKENS", help="simulated prefill rate; skips the calibration")

@@ -89,6 +89,7 @@ class EngineWorker:
         self._cached_blocks_lock = threading.Lock()  # written on the engine thread
         self._epoch = time.time_ns()  # orders this engine's snapshots after a restarted one's
         self._requests = RequestRate()  # requests this replica took lately (RoutingStats.requests_per_s)
+        self._num_requests = 0  # requests taken since the engine started (RoutingStats.num_requests)
         self.engine.subscribe_kv_events(self._on_kv_events)
         self._node_id: str | None = None
         self._callers = CallerWatch(self.engine.abort)  # aborts the requests of an ingress that died
@@ -125,6 +126,8 @@ class EngineWorker:
             kv_cache_usage=stats.kv_cache_usage,
             kv_import_s=self.recorder.kv_import_s,
             requests_per_s=self._requests.per_s(time.monotonic()),
+            num_computed_tokens=stats.num_computed_tokens,
+            num_requests=self._num_requests,
             metrics=tuple(self.recorder.snapshot()),
         )
 
@@ -137,6 +140,7 @@ class EngineWorker:
         Returns what the engine held of its prompt before it came, for the ingress to check its
         router's prediction against (serving/observability/request_path.py)."""
         self._requests.add(time.monotonic())
+        self._num_requests += 1
         self.recorder.latencies.workload.arrived(len(request.prompt_token_ids))
         max_blocks = (len(request.prompt_token_ids) - 1) // request.block_size  # as an engine caps a hit
         with self._cached_blocks_lock:
@@ -189,6 +193,7 @@ class EngineWorker:
                 async for out in self.engine.generate(
                     request.request_id, prompt_token_ids=request.prompt_token_ids, params=one,
                     priority=request.priority, cache_salt=request.cache_salt, hold_kv=not scores_only,
+                    keep_cached=request.keep_cached,
                     export_into=export_into, export_until=slot.deadline if slot is not None else None,
                 ):
                     tracker.observe(out)
@@ -299,7 +304,7 @@ class EngineWorker:
                 async for out in self.engine.generate(
                     request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
                     priority=request.priority, cache_salt=request.cache_salt, kv_payload=payload,
-                    prior_output_token_ids=prior_output_token_ids,
+                    prior_output_token_ids=prior_output_token_ids, keep_cached=request.keep_cached,
                 ):
                     payload = None  # imported (or never needed); let the shared-memory view go
                     if slot is not None:  # the engine scattered it into its blocks before this output

@@ -7,7 +7,9 @@ A block is in use while its ref count is > 0. Freed blocks join the free queue; 
 stays in the prefix cache (findable by hash) until it is taken for new data, which evicts the
 least recently freed first. Blocks holding nothing reusable go to the front so they are reused
 before any cached block. A request's blocks are freed tail first, so a shared prefix outlives
-the suffixes hanging off it.
+the suffixes hanging off it. A request the router does not want cached (`keep_cached` False:
+what its blocks would push out is worth more, router/prefix_cost.py) frees the blocks it
+computed just behind those, so they are reused next and the cache keeps what it held.
 
 The block table of a sequence only grows (append-only) while it runs. Counters: prefix-cache
 queries and hits, in tokens. Events (BlockStored / BlockRemoved) say which hashes this engine
@@ -191,15 +193,25 @@ class BlockManager:
         child.num_committed_blocks = min(parent.num_committed_blocks, num_blocks)
 
     def free(self, seq: Sequence) -> None:
-        """Drop `seq`'s references, tail first; blocks at zero become free (hashed ones stay cached)."""
-        for block_id in reversed(seq.block_ids):
+        """Drop `seq`'s references, tail first; blocks at zero become free (hashed ones stay cached).
+        With `seq.keep_cached` False, the hashed blocks it computed itself go to the eviction end,
+        tail first out (still findable until taken), behind only the blocks holding nothing."""
+        num_hits = seq.num_cached_tokens // self.block_size
+        empty: list[int] = []
+        cold: list[int] = []  # tail first
+        for i in range(len(seq.block_ids) - 1, -1, -1):
+            block_id = seq.block_ids[i]
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"double free of {block}"
             if block.ref_count == 0:
                 self._free[block_id] = None
                 if block.block_hash is None:
-                    self._free.move_to_end(block_id, last=False)  # nothing to keep: reuse first
+                    empty.append(block_id)
+                elif not seq.keep_cached and i >= num_hits:
+                    cold.append(block_id)
+        for block_id in [*reversed(cold), *empty]:  # the last moved is the first reused
+            self._free.move_to_end(block_id, last=False)
         seq.block_ids = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0

@@ -141,6 +141,7 @@ class LLMEngine:
         prior_output_token_ids: list[int] | None = None,
         export_into: torch.Tensor | None = None,
         export_until: float | None = None,
+        keep_cached: bool = True,
     ) -> int:
         """Validate and queue a request; returns its prompt length.
 
@@ -148,6 +149,8 @@ class LLMEngine:
         `export_into` (with hold_kv) is where its payload is read out: a contiguous tensor of
         exactly kv_payload_bytes(len(prompt)) bytes, e.g. a shared-memory arena range, written
         only before `export_until` (time.monotonic(); after it, a new tensor is).
+        `keep_cached=False` frees the blocks it computes to the prefix cache's eviction end
+        (block_manager.py): the router's call when they are worth less than what they would evict.
         `kv_payload` imports KV computed elsewhere; `prior_output_token_ids` are tokens already
         generated there (they count towards max_tokens and are not emitted again).
         """
@@ -182,7 +185,7 @@ class LLMEngine:
             seq = Sequence(
                 request_id=request_id, index=index, prompt_token_ids=prompt_token_ids,
                 params=params, max_tokens=max_tokens, priority=priority, arrival_time=arrival,
-                extra_keys=extra_keys, hold_kv=hold_kv,
+                extra_keys=extra_keys, hold_kv=hold_kv, keep_cached=keep_cached,
             )
             for token_id in prior:
                 seq.append_token(token_id)

@@ -58,6 +58,9 @@ class Sequence:
     extra_keys: tuple = ()
     # Keep the KV blocks after finishing, for export (prefill worker).
     hold_kv: bool = False
+    # Whether the blocks it computes stay cached as the most recently used when freed (False: at
+    # the eviction end; the router's admission, router/prefix_cost.py). Cache hits are not moved.
+    keep_cached: bool = True
 
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     status: RequestStatus = RequestStatus.WAITING

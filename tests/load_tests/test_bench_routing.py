@@ -12,10 +12,11 @@ import sys
 import pytest
 
 from load_tests.bench_routing import REAL_QUICK, SIM_FULL, SIM_QUICK, params_from_args, policy_figures, summarize
+from load_tests.routing_bounds import pooled_lru_hit_tokens, pooled_optimal_hit_tokens
 from load_tests.routing_calibration import CalibrationPoint, fit
 from load_tests.routing_metrics import PolicyRun, RoutedRequest, percentile
-from load_tests.routing_sim import BlockCache, CostModel, SimConfig, oracle_hit_tokens, simulate
-from load_tests.routing_sweep import SWEEP_FULL, SWEEP_QUICK, SweepGrid, cells, summarize_sweep
+from load_tests.routing_sim import BlockCache, CostModel, SimConfig, SimReplica, oracle_hit_tokens, simulate
+from load_tests.routing_sweep import ONE_ROUTER, SWEEP_FULL, SWEEP_QUICK, SweepGrid, cells, summarize_sweep
 from load_tests.routing_workload import Workload, WorkloadRequest, WorkloadSpec, make_workload
 from router.char_prefix_tree import token_text
 from serving.cli.dispatch import main
@@ -62,6 +63,23 @@ def test_block_cache_hits_cap_and_lru_eviction_order():
     assert cache.num_matched_blocks(c[:2], 9) == 2
 
 
+def test_block_cache_frees_a_prompt_not_kept_to_the_eviction_end():
+    cache = BlockCache(num_blocks=8, block_size=BS)
+    a, b = (hash_blocks([base + i for i in range(12)], BS) for base in (0, 100))  # 3 blocks each
+    cache.acquire(a, 12)
+    cache.release(a, 12)
+    b_on_a = a[:2] + hash_blocks([0, 1, 2, 3, 4, 5, 6, 7, 90, 91, 92, 93], BS)[2:]  # a's first two blocks, its own third
+    assert cache.acquire(b_on_a, 12) == 2
+    cache.release(b_on_a, 12, retain=False)
+    # Its hits go back to the recent end as ever; the block it computed goes first out.
+    assert list(cache.lru) == [b_on_a[2], a[2], a[1], a[0]]
+    cache.acquire(b, 12)
+    cache.release(b, 12, retain=False)
+    assert list(cache.lru) == [b[2], b[1], b[0], b_on_a[2], a[2], a[1], a[0]]  # the tail first out
+    assert cache.acquire(hash_blocks(list(range(500, 512)), BS), 12) == 0  # needs 3, 1 empty: b[2], b[1] go
+    assert cache.evicted == [b[2], b[1]]
+
+
 def test_simulated_queue_waits_and_hits_with_a_fixed_rate():
     # 128 tokens/s, no overhead: a cold 12-token prompt takes 0.09375 s, 4 uncached tokens 0.03125 s.
     cost = CostModel(overhead_s=0.0, tokens_per_s=128.0)
@@ -76,6 +94,22 @@ def test_simulated_queue_waits_and_hits_with_a_fixed_rate():
     assert run.hit_rate == 16 / 48
     assert run.computed_tokens_by_replica == {"replica-00": 4 + 4 + 12 + 12} and run.max_over_mean_load == 1.0
     assert len(by_id) == 4
+
+
+def test_simulated_replica_reports_counters_and_the_prompts_it_took_like_a_worker():
+    # 128 tokens/s: a cold 12-token prompt takes 0.09375 s. r0 runs, r1 waits behind it.
+    workload = tiny_workload([(0.0, 0), (0.0, 1)])
+    r0, r1 = workload.requests
+    replica = SimReplica("a", SimConfig(num_replicas=1, num_blocks=16, block_size=BS), CostModel(0.0, 128.0))
+    assert replica.submit(r0, 0.0) is not None and replica.submit(r1, 0.0) is None
+    half = replica.routing_stats(0.09375 / 2)
+    assert (half.num_computed_tokens, half.num_requests, half.num_queued_prefill_tokens) == (6, 2, 6 + 12)
+    # Nothing cached yet; both prompts listed as taken, each tail first, in the order taken.
+    assert half.kv_hashes == [*reversed(r0.block_hashes), *reversed(r1.block_hashes)]
+    replica.finish(0.09375)  # r0 done: its 3 blocks cached; r1 starts
+    done = replica.routing_stats(0.09375)
+    assert (done.num_computed_tokens, done.num_requests) == (12, 2)
+    assert done.kv_hashes == [*reversed(r0.block_hashes), *reversed(r1.block_hashes)]
 
 
 def test_routers_see_stats_and_their_own_routing():
@@ -108,6 +142,14 @@ def test_oracle_pins_the_most_requested_groups_that_fit():
     # Room 3: group 0's 2 blocks, then group 1's first block (4 tokens for its 1 later request).
     assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=4) == (16 + 4, 72, {0: 2, 1: 1})
     assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=1) == (0, 72, {})
+
+
+def test_the_oracle_without_foresight_pins_by_popularity_not_by_the_draw():
+    # Group 1 happened to come three times, group 0 (the more popular by its weight) once.
+    workload = tiny_workload([(0.0, 0), (0.1, 1), (0.2, 1), (0.3, 1)])
+    assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=3) == (16, 48, {1: 2})
+    assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=3, foresight=False) == (0, 48, {0: 2})
+    assert oracle_hit_tokens(workload, num_replicas=1, num_blocks=5, foresight=False) == (16, 48, {0: 2, 1: 2})
 
 
 def test_workload_is_seeded_and_shares_prefix_hashes():
@@ -250,8 +292,12 @@ def test_pressure_sweep_summary_takes_the_worst_cell_of_each_figure():
         sweep_record("b", 0.5, prefix_cost=(0.4, 900.0, 1.2), char_prefix_tree=(0.38, 600.0, 1.1)),
         sweep_record("c", 0.9, skipped="too small"),
     ]
+    records[0].update(pooled_lru_hit_rate=0.8, pooled_optimal_hit_rate=0.95)
+    records[1].update(pooled_lru_hit_rate=0.4, pooled_optimal_hit_rate=0.8)
     summary = summarize_sweep(records)
     assert summary["min_fraction_of_oracle"] == pytest.approx(0.8) and summary["min_fraction_of_oracle_cell"] == "b"
+    assert (summary["min_hit_ratio_vs_pooled_lru"], summary["min_hit_ratio_vs_pooled_lru_cell"]) == (pytest.approx(0.95), "a")
+    assert (summary["min_fraction_of_pooled_optimal"], summary["min_fraction_of_pooled_optimal_cell"]) == (pytest.approx(0.5), "b")
     assert summary["min_hit_ratio_vs_char_tree"] == pytest.approx(0.95) and summary["min_hit_ratio_vs_char_tree_cell"] == "a"
     assert summary["max_ttft_p95_ratio_vs_char_tree"] == pytest.approx(1.5) and summary["max_ttft_p95_ratio_vs_char_tree_cell"] == "b"
     assert (summary["max_over_mean_load"], summary["max_over_mean_load_cell"]) == (1.2, "b")
@@ -261,6 +307,19 @@ def test_pressure_sweep_summary_takes_the_worst_cell_of_each_figure():
         "min_fraction_of_oracle": False, "min_hit_ratio_vs_char_tree": False,
         "max_ttft_p95_ratio_vs_char_tree": False, "max_over_mean_load": True, "min_hit_ratio_vs_one_router": None,
     }
+
+
+def test_several_routers_compare_by_the_mean_hit_rate_over_their_seeds():
+    record = sweep_record("a", 0.8, prefix_cost=(0.7, 400.0, 1.1))
+    record["figures"][ONE_ROUTER] = {"hit_rate": 0.8}
+    assert summarize_sweep([record])["min_hit_ratio_vs_one_router"] == pytest.approx(0.7 / 0.8)  # one seed each
+    record.update(router_seeds=3, one_router_hit_rates=[0.8, 0.75, 0.85], several_routers_hit_rates=[0.7, 0.8, 0.78])
+    assert summarize_sweep([record])["min_hit_ratio_vs_one_router"] == pytest.approx(2.28 / 2.4)
+    p = params_from_args(build_parser().parse_args(
+        ["bench", "routing", "--simulate", "--pressure-sweep", "--num-routers", "2", "--router-seeds", "3"]))
+    assert (p.num_routers, p.router_seeds) == (2, 3)
+    with pytest.raises(SystemExit, match="--router-seeds must be >= 1"):
+        params_from_args(build_parser().parse_args(["bench", "routing", "--simulate", "--router-seeds", "0"]))
 
 
 def test_pressure_sweep_presets_and_grid_options():
@@ -299,3 +358,15 @@ def test_pressure_sweep_tiny_grid_through_the_cli(tmp_path, capsys):
                 "max_over_mean_load", "min_hit_ratio_vs_one_router", "min_hit_ratio_vs_oracle_replay"):
         assert summary[key] > 0 and summary[f"{key}_cell"] in {r["cell"] for r in cells_run}
     assert "worst cell: hit rate / tree's" in capsys.readouterr().out
+
+
+def test_pooled_references_lru_and_offline_optimal():
+    # Prefixes A and B (2 blocks each) alternate, A B A B A, into one cache of 4 blocks; every
+    # prompt also has a 1-block suffix nobody reuses. LRU keeps each prompt's blocks (the suffix
+    # too), so each of the last three requests finds only the head of its prefix: 3 x 1 block.
+    # MIN drops the suffixes and B once nobody wants it: the last three find both blocks.
+    workload = tiny_workload([(0.0, 0), (1.0, 1), (2.0, 0), (3.0, 1), (4.0, 0)])
+    assert pooled_lru_hit_tokens(workload, num_blocks=4) == 3 * BS
+    assert pooled_optimal_hit_tokens(workload, num_blocks=4) == 3 * 2 * BS
+    # Room for everything: both hit all they can (2 blocks of 3: one token is always computed).
+    assert pooled_lru_hit_tokens(workload, num_blocks=100) == pooled_optimal_hit_tokens(workload, num_blocks=100) == 3 * 2 * BS

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.index import CachedBlockSet, PrefixIndex, decode_hashes, encode_hashes
+from router.index import CachedBlockSet, PrefixIndex, decode_hashes, encode_hashes, eviction_order
 from serving.engine.block_hash import hash_blocks
 from serving.engine.block_manager import BlockManager
 from serving.engine.kv_events import BlockRemoved, BlockStored
@@ -46,10 +46,12 @@ def test_cached_block_set_lists_the_prompts_taken_and_not_finished_last():
     blocks.apply([stored(1, 2)])
     blocks.take("r1", [1, 2, 3, 4])  # hits 1, 2; computes 3, 4
     blocks.take("r2", [4, 5])
-    assert blocks.version == 3 and decode_hashes(blocks.snapshot()[1]) == [1, 2, 3, 4, 5]
+    # Each prompt taken as it will be once computed: the most recent, tail first, in the order
+    # taken (r2 reuses r1's 4 after r1), cached blocks it hits included.
+    assert blocks.version == 3 and decode_hashes(blocks.snapshot()[1]) == [3, 2, 1, 5, 4]
     blocks.apply([stored(3, 4)])  # r1 computed its blocks
     blocks.touch([1, 2, 3, 4], "r1")  # and ended: its blocks are the most recent, head last
-    assert decode_hashes(blocks.snapshot()[1]) == [4, 3, 2, 1, 5]  # r2's 5 still taken
+    assert decode_hashes(blocks.snapshot()[1]) == [3, 2, 1, 5, 4]  # r2 still taken: the same order
     blocks.touch([4, 5], "r2")  # r2 ended without storing 5 (aborted): nothing left of it
     assert decode_hashes(blocks.snapshot()[1]) == [3, 2, 1, 4] and blocks.version == 6
 
@@ -109,6 +111,20 @@ def test_note_routed_makes_the_prompt_recent_and_evicts_beyond_capacity():
     assert index.victims("a", 6) == [2, 4, 11, 10, 9, 3]  # the prompt's head is the most recent
     assert index.update("a", 2, [4, 3], num_blocks=6)  # the snapshot replaces the guess
     assert index.victims("a", 6) == [4, 3] and index.victims("b", 6) == []  # unknown capacity: no victims
+
+
+def test_a_snapshot_longer_than_the_capacity_keeps_its_most_recent_blocks():
+    # The prompts a replica has taken come last in its snapshot; once computed they evict its
+    # oldest blocks. Every router, the sender or not, keeps the same newest `capacity` hashes.
+    index = PrefixIndex()
+    index.update("a", 1, [1, 2, 3, 4, 5, 6], num_blocks=4)
+    assert index.num_blocks("a") == 4 and [index.holds("a", h) for h in (1, 2, 3)] == [False, False, True]
+    assert index.update("b", 1, [1, 2, 3]) and index.num_blocks("b") == 3  # capacity unknown: all kept
+
+
+def test_eviction_order_puts_the_prompts_taken_last_tail_first():
+    assert eviction_order([1, 2, 3], [[2, 9], [9, 8]]) == [1, 3, 2, 8, 9]
+    assert eviction_order([1, 2], []) == [1, 2]
 
 
 def test_index_counts_the_replicas_holding_each_block():

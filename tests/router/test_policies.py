@@ -33,7 +33,7 @@ def index_with(**held) -> PrefixIndex:
 
 
 def test_prefix_holder_wins_when_load_is_equal():
-    decision = PrefixCostPolicy(seed=0).choose(REQUEST, loads(a=0, b=0, c=0), index_with(b=PREFIX))
+    decision = PrefixCostPolicy().choose(REQUEST, loads(a=0, b=0, c=0), index_with(b=PREFIX))
     assert decision.chosen == "b" and decision.reason == "prefix_hit"
     assert decision.num_matched_tokens == 64
     assert decision.estimated_ttft_s == {"a": 0.08, "b": 0.016, "c": 0.08}
@@ -41,7 +41,7 @@ def test_prefix_holder_wins_when_load_is_equal():
 
 def test_queued_work_outweighs_a_small_hit():
     # b holds 1 block (16 tokens) but has 500 tokens queued: a is cheaper (80 vs 564 tokens).
-    decision = PrefixCostPolicy(seed=0).choose(REQUEST, loads(a=0, b=500), index_with(b=PREFIX[:1]))
+    decision = PrefixCostPolicy().choose(REQUEST, loads(a=0, b=500), index_with(b=PREFIX[:1]))
     assert decision.chosen == "a" and decision.reason == "least_cost"
     assert decision.ranked == ["a", "b"]
 
@@ -49,24 +49,24 @@ def test_queued_work_outweighs_a_small_hit():
 def test_measured_rate_counts():
     # b holds the prefix but prefills 10x slower: 16 tokens at 100/s = 0.16 s > 80 at 1000/s.
     state = [ReplicaLoad("a", prefill_tokens_per_s=1000.0), ReplicaLoad("b", prefill_tokens_per_s=100.0)]
-    assert PrefixCostPolicy(seed=0).choose(REQUEST, state, index_with(b=PREFIX)).chosen == "a"
+    assert PrefixCostPolicy().choose(REQUEST, state, index_with(b=PREFIX)).chosen == "a"
 
 
 def test_unmeasured_rate_uses_the_pool_mean_then_the_default():
     state = [ReplicaLoad("a"), ReplicaLoad("b", queued_prefill_tokens=100)]
-    decision = PrefixCostPolicy(default_prefill_tokens_per_s=400.0, seed=0).choose(REQUEST, state, PrefixIndex())
+    decision = PrefixCostPolicy(default_prefill_tokens_per_s=400.0).choose(REQUEST, state, PrefixIndex())
     assert decision.estimated_ttft_s == {"a": 0.2, "b": 0.45}
     state = [ReplicaLoad("a"), ReplicaLoad("b", prefill_tokens_per_s=800.0), ReplicaLoad("c", prefill_tokens_per_s=1600.0)]
-    decision = PrefixCostPolicy(default_prefill_tokens_per_s=1.0, seed=0).choose(REQUEST, state, PrefixIndex())
+    decision = PrefixCostPolicy(default_prefill_tokens_per_s=1.0).choose(REQUEST, state, PrefixIndex())
     assert decision.estimated_ttft_s == {"a": 80 / 1200, "b": 0.1, "c": 0.05}
 
 
 def test_absolute_imbalance_guard_moves_a_popular_prefix():
     # b holds the prefix: 16 uncached + 50 queued = 66 tokens beats a's 80, and b leads a by 50.
-    policy = PrefixCostPolicy(max_imbalance_tokens=100, max_imbalance_ratio=100.0, seed=0)
+    policy = PrefixCostPolicy(max_imbalance_tokens=100, max_imbalance_ratio=100.0)
     decision = policy.choose(REQUEST, loads(a=0, b=50), index_with(b=PREFIX))
     assert decision.chosen == "b" and decision.reason == "prefix_hit"  # lead 50 <= 100
-    policy = PrefixCostPolicy(max_imbalance_tokens=40, max_imbalance_ratio=100.0, seed=0)
+    policy = PrefixCostPolicy(max_imbalance_tokens=40, max_imbalance_ratio=100.0)
     decision = policy.choose(REQUEST, loads(a=0, b=50), index_with(b=PREFIX))
     assert decision.chosen == "a" and decision.reason == "imbalance_guard"
 
@@ -77,29 +77,29 @@ def test_relative_imbalance_guard():
     request = RouteRequest("r", num_prompt_tokens=400, block_hashes=prefix, block_size=16)
     state = loads(a=0, b=0, c=300)
     index = index_with(c=prefix)
-    lenient = PrefixCostPolicy(max_imbalance_tokens=10**9, max_imbalance_ratio=1.5, min_imbalance_tokens=1000, seed=0)
+    lenient = PrefixCostPolicy(max_imbalance_tokens=10**9, max_imbalance_ratio=1.5, min_imbalance_tokens=1000)
     assert lenient.choose(request, state, index).chosen == "c"  # lead 300 <= the 1000 floor
-    strict = PrefixCostPolicy(max_imbalance_tokens=10**9, max_imbalance_ratio=1.5, min_imbalance_tokens=100, seed=0)
+    strict = PrefixCostPolicy(max_imbalance_tokens=10**9, max_imbalance_ratio=1.5, min_imbalance_tokens=100)
     decision = strict.choose(request, state, index)  # 300 > 1.5 x mean 100, lead 300 > 100
     assert decision.reason == "imbalance_guard" and decision.chosen in {"a", "b"}
 
 
 def test_ties_are_broken_by_load_not_by_order():
     # The load bound off: repeating one request would otherwise spread it by its own history.
-    policy = PrefixCostPolicy(tie_tolerance=0.5, max_load_ratio=None, seed=1)
+    policy = PrefixCostPolicy(tie_tolerance=0.5, max_load_ratio=None)
     # a and b within 50% of each other; the pair is always {a, b} -> the less loaded one.
     state = [ReplicaLoad("a", queued_prefill_tokens=30, prefill_tokens_per_s=1000.0),
              ReplicaLoad("b", queued_prefill_tokens=10, prefill_tokens_per_s=1000.0)]
     choices = Counter(policy.choose(REQUEST, state, PrefixIndex()).chosen for _ in range(20))
     assert choices == Counter({"b": 20})
     equal = loads(a=0, b=0, c=0, d=0)
-    policy = PrefixCostPolicy(seed=3)
+    policy = PrefixCostPolicy()
     spread = Counter(policy.choose(REQUEST, equal, PrefixIndex()).chosen for _ in range(400))
     assert set(spread) == {"a", "b", "c", "d"} and min(spread.values()) > 60
 
 
 def test_session_affinity_within_slack():
-    policy = PrefixCostPolicy(session_affinity=True, affinity_slack_s=0.01, max_load_ratio=None, seed=0)
+    policy = PrefixCostPolicy(session_affinity=True, affinity_slack_s=0.01, max_load_ratio=None)
     session_request = RouteRequest("r", 80, PREFIX, 16, session="user-42")
     state = loads(a=0, b=0, c=0)
     preferred = policy.choose(session_request, state, PrefixIndex()).chosen
@@ -112,7 +112,7 @@ def test_session_affinity_within_slack():
 
 def test_load_bound_sheds_a_prefix_holder_with_too_much_recent_work():
     # a holds the prefix (16 uncached tokens, the cheapest) but was sent 1000 tokens lately.
-    policy = PrefixCostPolicy(max_load_ratio=1.25, load_window_per_replica=64, tie_tolerance=0.05, seed=0)
+    policy = PrefixCostPolicy(max_load_ratio=1.25, load_window_per_replica=64, tie_tolerance=0.05)
     policy.routed_tokens = {"a": 1000.0, "b": 200.0, "c": 200.0}
     policy.routed_requests = {"a": 10.0, "b": 2.0, "c": 2.0}  # a takes 10/14 of requests: not exempt
     decision = policy.choose(REQUEST, loads(a=0, b=0, c=5), index_with(a=PREFIX))
@@ -125,7 +125,7 @@ def test_load_bound_sheds_a_prefix_holder_with_too_much_recent_work():
     decision = policy.choose(REQUEST, loads(a=0, b=0, c=5), index_with(a=PREFIX))
     assert (decision.chosen, decision.reason) == ("a", "prefix_hit")
     # No history yet: one prompt outweighs the mean everywhere, so nobody is excluded.
-    fresh = PrefixCostPolicy(seed=0).choose(REQUEST, loads(a=0, b=0), index_with(a=PREFIX))
+    fresh = PrefixCostPolicy().choose(REQUEST, loads(a=0, b=0), index_with(a=PREFIX))
     assert (fresh.chosen, fresh.reason) == ("a", "prefix_hit")
     with pytest.raises(ValueError, match="max_load_ratio must be >= 1"):
         PrefixCostPolicy(max_load_ratio=0.5)

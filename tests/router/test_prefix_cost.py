@@ -4,6 +4,7 @@ causes, the load bound's exemption for cold prefixes, and ties that never trade 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 
@@ -18,7 +19,7 @@ def load(name: str, queued: int = 0, rate: float = 1000.0, requests_per_s: float
 
 
 def policy(**params) -> PrefixCostPolicy:
-    return PrefixCostPolicy(reuse_window_requests=10**9, seed=0, **params)  # no decay: p = uses / requests
+    return PrefixCostPolicy(reuse_window_requests=10**9, **params)  # no decay: p = uses / requests
 
 
 def test_a_cold_prompt_goes_where_it_evicts_the_least_wanted_blocks():
@@ -108,3 +109,85 @@ def test_ties_break_by_queue_then_routed_load_among_equal_holders():
     assert (decision.chosen, decision.reason) == ("b", "tie_break")
     decision = p.choose(request, [load("a"), load("b", queued=10), load("c")], PrefixIndex())
     assert (decision.chosen, decision.reason) == ("c", "tie_break")  # a queue first, then load
+
+
+def counted(name: str, computed: int, requests: int, queued: int = 0) -> ReplicaLoad:
+    """A replica's load with the cumulative counters of its stats."""
+    return ReplicaLoad(name, queued_prefill_tokens=queued, prefill_tokens_per_s=1000.0,
+                       num_computed_tokens=computed, num_requests=requests)
+
+
+def test_the_load_bound_counts_what_the_replicas_report_the_same_on_every_router():
+    request = RouteRequest("r", num_prompt_tokens=80, block_hashes=PREFIX + [5], block_size=16)
+    index = PrefixIndex()
+    index.update("a", 1, PREFIX)
+    first = [counted("a", 1, 1), counted("b", 1, 1), counted("c", 1, 1, queued=5)]
+    later = [counted("a", 1001, 11), counted("b", 201, 3), counted("c", 201, 3, queued=5)]
+    one, other = policy(tie_tolerance=0.05), policy(tie_tolerance=0.05)
+    other.routed_tokens = {"a": 0.0, "b": 10**6, "c": 0.0}  # what this router sent itself: not the load
+    for router in (one, other):
+        # The first stats are a baseline: no load yet, and one prompt outweighs the pool's mean
+        # (5 / 3 tokens) everywhere; those at or under it stay eligible: the holder keeps it.
+        decision = router.choose(request, first, index)
+        assert (decision.chosen, decision.reason) == ("a", "prefix_hit")
+    for router in (one, other):
+        # a computed 1000 tokens for 10 of the 14 requests since; the clock moves 1 / (64 x 3)
+        # per request, a's first: a = 1000 e^(-4/192), b = 200 e^(-2/192), c = 200 (+ 5 queued).
+        decision = router.choose(request, later, index)
+        assert router.pool.tokens("a") == pytest.approx(1000 * math.exp(-4 / 192))
+        # bound = 1.25 x (979.4 + 197.9 + 205 + 16) / 3 = 582.7: a's 995 is over, and a takes
+        # 2.1 x its share of the requests: not spared. b (0.08 s) beats c (0.085 s).
+        assert (decision.chosen, decision.reason) == ("b", "load_bound")
+
+
+def test_with_nobody_within_the_bound_the_replicas_at_or_under_the_mean_stay_eligible():
+    # A 2000-token prompt outweighs the bound everywhere: 1.25 x (1000 + 1936) / 3 = 1223.
+    request = RouteRequest("r", num_prompt_tokens=2000, block_hashes=PREFIX + [5], block_size=16)
+    index = PrefixIndex()
+    index.update("a", 1, PREFIX)
+    p = policy(tie_tolerance=0.05)
+    p.routed_tokens = {"a": 1000.0, "b": 0.0, "c": 0.0}
+    p.routed_requests = {"a": 10.0, "b": 1.0, "c": 1.0}  # a takes 10 of 12 requests: not spared
+    decision = p.choose(request, [load("a"), load("b"), load("c", queued=5)], index)
+    # The mean is 333 tokens: b and c stay eligible, a (1000) does not.
+    assert (decision.chosen, decision.reason) == ("b", "load_bound")
+
+
+def test_equal_cold_candidates_go_where_rendezvous_hashing_puts_the_prefix_on_every_router():
+    # Four idle replicas, nothing cached: every one is a tie. Two routers that know nothing of
+    # each other send a new prefix to the same replica; different prefixes spread.
+    def first_choice(prefix_head: int) -> str:
+        request = RouteRequest("r", num_prompt_tokens=80, block_hashes=[prefix_head, 2, 3, 4, 5], block_size=16)
+        return policy().choose(request, [load(name) for name in "abcd"], PrefixIndex()).chosen
+
+    choices = [first_choice(head) for head in range(1000, 1064)]
+    assert choices == [first_choice(head) for head in range(1000, 1064)]
+    assert Counter(choices) == {"a": 14, "b": 15, "c": 19, "d": 16}  # 64 prefixes, 16 each on average
+
+
+def test_admission_keeps_new_blocks_only_where_they_are_worth_what_they_would_push_out():
+    # a is full: 10-13 go to make room for the prompt whatever happens; keeping the prompt's
+    # blocks would make the next prompt evict 14-17 instead of them.
+    def state(hot: list[int]) -> PrefixCostPolicy:
+        p = policy()
+        for _ in range(3):
+            p.reuse.observe(hot, num_new_blocks=4)
+        return p
+
+    full = PrefixIndex()
+    full.update("a", 1, [10, 11, 12, 13, 14, 15, 16, 17], num_blocks=8)
+    cold_prompt = RouteRequest("r", num_prompt_tokens=64, block_hashes=[30, 31, 32, 33], block_size=16)
+    # 14-17 were used by three of the four requests so far, the prompt's blocks by this one only.
+    decision = state([14, 15, 16, 17]).choose(cold_prompt, [load("a")], full)
+    assert (decision.chosen, decision.retain) == ("a", False)
+    # The same prompt when it is the popular one and 14-17 are not: kept.
+    assert state([30, 31, 32, 33]).choose(cold_prompt, [load("a")], full).retain is True
+    # Room for the prompt (4 of 8 blocks empty): nothing is lost by keeping it.
+    roomy = PrefixIndex()
+    roomy.update("a", 1, [14, 15, 16, 17], num_blocks=8)
+    assert state([14, 15, 16, 17]).choose(cold_prompt, [load("a")], roomy).retain is True
+    # Admission off: always kept.
+    p = PrefixCostPolicy(reuse_window_requests=10**9, admission=False)
+    for _ in range(3):
+        p.reuse.observe([14, 15, 16, 17], num_new_blocks=4)
+    assert p.choose(cold_prompt, [load("a")], full).retain is True

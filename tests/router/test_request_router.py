@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from router.request_router import Routable, prediction_of, route_request_from_args
+from router.request_router import Routable, apply_admission, prediction_of, route_request_from_args
 from serving.deployments.messages import WorkerRequest
 from serving.engine.params import SamplingParams
 
@@ -33,3 +33,14 @@ def test_a_decisions_prediction_names_the_replica_as_its_worker_does():
     prediction = prediction_of("prefix_cost", Decision([replica, "other"], "prefix_hit", num_matched_tokens=64, num_predicted_tokens=48))
     assert (prediction.policy, prediction.replica, prediction.num_tokens) == ("prefix_cost", "abc123", 48)
     assert prediction_of("pow2", Decision(["r1"], "pow2")).replica == "r1"  # ids without unique_id (tests)
+
+
+def test_the_routers_admission_travels_with_the_request():
+    from router.route_types import Decision
+
+    request = WorkerRequest("r1", [5, 6, 7], SamplingParams(), block_hashes=[11], block_size=2)
+    assert request.keep_cached is True
+    apply_admission(SimpleNamespace(args=[request]), Decision(["a"], "least_cost", retain=False))
+    assert request.keep_cached is False
+    apply_admission(SimpleNamespace(args=[request]), Decision(["b"], "prefix_hit"))  # a retry elsewhere: kept
+    assert request.keep_cached is True

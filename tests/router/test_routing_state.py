@@ -35,7 +35,7 @@ def test_inflight_tokens_until_stats_cover_them_or_the_horizon():
 
 
 def test_route_follows_the_snapshot_then_counts_what_it_sent():
-    state = RouterState(PrefixCostPolicy(seed=0))
+    state = RouterState(PrefixCostPolicy())
     request = RouteRequest("r1", num_prompt_tokens=80, block_hashes=PREFIX + [15], block_size=16)
     candidates = [("a", stats(0.0)), ("b", stats(0.0, hashes=PREFIX))]
     decision = state.route(request, candidates, now=1.0)
@@ -50,7 +50,7 @@ def test_route_follows_the_snapshot_then_counts_what_it_sent():
 
 
 def test_route_forgets_replicas_that_left():
-    state = RouterState(PrefixCostPolicy(seed=0))
+    state = RouterState(PrefixCostPolicy())
     request = RouteRequest("r", num_prompt_tokens=80, block_hashes=PREFIX, block_size=16)
     state.route(request, [("a", stats(0.0, hashes=PREFIX)), ("b", stats(0.0))], now=1.0)
     state.route(request, [("b", stats(0.0))], now=1.0)
@@ -68,7 +68,7 @@ def test_routing_stats_round_trip_the_wire_and_ignore_unknown_keys():
 
 
 def test_a_routed_prompt_stays_in_the_index_until_a_snapshot_should_show_it():
-    state = RouterState(PrefixCostPolicy(seed=0))
+    state = RouterState(PrefixCostPolicy())
     request = RouteRequest("r1", num_prompt_tokens=80, block_hashes=PREFIX + [15], block_size=16)
     decision = state.route(request, [("a", stats(0.0, queued=900)), ("b", stats(0.0))], now=1.0)
     # b: 80 cold tokens at 1000/s: TTFT 0.08 s; the prompt should be in b's snapshots from 1.16.
@@ -85,7 +85,7 @@ def test_a_routed_prompt_stays_in_the_index_until_a_snapshot_should_show_it():
 def test_a_router_started_while_the_caches_are_warm_routes_by_them_at_once():
     """A new ingress replica's router has no history; the replicas' stats carry their snapshots
     (every router reads the same ones), so its first decision already follows the prefix."""
-    fresh = RouterState(PrefixCostPolicy(seed=0))
+    fresh = RouterState(PrefixCostPolicy())
     request = RouteRequest("first", num_prompt_tokens=80, block_hashes=PREFIX + [15], block_size=16)
     candidates = [("a", stats(5.0)), ("b", stats(5.0, hashes=PREFIX)), ("c", stats(5.0))]
     decision = fresh.route(request, candidates, now=5.1)
@@ -98,7 +98,7 @@ def test_each_decision_predicts_the_tokens_its_replica_holds_capped_as_an_engine
     blocks are all cached can find 48 of them, a 65-token one all 64."""
     from router.policies import RoundRobinPolicy
 
-    for policy in (PrefixCostPolicy(seed=0), RoundRobinPolicy()):
+    for policy in (PrefixCostPolicy(), RoundRobinPolicy()):
         state = RouterState(policy)
         held = [("a", stats(0.0, hashes=PREFIX))]
         assert state.route(RouteRequest("r1", 65, PREFIX, 16), held, now=1.0).num_predicted_tokens == 64
@@ -106,7 +106,7 @@ def test_each_decision_predicts_the_tokens_its_replica_holds_capped_as_an_engine
         assert state.route(RouteRequest("r3", 80, [11, 12, 99], 16), held, now=1.0).num_predicted_tokens == 32
         assert state.route(RouteRequest("r4", 10, [], 16), held, now=1.0).num_predicted_tokens == 0
     # The prediction is made before the request's own hashes are noted on its replica.
-    state = RouterState(PrefixCostPolicy(seed=0))
+    state = RouterState(PrefixCostPolicy())
     cold = RouteRequest("r5", 80, [21, 22, 23, 24, 25], 16)
     assert state.route(cold, [("a", stats(0.0))], now=1.0).num_predicted_tokens == 0
     assert state.route(RouteRequest("r6", 80, cold.block_hashes, 16), [("a", stats(0.0))], now=1.0).num_predicted_tokens == 64

@@ -123,3 +123,30 @@ def test_fork_shares_blocks_and_refcounts_return_to_zero():
     bm.free(child)
     assert bm.num_free_blocks == 8
     assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_a_sequence_not_kept_cached_frees_what_it_computed_to_the_eviction_end():
+    bm = BlockManager(8, 4)
+    old = make_seq(range(100, 108))  # 2 blocks cached first: the oldest
+    compute(bm, old, 8)
+    bm.free(old)
+    shared = make_seq(range(8))
+    compute(bm, shared, 8)
+    bm.free(shared)  # blocks 2, 3: cached, more recent than 0, 1
+    seq = make_seq(list(range(8)) + [50, 51, 52, 53, 54])  # hits 2, 3; computes a third block and a partial
+    seq.keep_cached = False
+    hits = bm.lookup_prefix(seq)
+    assert hits == [2, 3]
+    assert bm.allocate(seq, 13, hits)
+    seq.num_cached_tokens = 8
+    seq.num_computed_tokens = 13
+    bm.commit(seq)
+    assert seq.block_ids == [2, 3, 4, 5]
+    bm.free(seq)
+    # Reused first: the partial block (nothing in it), then the block it computed; then the
+    # free blocks never used, then the cached ones as freed (each request's tail first). Its hits
+    # went back to the recent end as ever.
+    assert list(bm._free) == [5, 4, 6, 7, 1, 0, 3, 2]
+    # Findable until taken: a prompt with the same third block hits it.
+    again = make_seq(list(range(8)) + [50, 51, 52, 53, 60])
+    assert bm.lookup_prefix(again) == [2, 3, 4]

@@ -428,3 +428,28 @@ def test_a_request_that_waited_past_max_queue_wait_s_ends_with_queue_timeout_and
     stats = eng.stats()
     assert stats.num_queue_timeouts == 1 and stats.num_waiting == 0
     assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_a_request_not_kept_cached_leaves_its_blocks_first_to_be_reused(tiny_model_dir):
+    """keep_cached=False (the router's admission): its computed blocks are freed to the
+    eviction end, still findable; a kept request's go to the recent end."""
+    eng = make_engine(tiny_model_dir)
+    kept, cold = random_prompts([48, 48], seed=8)
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    for request_id, prompt, keep in (("kept", kept, True), ("cold", cold, False)):
+        eng.add_request(request_id, params=one, prompt_token_ids=prompt, keep_cached=keep)
+        while eng.has_unfinished_requests():
+            eng.step()
+    bm = eng.block_manager
+    cached = {bm.blocks[b].block_hash: position for position, b in enumerate(bm._free) if bm.blocks[b].block_hash is not None}
+    from serving.engine.block_hash import hash_blocks
+
+    cold_hashes, kept_hashes = hash_blocks(cold, 16), hash_blocks(kept, 16)
+    assert len(cold_hashes) == len(kept_hashes) == 3
+    # The cold request's three blocks are the first hashed ones out, tail first; the kept one's
+    # are the most recent, its head last.
+    order = sorted(cached, key=cached.__getitem__)
+    assert order[:3] == cold_hashes[::-1]
+    assert order[-3:] == kept_hashes[::-1]
+    (again,) = eng.generate([cold[:32] + [7] * 16], one)
+    assert again.num_cached_tokens == 32  # findable until taken
