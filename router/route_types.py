@@ -25,6 +25,11 @@ class ReplicaLoad:
     num_blocks: int = 0
     kv_usage: float = 0.0
     requests_per_s: float = 0.0  # requests the replica took lately (RoutingStats.requests_per_s); 0: unknown
+    # What this router sent the replica after its stats were taken (router/routing_state.py):
+    # queued_prefill_tokens already includes their prompt tokens; these are their KV blocks and
+    # their number, for policies that rank on held KV and sequences (least_kv).
+    unreported_blocks: int = 0
+    unreported_sequences: int = 0
 
 
 @dataclass

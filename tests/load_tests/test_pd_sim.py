@@ -130,6 +130,20 @@ def test_routing_spreads_simultaneous_requests_over_the_least_loaded_replicas():
     assert sorted(r.decode_replica for r in disaggregated.results) == [2, 2, 3, 3]
 
 
+def test_kvrelay_routing_spreads_a_decode_burst_between_two_stats():
+    """The decode pool routes by kvrelay's least_kv on stats every 0.5 s, counting what it sent
+    since. Request 0 decodes on replica 1 (replicas: prefill 0, decode 1 and 2); the stats at
+    0.5 s show its KV there (its 32 prompt tokens and the ~25 it has decoded: 4-6 blocks of 16)
+    and none on 2. A burst of four 32-token prompts (3 blocks each) arrives at 0.6 and is handed
+    off at once, before the next stats: 2 (0 blocks), 2 (3 < 4-6), 1 (6 against 4-6), 2. Before
+    least_kv counted what it sent, all four went to replica 2."""
+    requests = [SimRequest(0, 0.0, 32, 400)] + [SimRequest(i, 0.6, 32, 50) for i in range(1, 5)]
+    run = simulate(requests, make_fit(), "disaggregated", num_prefill=1, num_decode=2)
+    assert run.results[0].decode_replica == 1
+    assert all(0.6 < r.first_token_s < 1.0 for r in run.results[1:])  # handed off between two stats
+    assert [r.decode_replica for r in run.results[1:]] == [2, 2, 1, 2]
+
+
 def test_summarize_counts_goodput_and_attainment_at_each_slo():
     run = simulate([SimRequest(0, 0.0, 64, 3), SimRequest(1, 0.0, 64, 3)], make_fit(), "colocated", num_decode=1)
     first, second = run.results
