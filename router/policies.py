@@ -59,7 +59,11 @@ class LeastKVPolicy:
         free = {load.replica_id: load.num_free_blocks - load.unreported_blocks for load in loads}
 
         def usage(load: ReplicaLoad) -> float:
-            return load.kv_usage + (load.unreported_blocks / load.num_blocks if load.num_blocks else 0.0)
+            # the engine's usage is 1 - free / blocks (serving/engine/block_manager.py): in blocks,
+            # so that equal counts compare equal (0.14 + 0.07 is not 0.21 in floating point)
+            if not load.num_blocks:
+                return load.kv_usage
+            return (load.num_blocks - free[load.replica_id]) / load.num_blocks
 
         def sequences(load: ReplicaLoad) -> int:
             return load.num_running + load.num_waiting + load.unreported_sequences

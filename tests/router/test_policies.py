@@ -154,9 +154,9 @@ def test_decode_policy_counts_what_the_router_sent_since_the_stats():
         ReplicaLoad("b", num_free_blocks=85, num_blocks=100, kv_usage=0.15, num_running=1),
     ]
     assert LeastKVPolicy().choose(request, state).ranked == ["b", "a"]
-    # Equal usage: the sequences sent since count beside the running ones.
+    # Equal usage (7 blocks each): the sequences sent since count beside the running ones.
     tie = [
-        ReplicaLoad("a", num_free_blocks=93, num_blocks=100, kv_usage=0.0, unreported_blocks=7, unreported_sequences=1),
+        ReplicaLoad("a", num_free_blocks=100, num_blocks=100, kv_usage=0.0, unreported_blocks=7, unreported_sequences=1),
         ReplicaLoad("b", num_free_blocks=93, num_blocks=100, kv_usage=0.07, num_running=2),
     ]
     assert LeastKVPolicy().choose(request, tie).ranked == ["a", "b"]
