@@ -15,8 +15,9 @@ prefills at a time (a waiting long one is passed over, shorter ones are admitted
 waiting requests are admitted in arrival order while the budget and `max_num_seqs` last and the
 replica's KV holds their prompt and output (reserved whole at admission: no preemption, which
 kvrelay's engine would do instead when it ran out). A step takes CostFit.step's time for its
-shape plus the served path's overhead (per step and per sampled row); its sampled tokens
-appear when it ends.
+shape plus the served path's overhead (per step and per sampled row, and on a prefill replica
+its own work per request, added to the step that admits it); its sampled tokens appear when it
+ends.
 
 The other serving processes (proxy, ingress, controller, client) share the cores the replicas
 run on, one core each (pd-interference's layout), using LayoutOverhead.background_cpu cores
@@ -139,13 +140,14 @@ def _account(seq: _Seq, n: int, tokens: int, rows: int, pairs: int, context: int
 
 
 class _Replica:
-    __slots__ = ("rid", "fit", "step_overhead_s", "row_overhead_s", "is_prefill", "waiting", "running", "kv_used",
+    __slots__ = ("rid", "fit", "step_overhead_s", "row_overhead_s", "request_overhead_s", "is_prefill", "waiting", "running", "kv_used",
                  "queued_kv", "queued_prompt", "busy", "busy_s", "kv_held", "stats", "prefill_rate", "requests")
 
     def __init__(self, rid: int, fit: CostFit, mode: str, *, is_prefill: bool = False):
         self.rid, self.fit, self.is_prefill = rid, fit, is_prefill
         overhead = fit.overhead.of(mode)
         self.step_overhead_s, self.row_overhead_s = overhead.step_s, overhead.row_s
+        self.request_overhead_s = overhead.prefill_request_s if is_prefill else 0.0  # per request it admits
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.kv_used = 0  # reserved by running sequences
@@ -195,6 +197,7 @@ class _Replica:
             budget -= n
             tokens, rows, pairs, context = _account(seq, n, tokens, rows, pairs, context)
         skipped = []
+        admitted = 0
         while self.waiting and budget > 0 and len(self.running) < fit.max_num_seqs:
             seq = self.waiting[0]
             left = seq.num_tokens - seq.num_computed
@@ -208,6 +211,7 @@ class _Replica:
             self.queued_kv -= seq.kv_need
             self.kv_used += seq.kv_need
             self.running.append(seq)
+            admitted += 1
             n, is_long = self._chunk(left, budget)
             num_long += is_long
             scheduled.append((seq, n))
@@ -216,7 +220,8 @@ class _Replica:
         self.waiting.extendleft(reversed(skipped))
         if not scheduled:
             return scheduled, 0.0
-        return scheduled, fit.step.step_s(tokens, rows, pairs, context) + self.step_overhead_s + self.row_overhead_s * rows
+        return scheduled, (fit.step.step_s(tokens, rows, pairs, context) + self.step_overhead_s + self.row_overhead_s * rows
+                           + self.request_overhead_s * admitted)
 
     def finish(self, seq: _Seq) -> None:
         self.running.remove(seq)

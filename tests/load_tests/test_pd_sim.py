@@ -66,6 +66,20 @@ def test_disaggregated_the_first_token_comes_from_the_prefill_and_the_rest_after
     assert run.busy_s == [prefill_s(64), decode_s(65) + decode_s(66)]
 
 
+def test_the_prefill_replicas_own_work_per_request_lengthens_the_step_that_admits_it():
+    own = 2**-5
+    fit = make_fit(overhead=ServeOverhead(disaggregated=LayoutOverhead(prefill_request_s=own)))
+    # two prompts admitted in one step: it costs both prompts' work and twice the replica's own
+    run = simulate([SimRequest(0, 0.0, 64, 2), SimRequest(1, 0.0, 64, 2)], fit, "disaggregated", num_prefill=1, num_decode=1)
+    both = BASE + TOKEN * 128 + ROW * 2 + PAIR * 2 * chunk_pairs(64, 0)
+    assert [r.ttft_s for r in run.results] == [both + 2 * own] * 2
+    # the decode replica and the colocated layout do not pay it
+    assert run.busy_s[0] == both + 2 * own
+    colocated = simulate([SimRequest(0, 0.0, 64, 2)], make_fit(overhead=ServeOverhead(colocated=LayoutOverhead(prefill_request_s=own))),
+                         "colocated", num_decode=1)
+    assert colocated.results[0].ttft_s == prefill_s(64)
+
+
 def test_the_same_two_requests_interfere_colocated_and_not_disaggregated():
     requests = [SimRequest(0, 0.0, 16, 4), SimRequest(1, prefill_s(16) + 0.001, 300, 2)]
     colocated = simulate(requests, make_fit(), "colocated", num_decode=1).results[0]
