@@ -381,11 +381,13 @@ _ARRIVE, _STEP_DONE, _HANDOFF, _KICK, _STATS = 0, 1, 2, 3, 4
 
 
 def simulate(requests: list[SimRequest], fit: CostFit, mode: str, *, num_prefill: int = 0, num_decode: int,
-             router: str = "kvrelay", stats_period_s: float = STATS_PERIOD_S) -> SimRun:
+             router: str = "kvrelay", stats_period_s: float = STATS_PERIOD_S, foreign_cpu: float = 0.0) -> SimRun:
     """Run `requests` through a colocated pool of `num_decode` workers, or a disaggregated one of
     `num_prefill` prefill and `num_decode` decode replicas. The worker and decode pools route by
     `router` (module docstring): "kvrelay" on routing stats taken every `stats_period_s` (0: on
-    the replicas' state at each decision), or "least_loaded"."""
+    the replicas' state at each decision), or "least_loaded". `foreign_cpu`: cores that processes
+    outside the served path took from the machine during the run (measured: load_tests/foreign_cpu.py),
+    charged as the serving processes' background is."""
     assert router in ROUTERS, router
     assert mode in MODES, mode
     assert num_decode >= 1 and (mode == "colocated" or num_prefill >= 1), (mode, num_prefill, num_decode)
@@ -393,7 +395,7 @@ def simulate(requests: list[SimRequest], fit: CostFit, mode: str, *, num_prefill
     decode = [_Replica(len(prefill) + i, fit, mode) for i in range(num_decode)]
     overhead = fit.overhead.of(mode)
     sim = _Sim(fit, mode, prefill, decode, router=router, cpu_per_token_s=overhead.cpu_per_token_s,
-               cpu_per_request_s=overhead.cpu_per_request_s, background_cpu=overhead.background_cpu)
+               cpu_per_request_s=overhead.cpu_per_request_s, background_cpu=overhead.background_cpu + foreign_cpu)
     request_s = overhead.request_s
     results = [RequestResult(r) for r in requests]
     for result in results:

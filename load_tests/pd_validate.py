@@ -51,14 +51,18 @@ RATIOS = ["tpot_p99_burst_ratio_disagg", "tpot_p99_burst_ratio_coloc", "goodput_
 
 
 def simulate_scenario(report: dict, fit: CostFit) -> dict:
-    """The scenario's summary (summarize_pd's keys) from its runs replayed through the simulator."""
+    """The scenario's summary (summarize_pd's keys) from its runs replayed through the simulator,
+    each with the CPU other processes took from the machine meanwhile where the report has it
+    (report["foreign_cpu"]["cores"][label], load_tests/foreign_cpu.py)."""
+    foreign = report.get("foreign_cpu", {}).get("cores", {})
     slo = report["summary"]["slo"]
     slos = {"scenario": (slo["ttft_ms"], slo["tpot_ms"])}
     out: dict = {"slo": slo, "modes": {}}
     for mode, (num_prefill, num_decode) in LAYOUT.items():
         figures = {}
         for run in ("steady", "burst"):
-            sim = simulate(scenario_requests(report, f"{mode}/{run}"), fit, mode, num_prefill=num_prefill, num_decode=num_decode)
+            sim = simulate(scenario_requests(report, f"{mode}/{run}"), fit, mode, num_prefill=num_prefill, num_decode=num_decode,
+                           foreign_cpu=foreign.get(f"{mode}/{run}", 0.0))
             chat = summarize(sim, slos, kinds=CHAT_KINDS)
             figures[f"chat_ttft_ms_{run}"] = chat["ttft_ms"]
             figures[f"chat_tpot_ms_{run}"] = chat["tpot_ms"]

@@ -80,6 +80,13 @@ def test_the_prefill_replicas_own_work_per_request_lengthens_the_step_that_admit
     assert colocated.results[0].ttft_s == prefill_s(64)
 
 
+def test_other_processes_cpu_slows_the_busy_replicas_steps():
+    # one replica, one core, half of it taken by another process: every step lasts twice as long
+    run = simulate([SimRequest(0, 0.0, 64, 2)], make_fit(), "colocated", num_decode=1, foreign_cpu=0.5)
+    assert run.results[0].ttft_s == 2 * prefill_s(64)
+    assert run.results[0].last_token_s == 2 * (prefill_s(64) + decode_s(65))
+
+
 def test_the_same_two_requests_interfere_colocated_and_not_disaggregated():
     requests = [SimRequest(0, 0.0, 16, 4), SimRequest(1, prefill_s(16) + 0.001, 300, 2)]
     colocated = simulate(requests, make_fit(), "colocated", num_decode=1).results[0]
