@@ -28,17 +28,13 @@ a share s of its core is taken lasts 1 / (1 - s) times its cost (s at most 0.9).
 
 Routing, by `router`:
 
-    kvrelay       what a deployed kvrelay does: its own routers (router/routing_state.py
-                  RouterState with the policies of router/policies.py, the code Serve runs) on
-                  routing stats every replica reports every `stats_period_s` (0.5 s, as
-                  served): the prefill pool and the colocated worker pool by prefix_cost (here
-                  without prefix hits: the queued prefill tokens, the delay a prompt causes, the
-                  bounded load), the decode pool by least_kv. Both count what the router sent a
-                  replica after its last stats. A replica's stats are what its engine reports
-                  (serving/engine/engine.py stats): queued prompt tokens, its measured prefill
-                  rate (an average over its prefill steps, as the engine keeps it), running and
-                  waiting sequences, KV blocks held, requests per second (RequestRate). The
-                  replay of the measured scenario routes so.
+    kvrelay       what a deployed kvrelay does: its own routers (load_tests/pd_routing.py: the
+                  RouterState and policies Serve runs) on the routing stats every replica
+                  reports every `stats_period_s` (0.5 s, as served): the prefill pool and the
+                  colocated worker pool by prefix_cost (here without prefix hits: the queued
+                  prefill tokens, the delay a prompt causes, the bounded load), the decode pool
+                  by least_kv. Both count what the router sent a replica after its last stats.
+                  The replay of the measured scenario routes so.
     least_loaded  on the replicas' state now: a prefill replica by the prompt tokens it has
                   still to compute, a worker or decode replica by the KV its running and waiting
                   sequences will hold (prompt and output), then their number; ties round-robin.
@@ -60,11 +56,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from load_tests.pd_costs import CostFit, chunk_pairs
+from load_tests.pd_routing import KvrelayRouters, measured_rate, routing_stats
 from load_tests.serve_metrics import percentile
-from router.policies import LeastKVPolicy, PrefixCostPolicy
 from router.replica_stats import RequestRate, RoutingStats
-from router.route_types import RouteRequest
-from router.routing_state import RouterState
 
 __all__ = ["SimRequest", "RequestResult", "SimRun", "simulate", "summarize", "attainment", "MODES", "ROUTERS", "STATS_PERIOD_S"]
 
@@ -72,8 +66,6 @@ MODES = ("colocated", "disaggregated")
 STATS_PERIOD_S = 0.5  # RoutingConfig.stats_period_s's default
 SERVING_TAU_S = 1.0  # the serving processes' CPU rate is their use over about this long
 ROUTERS = ("kvrelay", "least_loaded")
-BLOCK_SIZE = 16  # tokens per KV block, as the engine's default
-MIN_RATE_TOKENS = 32  # serving/engine/engine.py: steps with fewer prefill tokens do not update the measured rate
 
 
 @dataclass(frozen=True)
@@ -229,20 +221,10 @@ class _Replica:
         self.kv_held -= seq.num_computed
 
     def report(self, now: float) -> None:
-        """Its routing stats now (serving/engine/engine.py stats, as the worker sends them)."""
-        num_blocks = self.fit.kv_capacity_tokens // BLOCK_SIZE
-        used = min(num_blocks, -(-self.kv_held // BLOCK_SIZE))
-        self.stats = RoutingStats(
-            time=now, num_queued_prefill_tokens=self.queued_prompt, prefill_tokens_per_s=self.prefill_rate,
-            num_running=len(self.running), num_waiting=len(self.waiting), num_blocks=num_blocks,
-            num_free_blocks=num_blocks - used, kv_cache_usage=used / num_blocks, requests_per_s=self.requests.per_s(now),
-        )
-
-    def measured_rate(self, prefill_tokens: int, seconds: float) -> None:
-        """The engine's measured prefill rate after a step (serving/engine/engine.py)."""
-        if prefill_tokens >= MIN_RATE_TOKENS and seconds > 0:
-            rate = prefill_tokens / seconds
-            self.prefill_rate = rate if not self.prefill_rate else 0.8 * self.prefill_rate + 0.2 * rate
+        """Its routing stats now, as its worker would send them."""
+        self.stats = routing_stats(now, queued_prompt=self.queued_prompt, prefill_rate=self.prefill_rate,
+                                   num_running=len(self.running), num_waiting=len(self.waiting), kv_held=self.kv_held,
+                                   kv_capacity_tokens=self.fit.kv_capacity_tokens, requests_per_s=self.requests.per_s(now))
 
 
 @dataclass
@@ -260,7 +242,7 @@ class _Sim:
     num_steps: int = 0
     router: str = "kvrelay"
     report_always: bool = False  # routing sees the replicas' state now, not their last stats
-    routers: dict = field(default_factory=dict)  # kvrelay: pool ("prefill" / "decode") -> RouterState
+    routers: KvrelayRouters | None = None  # router "kvrelay"
     serving_rate: float = 0.0  # the other serving processes' recent CPU use, in cores (background_cpu aside)
     serving_rate_at: float = 0.0
     num_busy: int = 0
@@ -291,14 +273,12 @@ class _Sim:
 
     def route(self, pool: str, replicas: list[_Replica], request: SimRequest, now: float) -> _Replica:
         """kvrelay's router of `pool` on the replicas' last routing stats (or their state now)."""
-        if pool not in self.routers:
-            colocated_or_prefill = pool == "prefill" or self.mode == "colocated"
-            self.routers[pool] = RouterState(PrefixCostPolicy(seed=0) if colocated_or_prefill else LeastKVPolicy())
+        if self.routers is None:
+            self.routers = KvrelayRouters(self.mode)
         if self.report_always:
             for replica in replicas:
                 replica.report(now)
-        route_request = RouteRequest(str(request.request_id), num_prompt_tokens=request.prompt_tokens, block_size=BLOCK_SIZE)
-        chosen = self.routers[pool].route(route_request, [(r.rid, r.stats) for r in replicas], now).chosen
+        chosen = self.routers.route(pool, request.request_id, request.prompt_tokens, [(r.rid, r.stats) for r in replicas], now)
         replica = next(r for r in replicas if r.rid == chosen)
         replica.requests.add(now)
         return replica
@@ -312,7 +292,8 @@ class _Sim:
         replica.busy = True
         self.num_busy += 1
         seconds /= 1.0 - self.stolen_share(now)
-        replica.measured_rate(sum(n for seq, n in scheduled if seq.num_computed < seq.num_prompt), seconds)
+        replica.prefill_rate = measured_rate(replica.prefill_rate, sum(n for seq, n in scheduled if seq.num_computed < seq.num_prompt),
+                                             seconds)
         replica.busy_s += seconds
         self.num_steps += 1
         self.push(now + seconds, _STEP_DONE, (replica, scheduled))

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from load_tests.pd_costs import CostFit, CostLine, HandoffCost, LayoutOverhead, ServeOverhead, StepCost, chunk_pairs
+from load_tests.pd_routing import KvrelayRouters, measured_rate, routing_stats
 from load_tests.pd_sim import SimRequest, simulate, summarize
 
 BASE, TOKEN, ROW, PAIR, CONTEXT = 2**-6, 2**-10, 2**-9, 2**-20, 2**-16
@@ -177,3 +178,30 @@ def test_summarize_counts_goodput_and_attainment_at_each_slo():
     assert s["goodput"]["loose"] == 2 / run.span_s
     assert s["span_s"] == first.last_token_s and s["num_requests"] == 2
     assert s["utilisation"] == {"prefill": None, "decode": 1.0}
+
+
+def test_a_simulated_replicas_stats_are_what_its_worker_reports():
+    stats = routing_stats(2.0, queued_prompt=300, prefill_rate=500.0, num_running=3, num_waiting=1, kv_held=33,
+                          kv_capacity_tokens=1600, requests_per_s=0.5)
+    # 33 tokens hold 3 blocks of 16, of 100
+    assert (stats.time, stats.num_blocks, stats.num_free_blocks, stats.kv_cache_usage) == (2.0, 100, 97, 0.03)
+    assert (stats.num_queued_prefill_tokens, stats.prefill_tokens_per_s, stats.num_running, stats.num_waiting) == (300, 500.0, 3, 1)
+    # the engine's measured rate: the first step's, then 0.8 old + 0.2 new; small steps say nothing
+    assert measured_rate(0.0, 512, 1.0) == 512.0
+    assert measured_rate(512.0, 256, 1.0) == 0.8 * 512 + 0.2 * 256
+    assert measured_rate(512.0, 31, 0.01) == 512.0
+
+
+def test_the_colocated_workers_route_by_prefix_cost_and_the_decode_pool_by_least_kv():
+    routers = KvrelayRouters("colocated")
+    idle = routing_stats(0.0, queued_prompt=0, prefill_rate=1000.0, num_running=0, num_waiting=0, kv_held=0,
+                         kv_capacity_tokens=1600, requests_per_s=0.0)
+    busy = routing_stats(0.0, queued_prompt=2000, prefill_rate=1000.0, num_running=0, num_waiting=1, kv_held=0,
+                         kv_capacity_tokens=1600, requests_per_s=0.0)
+    # a worker with 2000 queued prompt tokens is 2 s away: prefix_cost sends the chat to the other
+    assert routers.route("decode", 0, 100, [("a", busy), ("b", idle)], 0.1) == "b"
+    assert routers._routers["decode"].policy.name == "prefix_cost"
+    disaggregated = KvrelayRouters("disaggregated")
+    assert disaggregated.route("decode", 0, 100, [("a", idle), ("b", idle)], 0.1) == "a"  # a tie: the first
+    assert disaggregated.route("decode", 1, 100, [("a", idle), ("b", idle)], 0.2) == "b"  # a holds the first now
+    assert disaggregated._routers["decode"].policy.name == "least_kv"
