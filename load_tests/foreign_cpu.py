@@ -13,7 +13,11 @@ scenario and the simulator's replay takes it as more background load on the same
         sampler, `kvrelay bench`)
     python -m load_tests.foreign_cpu annotate SCENARIO.json SAMPLES.jsonl LABEL=START,END ...
         writes each run's mean foreign cores over [START, END] (unix times) into the scenario
-        JSON under "foreign_cpu", which pd_validate passes to the replay
+        JSON under "foreign_cpu", which pd_validate passes to the replay (for runs measured
+        before the scenario recorded it itself)
+
+`kvrelay bench scenario pd-interference` records it itself (`ForeignSampler` around each run,
+1 s samples): its JSON's "foreign_cpu" holds each run's mean cores and the top commands.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
-__all__ = ["BENCHMARK_MARKERS", "is_benchmark", "mean_cores", "sample"]
+__all__ = ["BENCHMARK_MARKERS", "ForeignSampler", "is_benchmark", "mean_cores", "sample"]
 
 BENCHMARK_MARKERS = ("ray::", "raylet", "gcs_server", "kvrelay bench", "ray/dashboard", "ray/_private", "log_monitor",
                      "monitor.py", "runtime_env", "foreign_cpu")
@@ -50,16 +55,58 @@ def _snapshot() -> dict[int, tuple[str, float]]:
     return out
 
 
+def _foreign_seconds(previous: dict[int, tuple[str, float]], current: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each foreign command used between two snapshots (a new process counts whole)."""
+    used_by: dict[str, float] = {}
+    for pid, (cmdline, seconds) in current.items():
+        used = seconds - (previous[pid][1] if pid in previous else 0.0)
+        if used > 0 and cmdline and pid != os.getpid() and not is_benchmark(cmdline):
+            used_by[cmdline[:120]] = used_by.get(cmdline[:120], 0.0) + used
+    return used_by
+
+
+class ForeignSampler:
+    """`with ForeignSampler() as s: ...` then `s.cores`: the mean cores foreign processes used
+    meanwhile, sampled every `period_s` on a thread (a process that lived less than a period
+    between two samples is missed), and `s.top`, CPU seconds by command."""
+
+    def __init__(self, period_s: float = 1.0) -> None:
+        self.period_s = period_s
+        self.cores = 0.0
+        self.top: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="foreign-cpu", daemon=True)
+
+    def __enter__(self) -> ForeignSampler:
+        self._started = time.monotonic()
+        self._previous = _snapshot()
+        self._thread.start()
+        return self
+
+    def _take(self) -> None:
+        current = _snapshot()
+        for command, used in _foreign_seconds(self._previous, current).items():
+            self.top[command] = self.top.get(command, 0.0) + used
+        self._previous = current
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._take()
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._take()
+        wall = time.monotonic() - self._started
+        self.cores = sum(self.top.values()) / wall if wall > 0 else 0.0
+
+
 def sample(out_path: str, period_s: float = 5.0) -> None:
     previous, previous_t = _snapshot(), time.time()
     while True:
         time.sleep(period_s)
         current, now = _snapshot(), time.time()
-        top: dict[str, float] = {}
-        for pid, (cmdline, seconds) in current.items():
-            used = seconds - (previous[pid][1] if pid in previous else 0.0)
-            if used > 0 and cmdline and not is_benchmark(cmdline):
-                top[cmdline[:120]] = round(top.get(cmdline[:120], 0.0) + used, 3)
+        top = {command: round(used, 3) for command, used in _foreign_seconds(previous, current).items()}
         with open(out_path, "a") as fh:
             fh.write(json.dumps({"t": now, "foreign_cores": sum(top.values()) / (now - previous_t), "top": top}) + "\n")
         previous, previous_t = current, now

@@ -53,8 +53,9 @@ RATIOS = ["tpot_p99_burst_ratio_disagg", "tpot_p99_burst_ratio_coloc", "goodput_
 def simulate_scenario(report: dict, fit: CostFit) -> dict:
     """The scenario's summary (summarize_pd's keys) from its runs replayed through the simulator,
     each with the CPU other processes took from the machine meanwhile where the report has it
-    (report["foreign_cpu"]["cores"][label], load_tests/foreign_cpu.py)."""
-    foreign = report.get("foreign_cpu", {}).get("cores", {})
+    (config.servers.foreign_cpu, as the scenario records it, or foreign_cpu, as
+    load_tests/foreign_cpu.py annotates an earlier run: ["cores"][label])."""
+    foreign = (report.get("foreign_cpu") or report.get("config", {}).get("servers", {}).get("foreign_cpu") or {}).get("cores", {})
     slo = report["summary"]["slo"]
     slos = {"scenario": (slo["ttft_ms"], slo["tpot_ms"])}
     out: dict = {"slo": slo, "modes": {}}

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 
-from load_tests.foreign_cpu import is_benchmark, main, mean_cores
+from load_tests.foreign_cpu import ForeignSampler, _foreign_seconds, is_benchmark, main, mean_cores
 
 
 def test_the_benchmarks_own_processes_do_not_count():
@@ -30,3 +31,16 @@ def test_annotate_writes_each_runs_mean_into_the_scenario(tmp_path):
     assert main(["annotate", str(scenario), str(samples), "colocated/burst=5,15", "colocated/steady=0,10"]) == 0
     foreign = json.loads(scenario.read_text())["foreign_cpu"]
     assert foreign["cores"] == {"colocated/burst": 0.75, "colocated/steady": 1.0}
+
+
+def test_foreign_seconds_count_other_processes_only_and_new_ones_whole():
+    before = {1: ("ray::Worker", 10.0), 2: ("make -j2", 1.0), os.getpid(): ("python -m pytest", 5.0)}
+    after = {1: ("ray::Worker", 14.0), 2: ("make -j2", 2.5), 3: ("cc1plus x.c", 0.5), os.getpid(): ("python -m pytest", 9.0)}
+    assert _foreign_seconds(before, after) == {"make -j2": 1.5, "cc1plus x.c": 0.5}
+
+
+def test_the_sampler_reports_mean_cores_after_its_block():
+    with ForeignSampler(period_s=0.05) as foreign:
+        pass
+    assert foreign.cores >= 0.0 and isinstance(foreign.top, dict)
+    assert not foreign._thread.is_alive()
