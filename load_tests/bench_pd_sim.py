@@ -8,7 +8,8 @@ against this machine's measured pd-interference run.
          gpu   published figures: DistServe's OPT-13B profile on A100, Vidur's A100 KV send/recv
     2. validation (--validate SCENARIO.json, cpu fit): the measured pd-interference run's four
        runs replayed through the simulator (load_tests/pd_validate.py); every figure beside the
-       measured one, within 15% or not
+       measured one, within 15% or not. With several --validate runs, also each figure's median
+       over them against the median of their replays, with the measured spread beside it
     3. sweep (load_tests/pd_sweep.py): colocated against disaggregated goodput per replica over
        pool sizes 2-64 and four workload mixes at a tight and a loose SLO, for each fit; the
        crossover pool size
@@ -33,7 +34,7 @@ from load_tests.pd_costs import CostFit, gpu_fit
 from load_tests.pd_report import format_crossovers, format_sweep, format_validation, write_png
 from load_tests.pd_sim_params import FITS, add_arguments
 from load_tests.pd_sweep import FULL, QUICK, SweepParams, crossovers, sweep
-from load_tests.pd_validate import TOLERANCE, compare, simulate_scenario
+from load_tests.pd_validate import TOLERANCE, compare, compare_median, simulate_scenario
 from load_tests.pd_workload import MIXES
 
 __all__ = ["run", "run_from_args", "sweep_params"]
@@ -113,6 +114,16 @@ def run(args, *, command: str = "") -> dict:
             print(f"{path}:")
             print(format_validation(rows))
             print(f"within {TOLERANCE:.0%}: {summary['validation'][-1]['num_within']} of {len(judged)}\n")
+        if len(args.validate) > 1:  # judged on each figure's median over the runs, the spread beside it
+            rows = compare_median([json.loads(Path(p).read_text())["summary"] for p in args.validate],
+                                  raw["validation_simulated"])
+            judged = [r for r in rows if r["within"] is not None]
+            summary["validation_median"] = {"scenarios": [str(p) for p in args.validate], "tolerance": TOLERANCE,
+                                            "rows": rows, "num_within": sum(r["within"] for r in judged),
+                                            "num_judged": len(judged)}
+            print(f"median of {len(args.validate)} runs (spread: (max - min) / median of the measured runs):")
+            print(format_validation(rows))
+            print(f"within {TOLERANCE:.0%}: {summary['validation_median']['num_within']} of {len(judged)}\n")
     if not args.no_sweep:
         found = []
         for name in fit_names:

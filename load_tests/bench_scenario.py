@@ -216,9 +216,13 @@ class ScenarioResult:
 
 
 def _run_pd_interference(p: ScenarioParams, model_dir: Path, port: int, w: BenchParams) -> ScenarioResult:
+    from load_tests.foreign_cpu import ForeignSampler
     from load_tests.scenario_servers import kvrelay_server
 
     result = ScenarioResult()
+    # The CPU other processes take meanwhile (another session's job on a shared machine): the
+    # simulator's replay charges it to the same cores (load_tests/pd_validate.py).
+    result.info["foreign_cpu"] = {"cores": {}, "top": {}}
     for mode in ("disaggregated", "colocated"):
         config = kvrelay_config(p, model_dir, mode, port, app=f"kvrelay-scenario-{mode}")
         with kvrelay_server(config, progress=_progress) as info:
@@ -228,7 +232,11 @@ def _run_pd_interference(p: ScenarioParams, model_dir: Path, port: int, w: Bench
             for run, workload_ in (("steady", steady_of(w)), ("burst", w)):
                 salted = dataclasses.replace(workload_, extra_body=json.dumps({"cache_salt": f"{mode}/{run}"}))
                 before = routing_decisions(config_url(config), "prefill")
-                result.runs[f"{mode}/{run}"] = measure(config_url(config), salted, f"{mode}, {run}")
+                with ForeignSampler() as foreign:
+                    result.runs[f"{mode}/{run}"] = measure(config_url(config), salted, f"{mode}, {run}")
+                result.info["foreign_cpu"]["cores"][f"{mode}/{run}"] = round(foreign.cores, 3)
+                result.info["foreign_cpu"]["top"][f"{mode}/{run}"] = {
+                    command: round(seconds, 2) for command, seconds in sorted(foreign.top.items(), key=lambda kv: -kv[1])[:3]}
                 # how many of the run's requests (and its warm-up's) the prefill pool computed: the
                 # rest were prefilled on the decode side (min_remote_prefill_tokens)
                 result.info[mode][f"prefill_pool_requests_{run}"] = routing_decisions(config_url(config), "prefill") - before

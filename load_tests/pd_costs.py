@@ -132,6 +132,9 @@ class LayoutOverhead:
     cpu_per_token_s,     spend per request, per streamed token and per second, on the cores the
     background_cpu       replicas run on: pd_sim charges it to the busy replicas (0 where the
                          replicas have cores of their own, as on a GPU host)
+    prefill_request_s    disaggregated: the prefill replica's own CPU per request beyond its
+                         engine steps (the call, the KV export, the first token's reply), on
+                         its core: pd_sim adds it to the step that admits the request
     """
 
     request_s: float = 0.0
@@ -140,6 +143,7 @@ class LayoutOverhead:
     cpu_per_request_s: float = 0.0
     cpu_per_token_s: float = 0.0
     background_cpu: float = 0.0
+    prefill_request_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -150,14 +150,17 @@ def handoff_of(report: dict) -> tuple[HandoffCost, dict]:
 
 def overhead_of(served: dict, step: StepCost) -> tuple[ServeOverhead, dict]:
     """The served path's overheads per layout from a probe_served result (pd_served_probe.py)."""
-    from load_tests.pd_served_probe import fit_overhead, request_overhead_s, serving_cpu
+    from load_tests.pd_served_probe import fit_overhead, prefill_replica_s, request_overhead_s, serving_cpu
 
     layouts, info = {}, {}
     for layout, measured in served.items():
         step_s, row_s, points = fit_overhead(measured, step.decode_s)
         per_request, per_token, per_second = serving_cpu(measured)
-        layouts[layout] = LayoutOverhead(request_overhead_s(measured, step.prefill_s), step_s, row_s, per_request,
-                                         per_token, per_second)
+        # The one-stream TTFT beyond the engine's prefill includes the prefill replica's own work,
+        # which pd_sim charges to that replica's core: the rest is latency on other processes.
+        own = prefill_replica_s(measured, step.prefill_s)
+        layouts[layout] = LayoutOverhead(max(0.0, request_overhead_s(measured, step.prefill_s) - own), step_s, row_s,
+                                         per_request, per_token, per_second, own)
         info[layout] = {"tpot_points": points}
     return ServeOverhead(**layouts), info
 

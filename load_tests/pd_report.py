@@ -24,13 +24,17 @@ def _f(value, spec: str = ".3g") -> str:
 
 
 def format_validation(rows: list[dict]) -> str:
-    lines = [f"{'metric':<32}{'mode':<15}{'measured':>11}{'simulated':>11}{'error':>9}  within 15%"]
+    """The rows of pd_validate.compare, or of compare_median (then with the measured spread)."""
+    spread = any("spread" in row for row in rows)
+    lines = [f"{'metric':<32}{'mode':<15}{'measured':>11}{'simulated':>11}{'error':>9}  within 15%"
+             + ("  measured spread" if spread else "")]
     for row in rows:
         error = "-" if row["error"] is None else f"{row['error']:+.1%}"
         within = {True: "yes", False: "NO", None: "-"}[row["within"]]
         lines.append(f"{row['metric']:<32}{row['mode'] or '':<15}{_f(row['measured'], '.4g'):>11}"
-                     f"{_f(row['simulated'], '.4g'):>11}{error:>9}  {within}")
-    return "\n".join(lines)
+                     f"{_f(row['simulated'], '.4g'):>11}{error:>9}  {within:<10}"
+                     + (f"  {_f(row.get('spread'), '.0%')}" if spread else ""))
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def format_sweep(cells: list[dict]) -> str:

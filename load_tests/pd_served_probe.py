@@ -24,6 +24,8 @@ and measures, per layout (pd_costs.LayoutOverhead):
                        of 8 output tokens as well as 64 tell the last two apart, and a 20 s
                        Poisson chat stream at 1.2 requests/s, pd-interference's rate, weighs the
                        per-second part as the scenario runs it: `serving_cpu`)
+    prefill_request_s  the prefill replica's own CPU per request beyond its engine's prefill,
+                       in the Poisson stream (`prefill_replica_s`)
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-__all__ = ["LAYOUTS", "REPLICAS", "ROUNDS", "cpu_delta", "cpu_seconds_by_process", "fit_overhead", "probe_served",
-           "request_overhead_s", "serving_cpu"]
+__all__ = ["LAYOUTS", "REPLICAS", "ROUNDS", "cpu_delta", "cpu_seconds_by_process", "fit_overhead", "prefill_replica_s",
+           "probe_served", "request_overhead_s", "serving_cpu"]
 
 LAYOUTS = ("colocated", "disaggregated")
 PROMPT_WORDS = 128  # ~160 prompt tokens with the chat template (the scenario's chat: 64-192 words)
@@ -179,6 +181,23 @@ def request_overhead_s(layout: dict, prefill_s: Callable[[int], float]) -> float
     extra = [ttft - prefill_s(tokens) for run in layout["rounds"] if run["streams"] == 1 and run.get("rate") is None
              for ttft, tokens in zip(run["ttft_s"], run["prompt_tokens"])]
     return max(0.0, statistics.median(extra))
+
+
+def prefill_replica_s(layout: dict, prefill_s: Callable[[int], float]) -> float:
+    """The disaggregated prefill replica's own CPU seconds per request beyond its engine steps,
+    at least 0: over the Poisson rounds (the scenario's regime: a prompt is prefilled alone, so
+    its engine cost is prefill_s(prompt tokens)), its CPU less its idle rate x the round's wall
+    time less the engine's prefills, per request. Every probe prompt has ~160 tokens, so a cost
+    per request and one per prompt token cannot be told apart here; it is taken per request.
+    0 for a layout without a PrefillWorker."""
+    idle = layout["idle"]
+    idle_rate = idle["cpu_s"].get("PrefillWorker", 0.0) / idle["wall_s"]
+    rounds = [r for r in layout["rounds"] if r.get("rate") is not None and "PrefillWorker" in r["cpu_s"]]
+    if not rounds:
+        return 0.0
+    extra = sum(r["cpu_s"]["PrefillWorker"] - idle_rate * r["wall_s"] - sum(prefill_s(t) for t in r["prompt_tokens"])
+                for r in rounds)
+    return max(0.0, extra / sum(r["streams"] for r in rounds))
 
 
 def serving_cpu(layout: dict) -> tuple[float, float, float]:

@@ -15,8 +15,9 @@ prefills at a time (a waiting long one is passed over, shorter ones are admitted
 waiting requests are admitted in arrival order while the budget and `max_num_seqs` last and the
 replica's KV holds their prompt and output (reserved whole at admission: no preemption, which
 kvrelay's engine would do instead when it ran out). A step takes CostFit.step's time for its
-shape plus the served path's overhead (per step and per sampled row); its sampled tokens
-appear when it ends.
+shape plus the served path's overhead (per step and per sampled row, and on a prefill replica
+its own work per request, added to the step that admits it); its sampled tokens appear when it
+ends.
 
 The other serving processes (proxy, ingress, controller, client) share the cores the replicas
 run on, one core each (pd-interference's layout), using LayoutOverhead.background_cpu cores
@@ -25,21 +26,19 @@ over SERVING_TAU_S). As a processor-sharing scheduler would: the idle replicas' 
 load first; what is left is spread over the busy replicas' cores, and a step that starts while
 a share s of its core is taken lasts 1 / (1 - s) times its cost (s at most 0.9).
 
-Routing: a prefill replica is chosen by the prompt tokens it has still to compute, counted at
-once (prefix_cost's queued tokens plus what the router sent since the stats; without cache hits
-that is all it weighs). A worker or decode replica, by `router`:
+Routing, by `router`:
 
-    least_kv      kvrelay's decode policy: on the replicas' routing stats, taken every
-                  `stats_period_s` (0.5 s, as served), the KV tokens its sequences hold
-                  (computed ones: a waiting request holds none), then its running and waiting
-                  sequences. The replay of the measured scenario routes so.
-    least_loaded  on the replicas' state now: the KV its running and waiting sequences will
-                  hold (prompt and output), then their number. least_kv sends every request that
-                  arrives between two stats (or, with stats now, between two steps) to the same
-                  replica, which at tens of requests a second is most of them; the sweep
-                  compares layouts, so it routes so.
-
-Ties go round-robin.
+    kvrelay       what a deployed kvrelay does: its own routers (load_tests/pd_routing.py: the
+                  RouterState and policies Serve runs) on the routing stats every replica
+                  reports every `stats_period_s` (0.5 s, as served): the prefill pool and the
+                  colocated worker pool by prefix_cost (here without prefix hits: the queued
+                  prefill tokens, the delay a prompt causes, the bounded load), the decode pool
+                  by least_kv. Both count what the router sent a replica after its last stats.
+                  The replay of the measured scenario routes so.
+    least_loaded  on the replicas' state now: a prefill replica by the prompt tokens it has
+                  still to compute, a worker or decode replica by the KV its running and waiting
+                  sequences will hold (prompt and output), then their number; ties round-robin.
+                  The sweep compares layouts, so it routes so.
 
 Per request: TTFT = first token - arrival (the served path's request overhead included: the
 request reaches an engine that much later); TPOT = (last token - first token) / (tokens - 1),
@@ -57,14 +56,16 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from load_tests.pd_costs import CostFit, chunk_pairs
+from load_tests.pd_routing import KvrelayRouters, measured_rate, routing_stats
 from load_tests.serve_metrics import percentile
+from router.replica_stats import RequestRate, RoutingStats
 
 __all__ = ["SimRequest", "RequestResult", "SimRun", "simulate", "summarize", "attainment", "MODES", "ROUTERS", "STATS_PERIOD_S"]
 
 MODES = ("colocated", "disaggregated")
 STATS_PERIOD_S = 0.5  # RoutingConfig.stats_period_s's default
 SERVING_TAU_S = 1.0  # the serving processes' CPU rate is their use over about this long
-ROUTERS = ("least_kv", "least_loaded")
+ROUTERS = ("kvrelay", "least_loaded")
 
 
 @dataclass(frozen=True)
@@ -131,13 +132,14 @@ def _account(seq: _Seq, n: int, tokens: int, rows: int, pairs: int, context: int
 
 
 class _Replica:
-    __slots__ = ("rid", "fit", "step_overhead_s", "row_overhead_s", "is_prefill", "waiting", "running", "kv_used",
-                 "queued_kv", "queued_prompt", "busy", "busy_s", "kv_held", "reported")
+    __slots__ = ("rid", "fit", "step_overhead_s", "row_overhead_s", "request_overhead_s", "is_prefill", "waiting", "running", "kv_used",
+                 "queued_kv", "queued_prompt", "busy", "busy_s", "kv_held", "stats", "prefill_rate", "requests")
 
     def __init__(self, rid: int, fit: CostFit, mode: str, *, is_prefill: bool = False):
         self.rid, self.fit, self.is_prefill = rid, fit, is_prefill
         overhead = fit.overhead.of(mode)
         self.step_overhead_s, self.row_overhead_s = overhead.step_s, overhead.row_s
+        self.request_overhead_s = overhead.prefill_request_s if is_prefill else 0.0  # per request it admits
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.kv_used = 0  # reserved by running sequences
@@ -146,7 +148,9 @@ class _Replica:
         self.busy = False
         self.busy_s = 0.0
         self.kv_held = 0  # KV tokens its running sequences hold now (computed ones)
-        self.reported = (0, 0)  # (kv_held, sequences) as its last routing stats said
+        self.stats: RoutingStats | None = None  # its last routing stats
+        self.prefill_rate = 0.0  # prompt tokens per second of its prefill steps, as the engine measures it
+        self.requests = RequestRate()  # requests it took lately
 
     def add(self, seq: _Seq) -> None:
         self.waiting.append(seq)
@@ -185,6 +189,7 @@ class _Replica:
             budget -= n
             tokens, rows, pairs, context = _account(seq, n, tokens, rows, pairs, context)
         skipped = []
+        admitted = 0
         while self.waiting and budget > 0 and len(self.running) < fit.max_num_seqs:
             seq = self.waiting[0]
             left = seq.num_tokens - seq.num_computed
@@ -198,6 +203,7 @@ class _Replica:
             self.queued_kv -= seq.kv_need
             self.kv_used += seq.kv_need
             self.running.append(seq)
+            admitted += 1
             n, is_long = self._chunk(left, budget)
             num_long += is_long
             scheduled.append((seq, n))
@@ -206,15 +212,19 @@ class _Replica:
         self.waiting.extendleft(reversed(skipped))
         if not scheduled:
             return scheduled, 0.0
-        return scheduled, fit.step.step_s(tokens, rows, pairs, context) + self.step_overhead_s + self.row_overhead_s * rows
+        return scheduled, (fit.step.step_s(tokens, rows, pairs, context) + self.step_overhead_s + self.row_overhead_s * rows
+                           + self.request_overhead_s * admitted)
 
     def finish(self, seq: _Seq) -> None:
         self.running.remove(seq)
         self.kv_used -= seq.kv_need
         self.kv_held -= seq.num_computed
 
-    def report(self) -> None:
-        self.reported = (self.kv_held, len(self.running) + len(self.waiting))
+    def report(self, now: float) -> None:
+        """Its routing stats now, as its worker would send them."""
+        self.stats = routing_stats(now, queued_prompt=self.queued_prompt, prefill_rate=self.prefill_rate,
+                                   num_running=len(self.running), num_waiting=len(self.waiting), kv_held=self.kv_held,
+                                   kv_capacity_tokens=self.fit.kv_capacity_tokens, requests_per_s=self.requests.per_s(now))
 
 
 @dataclass
@@ -230,8 +240,9 @@ class _Sim:
     counter: itertools.count = field(default_factory=itertools.count)
     rr: int = 0
     num_steps: int = 0
-    router: str = "least_kv"
+    router: str = "kvrelay"
     report_always: bool = False  # routing sees the replicas' state now, not their last stats
+    routers: KvrelayRouters | None = None  # router "kvrelay"
     serving_rate: float = 0.0  # the other serving processes' recent CPU use, in cores (background_cpu aside)
     serving_rate_at: float = 0.0
     num_busy: int = 0
@@ -248,16 +259,29 @@ class _Sim:
         self.rr += 1
         return min(replicas, key=lambda r: (key(r), (r.rid - self.rr) % n))
 
-    def least_loaded(self) -> _Replica:
+    def least_loaded(self, request: SimRequest, now: float) -> _Replica:
+        """The worker or decode replica for `request`."""
         if self.router == "least_loaded":  # the KV its sequences, running and waiting, will hold
             return self.pick(self.decode, lambda r: (r.kv_used + r.queued_kv, len(r.running) + len(r.waiting)))
-        if self.report_always:  # least_kv: on the replicas' routing stats
-            for replica in self.decode:
-                replica.report()
-        return self.pick(self.decode, lambda r: r.reported)
+        return self.route("decode", self.decode, request, now)
 
-    def least_queued(self) -> _Replica:
-        return self.pick(self.prefill, lambda r: r.queued_prompt)
+    def least_queued(self, request: SimRequest, now: float) -> _Replica:
+        """The prefill replica for `request`."""
+        if self.router == "least_loaded":
+            return self.pick(self.prefill, lambda r: r.queued_prompt)
+        return self.route("prefill", self.prefill, request, now)
+
+    def route(self, pool: str, replicas: list[_Replica], request: SimRequest, now: float) -> _Replica:
+        """kvrelay's router of `pool` on the replicas' last routing stats (or their state now)."""
+        if self.routers is None:
+            self.routers = KvrelayRouters(self.mode)
+        if self.report_always:
+            for replica in replicas:
+                replica.report(now)
+        chosen = self.routers.route(pool, request.request_id, request.prompt_tokens, [(r.rid, r.stats) for r in replicas], now)
+        replica = next(r for r in replicas if r.rid == chosen)
+        replica.requests.add(now)
+        return replica
 
     def kick(self, replica: _Replica, now: float) -> None:
         if replica.busy:
@@ -268,6 +292,8 @@ class _Sim:
         replica.busy = True
         self.num_busy += 1
         seconds /= 1.0 - self.stolen_share(now)
+        replica.prefill_rate = measured_rate(replica.prefill_rate, sum(n for seq, n in scheduled if seq.num_computed < seq.num_prompt),
+                                             seconds)
         replica.busy_s += seconds
         self.num_steps += 1
         self.push(now + seconds, _STEP_DONE, (replica, scheduled))
@@ -310,7 +336,7 @@ class _Sim:
 
     def handoff(self, result: RequestResult, now: float) -> None:
         request = result.request
-        replica = self.least_loaded()
+        replica = self.least_loaded(request, now)
         result.decode_replica = replica.rid
         replica.add(_Seq(result, request.prompt_tokens, request.prompt_tokens, request.output_tokens - 1, now))
         replica.kv_held += request.prompt_tokens  # the imported KV, written when it is admitted
@@ -321,11 +347,11 @@ class _Sim:
         if self.cpu_per_request_s:
             self.serving_work(now, self.cpu_per_request_s)
         if self.mode == "colocated":
-            replica = self.least_loaded()
+            replica = self.least_loaded(request, now)
             result.decode_replica = replica.rid
             replica.add(_Seq(result, request.prompt_tokens, 0, request.output_tokens, now))
         else:
-            replica = self.least_queued()
+            replica = self.least_queued(request, now)
             result.prefill_replica = replica.rid
             replica.add(_Seq(result, request.prompt_tokens, 0, 1, now))
         # after every other arrival of this instant: the engine's next step sees them all
@@ -336,11 +362,13 @@ _ARRIVE, _STEP_DONE, _HANDOFF, _KICK, _STATS = 0, 1, 2, 3, 4
 
 
 def simulate(requests: list[SimRequest], fit: CostFit, mode: str, *, num_prefill: int = 0, num_decode: int,
-             router: str = "least_kv", stats_period_s: float = STATS_PERIOD_S) -> SimRun:
+             router: str = "kvrelay", stats_period_s: float = STATS_PERIOD_S, foreign_cpu: float = 0.0) -> SimRun:
     """Run `requests` through a colocated pool of `num_decode` workers, or a disaggregated one of
     `num_prefill` prefill and `num_decode` decode replicas. The worker and decode pools route by
-    `router` (module docstring): "least_kv" on routing stats taken every `stats_period_s` (0: on
-    the replicas' state at each decision), or "least_loaded"."""
+    `router` (module docstring): "kvrelay" on routing stats taken every `stats_period_s` (0: on
+    the replicas' state at each decision), or "least_loaded". `foreign_cpu`: cores that processes
+    outside the served path took from the machine during the run (measured: load_tests/foreign_cpu.py),
+    charged as the serving processes' background is."""
     assert router in ROUTERS, router
     assert mode in MODES, mode
     assert num_decode >= 1 and (mode == "colocated" or num_prefill >= 1), (mode, num_prefill, num_decode)
@@ -348,12 +376,12 @@ def simulate(requests: list[SimRequest], fit: CostFit, mode: str, *, num_prefill
     decode = [_Replica(len(prefill) + i, fit, mode) for i in range(num_decode)]
     overhead = fit.overhead.of(mode)
     sim = _Sim(fit, mode, prefill, decode, router=router, cpu_per_token_s=overhead.cpu_per_token_s,
-               cpu_per_request_s=overhead.cpu_per_request_s, background_cpu=overhead.background_cpu)
+               cpu_per_request_s=overhead.cpu_per_request_s, background_cpu=overhead.background_cpu + foreign_cpu)
     request_s = overhead.request_s
     results = [RequestResult(r) for r in requests]
     for result in results:
         sim.push(result.request.arrival_s + request_s, _ARRIVE, result)
-    if router == "least_kv" and stats_period_s > 0:
+    if router == "kvrelay" and stats_period_s > 0:
         sim.push(min(r.arrival_s for r in requests), _STATS, None)
     else:
         sim.report_always = True
@@ -368,8 +396,8 @@ def simulate(requests: list[SimRequest], fit: CostFit, mode: str, *, num_prefill
         elif kind == _KICK:
             sim.kick(payload, now)
         else:  # every replica's routing stats; the next ones a period later while work remains
-            for replica in sim.decode:
-                replica.report()
+            for replica in sim.prefill + sim.decode:
+                replica.report(now)
             if len(sim.events) > 0:
                 sim.push(now + stats_period_s, _STATS, None)
     unfinished = [r for r in results if r.last_token_s is None]

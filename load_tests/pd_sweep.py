@@ -21,11 +21,11 @@ SLOs scale with the fit and the mix, so CPU and GPU are judged alike:
     tight: scale 2; loose: scale 5 (for the GPU fit's chat mix: 331 ms and 101 ms; DistServe's
     chatbot SLO for OPT-13B is 200 ms and 100 ms, simdistserve/README.md)
 
-Routing in the sweep is pd_sim's least_loaded for both layouts: kvrelay's least_kv ranks on
-the KV replicas hold, which a request only holds once it runs, and on stats up to 0.5 s old, so
-at tens of requests a second the arrivals between two stats go to one replica (the validation,
-at about one request a second, routes as kvrelay does). The comparison here is of the layouts,
-not of that policy.
+Routing in the sweep is pd_sim's least_loaded for both layouts (the replicas' state now, not
+kvrelay's routers on 0.5 s stats): the comparison here is of the layouts, not of the routing
+policies. Until issue 19 fixed it, kvrelay's least_kv counted nothing it sent between two stats
+and sent a stats period's arrivals to one decode replica; the validation, at about one request
+a second, routes as kvrelay does (pd_sim's "kvrelay").
 
 The crossover of a (fit, mix, SLO): the smallest pool size at which disaggregated goodput per
 replica is above colocated's, and whether it stays so at every larger size tried.

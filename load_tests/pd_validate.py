@@ -10,15 +10,25 @@ prompts' TTFT, goodput of the burst run at the scenario's SLO, and its ratios.
 
 `compare` puts each simulated figure beside the measured one with the relative error
 (sim / measured - 1); `TOLERANCE` is the issue's 15%.
+
+One measured run is one sample of a noisy machine: two runs of the scenario can differ by more
+than 15% on half the figures (a tail percentile rests on 2-6 requests; a run whose machine is
+slower for a while crosses into a regime where the long prompts overlap). `compare_median`
+takes several measured runs (each replayed through the simulator on its own requests) and
+judges the simulator on each figure's median over them, with the measured spread beside it:
+(max - min) / median of the measured runs, the machine's own run-to-run variation, so that an
+error can be read against what the machine reproduces of itself.
 """
 
 from __future__ import annotations
+
+import statistics
 
 from load_tests.pd_costs import CostFit
 from load_tests.pd_sim import simulate, summarize
 from load_tests.pd_workload import scenario_requests
 
-__all__ = ["METRICS", "TOLERANCE", "compare", "simulate_scenario"]
+__all__ = ["METRICS", "TOLERANCE", "compare", "compare_median", "simulate_scenario"]
 
 TOLERANCE = 0.15
 CHAT_KINDS = {"chat", "random"}  # as bench_scenario: the burst run's short requests, the steady run's
@@ -41,14 +51,19 @@ RATIOS = ["tpot_p99_burst_ratio_disagg", "tpot_p99_burst_ratio_coloc", "goodput_
 
 
 def simulate_scenario(report: dict, fit: CostFit) -> dict:
-    """The scenario's summary (summarize_pd's keys) from its runs replayed through the simulator."""
+    """The scenario's summary (summarize_pd's keys) from its runs replayed through the simulator,
+    each with the CPU other processes took from the machine meanwhile where the report has it
+    (config.servers.foreign_cpu, as the scenario records it, or foreign_cpu, as
+    load_tests/foreign_cpu.py annotates an earlier run: ["cores"][label])."""
+    foreign = (report.get("foreign_cpu") or report.get("config", {}).get("servers", {}).get("foreign_cpu") or {}).get("cores", {})
     slo = report["summary"]["slo"]
     slos = {"scenario": (slo["ttft_ms"], slo["tpot_ms"])}
     out: dict = {"slo": slo, "modes": {}}
     for mode, (num_prefill, num_decode) in LAYOUT.items():
         figures = {}
         for run in ("steady", "burst"):
-            sim = simulate(scenario_requests(report, f"{mode}/{run}"), fit, mode, num_prefill=num_prefill, num_decode=num_decode)
+            sim = simulate(scenario_requests(report, f"{mode}/{run}"), fit, mode, num_prefill=num_prefill, num_decode=num_decode,
+                           foreign_cpu=foreign.get(f"{mode}/{run}", 0.0))
             chat = summarize(sim, slos, kinds=CHAT_KINDS)
             figures[f"chat_ttft_ms_{run}"] = chat["ttft_ms"]
             figures[f"chat_tpot_ms_{run}"] = chat["tpot_ms"]
@@ -91,3 +106,21 @@ def _row(label: str, mode: str | None, measured: float | None, simulated: float 
     error = None if measured in (None, 0) or simulated is None else simulated / measured - 1
     return {"metric": label, "mode": mode, "measured": measured, "simulated": simulated, "error": error,
             "within": None if error is None else abs(error) <= TOLERANCE}
+
+
+def compare_median(measured: list[dict], simulated: list[dict], *, metrics: list = METRICS, ratios: list = RATIOS) -> list[dict]:
+    """Each figure's median over the measured runs beside the median of their replays:
+    [{metric, mode, measured, simulated, error, within, measured_values, simulated_values,
+    spread}], spread = (max - min) / median of the measured values (None with fewer than 2)."""
+    assert measured and len(measured) == len(simulated), (len(measured), len(simulated))
+    per_run = [compare(m, s, metrics=metrics, ratios=ratios) for m, s in zip(measured, simulated)]
+    rows = []
+    for i, first in enumerate(per_run[0]):
+        values = [rows_[i]["measured"] for rows_ in per_run if rows_[i]["measured"] is not None]
+        sims = [rows_[i]["simulated"] for rows_ in per_run if rows_[i]["simulated"] is not None]
+        median = statistics.median(values) if values else None
+        row = _row(first["metric"], first["mode"], median, statistics.median(sims) if sims else None)
+        row["measured_values"], row["simulated_values"] = values, sims
+        row["spread"] = (max(values) - min(values)) / median if len(values) >= 2 and median else None
+        rows.append(row)
+    return rows

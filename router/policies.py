@@ -6,7 +6,11 @@ PrefixCostPolicy (name "prefix_cost", the prefill pool): router/prefix_cost.py. 
 
 LeastKVPolicy (name "least_kv", the decode pool)
     Among replicas with enough free KV blocks for the import, the lowest KV utilization, then
-    the fewest running sequences; if none has room, the one with the most free blocks.
+    the fewest running sequences; if none has room, the one with the most free blocks. Each
+    figure includes what this router sent the replica after its stats were taken (the import's
+    blocks, one sequence each: ReplicaLoad.unreported_*, counted by router/routing_state.py).
+    Without that, every request of a stats period (0.5 s) saw the same figures and went to
+    the same replica: a burst herded onto one decode replica while the others idled.
 
 RoundRobinPolicy, PowerOfTwoPolicy: the baselines the routing benchmark compares against.
 
@@ -52,12 +56,24 @@ class LeastKVPolicy:
 
     def choose(self, request: RouteRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex | None = None) -> Decision:
         assert loads, "choose() needs at least one candidate"
-        fits = [load for load in loads if load.num_free_blocks >= request.num_blocks_needed]
+        free = {load.replica_id: load.num_free_blocks - load.unreported_blocks for load in loads}
+
+        def usage(load: ReplicaLoad) -> float:
+            # the engine's usage is 1 - free / blocks (serving/engine/block_manager.py): in blocks,
+            # so that equal counts compare equal (0.14 + 0.07 is not 0.21 in floating point)
+            if not load.num_blocks:
+                return load.kv_usage
+            return (load.num_blocks - free[load.replica_id]) / load.num_blocks
+
+        def sequences(load: ReplicaLoad) -> int:
+            return load.num_running + load.num_waiting + load.unreported_sequences
+
+        fits = [load for load in loads if free[load.replica_id] >= request.num_blocks_needed]
         if fits:
-            ranked = sorted(fits, key=lambda load: (load.kv_usage, load.num_running + load.num_waiting))
-            rest = sorted((load for load in loads if load not in fits), key=lambda load: -load.num_free_blocks)
+            ranked = sorted(fits, key=lambda load: (usage(load), sequences(load)))
+            rest = sorted((load for load in loads if load not in fits), key=lambda load: -free[load.replica_id])
             return Decision([load.replica_id for load in ranked + rest], "least_kv")
-        ranked = sorted(loads, key=lambda load: -load.num_free_blocks)
+        ranked = sorted(loads, key=lambda load: -free[load.replica_id])
         return Decision([load.replica_id for load in ranked], "no_room")
 
 

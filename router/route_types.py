@@ -28,6 +28,11 @@ class ReplicaLoad:
     # Cumulative counters from its stats (RoutingStats; router/pool_load.py); 0: not reported.
     num_computed_tokens: int = 0
     num_requests: int = 0
+    # What this router sent the replica after its stats were taken (router/routing_state.py):
+    # queued_prefill_tokens already includes their prompt tokens; these are their KV blocks and
+    # their number, for policies that rank on held KV and sequences (least_kv).
+    unreported_blocks: int = 0
+    unreported_sequences: int = 0
 
 
 @dataclass

@@ -5,14 +5,17 @@ both drive this, so the simulator makes exactly the decisions a deployed router 
     replica routing stats (newest per replica) ──▶ RouterState.route(request, candidates, now)
         kv_hashes snapshot ──▶ PrefixIndex.update      (older or repeated versions ignored)
         load figures       ──▶ ReplicaLoad             (load_from_stats)
-            + prefill tokens this router sent the replica after its stats were taken
+            + what this router sent the replica after its stats were taken (prefill tokens,
+              KV blocks, requests)
         policy.choose(request, loads, index) ──▶ Decision
         then: count the chosen replica's uncached tokens as in flight, note_routed its hashes
 
 A router counts what it sent since a replica's last stats because stats lag (one stats period,
 0.5 s by default): without it a burst of requests would all see the same stale queue and pile
-onto one replica. Entries older than the stats they are covered by are dropped; entries older
-than INFLIGHT_HORIZON_S are dropped even if no stats arrive (a replica whose stats stopped).
+onto one replica. That holds for every policy: prefix_cost weighs the prefill tokens, least_kv
+the KV blocks and sequences (a decode pool's burst is the requests of one stats period).
+Entries older than the stats they are covered by are dropped; entries older than
+INFLIGHT_HORIZON_S are dropped even if no stats arrive (a replica whose stats stopped).
 
 The same holds for the blocks a routed prompt will leave cached: a snapshot shows them only once
 the engine has computed them, which for a prompt queued behind a long prefill is several
@@ -57,24 +60,30 @@ def load_from_stats(replica_id: Hashable, stats: RoutingStats | None) -> Replica
 
 
 class InflightTokens:
-    """Prefill tokens sent to each replica, by send time, until its stats cover them."""
+    """Requests sent to each replica, by send time, until its stats cover them: their prefill
+    tokens, their KV blocks and their number."""
 
     def __init__(self, horizon_s: float = INFLIGHT_HORIZON_S) -> None:
         self.horizon_s = horizon_s
-        self._sent: dict[Hashable, deque[tuple[float, int]]] = {}
+        self._sent: dict[Hashable, deque[tuple[float, int, int]]] = {}  # (sent at, tokens, blocks)
 
-    def add(self, replica_id: Hashable, now: float, num_tokens: int) -> None:
-        self._sent.setdefault(replica_id, deque()).append((now, num_tokens))
+    def add(self, replica_id: Hashable, now: float, num_tokens: int, num_blocks: int = 0) -> None:
+        self._sent.setdefault(replica_id, deque()).append((now, num_tokens, num_blocks))
 
     def unreported(self, replica_id: Hashable, stats_time: float, now: float) -> int:
         """Tokens sent after the replica's stats (taken at `stats_time`) and within the horizon."""
+        return self.unreported_load(replica_id, stats_time, now)[0]
+
+    def unreported_load(self, replica_id: Hashable, stats_time: float, now: float) -> tuple[int, int, int]:
+        """(tokens, blocks, requests) sent after the replica's stats (taken at `stats_time`) and
+        within the horizon."""
         sent = self._sent.get(replica_id)
         if not sent:
-            return 0
+            return 0, 0, 0
         cutoff = max(stats_time, now - self.horizon_s)
         while sent and sent[0][0] <= cutoff:
             sent.popleft()
-        return sum(num_tokens for _, num_tokens in sent)
+        return sum(entry[1] for entry in sent), sum(entry[2] for entry in sent), len(sent)
 
     def remove(self, replica_id: Hashable) -> None:
         self._sent.pop(replica_id, None)
@@ -131,7 +140,8 @@ class RouterState:
         decision = self.policy.choose(request, loads, self.index)
         decision.num_predicted_tokens = self.predicted_tokens(decision.chosen, request)
         self.decisions[decision.reason] += 1
-        self.inflight.add(decision.chosen, now, max(0, request.num_prompt_tokens - decision.num_matched_tokens))
+        self.inflight.add(decision.chosen, now, max(0, request.num_prompt_tokens - decision.num_matched_tokens),
+                          request.num_blocks_needed)
         if request.block_hashes:
             self.index.note_routed(decision.chosen, request.block_hashes)
             ttft_s = decision.estimated_ttft_s.get(decision.chosen, 0.0)
@@ -139,13 +149,16 @@ class RouterState:
         return decision
 
     def load(self, replica_id: Hashable, stats: RoutingStats | None, now: float) -> ReplicaLoad:
-        """Feed the index from the stats' snapshot; the load figures plus unreported tokens."""
+        """Feed the index from the stats' snapshot; the load figures plus what this router sent
+        the replica since (its prefill tokens, KV blocks and requests)."""
         if stats is not None and stats.kv_hashes is not None:
             if self.index.update(replica_id, stats.kv_version, stats.kv_hashes, epoch=stats.epoch, num_blocks=stats.num_blocks):
                 for block_hashes in self.pending.unsettled(replica_id, stats.time, now):
                     self.index.note_routed(replica_id, block_hashes)
         load = load_from_stats(replica_id, stats)
-        load.queued_prefill_tokens += self.inflight.unreported(replica_id, stats.time if stats is not None else 0.0, now)
+        tokens, blocks, sequences = self.inflight.unreported_load(replica_id, stats.time if stats is not None else 0.0, now)
+        load.queued_prefill_tokens += tokens
+        load.unreported_blocks, load.unreported_sequences = blocks, sequences
         return load
 
     def predicted_tokens(self, replica_id: Hashable, request: RouteRequest) -> int:

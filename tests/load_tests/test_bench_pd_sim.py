@@ -62,6 +62,23 @@ def test_a_validation_with_a_given_cpu_fit_reports_every_figure(tmp_path, capsys
     assert "within 15%" in capsys.readouterr().out
 
 
+def test_several_measured_runs_are_also_judged_on_their_median(tmp_path, capsys):
+    fit_report = tmp_path / "earlier.json"
+    fit_report.write_text(json.dumps({"config": {"fits": {"cpu": CPU_FIT.to_json()}}}))
+    out = tmp_path / "validation.json"
+    scenario = _scenario(tmp_path)
+    assert main(["bench", "pd-sim", "--cpu-fit", str(fit_report), "--validate", scenario, "--validate", scenario,
+                 "--no-sweep", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert len(summary["validation"]) == 2
+    median = summary["validation_median"]
+    assert median["scenarios"] == [scenario, scenario] and median["num_judged"] == 23
+    # the same run twice: its figures, no spread
+    assert [row["measured"] for row in median["rows"]] == [row["measured"] for row in summary["validation"][0]["rows"]]
+    assert all(row["spread"] == 0.0 for row in median["rows"])
+    assert "median of 2 runs" in capsys.readouterr().out
+
+
 def test_the_cpu_fit_needs_a_serve_overhead_report_or_an_earlier_fit(capsys):
     with pytest.raises(SystemExit, match="--serve-overhead FILE"):
         main(["bench", "pd-sim", "--fits", "cpu", "--no-sweep"])

@@ -230,6 +230,9 @@ def test_pd_interference_smoke(tiny_model_dir, tmp_path):
     # (steady: 2 warm-ups + 6 chat requests; burst: 3 warm-ups + 6 chat + 2 long)
     assert (servers["disaggregated"]["prefill_pool_requests_steady"], servers["disaggregated"]["prefill_pool_requests_burst"]) == (8, 11)
     assert servers["colocated"]["prefill_pool_requests_burst"] == 0  # no prefill pool
+    # the CPU other processes took during each run, for the simulator's replay
+    assert sorted(servers["foreign_cpu"]["cores"]) == sorted(report["raw"]["runs"])
+    assert all(cores >= 0 for cores in servers["foreign_cpu"]["cores"].values())
 
 
 @pytest.mark.integration

@@ -22,7 +22,7 @@ from load_tests.pd_costs import (
     gpu_fit,
 )
 from load_tests.pd_probe import handoff_of, step_shape
-from load_tests.pd_served_probe import cpu_delta, fit_overhead, request_overhead_s, serving_cpu
+from load_tests.pd_served_probe import cpu_delta, fit_overhead, prefill_replica_s, request_overhead_s, serving_cpu
 
 SHAPES = [StepShape(t, r, p, c) for t, r, p, c in [
     (1, 1, 0, 100), (4, 4, 0, 800), (16, 16, 0, 4000), (64, 1, 2080, 0), (256, 1, 32896, 0), (256, 0, 98432, 0),
@@ -143,3 +143,19 @@ def test_cpu_deltas_are_taken_per_process():
     before = {1: ("Worker", 10.0), 2: ("OpenAIIngress", 1.0), 3: ("ProxyActor", 2.0)}
     after = {1: ("Worker", 13.0), 2: ("OpenAIIngress", 1.5), 3: ("ProxyActor", 2.25), 4: ("client", 0.25)}
     assert cpu_delta(before, after) == {"Worker": 3.0, "OpenAIIngress": 0.5, "ProxyActor": 0.25, "client": 0.25}
+
+
+def test_the_prefill_replicas_own_cpu_per_request_comes_from_the_poisson_rounds():
+    # idle: 0.25 CPU-s in 5 s (0.05 cores); engine: 1 ms a prompt token
+    def stream(k: int, wall: float, cpu: float) -> dict:
+        return {**_round(k, 64, 0.01, wall_s=wall, prompt=100), "rate": 1.2, "cpu_s": {"PrefillWorker": cpu}}
+
+    # 10 requests in 8 s: 0.4 idle + 1.0 engine + 0.125 own; 6 in 4 s: 0.2 + 0.6 + 0.075 (12.5 ms each)
+    layout = {"idle": {"wall_s": 5.0, "cpu_s": {"PrefillWorker": 0.25}},
+              "rounds": [stream(10, 8.0, 1.525), stream(6, 4.0, 0.875), {**_round(4, 64, 0.01), "rate": None,
+                                                                          "cpu_s": {"PrefillWorker": 9.0}}]}
+    assert prefill_replica_s(layout, lambda tokens: 0.001 * tokens) == pytest.approx(0.0125)
+    # a replica that needs less than its engine's prefill adds nothing; a colocated layout has none
+    assert prefill_replica_s(layout, lambda tokens: 0.01 * tokens) == 0.0
+    colocated = {"idle": {"wall_s": 5.0, "cpu_s": {"Worker": 0.25}}, "rounds": [{**stream(10, 8.0, 1.0), "cpu_s": {"Worker": 2.0}}]}
+    assert prefill_replica_s(colocated, lambda tokens: 0.001 * tokens) == 0.0

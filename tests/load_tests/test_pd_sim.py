@@ -8,6 +8,7 @@ import math
 import pytest
 
 from load_tests.pd_costs import CostFit, CostLine, HandoffCost, LayoutOverhead, ServeOverhead, StepCost, chunk_pairs
+from load_tests.pd_routing import KvrelayRouters, measured_rate, routing_stats
 from load_tests.pd_sim import SimRequest, simulate, summarize
 
 BASE, TOKEN, ROW, PAIR, CONTEXT = 2**-6, 2**-10, 2**-9, 2**-20, 2**-16
@@ -64,6 +65,27 @@ def test_disaggregated_the_first_token_comes_from_the_prefill_and_the_rest_after
     assert HANDOFF.seconds(64) == handoff
     assert result.last_token_s == prefill_s(64) + handoff + decode_s(65) + decode_s(66)
     assert run.busy_s == [prefill_s(64), decode_s(65) + decode_s(66)]
+
+
+def test_the_prefill_replicas_own_work_per_request_lengthens_the_step_that_admits_it():
+    own = 2**-5
+    fit = make_fit(overhead=ServeOverhead(disaggregated=LayoutOverhead(prefill_request_s=own)))
+    # two prompts admitted in one step: it costs both prompts' work and twice the replica's own
+    run = simulate([SimRequest(0, 0.0, 64, 2), SimRequest(1, 0.0, 64, 2)], fit, "disaggregated", num_prefill=1, num_decode=1)
+    both = BASE + TOKEN * 128 + ROW * 2 + PAIR * 2 * chunk_pairs(64, 0)
+    assert [r.ttft_s for r in run.results] == [both + 2 * own] * 2
+    # the decode replica and the colocated layout do not pay it
+    assert run.busy_s[0] == both + 2 * own
+    colocated = simulate([SimRequest(0, 0.0, 64, 2)], make_fit(overhead=ServeOverhead(colocated=LayoutOverhead(prefill_request_s=own))),
+                         "colocated", num_decode=1)
+    assert colocated.results[0].ttft_s == prefill_s(64)
+
+
+def test_other_processes_cpu_slows_the_busy_replicas_steps():
+    # one replica, one core, half of it taken by another process: every step lasts twice as long
+    run = simulate([SimRequest(0, 0.0, 64, 2)], make_fit(), "colocated", num_decode=1, foreign_cpu=0.5)
+    assert run.results[0].ttft_s == 2 * prefill_s(64)
+    assert run.results[0].last_token_s == 2 * (prefill_s(64) + decode_s(65))
 
 
 def test_the_same_two_requests_interfere_colocated_and_not_disaggregated():
@@ -130,6 +152,20 @@ def test_routing_spreads_simultaneous_requests_over_the_least_loaded_replicas():
     assert sorted(r.decode_replica for r in disaggregated.results) == [2, 2, 3, 3]
 
 
+def test_kvrelay_routing_spreads_a_decode_burst_between_two_stats():
+    """The decode pool routes by kvrelay's least_kv on stats every 0.5 s, counting what it sent
+    since. Request 0 decodes on replica 1 (replicas: prefill 0, decode 1 and 2); the stats at
+    0.5 s show its KV there (its 32 prompt tokens and the ~25 it has decoded: 4-6 blocks of 16)
+    and none on 2. A burst of four 32-token prompts (3 blocks each) arrives at 0.6 and is handed
+    off at once, before the next stats: 2 (0 blocks), 2 (3 < 4-6), 1 (6 against 4-6), 2. Before
+    least_kv counted what it sent, all four went to replica 2."""
+    requests = [SimRequest(0, 0.0, 32, 400)] + [SimRequest(i, 0.6, 32, 50) for i in range(1, 5)]
+    run = simulate(requests, make_fit(), "disaggregated", num_prefill=1, num_decode=2)
+    assert run.results[0].decode_replica == 1
+    assert all(0.6 < r.first_token_s < 1.0 for r in run.results[1:])  # handed off between two stats
+    assert [r.decode_replica for r in run.results[1:]] == [2, 2, 1, 2]
+
+
 def test_summarize_counts_goodput_and_attainment_at_each_slo():
     run = simulate([SimRequest(0, 0.0, 64, 3), SimRequest(1, 0.0, 64, 3)], make_fit(), "colocated", num_decode=1)
     first, second = run.results
@@ -142,3 +178,30 @@ def test_summarize_counts_goodput_and_attainment_at_each_slo():
     assert s["goodput"]["loose"] == 2 / run.span_s
     assert s["span_s"] == first.last_token_s and s["num_requests"] == 2
     assert s["utilisation"] == {"prefill": None, "decode": 1.0}
+
+
+def test_a_simulated_replicas_stats_are_what_its_worker_reports():
+    stats = routing_stats(2.0, queued_prompt=300, prefill_rate=500.0, num_running=3, num_waiting=1, kv_held=33,
+                          kv_capacity_tokens=1600, requests_per_s=0.5)
+    # 33 tokens hold 3 blocks of 16, of 100
+    assert (stats.time, stats.num_blocks, stats.num_free_blocks, stats.kv_cache_usage) == (2.0, 100, 97, 0.03)
+    assert (stats.num_queued_prefill_tokens, stats.prefill_tokens_per_s, stats.num_running, stats.num_waiting) == (300, 500.0, 3, 1)
+    # the engine's measured rate: the first step's, then 0.8 old + 0.2 new; small steps say nothing
+    assert measured_rate(0.0, 512, 1.0) == 512.0
+    assert measured_rate(512.0, 256, 1.0) == 0.8 * 512 + 0.2 * 256
+    assert measured_rate(512.0, 31, 0.01) == 512.0
+
+
+def test_the_colocated_workers_route_by_prefix_cost_and_the_decode_pool_by_least_kv():
+    routers = KvrelayRouters("colocated")
+    idle = routing_stats(0.0, queued_prompt=0, prefill_rate=1000.0, num_running=0, num_waiting=0, kv_held=0,
+                         kv_capacity_tokens=1600, requests_per_s=0.0)
+    busy = routing_stats(0.0, queued_prompt=2000, prefill_rate=1000.0, num_running=0, num_waiting=1, kv_held=0,
+                         kv_capacity_tokens=1600, requests_per_s=0.0)
+    # a worker with 2000 queued prompt tokens is 2 s away: prefix_cost sends the chat to the other
+    assert routers.route("decode", 0, 100, [("a", busy), ("b", idle)], 0.1) == "b"
+    assert routers._routers["decode"].policy.name == "prefix_cost"
+    disaggregated = KvrelayRouters("disaggregated")
+    assert disaggregated.route("decode", 0, 100, [("a", idle), ("b", idle)], 0.1) == "a"  # a tie: the first
+    assert disaggregated.route("decode", 1, 100, [("a", idle), ("b", idle)], 0.2) == "b"  # a holds the first now
+    assert disaggregated._routers["decode"].policy.name == "least_kv"

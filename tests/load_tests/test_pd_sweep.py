@@ -7,7 +7,7 @@ import pytest
 
 from load_tests.pd_costs import CostFit, CostLine, HandoffCost, StepCost
 from load_tests.pd_sweep import Cell, crossovers, goodput, search_splits, slos_for
-from load_tests.pd_validate import METRICS, TOLERANCE, compare, simulate_scenario
+from load_tests.pd_validate import METRICS, TOLERANCE, compare, compare_median, simulate_scenario
 from load_tests.pd_workload import MIXES, Lengths, Mix, generate, scenario_requests
 
 FIT = CostFit("test", StepCost((CostLine(2**-6, 2**-10, 2**-9),), 2**-20, 2**-16), HandoffCost(2**-7, 4, 2**12))
@@ -131,3 +131,23 @@ def test_compare_reports_each_figures_relative_error():
     assert by[("goodput_ratio_disagg_vs_coloc", None)]["error"] == pytest.approx(-0.25)
     assert by[("tpot_p99_burst_ratio_disagg", None)]["error"] is None  # not measured
     assert TOLERANCE == 0.15
+
+
+def test_compare_median_judges_each_figures_median_with_the_measured_spread():
+    def summary(p50: float, ratio: float) -> dict:
+        return {"modes": {m: {"chat_ttft_ms_steady": {"p50": p50, "p95": 2 * p50}} for m in ("disaggregated", "colocated")},
+                "goodput_ratio_disagg_vs_coloc": ratio}
+
+    measured = [summary(100.0, 2.0), summary(300.0, 1.0), summary(120.0, 1.5)]
+    simulated = [summary(110.0, 1.0), summary(130.0, 1.0), summary(90.0, 1.0)]
+    rows = compare_median(measured, simulated, metrics=METRICS[:2])
+    by = {(r["metric"], r["mode"]): r for r in rows}
+    p50 = by[("chat TTFT p50 steady, ms", "colocated")]
+    # medians 120 measured, 110 simulated; spread (300 - 100) / 120
+    assert (p50["measured"], p50["simulated"], p50["measured_values"]) == (120.0, 110.0, [100.0, 300.0, 120.0])
+    assert p50["error"] == pytest.approx(110 / 120 - 1) and p50["within"] is True
+    assert p50["spread"] == pytest.approx(200 / 120)
+    ratio = by[("goodput_ratio_disagg_vs_coloc", None)]
+    assert (ratio["measured"], ratio["simulated"], ratio["error"], ratio["within"]) == (1.5, 1.0, pytest.approx(-1 / 3), False)
+    assert by[("tpot_p99_burst_ratio_disagg", None)]["measured"] is None  # not measured: no median, no spread
+    assert by[("tpot_p99_burst_ratio_disagg", None)]["spread"] is None

@@ -146,6 +146,32 @@ def test_decode_policy_prefers_low_kv_usage_with_room():
     assert decision.ranked == ["y", "x"] and decision.reason == "no_room"
 
 
+def test_decode_policy_counts_what_the_router_sent_since_the_stats():
+    request = RouteRequest("r", num_prompt_tokens=100, block_size=16)  # needs 7 blocks
+    # a: 10 of 100 blocks held by stats, plus 7 sent since (0.17); b: 0.15 by stats, nothing since.
+    state = [
+        ReplicaLoad("a", num_free_blocks=90, num_blocks=100, kv_usage=0.10, unreported_blocks=7, unreported_sequences=1),
+        ReplicaLoad("b", num_free_blocks=85, num_blocks=100, kv_usage=0.15, num_running=1),
+    ]
+    assert LeastKVPolicy().choose(request, state).ranked == ["b", "a"]
+    # Equal usage (7 blocks each): the sequences sent since count beside the running ones.
+    tie = [
+        ReplicaLoad("a", num_free_blocks=100, num_blocks=100, kv_usage=0.0, unreported_blocks=7, unreported_sequences=1),
+        ReplicaLoad("b", num_free_blocks=93, num_blocks=100, kv_usage=0.07, num_running=2),
+    ]
+    assert LeastKVPolicy().choose(request, tie).ranked == ["a", "b"]
+    # The blocks sent since are no longer free: a has 10 - 7 = 3 < 7 left, so it does not fit.
+    short = [
+        ReplicaLoad("a", num_free_blocks=10, num_blocks=100, kv_usage=0.9, unreported_blocks=7),
+        ReplicaLoad("b", num_free_blocks=8, num_blocks=100, kv_usage=0.92),
+    ]
+    decision = LeastKVPolicy().choose(request, short)
+    assert decision.ranked == ["b", "a"] and decision.reason == "least_kv"
+    short[1].unreported_blocks = 4
+    decision = LeastKVPolicy().choose(request, short)
+    assert decision.ranked == ["b", "a"] and decision.reason == "no_room"  # 4 free against 3
+
+
 def test_baselines_and_build_policy():
     rr = RoundRobinPolicy()
     state = loads(a=0, b=0, c=0)

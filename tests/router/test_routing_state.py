@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from router.index import encode_hashes
-from router.policies import PrefixCostPolicy, RouteRequest
+from router.policies import LeastKVPolicy, PrefixCostPolicy, RouteRequest
 from router.replica_stats import RoutingStats
 from router.routing_state import InflightTokens, RouterState, load_from_stats
 
@@ -32,6 +32,35 @@ def test_inflight_tokens_until_stats_cover_them_or_the_horizon():
     assert inflight.unreported("a", stats_time=1.0, now=2.0) == 50  # stats at 1.0 include the first
     assert inflight.unreported("a", stats_time=1.0, now=12.5) == 0  # older than the horizon
     assert inflight.unreported("b", stats_time=0.0, now=0.0) == 0
+    inflight.add("a", 13.0, 20, 2)
+    inflight.add("a", 14.0, 30, 3)
+    assert inflight.unreported_load("a", stats_time=10.0, now=14.0) == (50, 5, 2)
+    assert inflight.unreported_load("a", stats_time=13.0, now=14.0) == (30, 3, 1)
+
+
+def decode_stats(time_s: float, used_blocks: int, running: int) -> RoutingStats:
+    return RoutingStats(time=time_s, num_blocks=100, num_free_blocks=100 - used_blocks, kv_cache_usage=used_blocks / 100,
+                        num_running=running)
+
+
+def test_least_kv_spreads_a_burst_between_two_stats():
+    """Six requests of 7 blocks arrive between two stats of idle replicas a and b: before the
+    router counted what it sent, all six went to a (same stale figures, same ranking)."""
+    state = RouterState(LeastKVPolicy())
+    request = RouteRequest("r", num_prompt_tokens=100, block_size=16)  # 7 blocks
+    idle = [("a", decode_stats(0.0, 0, 0)), ("b", decode_stats(0.0, 0, 0))]
+    chosen = [state.route(request, idle, now=0.1 + 0.05 * i).chosen for i in range(6)]
+    assert chosen == ["a", "b", "a", "b", "a", "b"]
+    assert state.load("a", decode_stats(0.0, 0, 0), now=0.4).unreported_blocks == 21
+    # New stats of a, taken at 0.22 (after its first two requests, 0.1 and 0.2), hold their 14
+    # blocks; the third (0.3) is still counted: 14 + 7 = 21 blocks against b's 21 unreported.
+    a_new = decode_stats(0.22, 14, 2)
+    load_a = state.load("a", a_new, now=0.4)
+    assert (load_a.unreported_blocks, load_a.unreported_sequences) == (7, 1)
+    assert state.route(request, [("a", a_new), ("b", decode_stats(0.0, 0, 0))], now=0.4).chosen == "a"
+    # ...a tie on usage (0.21 each) and on sequences (3 each): the first candidate. Then b.
+    assert state.route(request, [("a", a_new), ("b", decode_stats(0.0, 0, 0))], now=0.41).chosen == "b"
+    assert state.decisions == {"least_kv": 8}
 
 
 def test_route_follows_the_snapshot_then_counts_what_it_sent():
