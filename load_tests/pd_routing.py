@@ -62,6 +62,6 @@ class KvrelayRouters:
         picks among `candidates` (id, its last stats)."""
         if pool not in self._routers:
             prefix_cost = pool == "prefill" or self.mode == "colocated"
-            self._routers[pool] = RouterState(PrefixCostPolicy(seed=0) if prefix_cost else LeastKVPolicy())
+            self._routers[pool] = RouterState(PrefixCostPolicy() if prefix_cost else LeastKVPolicy())
         request = RouteRequest(str(request_id), num_prompt_tokens=prompt_tokens, block_size=BLOCK_SIZE)
         return self._routers[pool].route(request, candidates, now).chosen
