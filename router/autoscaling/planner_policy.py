@@ -57,6 +57,12 @@ class ForecastConfig(StrictModel):
         0.3, ge=0, le=1,
         description="Holt's trend weight: how much of each level change the trend takes; 0 is plain EWMA (no trend).",
     )
+    recurrence: bool = Field(
+        False,
+        description="Learn surges that recur at a fixed period (the last two gaps between three surges "
+        "agree within interval_s) and pre-warm the last surge's count cold_start_s + interval_s before "
+        "the next (router/autoscaling/recurrence.py).",
+    )
 
 
 class PrefillProfile(StrictModel):
@@ -134,6 +140,12 @@ class PlannerPolicy(StrictModel):
         description="A pool shrinks only after its plan has stayed lower this long; it then takes "
         "the highest plan of that time.",
     )
+    cold_start_s: float = Field(
+        0.0, ge=0, le=3600,
+        description="Seconds a new replica takes before it takes work (model load, warm-up): a count "
+        "asked for now serves from cold_start_s on until the next plan's replicas are up, so the "
+        "forecast looks cold_start_s + interval_s ahead.",
+    )
     dead_band: float = Field(
         0.1, ge=0, lt=1,
         description="A pool shrinks only if its need, grown by this fraction, still fits one replica "
@@ -150,6 +162,12 @@ class PlannerPolicy(StrictModel):
                 f"tpot_base_ms + tpot_ms_per_seq): no batch meets it (allowed: >= {decode.tpot_ms(1):g})",
             )
         return self
+
+    @property
+    def horizon_steps(self) -> float:
+        """How many intervals ahead the forecast looks: to the end of the interval that the
+        replicas asked for now are the newest in (cold_start_s, then interval_s)."""
+        return (self.cold_start_s + self.interval_s) / self.interval_s
 
     def max_batch(self, correction: float = 1.0) -> float:
         """The largest mean batch whose TPOT (the profile's, times the learnt correction) meets the target."""
