@@ -142,9 +142,9 @@ class PlannerPolicy(StrictModel):
     )
     cold_start_s: float = Field(
         0.0, ge=0, le=3600,
-        description="Seconds a new replica takes before it takes work (model load, warm-up): a count "
-        "asked for now serves from cold_start_s on until the next plan's replicas are up, so the "
-        "forecast looks cold_start_s + interval_s ahead.",
+        description="Seconds a new replica takes before it takes work (model load, warm-up): the "
+        "forecast looks this far ahead (a count decided now carries the load until a replica asked "
+        "for later can; between plans the pool scales up as soon as its need outgrows it).",
     )
     dead_band: float = Field(
         0.1, ge=0, lt=1,
@@ -165,9 +165,11 @@ class PlannerPolicy(StrictModel):
 
     @property
     def horizon_steps(self) -> float:
-        """How many intervals ahead the forecast looks: to the end of the interval that the
-        replicas asked for now are the newest in (cold_start_s, then interval_s)."""
-        return (self.cold_start_s + self.interval_s) / self.interval_s
+        """How many intervals ahead the forecast looks: cold_start_s. A replica asked for now
+        takes work cold_start_s from now, and between plans a pool whose need outgrows its count
+        scales up at once, so a count decided now has to carry the load until a replica asked
+        for at any later moment can: cold_start_s, not cold_start_s + interval_s."""
+        return self.cold_start_s / self.interval_s
 
     def max_batch(self, correction: float = 1.0) -> float:
         """The largest mean batch whose TPOT (the profile's, times the learnt correction) meets the target."""
