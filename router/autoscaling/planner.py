@@ -9,11 +9,11 @@ capacity at the SLO (the approach of NVIDIA Dynamo's SLA planner).
 
 Load. A pool's load is its request rate and tokens per request (prefill: prompt tokens; decode:
 tokens decoded per request), as its replicas report them (`PoolLoad`). Each series is forecast
-with Holt's linear trend (forecast.py) to the end of the interval the count decided now is the
-newest for: a replica asked for now takes work after cold_start_s and the next plan's replicas
-after cold_start_s + interval_s, so the horizon is (cold_start_s + interval_s) / interval_s
-intervals. The plan takes the larger of the value now and the forecast: on a line, the peak of
-that time is at one of its ends. With forecast.recurrence, surges that came twice at the same gap
+with Holt's linear trend (forecast.py) cold_start_s ahead: a count decided now has to carry the
+load until a replica asked for later can work, and since a pool whose need outgrows its count
+scales up at once (between plans too), that is cold_start_s from now, not a plan later. The plan
+takes the larger of the value now and the forecast: on a line, the peak of that time is at one
+of its ends. With forecast.recurrence, surges that came twice at the same gap
 are pre-warmed before the next (recurrence.py).
 
 Prefill at the TTFT target. A request waits for a replica, then takes s = prompt / tokens_per_s.

@@ -6,7 +6,8 @@
     planner:
       interval_s: 30               # one plan per interval
       targets: {ttft_ms: 2000, tpot_ms: 100, attainment: 0.95}
-      forecast: {alpha: 0.5, beta: 0.3}              # Holt's linear trend (beta 0: plain EWMA)
+      forecast: {alpha: 0.5, beta: 0.3, recurrence: false}   # Holt's linear trend (beta 0: plain EWMA)
+      cold_start_s: 30             # a new replica's start: how far ahead the forecast looks
       profiles:                    # one replica's measured capacity
         prefill: {tokens_per_s: 296.4, time_cv: 0.3}
         decode: {tpot_base_ms: 27.7, tpot_ms_per_seq: 15.4}

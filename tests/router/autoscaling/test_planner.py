@@ -53,6 +53,22 @@ def test_shipped_planner_policy_loads():
     assert config.planner.max_batch() == pytest.approx((100 - 27.68) / 15.40)
 
 
+def test_the_forecast_looks_one_cold_start_ahead():
+    # 1.75 req/s now; Holt (alpha = beta = 0.5) from level 1.375 and trend 0.375 keeps level 1.75
+    # and trend 0.375. One interval ahead (cold_start_s 30) that is 2.125 req/s, 2 replicas of 100
+    # tokens/s for 50-token prompts; two (cold_start_s 60), 2.5 req/s, 3 replicas.
+    assert (prefill_replicas(planner(), 2.125, 50), prefill_replicas(planner(), 2.5, 50)) == (2, 3)
+    state = PoolPlanState(planned_at=0.0, rate_level=1.375, rate_trend=0.375, tokens_level=50.0)
+    out = {}
+    for cold_start_s in (0, 30, 60):
+        policy = planner(cold_start_s=cold_start_s, forecast={"alpha": 0.5, "beta": 0.5})
+        out[cold_start_s] = (policy.horizon_steps, plan_pool(policy, "prefill", BOUNDS["prefill"], PoolLoad(1.75, 50),
+                                                             2, state, 30.0).reason)
+    assert out == {0: (0.0, "hold: 2 (1.75 req/s x 50 tok, capacity x1)"),
+                   30: (1.0, "hold: 2 (2.12 req/s x 50 tok, capacity x1)"),
+                   60: (2.0, "up: 2 -> 3 (2.5 req/s x 50 tok, capacity x1)")}
+
+
 def test_mode_planner_needs_a_planner_section(tmp_path):
     assert error_of(tmp_path, "mode: planner\nprefill: {max_replicas: 2}\n") == (
         "p.yaml: invalid autoscaling policy\n"
