@@ -8,9 +8,13 @@ capacity at the SLO (the approach of NVIDIA Dynamo's SLA planner).
     then hysteresis per pool, then the prefill:decode ratio bound, then [min, max]
 
 Load. A pool's load is its request rate and tokens per request (prefill: prompt tokens; decode:
-tokens decoded per request), as its replicas report them (`PoolLoad`). Each series is forecast one
-interval ahead with Holt's linear trend (forecast.py), and the plan takes the larger of the value
-now and the forecast: on a line, the peak of the next interval is at one of its ends.
+tokens decoded per request), as its replicas report them (`PoolLoad`). Each series is forecast
+with Holt's linear trend (forecast.py) cold_start_s ahead: a count decided now has to carry the
+load until a replica asked for later can work, and since a pool whose need outgrows its count
+scales up at once (between plans too), that is cold_start_s from now, not a plan later. The plan
+takes the larger of the value now and the forecast: on a line, the peak of that time is at one
+of its ends. With forecast.recurrence, surges that came twice at the same gap
+are pre-warmed before the next (recurrence.py).
 
 Prefill at the TTFT target. A request waits for a replica, then takes s = prompt / tokens_per_s.
 With the router placing each prompt where it starts first, c replicas form one M/G/c queue;
@@ -20,11 +24,14 @@ The plan is the fewest c with P(wait > ttft - s) <= 1 - attainment: pooling make
 one replica can carry at the target grow with c, which a fixed "tokens/s per replica" misses.
 
 Decode at the TPOT target. TPOT at batch n is tpot_base_ms + n * tpot_ms_per_seq, so a replica
-keeps the target up to a batch of b_max = (tpot_ms - base) / per_seq. Concurrent streams are
-Poisson (M/G/inf) with mean m, and with the router's fewest-sequences placement c replicas each
-hold m / c, so by Little's law m = rate * tokens * TPOT(m / c). The plan is the fewest c whose
-attainment quantile of streams, m + z * sqrt(m), fits c * b_max; never fewer than the sequences
-running now need.
+keeps the target up to a batch of b_max = (tpot_ms - base) / per_seq. A stream's TPOT is the mean
+step over the tokens it decodes, and tokens are decoded where the batch is: more of them at a
+large batch than the mean batch says (tokens/s is concave in the batch). So the plan does not
+use Little's law at the mean batch (which planned too few replicas: 0.954 of the ramp's requests
+met at attainment 0.97). It takes the stationary law of the pool's streams, a birth-death chain
+with the router's even placement (decode_model.py), and the batch each decoded token sees under
+it; the plan is the fewest c at which that batch's mean + z(attainment) * its std fits b_max;
+never fewer than the sequences running now need.
 
 Flow. Prefill is planned first, and decode plans for at least the rate prefill plans for (its
 arrivals and its queue's drain): every prefilled request decodes next, so a burst sizes decode as
@@ -36,8 +43,11 @@ now, outgrows its count scales up at once (a burst's queue does not wait for the
 
 Learning. With profiles.learn, each plan folds what replicas report into a correction of the
 profile (an EWMA, weight learn_weight): prefill, the engine's measured prefill tokens/s over the
-profile's; decode, the tokens per second the profile predicts at each busy replica's mean batch
-over those it generated (a TPOT multiplier).
+profile's; decode, the TPOT multiplier at which the pool's stream law, at the tokens/s its
+replicas made, holds the mean streams they held (decode_model.fit_correction). It reads 1 on
+replicas that run at the profile whatever their batch did; the tokens/s predicted at each
+replica's mean batch read 1.06-1.18 there, since a moving batch makes fewer tokens than its mean
+(Jensen's inequality).
 
 Hysteresis. Up at once to the plan. Down only when the plan, and the arrivals grown by dead_band,
 fit fewer replicas continuously for downscale_delay_s; then to the highest need of the arrivals
@@ -56,9 +66,11 @@ from dataclasses import asdict, dataclass, fields, replace
 from statistics import NormalDist
 from typing import Any, NamedTuple
 
+from router.autoscaling.decode_model import fit_correction, stream_law, token_batch
 from router.autoscaling.forecast import Holt
 from router.autoscaling.planner_policy import PlannerPolicy
 from router.autoscaling.policy import PoolPolicy
+from router.autoscaling.recurrence import Surges, moved_down, observe, prewarm
 
 __all__ = ["PoolLoad", "PoolPlanState", "PoolPlan", "Plan", "prefill_replicas", "decode_replicas",
            "plan_pool", "plan", "Flow", "PLANNED_POOLS"]
@@ -67,10 +79,6 @@ PLANNED_POOLS = ("prefill", "decode")
 _STATE_PREFIX = "kvrelay.plan."
 _EPS = 1e-9
 _CORRECTION_RANGE = (0.1, 10.0)
-# Below this mean batch the tokens/s of a replica says little of its step time: tokens/s is
-# concave in the batch, so a batch that moves between 0 and 2 makes fewer tokens than its mean
-# predicts (a TPOT that looks 20-50% slower than it is).
-_LEARN_MIN_BATCH = 2.0
 
 
 @dataclass(frozen=True)
@@ -97,13 +105,16 @@ class PoolPlanState:
     correction: float = 1.0  # prefill: capacity multiplier; decode: TPOT multiplier
     below_since: float | None = None  # the lower plan has held since
     peak_below: int | None = None  # the highest lower plan since below_since
+    surges: Surges = Surges()  # recurring surges (recurrence.py)
 
-    def to_dict(self) -> dict[str, float | None]:
+    def to_dict(self) -> dict[str, Any]:
         return {_STATE_PREFIX + k: v for k, v in asdict(self).items()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PoolPlanState:
         found = {f.name: data[_STATE_PREFIX + f.name] for f in fields(cls) if _STATE_PREFIX + f.name in data}
+        if isinstance(found.get("surges"), Mapping):
+            found["surges"] = Surges(**found["surges"])
         return cls(**found)
 
 
@@ -154,22 +165,24 @@ def prefill_replicas(policy: PlannerPolicy, rate: float, prompt_tokens: float, c
 
 def decode_replicas(policy: PlannerPolicy, rate: float, decode_tokens: float, correction: float = 1.0,
                     num_seqs: float = 0.0, limit: int = 4096) -> int:
-    """Fewest decode replicas whose batch, at the attainment quantile of concurrent streams, stays
-    within the TPOT target; and at least enough for the sequences running now (module docstring)."""
+    """Fewest decode replicas at which the batch the decoded tokens see, at its attainment
+    quantile, stays within the TPOT target; and at least enough for the sequences running now
+    (module docstring; the law is router/autoscaling/decode_model.py)."""
     decode = policy.profiles.decode
     base_s = decode.tpot_base_ms * correction / 1000
     per_seq_s = decode.tpot_ms_per_seq * correction / 1000
     max_batch = policy.max_batch(correction)
     z = NormalDist().inv_cdf(policy.targets.attainment)
     work = max(0.0, rate * decode_tokens)  # tokens/s to decode
-    for c in range(max(1, math.ceil(num_seqs / max_batch - _EPS)), limit + 1):
-        # Little's law at batch m / c: m = work * TPOT(m / c), solved for m.
-        stable = 1 - work * per_seq_s / c
-        if stable <= _EPS:
+    if work <= 0:
+        return 0 if num_seqs <= 0 else max(1, math.ceil(num_seqs / max_batch - _EPS))
+    for c in range(max(1, math.ceil(num_seqs / max_batch - _EPS), math.floor(work * per_seq_s) + 1), limit + 1):
+        law = stream_law(work, c, base_s, per_seq_s)
+        if law is None:
             continue
-        mean = work * base_s / stable
-        if mean + z * math.sqrt(mean) <= c * max_batch + _EPS:
-            return c if work > 0 or num_seqs > 0 else 0
+        seen = token_batch(law, base_s, per_seq_s)
+        if seen.mean + z * seen.std <= max_batch + _EPS:
+            return c
     return limit
 
 
@@ -184,13 +197,12 @@ def _learn(policy: PlannerPolicy, pool: str, load: PoolLoad, correction: float) 
     sample = None
     if pool == "prefill" and load.measured_tokens_per_s:
         sample = load.measured_tokens_per_s / profiles.prefill.tokens_per_s
-    elif pool == "decode":
-        # Tokens/s the profile predicts at each busy replica's batch over the tokens/s it made:
-        # a TPOT multiplier (replicas idle or just started say nothing).
-        busy = [(batch, made) for batch, made in load.measured_decode if batch >= _LEARN_MIN_BATCH and made > 0]
-        if busy:
-            predicted = sum(1000 * batch / profiles.decode.tpot_ms(batch) for batch, _ in busy)
-            sample = predicted / sum(made for _, made in busy)
+    elif pool == "decode" and load.measured_decode:
+        # The TPOT multiplier at which the pool's law holds, at the tokens/s its replicas made,
+        # the mean streams they held (decode_model.fit_correction).
+        decode = profiles.decode
+        sample = fit_correction(sum(b for b, _ in load.measured_decode), sum(t for _, t in load.measured_decode),
+                                len(load.measured_decode), decode.tpot_base_ms / 1000, decode.tpot_ms_per_seq / 1000)
     if not profiles.learn or sample is None:
         return correction
     learnt = (1 - profiles.learn_weight) * correction + profiles.learn_weight * sample
@@ -219,8 +231,8 @@ def plan_pool(policy: PlannerPolicy, pool: str, bounds: PoolPolicy, load: PoolLo
     if between:
         # Between plans the forecast and the learning stand still, but a pool whose load (a
         # burst's queue, the prefill pool's flow) outgrows it scales up now, not at the next plan.
-        planned_rate = max(load.requests_per_s, rate.forecast(), upstream.planned)
-        planned_tokens = max(load.tokens_per_request, tokens.forecast())
+        planned_rate = max(load.requests_per_s, rate.forecast(policy.horizon_steps), upstream.planned)
+        planned_tokens = max(load.tokens_per_request, tokens.forecast(policy.horizon_steps))
         need = _replicas(policy, pool, planned_rate + upstream.drain, planned_tokens, state.correction, load.backlog)
         need = min(max(need, bounds.min_replicas), bounds.max_replicas)
         drain = load.backlog / (planned_tokens * policy.interval_s) if pool == "prefill" and planned_tokens > 0 else 0.0
@@ -233,8 +245,8 @@ def plan_pool(policy: PlannerPolicy, pool: str, bounds: PoolPolicy, load: PoolLo
     tokens = tokens.update(load.tokens_per_request, alpha, beta)
     correction = _learn(policy, pool, load, state.correction)
     held_rate = max(load.requests_per_s, rate.level, upstream.held)
-    planned_rate = max(held_rate, rate.forecast(), upstream.planned)
-    planned_tokens = max(load.tokens_per_request, tokens.forecast())
+    planned_rate = max(held_rate, rate.forecast(policy.horizon_steps), upstream.planned)
+    planned_tokens = max(load.tokens_per_request, tokens.forecast(policy.horizon_steps))
     held_tokens = max(load.tokens_per_request, tokens.level)
     need = _replicas(policy, pool, planned_rate + upstream.drain, planned_tokens, correction, load.backlog)
     # What the arrivals need without the trend, grown by the dead band: the level a pool shrinks
@@ -244,8 +256,13 @@ def plan_pool(policy: PlannerPolicy, pool: str, bounds: PoolPolicy, load: PoolLo
     flow = Flow(planned_rate, held_rate, drain)
     lo, hi = bounds.min_replicas, bounds.max_replicas
     need, steady = min(max(need, lo), hi), min(max(steady, lo), hi)
+    surges = state.surges
+    if policy.forecast.recurrence:
+        surges = observe(surges, now, current, need, policy.cold_start_s + 2 * policy.interval_s, policy.interval_s)
+        need, surges = prewarm(surges, now, current, need, policy.cold_start_s + policy.interval_s, policy.interval_s)
+        need = min(need, hi)
     state = replace(state, planned_at=now, rate_level=rate.level, rate_trend=rate.trend,
-                    tokens_level=tokens.level, tokens_trend=tokens.trend, correction=correction)
+                    tokens_level=tokens.level, tokens_trend=tokens.trend, correction=correction, surges=surges)
     why = f"{planned_rate + upstream.drain:.3g} req/s x {planned_tokens:.4g} tok, capacity x{correction:.3g}"
     reset = replace(state, below_since=None, peak_below=None)
     if not lo <= current <= hi:
@@ -258,7 +275,7 @@ def plan_pool(policy: PlannerPolicy, pool: str, bounds: PoolPolicy, load: PoolLo
         peak = max(steady, state.peak_below or 0)
         if now - since >= policy.downscale_delay_s - _EPS:
             peak = max(peak, need)
-            return PoolPlan(peak, reset, f"down: {current} -> {peak} ({why})", flow)
+            return PoolPlan(peak, replace(reset, surges=moved_down(reset.surges)), f"down: {current} -> {peak} ({why})", flow)
         return PoolPlan(current, replace(state, below_since=since, peak_below=peak),
                         f"hold: {max(peak, need)} < {current} for {now - since:.0f}s of downscale_delay_s "
                         f"{policy.downscale_delay_s:g} ({why})", flow)

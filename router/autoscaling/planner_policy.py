@@ -6,7 +6,8 @@
     planner:
       interval_s: 30               # one plan per interval
       targets: {ttft_ms: 2000, tpot_ms: 100, attainment: 0.95}
-      forecast: {alpha: 0.5, beta: 0.3}              # Holt's linear trend (beta 0: plain EWMA)
+      forecast: {alpha: 0.5, beta: 0.3, recurrence: false}   # Holt's linear trend (beta 0: plain EWMA)
+      cold_start_s: 30             # a new replica's start: how far ahead the forecast looks
       profiles:                    # one replica's measured capacity
         prefill: {tokens_per_s: 296.4, time_cv: 0.3}
         decode: {tpot_base_ms: 27.7, tpot_ms_per_seq: 15.4}
@@ -56,6 +57,12 @@ class ForecastConfig(StrictModel):
     beta: float = Field(
         0.3, ge=0, le=1,
         description="Holt's trend weight: how much of each level change the trend takes; 0 is plain EWMA (no trend).",
+    )
+    recurrence: bool = Field(
+        False,
+        description="Learn surges that recur at a fixed period (the last two gaps between three surges "
+        "agree within interval_s) and pre-warm the last surge's count cold_start_s + interval_s before "
+        "the next (router/autoscaling/recurrence.py).",
     )
 
 
@@ -134,6 +141,12 @@ class PlannerPolicy(StrictModel):
         description="A pool shrinks only after its plan has stayed lower this long; it then takes "
         "the highest plan of that time.",
     )
+    cold_start_s: float = Field(
+        0.0, ge=0, le=3600,
+        description="Seconds a new replica takes before it takes work (model load, warm-up): the "
+        "forecast looks this far ahead (a count decided now carries the load until a replica asked "
+        "for later can; between plans the pool scales up as soon as its need outgrows it).",
+    )
     dead_band: float = Field(
         0.1, ge=0, lt=1,
         description="A pool shrinks only if its need, grown by this fraction, still fits one replica "
@@ -150,6 +163,14 @@ class PlannerPolicy(StrictModel):
                 f"tpot_base_ms + tpot_ms_per_seq): no batch meets it (allowed: >= {decode.tpot_ms(1):g})",
             )
         return self
+
+    @property
+    def horizon_steps(self) -> float:
+        """How many intervals ahead the forecast looks: cold_start_s. A replica asked for now
+        takes work cold_start_s from now, and between plans a pool whose need outgrows its count
+        scales up at once, so a count decided now has to carry the load until a replica asked
+        for at any later moment can: cold_start_s, not cold_start_s + interval_s."""
+        return self.cold_start_s / self.interval_s
 
     def max_batch(self, correction: float = 1.0) -> float:
         """The largest mean batch whose TPOT (the profile's, times the learnt correction) meets the target."""

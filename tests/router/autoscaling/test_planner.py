@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from router.autoscaling.decode_model import stream_law
 from router.autoscaling.forecast import Holt
 from router.autoscaling.planner import (
     PoolLoad,
@@ -52,6 +53,22 @@ def test_shipped_planner_policy_loads():
     assert config.planner.max_batch() == pytest.approx((100 - 27.68) / 15.40)
 
 
+def test_the_forecast_looks_one_cold_start_ahead():
+    # 1.75 req/s now; Holt (alpha = beta = 0.5) from level 1.375 and trend 0.375 keeps level 1.75
+    # and trend 0.375. One interval ahead (cold_start_s 30) that is 2.125 req/s, 2 replicas of 100
+    # tokens/s for 50-token prompts; two (cold_start_s 60), 2.5 req/s, 3 replicas.
+    assert (prefill_replicas(planner(), 2.125, 50), prefill_replicas(planner(), 2.5, 50)) == (2, 3)
+    state = PoolPlanState(planned_at=0.0, rate_level=1.375, rate_trend=0.375, tokens_level=50.0)
+    out = {}
+    for cold_start_s in (0, 30, 60):
+        policy = planner(cold_start_s=cold_start_s, forecast={"alpha": 0.5, "beta": 0.5})
+        out[cold_start_s] = (policy.horizon_steps, plan_pool(policy, "prefill", BOUNDS["prefill"], PoolLoad(1.75, 50),
+                                                             2, state, 30.0).reason)
+    assert out == {0: (0.0, "hold: 2 (1.75 req/s x 50 tok, capacity x1)"),
+                   30: (1.0, "hold: 2 (2.12 req/s x 50 tok, capacity x1)"),
+                   60: (2.0, "up: 2 -> 3 (2.5 req/s x 50 tok, capacity x1)")}
+
+
 def test_mode_planner_needs_a_planner_section(tmp_path):
     assert error_of(tmp_path, "mode: planner\nprefill: {max_replicas: 2}\n") == (
         "p.yaml: invalid autoscaling policy\n"
@@ -87,7 +104,8 @@ planner:
         "  planner.interval_s = 0: Input should be greater than or equal to 1 (allowed: >= 1 and <= 3600)\n"
         "  planner.targets.attainment = 1.0: Input should be less than 1 (allowed: >= 0.5 and < 1)\n"
         "  planner.forecast.alpha = 0: Input should be greater than 0 (allowed: > 0 and <= 1)\n"
-        "  planner.forecast.gamma = 1: unknown key; remove it or fix its spelling (allowed keys: alpha, beta)\n"
+        "  planner.forecast.gamma = 1: unknown key; remove it or fix its spelling (allowed keys: alpha, beta, "
+            "recurrence)\n"
         "  planner.profiles.prefill.cv = 1: unknown key; remove it or fix its spelling (allowed keys: "
         "tokens_per_s, time_cv)\n"
         "  planner.profiles.decode.tpot_ms_per_seq: Field required (allowed: > 0 and <= 60000)"
@@ -134,15 +152,17 @@ def test_prefill_replicas_by_erlang_c():
     assert prefill_replicas(policy, 1.0, 50, correction=0.5) == 3
 
 
-def test_decode_replicas_by_littles_law():
-    # 2 req/s x 50 tokens = 100 tokens/s; per replica TPOT(m / c) = 20 + 20 m / c ms:
-    # c = 2 is unstable (100 tokens/s x 20 ms / 2 = 1); c = 3: m = 100 x 0.02 / (1 - 2/3) = 6,
-    # quantile 6 + 1.645 * sqrt(6) = 10.03 <= 3 x 4 batches.
+def test_decode_replicas_by_the_batch_the_tokens_see():
+    # 2 req/s x 50 tokens = 100 tokens/s; TPOT(n) = 20 + 20 n ms, so a batch of 4 meets 100 ms.
+    # c = 2 cannot decode it (100 tokens/s x 20 ms / 2 = 1); at c = 3 the tokens see a batch of
+    # 3.09 on average (sd 1.64): 3.09 + 1.645 x 1.64 = 5.79 > 4; at c = 4, 1.68 + 1.645 x 0.79 =
+    # 2.98 <= 4. (Little's law at the mean batch planned 3: 6 streams, 2 per replica.)
     policy = planner()
     assert policy.max_batch() == 4.0
-    assert decode_replicas(policy, 2.0, 50) == 3
-    assert decode_replicas(policy, 2.0, 50, num_seqs=13) == 4  # 13 running need ceil(13 / 4)
+    assert decode_replicas(policy, 2.0, 50) == 4
+    assert decode_replicas(policy, 2.0, 50, num_seqs=17) == 5  # 17 running need ceil(17 / 4)
     assert decode_replicas(policy, 0.0, 50) == 0
+    assert decode_replicas(policy, 0.0, 50, num_seqs=3) == 1
 
 
 # ---- the joint plan ----------------------------------------------------------------------------
@@ -180,8 +200,8 @@ def test_min_ratio_raises_prefill():
     states = {"prefill": PoolPlanState(), "decode": PoolPlanState()}
     loads = {"prefill": PoolLoad(0.1, 50), "decode": PoolLoad(2.0, 50)}
     result = plan(policy, BOUNDS, loads, counts, states, 0.0)
-    assert result.num_replicas == {"prefill": 3, "decode": 3}
-    assert result.reason.endswith("ratio: prefill 1 -> 3 (min_prefill_per_decode 1)")
+    assert result.num_replicas == {"prefill": 4, "decode": 4}
+    assert result.reason.endswith("ratio: prefill 1 -> 4 (min_prefill_per_decode 1)")
 
 
 def test_a_dip_shorter_than_the_delay_moves_nothing_and_the_peak_is_held():
@@ -223,11 +243,12 @@ def test_learning_corrects_the_profiles():
     prefill = plan_pool(policy, "prefill", BOUNDS["prefill"], PoolLoad(1.0, 50, measured_tokens_per_s=50.0), 1,
                         PoolPlanState(), 0.0)
     assert prefill.state.correction == 0.75
-    # A decode replica at batch 4 made 25 tokens/s; the profile predicts 4 / 100 ms = 40: TPOT x1.6.
-    # Replicas at a batch under 2 say nothing.
-    load = PoolLoad(1.0, 10, measured_decode=((4.0, 25.0), (1.0, 2.0)))
+    # Two decode replicas made 40 tokens/s holding the mean streams the pool's law holds with a
+    # step 1.6 times the profile's: TPOT x1.6, correction (1 + 1.6) / 2.
+    held = stream_law(40.0, 2, 0.02 * 1.6, 0.02 * 1.6).mean
+    load = PoolLoad(1.0, 10, measured_decode=((held / 2, 20.0), (held / 2, 20.0)))
     decode = plan_pool(policy, "decode", BOUNDS["decode"], load, 1, PoolPlanState(), 0.0)
-    assert decode.state.correction == pytest.approx(1.3)
+    assert decode.state.correction == pytest.approx(1.3, rel=1e-9)
     assert policy.max_batch(1.3) == pytest.approx((100 / 1.3 - 20) / 20)
 
 

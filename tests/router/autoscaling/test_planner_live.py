@@ -3,7 +3,7 @@ of a declaratively deployed app, so the decode pool is sized from the prefill po
 
 The stand-in replicas (planner_stub_app.py) report fixed signals: two prefill replicas (min = max)
 see 1.5 req/s of 256-token prompts each; decode replicas see no arrivals now (63 tokens per request
-before). Planned together, decode gets the 3 req/s prefill sends it: 5 replicas
+before). Planned together, decode gets the 3 req/s prefill sends it: 6 replicas
 (decode_replicas(planner, 3.0, 63)); planned alone, as per-deployment policies would, it stays at 1.
 """
 
@@ -61,12 +61,12 @@ def test_declarative_app_runs_the_joint_plan(tmp_path, tmp_path_factory):
         while True:
             app = serve.status().applications.get(APP)
             states = {name: dict(d.replica_states) for name, d in app.deployments.items()} if app else {}
-            if states.get("DecodeWorker") == {"RUNNING": 5}:
+            if states.get("DecodeWorker") == {"RUNNING": 6}:
                 break
             assert time.monotonic() - started < DEADLINE_S, f"replicas {states}"
             time.sleep(0.5)
         assert states["PrefillWorker"] == {"RUNNING": 2}
-        assert decode_replicas(load_policy(args["policy"]).planner, 3.0, 63) == 5
+        assert decode_replicas(load_policy(args["policy"]).planner, 3.0, 63) == 6
     finally:
         serve.shutdown()
         ray.shutdown()
