@@ -30,6 +30,8 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import types
+import typing
 from collections.abc import Sequence
 
 from router.char_prefix_tree import CharPrefixTree, token_text
@@ -148,12 +150,36 @@ POLICIES = {
 
 
 def build_policy(name: str, **params):
-    """A policy by its name, with its documented parameters (unknown ones are errors)."""
+    """A policy by its name, with its documented parameters (unknown ones, and values of the wrong
+    type, are errors: YAML's `admission: "off"` is a string, which Python would take as true)."""
     try:
         cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    for key, value in params.items():
+        _check_type(name, cls, key, value)
     try:
         return cls(**params)
     except TypeError as exc:
         raise ValueError(f"routing policy {name!r}: {exc}") from exc
+
+
+def _check_type(name: str, cls: type, key: str, value) -> None:
+    """`value` fits the parameter's annotation: bool, int, float (an int too) or str, or None
+    where the annotation allows it. Parameters without such an annotation are not checked."""
+    hints = typing.get_type_hints(cls.__init__)
+    if key not in hints:
+        return  # unknown: the constructor says so
+    hint = hints[key]
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    allowed = typing.get_args(hint) if union else (hint,)
+    if value is None and type(None) in allowed:
+        return
+    kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}
+    accepted = [kinds[t] for t in allowed if t in kinds]
+    if not accepted:
+        return
+    ok = any(isinstance(value, k) and not (isinstance(value, bool) and bool not in k) for k in accepted)
+    if not ok:
+        wanted = " or ".join(t.__name__ for t in allowed if t is not type(None)) + (" or null" if type(None) in allowed else "")
+        raise ValueError(f"routing policy {name!r}: {key} must be {wanted}, got {value!r} ({type(value).__name__})")

@@ -185,3 +185,22 @@ def test_baselines_and_build_policy():
         build_policy("prefix_cost", bogus=1)
     with pytest.raises(ValueError, match=r"max_imbalance_ratio must be >= 1 \(or None: no relative guard\), got 0.5"):
         build_policy("prefix_cost", max_imbalance_ratio=0.5)
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"admission": "off"}, "admission must be bool, got 'off' (str)"),
+    ({"session_affinity": 1}, "session_affinity must be bool, got 1 (int)"),
+    ({"max_load_ratio": "1.2"}, "max_load_ratio must be float or null, got '1.2' (str)"),
+    ({"load_window_per_replica": 3.5}, "load_window_per_replica must be int, got 3.5 (float)"),
+    ({"load_window_per_replica": True}, "load_window_per_replica must be int, got True (bool)"),
+])
+def test_a_parameter_of_the_wrong_type_is_refused_by_name(params, message):
+    """YAML gives strings where a user quotes a value: 'off' would be a true bool in Python."""
+    with pytest.raises(ValueError) as info:
+        build_policy("prefix_cost", **params)
+    assert str(info.value) == f"routing policy 'prefix_cost': {message}"
+
+
+def test_numbers_of_either_kind_and_null_where_allowed_are_accepted():
+    policy = build_policy("prefix_cost", max_load_ratio=2, tie_tolerance=0, max_imbalance_ratio=None, admission=False)
+    assert (policy.max_load_ratio, policy.tie_tolerance, policy.max_imbalance_ratio, policy.admission) == (2, 0, None, False)

@@ -240,3 +240,10 @@ def test_min_remote_prefill_tokens_is_a_count_or_auto():
     for bad in (-1, "sometimes"):
         with pytest.raises(ValidationError, match="min_remote_prefill_tokens"):
             ServeConfig(min_remote_prefill_tokens=bad)
+
+
+def test_a_routing_parameter_of_the_wrong_type_names_the_section_and_the_fix(tmp_path):
+    path = write(tmp_path, "routing:\n  prefill_params: {admission: 'off'}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert "prefill_params: routing policy 'prefix_cost': admission must be bool, got 'off' (str)" in str(info.value)
