@@ -150,9 +150,10 @@ class EngineWorker:
 
     def _done(self, request: WorkerRequest) -> None:
         """The request's prompt blocks are now the engine's most recently used (freed tail
-        first): the snapshot's eviction order follows (router/index.py)."""
+        first), or, not kept cached, those it computed the first to go: the snapshot's eviction
+        order follows (router/index.py)."""
         with self._cached_blocks_lock:
-            self._cached_blocks.touch(request.block_hashes, request.request_id)
+            self._cached_blocks.touch(request.block_hashes, request.request_id, keep=request.keep_cached)
 
     def autoscaling_signals(self) -> ReplicaSignals:
         """What the pool's autoscaling policy reads (router/autoscaling/decide.py); never blocks."""
