@@ -154,6 +154,13 @@ class CachedBlockSet:
             self._order = {**dict.fromkeys(cold), **self._order}
         self.version += 1
 
+    def all_hashes(self) -> list[int]:
+        """The hashes a snapshot lists: cached, and of the prompts taken (unordered, once each)."""
+        out = dict.fromkeys(self._order)
+        for block_hashes in self._taken.values():
+            out.update(dict.fromkeys(block_hashes))
+        return list(out)
+
     def snapshot(self) -> tuple[int, bytes]:
         """(version, the encoded hashes in eviction order as the engine will have them once the
         prompts taken are computed: RoutingStats.kv_version and kv_hashes; `eviction_order`)."""
