@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 from load_tests.routing_metrics import PolicyRun, RoutedRequest
 from load_tests.routing_workload import Workload, WorkloadRequest
-from router.eviction import REPLICA_REUSE_WINDOW, BlockReuse
+from router.eviction import REPLICA_REUSE_WINDOW, REUSE_REPORT_MIN, BlockReuse
 from router.index import eviction_order
 from router.policies import POLICIES, Decision, RouteRequest, build_policy
 from router.replica_stats import RequestRate, RoutingStats
@@ -248,7 +248,7 @@ class SimReplica:
             requests_per_s=self.requests.per_s(now),
             num_computed_tokens=self.num_computed_tokens(now),
             num_requests=self.num_requests,
-            block_reuse=self.block_reuse.counts(self._snapshot[1]),
+            block_reuse=self.block_reuse.counts(self._snapshot[1], at_least=REUSE_REPORT_MIN),
             block_reuse_weight=self.block_reuse.weight,
         )
 

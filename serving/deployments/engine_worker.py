@@ -34,7 +34,7 @@ from dataclasses import replace
 import ray
 
 from router.autoscaling.decide import ReplicaSignals
-from router.eviction import REPLICA_REUSE_WINDOW, BlockReuse
+from router.eviction import REPLICA_REUSE_WINDOW, REUSE_REPORT_MIN, BlockReuse
 from router.index import CachedBlockSet
 from router.replica_stats import RequestRate, RoutingStats
 from serving.config import KVTransferConfig
@@ -111,7 +111,7 @@ class EngineWorker:
         block hashes, and the load figures of the cost model."""
         with self._cached_blocks_lock:
             kv_version, kv_hashes = self._cached_blocks.snapshot()
-            block_reuse = self._block_reuse.counts(self._cached_blocks.all_hashes())
+            block_reuse = self._block_reuse.counts(self._cached_blocks.all_hashes(), at_least=REUSE_REPORT_MIN)
         stats = self.engine.stats()
         # Serve calls this every routing.stats_period_s: the engine's metrics are sampled here
         # and travel with the stats to the ingress's GET /metrics (serving/observability/export.py).
