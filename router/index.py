@@ -105,10 +105,7 @@ class CachedBlockSet:
         next request of that prefix here rather than computing it a second time elsewhere."""
         if block_hashes:
             self._taken[request_id] = block_hashes
-            held = 0
-            while held < len(block_hashes) and block_hashes[held] in self._order:
-                held += 1
-            self._held_at_take[request_id] = held
+            self._held_at_take[request_id] = self._num_held(block_hashes, len(block_hashes))
             self.version += 1
 
     def num_leading(self, block_hashes: Sequence[int], max_blocks: int) -> tuple[int, int]:
@@ -117,10 +114,7 @@ class CachedBlockSet:
         or queued to be). Hashes chain, so a taken prompt shares a leading run: its length is
         found by bisection."""
         limit = min(max_blocks, len(block_hashes))
-        held = 0
-        while held < limit and block_hashes[held] in self._order:
-            held += 1
-        pending = held
+        held = pending = self._num_held(block_hashes, limit)
         for taken in self._taken.values():
             lo, hi = pending, min(limit, len(taken))  # does it share more than `pending` blocks?
             if hi <= lo or taken[lo] != block_hashes[lo]:
@@ -134,6 +128,13 @@ class CachedBlockSet:
                     hi = mid - 1
             pending = lo
         return held, pending
+
+    def _num_held(self, block_hashes: Sequence[int], limit: int) -> int:
+        """How many of the prompt's first `limit` blocks lead it that the engine holds."""
+        held = 0
+        while held < limit and block_hashes[held] in self._order:
+            held += 1
+        return held
 
     def touch(self, block_hashes: Sequence[int], request_id: str | None = None, *, keep: bool = True) -> None:
         """A request over these blocks ended: the held ones are now the most recently used. One
