@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-__all__ = ["token_rate", "stream_law", "StreamLaw", "TokenBatch", "token_batch", "fit_correction"]
+__all__ = ["token_rate", "stream_law", "StreamLaw", "TokenBatch", "token_batch", "relaxation_s", "life_average",
+           "fit_correction"]
 
 _TAIL = 1e-10  # stop the law where what is left is below this fraction
 _RESCALE = 1e150
@@ -96,6 +97,39 @@ def token_batch(law: StreamLaw, base_s: float, per_seq_s: float) -> TokenBatch:
         first += weight * mean_here
         second += weight * (share * (q + 1) ** 2 + (1 - share) * q**2)
     return TokenBatch(first, math.sqrt(max(0.0, second - first * first)))
+
+
+def relaxation_s(law: StreamLaw, arrivals_per_s: float) -> float:
+    """The integrated autocorrelation time of the pool's stream count under the chain, seconds:
+    how long the count remembers where it was. For a birth-death chain with birth rate lambda the
+    time average of f over a long window T has variance 2 * sum_k F_k^2 / (pi_k * lambda) / T,
+    F_k = sum_{j<=k} pi_j (f(j) - mean); with f(m) = m this over 2 * Var(m) is the time. (For
+    M/M/infinity, streams that each last T, it is T exactly.)"""
+    probabilities = law.probabilities
+    mean = law.mean
+    variance = math.fsum(p * (m - mean) ** 2 for m, p in enumerate(probabilities))
+    if arrivals_per_s <= 0 or variance <= 0:
+        return 0.0
+    partial = 0.0
+    total = 0.0
+    for m, p in enumerate(probabilities[:-1]):  # the last state's F is the whole sum: zero
+        partial += p * (m - mean)
+        if p > 0:
+            total += partial * partial / (p * arrivals_per_s)
+    return total / variance
+
+
+def life_average(seen: TokenBatch, life_s: float, relaxation: float) -> TokenBatch:
+    """The law of the batch averaged over one stream's life: the same mean, a narrower spread.
+    A stream's TPOT is its mean step over its tokens, and the batch it sees at its tokens is
+    correlated over `relaxation` seconds; with an exponential correlation the variance of the
+    mean over a life of T is Var * 2 (x - 1 + e^-x) / x^2, x = T / relaxation (1 for a life
+    much shorter than the correlation, 2 / x for a much longer one)."""
+    if relaxation <= 0 or life_s <= 0:
+        return seen
+    x = life_s / relaxation
+    factor = 2 * (x - 1 + math.exp(-x)) / (x * x) if x > 1e-6 else 1.0
+    return TokenBatch(seen.mean, seen.std * math.sqrt(factor))
 
 
 def fit_correction(mean_streams: float, tokens_per_s: float, c: int, base_s: float, per_seq_s: float) -> float | None:

@@ -30,8 +30,10 @@ large batch than the mean batch says (tokens/s is concave in the batch). So the 
 use Little's law at the mean batch (which planned too few replicas: 0.954 of the ramp's requests
 met at attainment 0.97). It takes the stationary law of the pool's streams, a birth-death chain
 with the router's even placement (decode_model.py), and the batch each decoded token sees under
-it; the plan is the fewest c at which that batch's mean + z(attainment) * its std fits b_max;
-never fewer than the sequences running now need.
+it, averaged over a stream's life (its TPOT is its mean step: the spread narrows by the life
+against the count's correlation time, decode_model.life_average); the plan is the fewest c at
+which that batch's mean + z(attainment) * its std fits b_max; never fewer than the sequences
+running now need.
 
 Flow. Prefill is planned first, and decode plans for at least the rate prefill plans for (its
 arrivals and its queue's drain): every prefilled request decodes next, so a burst sizes decode as
@@ -66,7 +68,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from statistics import NormalDist
 from typing import Any, NamedTuple
 
-from router.autoscaling.decode_model import fit_correction, stream_law, token_batch
+from router.autoscaling.decode_model import fit_correction, life_average, relaxation_s, stream_law, token_batch
 from router.autoscaling.forecast import Holt
 from router.autoscaling.planner_policy import PlannerPolicy
 from router.autoscaling.policy import PoolPolicy
@@ -181,6 +183,10 @@ def decode_replicas(policy: PlannerPolicy, rate: float, decode_tokens: float, co
         if law is None:
             continue
         seen = token_batch(law, base_s, per_seq_s)
+        # A stream's TPOT is its mean step over its life, not one step's: the batch's spread
+        # narrows by how long a life is against how long the batch stays where it is.
+        life_s = decode_tokens * (base_s + per_seq_s * seen.mean)
+        seen = life_average(seen, life_s, relaxation_s(law, rate))
         if seen.mean + z * seen.std <= max_batch + _EPS:
             return c
     return limit

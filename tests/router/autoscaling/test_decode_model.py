@@ -7,7 +7,15 @@ import math
 
 import pytest
 
-from router.autoscaling.decode_model import fit_correction, stream_law, token_batch, token_rate
+from router.autoscaling.decode_model import (
+    TokenBatch,
+    fit_correction,
+    life_average,
+    relaxation_s,
+    stream_law,
+    token_batch,
+    token_rate,
+)
 
 BASE, PER_SEQ = 0.02768, 0.0154  # this machine's decode step, seconds (pool_model.Capacity)
 
@@ -40,6 +48,33 @@ def test_tokens_see_a_larger_batch_than_the_mean():
     seen = token_batch(law, BASE, PER_SEQ)
     assert round(law.mean, 4) == 6.7893
     assert (round(seen.mean, 4), round(seen.std, 4)) == (1.6469, 0.6922)
+
+
+def test_the_count_remembers_for_one_life_when_every_stream_runs_alone():
+    # A step that does not grow with the batch: every stream lasts L * base whatever the others
+    # do, so the count is M/M/infinity (Poisson), whose correlation time is one life exactly.
+    base, tokens, arrivals = 0.05, 40, 2.0
+    law = stream_law(arrivals * tokens, 1, base, 1e-12)
+    assert law.mean == pytest.approx(arrivals * tokens * base, rel=1e-6)  # 4 streams
+    assert relaxation_s(law, arrivals) == pytest.approx(tokens * base, rel=1e-6)  # 2 s
+
+
+def test_a_busier_step_makes_the_count_remember_longer():
+    # With the step growing by the batch a crowd drains slower: the correlation outlasts the
+    # mean life at the mean batch (3.43 s against 2.12 s at 128 tokens/s on 5 replicas, 40 tokens
+    # a stream).
+    law = stream_law(128.0, 5, BASE, PER_SEQ)
+    life = 40 * (BASE + PER_SEQ * token_batch(law, BASE, PER_SEQ).mean)
+    assert round(life, 4) == 2.1217
+    assert round(relaxation_s(law, 128.0 / 40), 4) == 3.4286
+
+
+def test_averaging_over_a_life_narrows_the_spread_by_the_exponential_correlations_factor():
+    seen = TokenBatch(3.0, 1.5)
+    assert life_average(seen, 2.0, 2.0) == TokenBatch(3.0, pytest.approx(1.5 * math.sqrt(2 * math.exp(-1))))
+    # a life much longer than the correlation: variance 2 / x of the step's
+    assert life_average(seen, 2000.0, 2.0).std == pytest.approx(1.5 * math.sqrt(2 / 1000 * (1 - 1 / 1000)), rel=1e-6)
+    assert life_average(seen, 2.0, 0.0) == seen  # no correlation known: the step's own
 
 
 @pytest.mark.parametrize(("work", "c", "k"), [(10.0, 1, 1.0), (128.0, 5, 1.0), (300.0, 8, 1.0), (128.0, 5, 1.2),
