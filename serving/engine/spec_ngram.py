@@ -1,0 +1,64 @@
+"""Prompt lookup: propose the tokens that followed the last time the sequence said what it just said.
+
+    tokens   ... a b c d e ... x y a b c │        (│: the end, the last 3 tokens are "a b c")
+                     ─────               │
+    pattern  a b c, found earlier ──▶ propose  d e ...  (at most k tokens, fewer near the end)
+
+Input-grounded generation (summarise, edit or quote a given text, rewrite code) repeats spans of
+its prompt, and loops in its own output repeat too: the tokens after an earlier occurrence of the
+last n tokens are a cheap guess of what comes next. The model verifies the guess (speculative.py),
+so a wrong guess costs compute, never correctness.
+
+Longer patterns are tried first (`max_n` down to `min_n`): a longer match predicts better and a
+short one matches noise. Among occurrences of one pattern, the latest wins: recent text (the
+sentence being copied, the loop being repeated) says more about what comes next than the first
+occurrence does. The search is vectorised with numpy over the whole sequence, O(len x n) per
+proposal, a fraction of a millisecond for a few thousand tokens; a sequence with no match gets
+no proposal and decodes one token per step as usual.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["NgramProposer"]
+
+
+class NgramProposer:
+    """Proposes up to `k` tokens for a sequence from its own token ids (prompt + output)."""
+
+    name = "ngram"
+
+    def __init__(self, *, min_n: int, max_n: int, k: int):
+        assert 1 <= min_n <= max_n and k >= 1, (min_n, max_n, k)
+        self.min_n = min_n
+        self.max_n = max_n
+        self.k = k
+
+    def propose(self, token_ids: list[int], max_k: int | None = None) -> list[int]:
+        """The tokens that followed the latest earlier occurrence of the longest matching suffix
+        (at most min(k, max_k)); [] when no suffix of min_n..max_n tokens occurred before."""
+        k = self.k if max_k is None else min(self.k, max_k)
+        num_tokens = len(token_ids)
+        if k <= 0 or num_tokens <= self.min_n:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
+            start = _latest_earlier_match(tokens, n)
+            if start is not None:
+                follow = start + n
+                return tokens[follow : follow + k].tolist()
+        return []
+
+
+def _latest_earlier_match(tokens: np.ndarray, n: int) -> int | None:
+    """The largest i < len - n with tokens[i : i + n] == tokens[-n:] (a match followed by at least
+    one token, so never the suffix itself); None when there is none."""
+    pattern = tokens[-n:]
+    # Candidates start where the pattern's first token is, and end before the suffix starts.
+    body = tokens[:-1]
+    if body.shape[0] < n:
+        return None
+    windows = np.lib.stride_tricks.sliding_window_view(body, n)  # [len - n, n]: each ends before the last token
+    hits = np.flatnonzero((windows == pattern).all(axis=1))
+    return int(hits[-1]) if hits.size else None
