@@ -12,7 +12,8 @@ so a wrong guess costs compute, never correctness.
 Longer patterns are tried first (`max_n` down to `min_n`): a longer match predicts better and a
 short one matches noise. Among occurrences of one pattern, the latest wins: recent text (the
 sentence being copied, the loop being repeated) says more about what comes next than the first
-occurrence does. The search is vectorised with numpy over the whole sequence, O(len x n) per
+occurrence does. A match close to the end (a loop shorter than k) is continued with the loop's
+period, so a sequence repeating "a b" gets "a b a b" and not just "a b". The search is vectorised with numpy over the whole sequence, O(len x n) per
 proposal, a fraction of a millisecond for a few thousand tokens; a sequence with no match gets
 no proposal and decodes one token per step as usual.
 """
@@ -46,8 +47,13 @@ class NgramProposer:
         for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
             start = _latest_earlier_match(tokens, n)
             if start is not None:
-                follow = start + n
-                return tokens[follow : follow + k].tolist()
+                # The match says the text repeats with period `shift`: token p is token p - shift,
+                # also past the end (a loop shorter than k: its proposals come from themselves).
+                shift = num_tokens - n - start
+                out = tokens[start + n : start + n + k].tolist()
+                while len(out) < k:
+                    out.append(out[len(out) - shift])
+                return out
         return []
 
 

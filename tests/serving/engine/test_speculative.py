@@ -1,0 +1,211 @@
+"""Speculative decoding (speculative.py, spec_ngram.py): the proposer's exact guesses, and on the tiny
+random model (fp32) greedy output token-identical to decoding without it, in mixed batches with
+chunked prefill and preemption, with every KV block given back and stops exact mid-step."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from serving.engine import SamplingParams
+from serving.engine.config import EngineConfig, SpeculativeConfig
+from serving.engine.outputs import CompletionOutput
+from serving.engine.spec_ngram import NgramProposer
+from serving.engine.speculative import num_accepted
+from tests.serving.engine.test_engine import make_engine, random_prompts, tokens_of
+
+SPEC = {"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+
+
+def workload() -> list[list[int]]:
+    """Mixed lengths, and prompts that repeat themselves (so prompt lookup finds matches at once)."""
+    mixed = random_prompts([3, 200, 17, 64, 1, 129, 45, 90], seed=11)
+    loops = random_prompts([20, 7, 33], seed=12)
+    return mixed + [loops[0] * 5, loops[1] * 9, loops[2] * 3 + loops[2][:10]]
+
+
+def run_steps(engine, prompts, params) -> dict[str, list[CompletionOutput]]:
+    """Each request's deltas, one per step it advanced in."""
+    params_list = params if isinstance(params, list) else [params] * len(prompts)
+    deltas: dict[str, list[CompletionOutput]] = {}
+    for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+        engine.add_request(f"r{i}", params=p, prompt_token_ids=prompt)
+        deltas[f"r{i}"] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas[out.request_id] += out.outputs
+    assert not engine.take_failures()
+    return deltas
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_model_dir) -> list[list[int]]:
+    return tokens_of(make_engine(tiny_model_dir).generate(workload(), GREEDY))
+
+
+# ---- the proposer ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "tokens, min_n, max_n, k, max_k, expected",
+    [
+        ([1, 2, 3, 4, 5, 1, 2, 3], 2, 3, 2, None, [4, 5]),  # "1 2 3" seen before: what followed it
+        ([1, 2, 9, 1, 2, 7, 1, 2], 2, 2, 2, None, [7, 1]),  # the latest occurrence wins
+        ([4, 1, 2, 8, 3, 1, 2, 9, 4, 1, 2], 2, 3, 3, None, [8, 3, 1]),  # the longest pattern wins over a later short one
+        ([1, 2, 3, 4, 5, 1, 2, 3], 2, 3, 4, 1, [4]),  # capped by max_k
+        ([1, 2, 3, 4], 2, 3, 4, None, []),  # nothing repeats
+        ([1, 2, 3, 4, 5, 1, 2, 3], 2, 3, 4, 0, []),  # no room left
+        ([5, 6, 5], 1, 3, 5, None, [6, 5, 6, 5, 6]),  # a loop shorter than k continues with its period
+        ([9, 1, 2, 3, 1, 2, 3, 1, 2], 2, 4, 5, None, [3, 1, 2, 3, 1]),
+        ([7, 7], 2, 4, 3, None, []),  # too short for a pattern with something before it
+    ],
+)
+def test_ngram_proposer_guesses_what_followed_the_latest_longest_match(tokens, min_n, max_n, k, max_k, expected):
+    assert NgramProposer(min_n=min_n, max_n=max_n, k=k).propose(tokens, max_k) == expected
+
+
+@pytest.mark.parametrize(
+    "proposed, model_tokens, expected",
+    [([4, 5, 6], [4, 5, 6, 7], 3), ([4, 5, 6], [4, 9, 6, 7], 1), ([4, 5, 6], [8, 5, 6, 7], 0), ([], [3], 0)],
+)
+def test_num_accepted_is_the_longest_agreeing_prefix(proposed, model_tokens, expected):
+    assert num_accepted(proposed, model_tokens) == expected
+
+
+def test_speculative_config_is_off_by_default_and_checked():
+    assert EngineConfig().speculative is None
+    assert EngineConfig(speculative={}).speculative == SpeculativeConfig(
+        method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4,
+    )
+    with pytest.raises(pydantic.ValidationError, match=r"prompt_lookup_min \(5\) must be at most prompt_lookup_max \(3\)"):
+        SpeculativeConfig(prompt_lookup_min=5, prompt_lookup_max=3)
+    with pytest.raises(pydantic.ValidationError, match="num_speculative_tokens"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(pydantic.ValidationError, match="method"):
+        SpeculativeConfig(method="eagle")
+    with pytest.raises(pydantic.ValidationError, match="lookahead"):
+        SpeculativeConfig(lookahead=3)
+
+
+# ---- greedy output is unchanged ----------------------------------------------------------------
+@pytest.mark.parametrize("max_num_batched_tokens", [512, 48], ids=["one-step-prefill", "chunked-prefill"])
+def test_greedy_output_is_token_identical_with_speculation(tiny_model_dir, plain_outputs, max_num_batched_tokens):
+    engine = make_engine(tiny_model_dir, speculative=SPEC, max_num_batched_tokens=max_num_batched_tokens)
+    deltas = run_steps(engine, workload(), GREEDY)
+    assert [[t for d in deltas[f"r{i}"] for t in d.token_ids] for i in range(len(deltas))] == plain_outputs
+    spec = engine.speculator
+    assert spec.num_accepted_tokens > 0 and spec.num_proposed_tokens > spec.num_accepted_tokens
+    # Fewer steps than tokens: each accepted proposal saved its request one step.
+    num_deltas = sum(len(d) for d in deltas.values())
+    assert num_deltas == sum(map(len, plain_outputs)) - spec.num_accepted_tokens
+    assert max(len(d.token_ids) for ds in deltas.values() for d in ds) > 1
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    assert stats.num_generated_tokens == sum(map(len, plain_outputs))
+
+
+def test_speculation_survives_preemption_and_gives_back_every_block(tiny_model_dir, plain_outputs):
+    # 24 blocks of 16 tokens: far less than the batch needs at once (the longest needs 248 tokens)
+    tight = make_engine(tiny_model_dir, speculative=SPEC, kv_cache_bytes=24 * 16 * 512, max_num_batched_tokens=256)
+    assert tight.block_manager.num_blocks == 24
+    assert tokens_of(tight.generate(workload(), GREEDY)) == plain_outputs
+    stats = tight.stats()
+    assert stats.num_preemptions > 0 and tight.speculator.num_accepted_tokens > 0
+    assert stats.num_free_blocks == 24
+
+
+def test_rejected_tokens_blocks_are_given_back_every_step(tiny_model_dir):
+    """After each step a decoding sequence holds exactly the blocks its computed tokens fill:
+    the ones its rejected proposals were written to are back in the pool."""
+    engine = make_engine(tiny_model_dir, speculative={**SPEC, "num_speculative_tokens": 16}, block_size=4)
+    for i, prompt in enumerate(workload()):
+        engine.add_request(f"r{i}", params=GREEDY, prompt_token_ids=prompt)
+    num_checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            if seq.num_computed_tokens == seq.num_tokens - 1:
+                assert len(seq.block_ids) == -(-seq.num_computed_tokens // 4), seq
+                num_checked += 1
+    spec = engine.speculator
+    assert num_checked > 0 and spec.num_proposed_tokens - spec.num_accepted_tokens > 0
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+def test_sampled_requests_do_not_speculate_and_keep_their_seeded_tokens(tiny_model_dir):
+    prompts = workload()[-3:]
+    seeded = SamplingParams(temperature=1.0, max_tokens=24, seed=5, ignore_eos=True)
+    plain = tokens_of(make_engine(tiny_model_dir).generate(prompts, seeded))
+    engine = make_engine(tiny_model_dir, speculative=SPEC)
+    assert tokens_of(engine.generate(prompts, seeded)) == plain
+    assert engine.speculator.num_proposed_tokens == 0
+    # Mixed with greedy requests that speculate, they still get the same tokens.
+    mixed = tokens_of(engine.generate(prompts + prompts, [seeded] * 3 + [GREEDY] * 3))
+    assert mixed[:3] == plain and engine.speculator.num_accepted_tokens > 0
+
+
+def test_logprobs_of_accepted_tokens_are_the_models(tiny_model_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
+    prompts = workload()[-3:]
+    (plain, spec) = (
+        make_engine(tiny_model_dir, **extra).generate(prompts, params) for extra in ({}, {"speculative": SPEC})
+    )
+    for a, b in zip(plain, spec):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert x.token_id == y.token_id and [t for t, _ in x.top] == [t for t, _ in y.top]
+            # fp32, a position computed alone vs as one row of a chunk: rounding only
+            assert y.logprob == pytest.approx(x.logprob, abs=1e-4)
+
+
+# ---- stops are exact when several tokens land in one step ------------------------------------------
+@pytest.fixture(scope="module")
+def multi_token_step(tiny_model_dir):
+    """A request and a step of it that added at least 3 tokens: (prompt, its full tokens, where
+    that step's tokens start in them, how many it added)."""
+    prompts = workload()
+    engine = make_engine(tiny_model_dir, speculative=SPEC)
+    deltas = run_steps(engine, prompts, GREEDY)
+    for i, prompt in enumerate(prompts):
+        tokens = [t for d in deltas[f"r{i}"] for t in d.token_ids]
+        start = 0
+        for d in deltas[f"r{i}"]:
+            if len(d.token_ids) >= 3 and tokens[start + 1] not in tokens[: start + 1]:
+                return prompt, tokens, start, len(d.token_ids)
+            start += len(d.token_ids)
+    pytest.fail("no step accepted 2 proposals")
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2])
+def test_max_tokens_is_exact_inside_a_multi_token_step(tiny_model_dir, multi_token_step, offset):
+    prompt, tokens, start, _ = multi_token_step
+    params = SamplingParams(temperature=0.0, max_tokens=start + 1 + offset, ignore_eos=True)
+    (out,) = make_engine(tiny_model_dir, speculative=SPEC).generate([prompt], params)
+    assert out.outputs[0].token_ids == tokens[: start + 1 + offset]
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_stop_token_inside_a_multi_token_step_drops_what_follows(tiny_model_dir, multi_token_step):
+    prompt, tokens, start, _ = multi_token_step
+    stop_id = tokens[start + 1]  # its first occurrence: the 2nd token of a step that added >= 3
+    params = SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=[stop_id])
+    engine = make_engine(tiny_model_dir, speculative=SPEC)
+    (out,) = engine.generate([prompt], params)
+    assert out.outputs[0].token_ids == tokens[: start + 2]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop_id)
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+def test_stop_string_inside_a_multi_token_step_matches_decoding_without_speculation(tiny_model_dir, multi_token_step):
+    prompt, tokens, start, _ = multi_token_step
+    engine = make_engine(tiny_model_dir, speculative=SPEC)
+    # The text of the step's 2nd token, as a stop string (the detokenized text up to and with it).
+    upto = engine.tokenizer.decode(tokens[: start + 2])
+    before = engine.tokenizer.decode(tokens[: start + 1])
+    stop = upto[len(before):].strip() or upto[-2:]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, stop=[stop])
+    (plain,) = make_engine(tiny_model_dir).generate([prompt], params)
+    (spec,) = engine.generate([prompt], params)
+    a, b = plain.outputs[0], spec.outputs[0]
+    assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == (a.text, a.token_ids, a.finish_reason, a.stop_reason)
+    assert a.finish_reason == "stop" and len(a.token_ids) <= start + 2
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
