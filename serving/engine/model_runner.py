@@ -41,9 +41,9 @@ class StepInput:
     seqs: list[Sequence]  # in token-layout order
     num_new_tokens: list[int]
     sampling_seqs: list[Sequence]  # those that sample this step, in logits-row order
-    num_sample_rows: list[int] = field(default_factory=list)  # each one's rows: 1 + its proposed tokens
     prompt_spans: list[PromptSpan] = field(default_factory=list)  # their rows follow the sampling rows
     scored_seqs: list[Sequence] = field(default_factory=list)  # max_tokens 0: prompt done, nothing to sample
+    num_sample_rows: list[int] = field(default_factory=list)  # each one's rows: 1 + its proposed tokens
 
 
 class ModelRunner:
