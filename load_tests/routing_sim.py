@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from load_tests.routing_metrics import PolicyRun, RoutedRequest
 from load_tests.routing_workload import Workload, WorkloadRequest
+from router.eviction import REPLICA_REUSE_WINDOW, REUSE_REPORT_MIN, BlockReuse
 from router.index import eviction_order
 from router.policies import POLICIES, Decision, RouteRequest, build_policy
 from router.replica_stats import RequestRate, RoutingStats
@@ -170,10 +171,12 @@ class SimReplica:
         self.num_requests = 0  # taken, cumulative (RoutingStats.num_requests)
         self._num_computed_tokens = 0  # by finished prefills; the running one's part is added in stats
         self._snapshot: tuple[int, list[int]] = (-1, [])
+        self.block_reuse = BlockReuse(REPLICA_REUSE_WINDOW)  # as the worker counts it
 
     def submit(self, request: WorkloadRequest, now: float, retain: bool = True) -> _Job | None:
         """Queue a request; returns the job if it started now (its finish_s is then set)."""
         self.requests.add(now)
+        self.block_reuse.observe(request.block_hashes, 0)
         self._num_taken += 1
         self.num_requests += 1
         self.queue.append(_Job(request, retain))
@@ -245,6 +248,8 @@ class SimReplica:
             requests_per_s=self.requests.per_s(now),
             num_computed_tokens=self.num_computed_tokens(now),
             num_requests=self.num_requests,
+            block_reuse=self.block_reuse.counts(self._snapshot[1], at_least=REUSE_REPORT_MIN),
+            block_reuse_weight=self.block_reuse.weight,
         )
 
 

@@ -30,16 +30,33 @@ one replica. When the caches hold everything, nothing is evicted and the term is
 exponentially over a window of `window_requests` requests, and the blocks each decision made
 new. p(v) = the decayed count of v / the decayed count of requests. The entries of blocks not
 used for several windows are pruned, so its size is bounded by what recent traffic touched.
-Every router keeps its own; with several routers each sees a share of the traffic, whose
-proportions are the same.
+
+Every router keeps its own, and with several routers each sees only its share of the traffic:
+the proportions are the same, but estimated from half (or less) of the requests, and the
+routers' admission decisions (router/prefix_cost.py) then disagree where counts are small. So
+each replica counts the same for the requests it took, from every router (a BlockReuse of its
+own: `counts` of the hashes in its snapshot), and reports them with its routing stats;
+`absorb` pools the replicas' reports, and p(v) is the larger of this router's estimate and the
+pool's (the pool's knows only blocks some replica holds). Simulated with two routers, this is
+what brings their hit rates back to one router's (docs/benchmarks.md, issue 19).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 
-__all__ = ["BlockReuse"]
+__all__ = ["BlockReuse", "REPLICA_REUSE_WINDOW", "REUSE_REPORT_MIN"]
+
+# A replica counts over its own last requests: with N replicas that spans N times as many of the
+# pool's, as a router's 2048 span 2048 x its share of the traffic.
+REPLICA_REUSE_WINDOW = 256
+# A replica reports the blocks of its snapshot whose decayed count is at least this: those used
+# within about a window. Blocks used once matter (simulated with two routers, reporting only
+# those used twice or more keeps 0.934-0.969 of one router's hit rate in the worst cells, against
+# 0.955-0.972): the report is up to one count per snapshot hash, about 2.5 times the encoded
+# snapshot's bytes on the wire.
+REUSE_REPORT_MIN = 0.5
 
 _PRUNE_BELOW = 0.05  # decayed count: a block used once, (ln 20 =) 3 windows ago
 
@@ -54,6 +71,10 @@ class BlockReuse:
         self.num_requests = 0
         self._new_blocks = 0.0  # decayed sum of new blocks per request
         self._weight = 0.0  # decayed count of requests: sum of decay^age
+        # The replicas' reports (`absorb`): each one's counts and weight, and their sums.
+        self._reports: dict[Hashable, tuple[dict[int, float], float]] = {}
+        self._pooled: dict[int, float] = {}
+        self._pooled_weight = 0.0
 
     def observe(self, block_hashes: Sequence[int], num_new_blocks: int) -> None:
         """A request was routed: it used these blocks, and took `num_new_blocks` new ones."""
@@ -68,12 +89,55 @@ class BlockReuse:
             self._prune()
 
     def probability(self, block_hash: int) -> float:
-        """How likely a request is to use this block, from the recent ones."""
+        """How likely a request is to use this block, from the recent ones: this router's count,
+        or the replicas' pooled one where that is higher."""
+        own = 0.0
         entry = self._counts.get(block_hash)
-        if entry is None or not self._weight:
-            return 0.0
-        count, stamp = entry
-        return min(1.0, count * self._decay ** (self.num_requests - stamp) / self._weight)
+        if entry is not None and self._weight:
+            count, stamp = entry
+            own = min(1.0, count * self._decay ** (self.num_requests - stamp) / self._weight)
+        if self._pooled_weight > 0:
+            return max(own, min(1.0, self._pooled.get(block_hash, 0.0) / self._pooled_weight))
+        return own
+
+    @property
+    def weight(self) -> float:
+        """The decayed count of requests observed (decayed at each observe)."""
+        return self._weight
+
+    def counts(self, block_hashes: Iterable[int], at_least: float = 0.5) -> dict[int, float]:
+        """The decayed count of requests that used each of `block_hashes` (a replica's report of
+        the hashes in its snapshot), those of at least `at_least` only."""
+        out = {}
+        n = self.num_requests
+        for block_hash in block_hashes:
+            entry = self._counts.get(block_hash)
+            if entry is not None:
+                count = entry[0] * self._decay ** (n - entry[1])
+                if count >= at_least:
+                    out[block_hash] = count
+        return out
+
+    def absorb(self, replica: Hashable, counts: Mapping[int, float], weight: float) -> None:
+        """A replica's report (its `counts` and `weight`) replaces its previous one in the pool."""
+        old_counts, old_weight = self._reports.get(replica, ({}, 0.0))
+        pooled = self._pooled
+        for block_hash, count in old_counts.items():
+            left = pooled.get(block_hash, 0.0) - count
+            if left > 1e-9:
+                pooled[block_hash] = left
+            else:
+                pooled.pop(block_hash, None)
+        for block_hash, count in counts.items():
+            pooled[block_hash] = pooled.get(block_hash, 0.0) + count
+        self._pooled_weight = max(0.0, self._pooled_weight - old_weight + weight)
+        self._reports[replica] = (dict(counts), weight)
+
+    def forget(self, replica: Hashable) -> None:
+        """A replica left: its report leaves the pool."""
+        if replica in self._reports:
+            self.absorb(replica, {}, 0.0)
+            del self._reports[replica]
 
     def horizon(self, num_pool_blocks: int) -> float:
         """Requests until the pool has taken `num_pool_blocks` new blocks at the recent rate

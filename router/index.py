@@ -78,6 +78,7 @@ class CachedBlockSet:
     def __init__(self) -> None:
         self._order: dict[int, None] = {}  # least recently used first
         self._taken: dict[str, Sequence[int]] = {}  # request id -> prompt hashes, oldest first
+        self._held_at_take: dict[str, int] = {}  # request id -> leading blocks held when it came
         self.version = 0  # bumped by every change the snapshot shows
 
     @property
@@ -104,6 +105,7 @@ class CachedBlockSet:
         next request of that prefix here rather than computing it a second time elsewhere."""
         if block_hashes:
             self._taken[request_id] = block_hashes
+            self._held_at_take[request_id] = self._num_held(block_hashes, len(block_hashes))
             self.version += 1
 
     def num_leading(self, block_hashes: Sequence[int], max_blocks: int) -> tuple[int, int]:
@@ -112,10 +114,7 @@ class CachedBlockSet:
         or queued to be). Hashes chain, so a taken prompt shares a leading run: its length is
         found by bisection."""
         limit = min(max_blocks, len(block_hashes))
-        held = 0
-        while held < limit and block_hashes[held] in self._order:
-            held += 1
-        pending = held
+        held = pending = self._num_held(block_hashes, limit)
         for taken in self._taken.values():
             lo, hi = pending, min(limit, len(taken))  # does it share more than `pending` blocks?
             if hi <= lo or taken[lo] != block_hashes[lo]:
@@ -130,11 +129,38 @@ class CachedBlockSet:
             pending = lo
         return held, pending
 
-    def touch(self, block_hashes: Sequence[int], request_id: str | None = None) -> None:
-        """A request over these blocks ended: the held ones are now the most recently used."""
+    def _num_held(self, block_hashes: Sequence[int], limit: int) -> int:
+        """How many of the prompt's first `limit` blocks lead it that the engine holds."""
+        held = 0
+        while held < limit and block_hashes[held] in self._order:
+            held += 1
+        return held
+
+    def touch(self, block_hashes: Sequence[int], request_id: str | None = None, *, keep: bool = True) -> None:
+        """A request over these blocks ended: the held ones are now the most recently used. One
+        not kept cached (WorkerRequest.keep_cached, the router's admission) leaves the blocks it
+        computed at the eviction end instead, tail first out, as the engine frees them
+        (serving/engine/block_manager.py); the blocks it found cached still move."""
         changed = self._taken.pop(request_id, None) is not None if request_id is not None else False
-        if _move_to_end(self._order, block_hashes) or changed:
-            self.version += 1
+        num_hits = self._held_at_take.pop(request_id, len(block_hashes)) if request_id is not None else len(block_hashes)
+        if keep:
+            if _move_to_end(self._order, block_hashes) or changed:
+                self.version += 1
+            return
+        _move_to_end(self._order, block_hashes[:num_hits])
+        cold = [block_hash for block_hash in reversed(block_hashes[num_hits:]) if block_hash in self._order]
+        if cold:
+            for block_hash in cold:
+                del self._order[block_hash]
+            self._order = {**dict.fromkeys(cold), **self._order}
+        self.version += 1
+
+    def all_hashes(self) -> list[int]:
+        """The hashes a snapshot lists: cached, and of the prompts taken (unordered, once each)."""
+        out = dict.fromkeys(self._order)
+        for block_hashes in self._taken.values():
+            out.update(dict.fromkeys(block_hashes))
+        return list(out)
 
     def snapshot(self) -> tuple[int, bytes]:
         """(version, the encoded hashes in eviction order as the engine will have them once the

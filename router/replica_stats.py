@@ -53,6 +53,12 @@ class RoutingStats:
     # (router/pool_load.py), which the prefill policy bounds; 0: not reported.
     num_computed_tokens: int = 0
     num_requests: int = 0
+    # How many of the replica's recent requests used each block of its snapshot (decayed, the
+    # frequent ones only: router/eviction.py BlockReuse.counts), and the decayed count of its
+    # requests. Every router pools them: its own counts see only the requests it sent. None: not
+    # reported.
+    block_reuse: Mapping[int, float] | None = None
+    block_reuse_weight: float = 0.0
     # The replica's metrics (WorkerRecorder.snapshot), which the ingress's GET /metrics re-exports
     # (serving/observability/export.py): they ride along instead of a scrape of every replica.
     metrics: tuple[MetricFamily, ...] = ()

@@ -22,6 +22,7 @@ policy's (router/policies.py) and arrive as `request_router_kwargs`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -42,6 +43,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+FIRST_STATS_WAIT_S = 1.0  # a new router's wait for its first routing stats (_first_stats)
 
 
 @runtime_checkable
@@ -94,6 +97,7 @@ class _PolicyRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, policy: str | None = None, **params) -> None:
         # The decision itself (index, in-flight accounting, policy) is Ray-free: router/routing_state.py.
         self.state = RouterState(build_policy(policy or self.default_policy, **params))
+        self._seen_stats = False  # until the first decision: _first_stats
         self.pool = POOL_OF_DEPLOYMENT.get(self.deployment_name, self.deployment_name)
         # Serve ships this class by value (its module globals are a copy in each process), so
         # the registry the ingress's GET /metrics reads lives in serving.observability.metrics.
@@ -115,6 +119,8 @@ class _PolicyRouter(FIFOMixin, RequestRouter):
         request = route_request_from_args(pending_request)
         if request is None:  # a control call (stats, model_info): any replica
             return [candidate_replicas]
+        if not self._seen_stats:
+            candidate_replicas = await self._first_stats(candidate_replicas)
         by_id = {replica.replica_id: replica for replica in candidate_replicas}
         decision = self.state.route(
             request, [(replica.replica_id, RoutingStats.from_wire(replica.routing_stats)) for replica in candidate_replicas],
@@ -125,6 +131,19 @@ class _PolicyRouter(FIFOMixin, RequestRouter):
         record_routing_decision(self.pool, self.state.policy.name, decision.reason)
         record_prediction(request.request_id, self.pool, prediction_of(self.state.policy.name, decision))
         return [[by_id[replica_id]] for replica_id in decision.ranked]
+
+    async def _first_stats(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
+        """A router making its first decision (a handle created while the caches are warm) waits
+        up to FIRST_STATS_WAIT_S, once, until every candidate's routing stats have reached it:
+        routing blind would send a prefix's request where it is not cached, a cold prefill, where
+        the first snapshots are at most a stats period away."""
+        deadline = time.monotonic() + FIRST_STATS_WAIT_S
+        while not all(replica.routing_stats for replica in candidates) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            current = self.curr_replicas
+            candidates = [current.get(replica.replica_id, replica) for replica in candidates]
+        self._seen_stats = True
+        return candidates
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)

@@ -122,6 +122,7 @@ class RouterState:
         self.inflight = InflightTokens()
         self.pending = PendingBlocks()
         self.decisions: Counter[str] = Counter()  # by reason, for metrics
+        self._reuse_seen: dict[Hashable, tuple[int, float]] = {}  # replica -> the stats its reuse report came with
 
     def route(
         self,
@@ -134,7 +135,10 @@ class RouterState:
         """Choose among `candidates` (replica id, its newest routing stats or None) at wall time
         `now`. Index entries of replicas neither known nor candidates are dropped."""
         assert candidates, "route() needs at least one candidate"
-        self.index.retain({*known_replicas, *(replica_id for replica_id, _ in candidates)})
+        present = {*known_replicas, *(replica_id for replica_id, _ in candidates)}
+        self.index.retain(present)
+        for gone in [replica_id for replica_id in self._reuse_seen if replica_id not in present]:
+            self._forget_reuse(gone)
         loads = [self.load(replica_id, stats, now) for replica_id, stats in candidates]
         self.policy._now = now
         decision = self.policy.choose(request, loads, self.index)
@@ -155,6 +159,11 @@ class RouterState:
             if self.index.update(replica_id, stats.kv_version, stats.kv_hashes, epoch=stats.epoch, num_blocks=stats.num_blocks):
                 for block_hashes in self.pending.unsettled(replica_id, stats.time, now):
                     self.index.note_routed(replica_id, block_hashes)
+        if stats is not None and stats.block_reuse is not None and self._reuse_seen.get(replica_id) != (stats.epoch, stats.time):
+            reuse = getattr(self.policy, "reuse", None)  # the prefill policy's (router/eviction.py)
+            if reuse is not None:
+                reuse.absorb(replica_id, stats.block_reuse, stats.block_reuse_weight)
+            self._reuse_seen[replica_id] = (stats.epoch, stats.time)
         load = load_from_stats(replica_id, stats)
         tokens, blocks, sequences = self.inflight.unreported_load(replica_id, stats.time if stats is not None else 0.0, now)
         load.queued_prefill_tokens += tokens
@@ -180,3 +189,10 @@ class RouterState:
         self.index.remove(replica_id)
         self.inflight.remove(replica_id)
         self.pending.remove(replica_id)
+        self._forget_reuse(replica_id)
+
+    def _forget_reuse(self, replica_id: Hashable) -> None:
+        self._reuse_seen.pop(replica_id, None)
+        reuse = getattr(self.policy, "reuse", None)
+        if reuse is not None:
+            reuse.forget(replica_id)

@@ -34,6 +34,7 @@ from dataclasses import replace
 import ray
 
 from router.autoscaling.decide import ReplicaSignals
+from router.eviction import REPLICA_REUSE_WINDOW, REUSE_REPORT_MIN, BlockReuse
 from router.index import CachedBlockSet
 from router.replica_stats import RequestRate, RoutingStats
 from serving.config import KVTransferConfig
@@ -90,6 +91,9 @@ class EngineWorker:
         self._epoch = time.time_ns()  # orders this engine's snapshots after a restarted one's
         self._requests = RequestRate()  # requests this replica took lately (RoutingStats.requests_per_s)
         self._num_requests = 0  # requests taken since the engine started (RoutingStats.num_requests)
+        # How often its requests use each block, for the routers' admission (router/eviction.py):
+        # a router alone sees only the requests it sent.
+        self._block_reuse = BlockReuse(REPLICA_REUSE_WINDOW)
         self.engine.subscribe_kv_events(self._on_kv_events)
         self._node_id: str | None = None
         self._callers = CallerWatch(self.engine.abort)  # aborts the requests of an ingress that died
@@ -107,6 +111,7 @@ class EngineWorker:
         block hashes, and the load figures of the cost model."""
         with self._cached_blocks_lock:
             kv_version, kv_hashes = self._cached_blocks.snapshot()
+            block_reuse = self._block_reuse.counts(self._cached_blocks.all_hashes(), at_least=REUSE_REPORT_MIN)
         stats = self.engine.stats()
         # Serve calls this every routing.stats_period_s: the engine's metrics are sampled here
         # and travel with the stats to the ingress's GET /metrics (serving/observability/export.py).
@@ -128,6 +133,8 @@ class EngineWorker:
             requests_per_s=self._requests.per_s(time.monotonic()),
             num_computed_tokens=stats.num_computed_tokens,
             num_requests=self._num_requests,
+            block_reuse=block_reuse,
+            block_reuse_weight=self._block_reuse.weight,
             metrics=tuple(self.recorder.snapshot()),
         )
 
@@ -144,15 +151,17 @@ class EngineWorker:
         self.recorder.latencies.workload.arrived(len(request.prompt_token_ids))
         max_blocks = (len(request.prompt_token_ids) - 1) // request.block_size  # as an engine caps a hit
         with self._cached_blocks_lock:
+            self._block_reuse.observe(request.block_hashes, 0)
             held, pending = self._cached_blocks.num_leading(request.block_hashes, max_blocks)
             self._cached_blocks.take(request.request_id, request.block_hashes)
         return Admission(self.replica, held * request.block_size, pending * request.block_size, clock_offset_s())
 
     def _done(self, request: WorkerRequest) -> None:
         """The request's prompt blocks are now the engine's most recently used (freed tail
-        first): the snapshot's eviction order follows (router/index.py)."""
+        first), or, not kept cached, those it computed the first to go: the snapshot's eviction
+        order follows (router/index.py)."""
         with self._cached_blocks_lock:
-            self._cached_blocks.touch(request.block_hashes, request.request_id)
+            self._cached_blocks.touch(request.block_hashes, request.request_id, keep=request.keep_cached)
 
     def autoscaling_signals(self) -> ReplicaSignals:
         """What the pool's autoscaling policy reads (router/autoscaling/decide.py); never blocks."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 
@@ -110,6 +111,11 @@ def test_simulated_replica_reports_counters_and_the_prompts_it_took_like_a_worke
     done = replica.routing_stats(0.09375)
     assert (done.num_computed_tokens, done.num_requests) == (12, 2)
     assert done.kv_hashes == [*reversed(r0.block_hashes), *reversed(r1.block_hashes)]
+    # How often its requests used each listed block, as a worker reports it (router/eviction.py):
+    # one request each, r0's decayed by one request of a 256-request window.
+    decay = math.exp(-1 / 256)
+    assert done.block_reuse == pytest.approx({**{h: decay for h in r0.block_hashes}, **{h: 1.0 for h in r1.block_hashes}})
+    assert done.block_reuse_weight == pytest.approx(1 + decay)
 
 
 def test_routers_see_stats_and_their_own_routing():

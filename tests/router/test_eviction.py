@@ -47,3 +47,27 @@ def test_blocks_not_used_for_several_windows_are_pruned():
     assert len(reuse) == 1 and reuse.probability(7) == 0.0 and reuse.probability(8) > 0.9
     with pytest.raises(ValueError, match="window_requests must be >= 1, got 0"):
         BlockReuse(window_requests=0)
+
+
+def test_replica_reports_pool_into_the_probability():
+    """A router that sent none of a block's requests learns its reuse from the replicas' reports;
+    its own count wins where it is higher; a replica that leaves takes its report along."""
+    router = BlockReuse(window_requests=10**9)  # no decay: p = uses / requests
+    router.observe([1, 2], num_new_blocks=2)
+    router.observe([3], num_new_blocks=1)
+    assert (router.probability(1), router.probability(9)) == pytest.approx((0.5, 0.0))
+    replica = BlockReuse(window_requests=10**9)
+    for hashes in ([9, 10], [9], [9, 1], [4]):
+        replica.observe(hashes, num_new_blocks=0)
+    assert replica.counts([9, 10, 1, 4, 77], at_least=1.5) == pytest.approx({9: 3.0})
+    assert replica.counts([9, 10, 1], at_least=0.5) == pytest.approx({9: 3.0, 10: 1.0, 1: 1.0})
+    assert replica.weight == pytest.approx(4.0)
+    router.absorb("a", replica.counts([9, 10, 1]), replica.weight)
+    router.absorb("b", {9: 1.0}, 4.0)
+    assert router.probability(9) == pytest.approx(0.5)  # (3 + 1) / (4 + 4)
+    assert router.probability(1) == pytest.approx(0.5)  # its own 1/2 beats the pool's 1/8
+    router.absorb("a", {}, 4.0)  # a's next report replaces its last
+    assert router.probability(9) == pytest.approx(0.125)
+    router.forget("b")
+    router.forget("a")
+    assert (router.probability(9), router.probability(1)) == pytest.approx((0.0, 0.5))

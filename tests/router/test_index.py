@@ -171,3 +171,37 @@ def test_what_an_engine_holds_of_a_prompt_as_it_arrives():
     assert blocks.num_leading([], 0) == (0, 0)
     blocks.touch([1, 2, 3, 4, 9], "r1")  # r1 ended without storing its blocks (aborted)
     assert blocks.num_leading([1, 2, 3, 4, 5], 5) == (2, 2)
+
+
+def test_the_snapshot_follows_the_engine_when_a_request_is_not_kept_cached():
+    """A worker's eviction order is the engine's free queue, hashed blocks only, also when the
+    router's admission frees a request's computed blocks to the eviction end."""
+    manager = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    blocks = CachedBlockSet()
+
+    def run(request_id: str, prompt: list[int], keep: bool) -> None:
+        seq = Sequence(request_id=request_id, index=0, prompt_token_ids=prompt, params=SamplingParams(), max_tokens=1,
+                       priority=0, arrival_time=0.0, keep_cached=keep)
+        hashes = hash_blocks(prompt, 4)
+        blocks.take(request_id, hashes)
+        hits = manager.lookup_prefix(seq)
+        manager.allocate(seq, len(prompt), hits)
+        seq.num_cached_tokens = len(hits) * 4
+        seq.num_computed_tokens = len(prompt)
+        manager.commit(seq)
+        blocks.apply(manager.take_events())
+        manager.free(seq)
+        blocks.touch(hashes, request_id, keep=keep)
+
+    def engine_order() -> list[int]:
+        return [manager.blocks[b].block_hash for b in manager._free if manager.blocks[b].block_hash is not None]
+
+    run("a", list(range(100, 112)), keep=True)
+    run("b", list(range(200, 208)), keep=True)
+    run("c", list(range(100, 108)) + list(range(300, 308)), keep=False)  # hits a's first two blocks
+    assert list(blocks.hashes) == engine_order()
+    c = hash_blocks(list(range(100, 108)) + list(range(300, 308)), 4)
+    assert list(blocks.hashes)[:2] == [c[3], c[2]]  # what c computed goes first, tail first
+    assert list(blocks.hashes)[-2:] == [c[1], c[0]]  # what it found cached is the most recent
+    run("d", list(range(400, 412)), keep=False)  # nothing cached: all of it first out
+    assert list(blocks.hashes) == engine_order()

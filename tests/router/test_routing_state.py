@@ -139,3 +139,22 @@ def test_each_decision_predicts_the_tokens_its_replica_holds_capped_as_an_engine
     cold = RouteRequest("r5", 80, [21, 22, 23, 24, 25], 16)
     assert state.route(cold, [("a", stats(0.0))], now=1.0).num_predicted_tokens == 0
     assert state.route(RouteRequest("r6", 80, cold.block_hashes, 16), [("a", stats(0.0))], now=1.0).num_predicted_tokens == 64
+
+
+def test_the_replicas_reuse_reports_reach_the_policy_once_per_stats_and_leave_with_the_replica():
+    state = RouterState(PrefixCostPolicy(reuse_window_requests=10**9))
+    reuse = state.policy.reuse
+    request = RouteRequest("r", num_prompt_tokens=32, block_hashes=[5, 6], block_size=16)
+    a = stats(1.0, hashes=[1, 2], block_reuse={1: 3.0}, block_reuse_weight=4.0)
+    b = stats(1.0, hashes=[1], block_reuse={1: 1.0}, block_reuse_weight=4.0)
+    state.route(request, [("a", a), ("b", b)], now=1.1)
+    assert abs(reuse.probability(1) - 0.5) < 1e-9  # (3 + 1) / 8, none of it from this router's own counts
+    absorbed = []
+    reuse.absorb = lambda *args: absorbed.append(args)  # the same stats again: nothing to absorb
+    state.route(request, [("a", a), ("b", b)], now=1.2)
+    assert absorbed == []
+    state.route(request, [("a", stats(1.5, hashes=[1, 2], block_reuse={1: 2.0}, block_reuse_weight=4.0))], now=1.6)
+    # b left the candidates: its report is taken out of the pool (forget); a's newer one is read.
+    assert absorbed == [("b", {}, 0.0), ("a", {1: 2.0}, 4.0)]
+    del reuse.absorb
+    assert "b" not in reuse._reports
