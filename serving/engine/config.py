@@ -97,9 +97,9 @@ class EngineConfig(StrictModel):
     seed: int = Field(0, description="Seed of the sampler's generator for unseeded requests.")
     speculative: SpeculativeConfig | None = Field(
         None,
-        description="Speculative decoding, lossless: greedy requests give the same tokens as without it, "
-        "in fewer steps when the proposer guesses well. Only greedy requests without a structured output "
-        "speculate for now; the others decode one token per step. null: off.",
+        description="Speculative decoding, lossless: greedy and seeded requests give the same tokens as "
+        "without it, sampled ones the same distribution (rejection sampling), in fewer steps when the "
+        "proposer guesses well. Requests with a structured output decode one token per step. null: off.",
     )
 
     @model_validator(mode="after")

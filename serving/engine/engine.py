@@ -27,11 +27,13 @@ token, or a resumed stream's), so a request continues in its grammar across the 
 hand-off. A spec that fails to compile here ends its request (RequestFailedError); the ingress
 compiles every spec before it sends it, so over HTTP that is a 400 naming the field.
 
-With `config.speculative` (speculative.py), a greedy sequence gets proposed tokens after each of
-its steps, and its next step verifies them: its 1 + k sampling rows are sampled as ones, each row
-with the proposals before it as output so far; the tokens the model agrees with, then its own
-next token, are appended one at a time through the usual checks (so a stop ends the sequence at
-the first token that triggers it), into one delta; KV slots of rejected proposals are dropped.
+With `config.speculative` (speculative.py), a sequence without a structured output gets proposed
+tokens after each of its steps, and its next step verifies them: its 1 + k sampling rows are
+sampled as ones, each row with the proposals before it as output so far (and that position's
+seed key); the proposals the rows' tokens agree with, then the first disagreeing row's token,
+are appended one at a time through the usual checks (so a stop ends the sequence at the first
+token that triggers it), into one delta; KV slots of rejected proposals are dropped. For sampled
+rows that is rejection sampling with a one-hot draft (speculative.py says why it is exact).
 """
 
 from __future__ import annotations
@@ -586,6 +588,7 @@ class LLMEngine:
             kernel_path=self.kernels.path.value,
             kernel_reason=self.kernels.reason,
             linear_path=self.model.linear_choice.summary,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         )
 
     # ---- convenience -------------------------------------------------------------------------

@@ -79,7 +79,6 @@ __all__ = [
     "apply_penalties",
     "top_k_top_p_min_p",
     "seed_from_key",
-    "is_greedy",
 ]
 
 # Below this temperature a row is sampled greedily, as in vLLM (_SAMPLING_EPS): dividing by
@@ -183,7 +182,7 @@ class Sampler:
         if num_rows == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
 
-        greedy_rows = [i for i, r in enumerate(rows) if is_greedy(r.params)]
+        greedy_rows = [i for i, r in enumerate(rows) if _is_greedy(r.params)]
         bias_rows = [i for i, r in enumerate(rows) if r.logit_bias is not None]
         assert all((r.logit_bias is None) == (not r.params.logit_bias) for r in rows), (
             "a row's logit_bias must be LogitBias.of(its params.logit_bias)"
@@ -229,7 +228,7 @@ class Sampler:
         token_ids = torch.empty(num_rows, dtype=torch.long, device=x.device)
         if greedy_rows:
             _put(token_ids, greedy_rows, _take(x, greedy_rows).argmax(dim=-1))
-        sampled_rows = [i for i in range(num_rows) if not is_greedy(rows[i].params)]
+        sampled_rows = [i for i in range(num_rows) if not _is_greedy(rows[i].params)]
         if sampled_rows:
             _put(
                 token_ids,
@@ -290,8 +289,7 @@ class Sampler:
         return u
 
 
-def is_greedy(params: SamplingParams) -> bool:
-    """Whether rows of these params take the argmax (step 5): temperature 0 or below 1e-5, or top_k 1."""
+def _is_greedy(params: SamplingParams) -> bool:
     return params.is_greedy or params.temperature < _MIN_TEMPERATURE
 
 

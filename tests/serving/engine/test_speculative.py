@@ -4,12 +4,16 @@ chunked prefill and preemption, with every KV block given back and stops exact m
 
 from __future__ import annotations
 
+import collections
+import math
+
 import pydantic
 import pytest
 
 from serving.engine import SamplingParams
 from serving.engine.config import EngineConfig, SpeculativeConfig
 from serving.engine.outputs import CompletionOutput
+from serving.engine.params import GuidedSpec
 from serving.engine.spec_ngram import NgramProposer
 from serving.engine.speculative import num_accepted
 from tests.serving.engine.test_engine import make_engine, random_prompts, tokens_of
@@ -131,16 +135,90 @@ def test_rejected_tokens_blocks_are_given_back_every_step(tiny_model_dir):
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
-def test_sampled_requests_do_not_speculate_and_keep_their_seeded_tokens(tiny_model_dir):
+def test_seeded_sampled_requests_speculate_and_keep_the_tokens_they_get_without_it(tiny_model_dir):
+    """A seeded row draws from (seed, choice, position) over the same prefix as without speculation:
+    the same tokens, alone, twice, and mixed with greedy requests and other seeds."""
     prompts = workload()[-3:]
-    seeded = SamplingParams(temperature=1.0, max_tokens=24, seed=5, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=32, seed=5, ignore_eos=True, frequency_penalty=0.3)
     plain = tokens_of(make_engine(tiny_model_dir).generate(prompts, seeded))
     engine = make_engine(tiny_model_dir, speculative=SPEC)
     assert tokens_of(engine.generate(prompts, seeded)) == plain
+    assert tokens_of(engine.generate(prompts, seeded)) == plain
+    assert engine.speculator.num_accepted_tokens > 0
+    other = SamplingParams(temperature=1.0, max_tokens=32, seed=6, ignore_eos=True)
+    mixed = tokens_of(engine.generate(prompts * 3, [seeded] * 3 + [GREEDY] * 3 + [other] * 3))
+    assert mixed[:3] == plain
+    assert mixed[3:6] == plain_greedy(tiny_model_dir, prompts)
+    assert mixed[6:] == tokens_of(make_engine(tiny_model_dir).generate(prompts, other))
+
+
+def plain_greedy(model_dir, prompts) -> list[list[int]]:
+    return tokens_of(make_engine(model_dir).generate(prompts, GREEDY))
+
+
+def test_structured_output_requests_do_not_speculate(tiny_model_dir):
+    guided = SamplingParams(temperature=0.0, max_tokens=24, guided=GuidedSpec.choice(["a b a b a b", "c"]))
+    prompts = workload()[-2:]
+    engine = make_engine(tiny_model_dir, speculative=SPEC)
+    outs = engine.generate(prompts, guided)
+    assert tokens_of(outs) == tokens_of(make_engine(tiny_model_dir).generate(prompts, guided))
     assert engine.speculator.num_proposed_tokens == 0
-    # Mixed with greedy requests that speculate, they still get the same tokens.
-    mixed = tokens_of(engine.generate(prompts + prompts, [seeded] * 3 + [GREEDY] * 3))
-    assert mixed[:3] == plain and engine.speculator.num_accepted_tokens > 0
+    assert all(o.outputs[0].text in ("a b a b a b", "c") for o in outs)
+
+
+# ---- sampled requests: the distribution is unchanged -------------------------------------------
+# Three tokens get a +100 bias and top_k 3 keeps exactly them, so each row's processed distribution
+# lives on {A, B, C}: p(x) proportional to exp((raw logprob(x) - 0.6 * count of x in the output) / 1.5),
+# with the raw logprobs read from the model (prompt_logprobs of prefix + [x]). The prompt is A B C
+# repeated, so prompt lookup (from 1-grams) always proposes; the frequency penalty makes every row
+# depend on the proposals before it.
+A, B, C = 1000, 2000, 3000
+STAT_PROMPT = [17, 99, 4242, 5] + [A, B, C] * 4
+STAT_PARAMS = SamplingParams(
+    temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True, frequency_penalty=0.6,
+    logit_bias={A: 100.0, B: 100.0, C: 100.0},
+)
+
+
+def exact_joint(engine, prompt: list[int], num_tokens: int) -> dict[tuple[int, ...], float]:
+    """P(first `num_tokens` outputs) under STAT_PARAMS, computed from the model's raw logprobs."""
+    probs: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(num_tokens):
+        prefixes = list(probs)
+        scored = engine.generate(
+            [prompt + list(out) + [x] for out in prefixes for x in (A, B, C)],
+            SamplingParams(max_tokens=0, prompt_logprobs=0),
+        )
+        nxt = {}
+        for i, out in enumerate(prefixes):
+            lps = [scored[3 * i + j].prompt_logprobs[-1].logprob for j in range(3)]
+            scaled = [math.exp((lp - 0.6 * out.count(x)) / 1.5) for lp, x in zip(lps, (A, B, C))]
+            for x, w in zip((A, B, C), scaled):
+                nxt[out + (x,)] = probs[out] * w / sum(scaled)
+        probs = nxt
+    return probs
+
+
+def test_sampled_output_distribution_is_unchanged_by_speculation(tiny_model_dir):
+    """Total variation between the empirical distribution of the first 3 tokens (27 outcomes) of
+    N unseeded requests with speculation and the exact one: < 0.05. Bound: for an empirical
+    distribution of N samples over m outcomes, P(TV >= eps) <= (2**m - 2) * exp(-2 N eps**2)
+    (Hoeffding over each of the 2**m - 2 events, union bound; Weissman et al. 2003); m = 27,
+    N = 6000, eps = 0.05: 1.3e8 * e**-30 = 1.3e-5 for a correct sampler (and the seed is fixed).
+    A sampler that kept every proposal, or drew the rejected row's token from p with d still in
+    it, is off by far more (the conditional of the 2nd token given a rejection changes by p(d))."""
+    engine = make_engine(tiny_model_dir, speculative={**SPEC, "prompt_lookup_min": 1}, max_num_seqs=512, seed=3)
+    exact = exact_joint(engine, STAT_PROMPT, 3)
+    assert sum(exact.values()) == pytest.approx(1.0) and max(exact.values()) < 0.5  # not degenerate
+    num_samples = 6000
+    outs = engine.generate([STAT_PROMPT] * num_samples, STAT_PARAMS)
+    counts = collections.Counter(tuple(o.outputs[0].token_ids) for o in outs)
+    assert set(counts) <= set(exact)
+    tv = 0.5 * sum(abs(counts[key] / num_samples - p) for key, p in exact.items())
+    spec = engine.speculator
+    # Proposals were verified and some, not all, kept: both branches of the rule ran.
+    assert spec.num_verified_seqs >= num_samples and 0 < spec.num_accepted_tokens < spec.num_proposed_tokens
+    assert tv < 0.05, (tv, counts, exact)
 
 
 def test_logprobs_of_accepted_tokens_are_the_models(tiny_model_dir):
