@@ -28,7 +28,10 @@ exactly that: P(keep) = p(d), and given t != d, t is distributed as p without d,
 After k kept proposals the bonus row draws from the next position's p. Hence the distribution of
 every output is the one without speculation. A seeded row draws its uniform from (seed, choice,
 output position), the same key decoding without speculation uses for that position, over the
-same prefix: a seeded request gives the SAME tokens with speculation on or off. Unseeded rows
+same prefix: a seeded request gives the same tokens with speculation on or off, up to rounding
+(a position computed in a chunk moves its logits by ~1e-6, which moves a draw only where its
+uniform falls that close to a CDF boundary: flat distributions, rarely), and always the same
+tokens run after run. Unseeded rows
 draw from the engine's generator, one uniform per row, i.i.d.: rows after a rejection are drawn
 and dropped, which moves the generator but not any distribution.
 
