@@ -79,7 +79,8 @@ def prompt_ids(tokenizer) -> list[int]:
     """The chat prompt asking for TEXT back word for word (plain text where there is no template)."""
     ask = f"Repeat the following text exactly, word for word, and nothing else.\n\n{TEXT}"
     if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": ask}], add_generation_prompt=True, tokenize=True))
+        text = tokenizer.apply_chat_template([{"role": "user", "content": ask}], add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False).input_ids
     return tokenizer(ask).input_ids
 
 
