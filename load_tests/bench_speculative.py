@@ -119,7 +119,11 @@ def run(p: SpeculativeParams, *, command: str = "") -> dict:
                 "num_threads": p.threads, "enable_prefix_caching": False}
         spec = {"method": "ngram", "num_speculative_tokens": p.num_speculative_tokens,
                 "prompt_lookup_min": p.prompt_lookup_min, "prompt_lookup_max": p.prompt_lookup_max}
-        engines = {"off": LLMEngine(EngineConfig(**base)), "on": LLMEngine(EngineConfig(**base, speculative=spec))}
+        off = LLMEngine(EngineConfig(**base))
+        # The same dtype for both: "auto" is measured at start-up and may resolve differently twice.
+        base["dtype"] = off.config.dtype
+        engines = {"off": off, "on": LLMEngine(EngineConfig(**base, speculative=spec))}
+        off = None
         prompt = prompt_ids(engines["off"].tokenizer)
         _progress(f"warm-up ({len(prompt)}-token prompt)")
         for name, engine in engines.items():
@@ -135,7 +139,7 @@ def run(p: SpeculativeParams, *, command: str = "") -> dict:
         text = engines["off"].tokenizer.decode(outputs["off"], skip_special_tokens=True)
     finally:
         torch.set_num_threads(saved_threads)
-        engines = None
+        engines = off = None
         gc.collect()
     hardware.finish_machine_record(machine, dtype=dtype)
     tps = {name: statistics.median(r.decode_tokens_per_s for r in rs) for name, rs in runs.items()}

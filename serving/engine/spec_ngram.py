@@ -13,9 +13,11 @@ Longer patterns are tried first (`max_n` down to `min_n`): a longer match predic
 short one matches noise. Among occurrences of one pattern, the latest wins: recent text (the
 sentence being copied, the loop being repeated) says more about what comes next than the first
 occurrence does. A match close to the end (a loop shorter than k) is continued with the loop's
-period, so a sequence repeating "a b" gets "a b a b" and not just "a b". The search is vectorised with numpy over the whole sequence, O(len x n) per
-proposal, a fraction of a millisecond for a few thousand tokens; a sequence with no match gets
-no proposal and decodes one token per step as usual.
+period, so a sequence repeating "a b" gets "a b a b" and not just "a b". The search is one numpy
+comparison over the sequence (where did its last token occur?) and then a few over the candidates
+only: ~8 us for 300 tokens, ~80 us for 3000 (AMD EPYC; mostly the list -> array copy), against
+a step of 0.6 ms (tiny test model) to 10+ ms (SmolLM2); a sequence with no match gets no proposal
+and decodes one token per step as usual.
 """
 
 from __future__ import annotations
@@ -44,27 +46,38 @@ class NgramProposer:
         if k <= 0 or num_tokens <= self.min_n:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
-            start = _latest_earlier_match(tokens, n)
-            if start is not None:
-                # The match says the text repeats with period `shift`: token p is token p - shift,
-                # also past the end (a loop shorter than k: its proposals come from themselves).
-                shift = num_tokens - n - start
-                out = tokens[start + n : start + n + k].tolist()
-                while len(out) < k:
-                    out.append(out[len(out) - shift])
-                return out
-        return []
+        match = _longest_earlier_match(tokens, self.min_n, self.max_n)
+        if match is None:
+            return []
+        start, n = match
+        # The match says the text repeats with period `shift`: token p is token p - shift, also
+        # past the end (a loop shorter than k: its proposals come from themselves).
+        shift = num_tokens - n - start
+        out = tokens[start + n : start + n + k].tolist()
+        while len(out) < k:
+            out.append(out[len(out) - shift])
+        return out
 
 
-def _latest_earlier_match(tokens: np.ndarray, n: int) -> int | None:
-    """The largest i < len - n with tokens[i : i + n] == tokens[-n:] (a match followed by at least
-    one token, so never the suffix itself); None when there is none."""
-    pattern = tokens[-n:]
-    # Candidates start where the pattern's first token is, and end before the suffix starts.
-    body = tokens[:-1]
-    if body.shape[0] < n:
+def _longest_earlier_match(tokens: np.ndarray, min_n: int, max_n: int) -> tuple[int, int] | None:
+    """(start, n) of the latest earlier occurrence of the longest suffix of min_n..max_n tokens:
+    the largest start with tokens[start : start + n] == tokens[-n:] and start + n < len (followed
+    by at least one token, so never the suffix itself); None when no suffix of min_n occurred.
+
+    One pass over the sequence finds where its last token occurred before; the candidates (few)
+    are then extended backwards one token at a time, so the cost is one comparison per token."""
+    num_tokens = tokens.shape[0]
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # where a match would end
+    if ends.size == 0:
         return None
-    windows = np.lib.stride_tricks.sliding_window_view(body, n)  # [len - n, n]: each ends before the last token
-    hits = np.flatnonzero((windows == pattern).all(axis=1))
-    return int(hits[-1]) if hits.size else None
+    length = np.ones(ends.size, dtype=np.int64)  # how far back each candidate agrees with the suffix
+    for back in range(1, min(max_n, num_tokens - 1)):
+        prev = ends - back
+        ok = (length == back) & (prev >= 0)
+        ok[ok] = tokens[prev[ok]] == tokens[num_tokens - 1 - back]
+        length += ok
+    for n in range(min(max_n, num_tokens - 1), min_n - 1, -1):
+        hits = np.flatnonzero(length >= n)
+        if hits.size:
+            return int(ends[hits[-1]]) - n + 1, n
+    return None

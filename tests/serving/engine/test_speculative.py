@@ -18,6 +18,7 @@ import math
 
 import pydantic
 import pytest
+import torch
 
 from serving.engine import SamplingParams
 from serving.engine.config import EngineConfig, SpeculativeConfig
@@ -105,6 +106,30 @@ def spec_engine(model_dir, truths: tuple[list[list[int]], list[list[int]]] | Non
 )
 def test_ngram_proposer_guesses_what_followed_the_latest_longest_match(tokens, min_n, max_n, k, max_k, expected):
     assert NgramProposer(min_n=min_n, max_n=max_n, k=k).propose(tokens, max_k) == expected
+
+
+def test_ngram_proposer_matches_a_brute_force_search_on_random_sequences():
+    def brute(tokens, min_n, max_n, k):
+        for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+            starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == tokens[-n:]]
+            if starts:
+                shift = len(tokens) - n - starts[-1]
+                out = tokens[starts[-1] + n : starts[-1] + n + k]
+                while len(out) < k:
+                    out.append(out[len(out) - shift])
+                return out
+        return []
+
+    gen = torch.Generator().manual_seed(0)
+    num_checked = 0
+    for _ in range(400):
+        length, alphabet = int(torch.randint(2, 40, (1,), generator=gen)), int(torch.randint(2, 6, (1,), generator=gen))
+        tokens = torch.randint(0, alphabet, (length,), generator=gen).tolist()
+        for min_n, max_n in ((1, 3), (2, 4), (3, 3)):
+            expected = brute(tokens, min_n, max_n, 5)
+            assert NgramProposer(min_n=min_n, max_n=max_n, k=5).propose(tokens) == expected, (tokens, min_n, max_n)
+            num_checked += bool(expected)
+    assert num_checked > 500  # most have a match: the comparison is not of empty lists
 
 
 @pytest.mark.parametrize(
