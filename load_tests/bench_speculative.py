@@ -29,7 +29,7 @@ from load_tests.common import StepLog, load_note, run_and_report
 
 __all__ = ["FULL", "QUICK", "TEXT", "SpeculativeParams", "format_table", "params_from_args", "run", "run_from_args"]
 
-# The text the prompt asks the model to repeat (written for this benchmark; ~230 tokens).
+# The text the prompt asks the model to repeat (written for this benchmark; the chat prompt is 215 tokens).
 TEXT = (
     "The lighthouse on the northern cape was built in 1871 from granite quarried two miles inland. "
     "Its keeper, a retired ship's carpenter named Elias Brand, kept a logbook of every vessel that "
