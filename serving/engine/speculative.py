@@ -40,7 +40,8 @@ KV: the step writes all 1 + k positions. Accepting j proposals keeps the first 1
 held only rejected positions go back to the pool (BlockManager.trim). Blocks are hashed for the
 prefix cache only over computed tokens, so a rejected token never reaches the cache.
 
-Who speculates: every request but those with a structured output (params.guided), which decode
+Who speculates: every request but those that opt out (`params.speculative` False, the API's
+`speculative: false`) and those with a structured output (params.guided), which decode
 one token per step: their rows would need the grammar matcher advanced through the proposals
 (and rolled back after a rejection) to mask each row as the sequence's state at it. Proposals are
 capped so a step never runs past max_tokens or the context window, and the scheduler drops them
@@ -86,8 +87,9 @@ class Speculator:
 
     @staticmethod
     def speculates(params: SamplingParams) -> bool:
-        """Whether a request's sequences get proposals: all but structured outputs (module docstring)."""
-        return params.guided is None
+        """Whether a request's sequences get proposals: all but structured outputs (module docstring)
+        and those that opt out (params.speculative False)."""
+        return params.speculative and params.guided is None
 
     def propose(self, seq: Sequence) -> None:
         """Set `seq.spec_token_ids` for its next step: at most what fits before max_tokens and the

@@ -246,6 +246,18 @@ def test_structured_output_requests_do_not_speculate_beside_ones_that_do(tiny_mo
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
+def test_requests_that_opt_out_do_not_speculate_beside_ones_that_do(tiny_model_dir, plain_outputs):
+    prompts = workload()
+    engine = spec_engine(tiny_model_dir, (prompts, plain_outputs))
+    opted_out = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, speculative=False)
+    assert tokens_of(engine.generate(prompts, opted_out)) == plain_outputs
+    assert engine.speculator.num_proposed_tokens == 0
+    deltas = run_steps(engine, prompts, [opted_out, GREEDY] * (len(prompts) // 2) + [opted_out])
+    assert [[t for d in deltas[f"r{i}"] for t in d.token_ids] for i in range(len(prompts))] == plain_outputs
+    assert all(len(d.token_ids) == 1 for i in range(0, len(prompts), 2) for d in deltas[f"r{i}"])
+    assert engine.speculator.num_accepted_tokens > 0
+
+
 def test_abort_while_speculating_gives_back_its_blocks(tiny_model_dir, plain_outputs):
     engine = spec_engine(tiny_model_dir, (workload(), plain_outputs))
     prompts = workload()
