@@ -663,4 +663,8 @@ def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
         from load_tests import bench_structured
 
         return bench_structured.run_from_args(args, argv)
+    if getattr(args, "speculative", False):  # single stream with speculative decoding on vs off
+        from load_tests import bench_speculative
+
+        return bench_speculative.run_from_args(args, argv)
     return run_and_report(args, argv, params_from_args, run, _progress)

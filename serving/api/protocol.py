@@ -117,6 +117,9 @@ class _SamplingFields(_Lenient):
     prompt_logprobs: int | None = None  # each prompt token's logprob and top k (not with stream)
     # kvrelay's: seconds until the request is aborted (serving/api/deadlines.py)
     timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
+    # kvrelay's: false opts this request out of speculative decoding where the engine has it on
+    # (vLLM has no per-request field; its proposed `disable_spec_decode` was not merged)
+    speculative: bool = True
     # Structured outputs, at most one (serving/api/structured.py): OpenAI's, vLLM's, vLLM's older ones
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -252,6 +255,7 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest) -> Sampl
         ignore_eos=request.ignore_eos,
         skip_special_tokens=request.skip_special_tokens,
         guided=guided_spec(request),
+        speculative=request.speculative,
     )
 
 

@@ -202,7 +202,14 @@ def _add_bench_engine(targets) -> None:
              "(load_tests/bench_structured.py; uses --quick, --json, --model, --num-requests [32], --prompt-len [128], "
              "--output-len [128], --threads, --seed, --kv-cache-mib, --max-num-batched-tokens, --repeats)",
     )
-    p.add_argument("--repeats", type=int, metavar="N", help="--structured: timed runs of each batch, median reported [3; quick 2]")
+    p.add_argument(
+        "--speculative", action="store_true",
+        help="instead: single-stream decode tok/s with n-gram speculative decoding on vs off, one request asking for "
+             "a given text back (load_tests/bench_speculative.py; uses --quick, --json, --model, --single-output-len "
+             "[128; quick 64], --threads, --kv-cache-mib, --repeats, --num-speculative-tokens)",
+    )
+    p.add_argument("--num-speculative-tokens", type=int, metavar="K", help="--speculative: tokens proposed per step [4]")
+    p.add_argument("--repeats", type=int, metavar="N", help="--structured, --speculative: timed runs of each, median reported [3; quick 2]")
 
 
 def _add_bench_serve_overhead(targets) -> None:

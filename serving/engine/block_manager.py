@@ -11,7 +11,9 @@ the suffixes hanging off it. A request the router does not want cached (`keep_ca
 what its blocks would push out is worth more, router/prefix_cost.py) frees the blocks it
 computed just behind those, so they are reused next and the cache keeps what it held.
 
-The block table of a sequence only grows (append-only) while it runs. Counters: prefix-cache
+The block table of a sequence only grows (append-only) while it runs, but for one exception: a
+speculative step allocates blocks for proposed tokens, and `trim` gives back the tail blocks that
+held only rejected ones (never computed into anything kept, so never hashed). Counters: prefix-cache
 queries and hits, in tokens. Events (BlockStored / BlockRemoved) say which hashes this engine
 holds, for a router's exact index.
 """
@@ -182,6 +184,20 @@ class BlockManager:
                 block_size=self.block_size,
             )
         )
+
+    def trim(self, seq: Sequence) -> int:
+        """Give back `seq`'s blocks past those its computed tokens fill (what rejected proposed
+        tokens were written to); they are reused first. The number given back."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        tail = seq.block_ids[keep:]
+        for block_id in reversed(tail):
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.block_hash is None, f"{seq}: trimming a shared or cached {block}"
+            block.ref_count = 0
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
+        del seq.block_ids[keep:]
+        return len(tail)
 
     def fork(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
         """Share `parent`'s first `num_blocks` (fully computed) blocks with `child`."""

@@ -11,7 +11,37 @@ from serving.engine.strict import StrictModel
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EngineConfig"]
+__all__ = ["EngineConfig", "SpeculativeConfig"]
+
+
+class SpeculativeConfig(StrictModel):
+    """Speculative decoding (speculative.py): guess tokens cheaply, verify them in one forward pass."""
+
+    method: Literal["ngram"] = Field(
+        "ngram",
+        description="Proposer. ngram: prompt lookup, the tokens that followed the latest earlier occurrence "
+        "of the sequence's last n tokens in its own prompt and output (spec_ngram.py).",
+    )
+    num_speculative_tokens: int = Field(
+        4, ge=1, le=16,
+        description="Most tokens proposed per sequence per step; a step verifies them all and keeps the "
+        "longest prefix the model agrees with, plus the model's own next token.",
+    )
+    prompt_lookup_min: int = Field(
+        2, ge=1, le=32, description="Shortest n-gram (the sequence's last tokens) that may match; shorter: no proposal.",
+    )
+    prompt_lookup_max: int = Field(
+        4, ge=1, le=32, description="Longest n-gram tried first; a longer match predicts better.",
+    )
+
+    @model_validator(mode="after")
+    def _check_window(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be at most prompt_lookup_max "
+                f"({self.prompt_lookup_max}): raise prompt_lookup_max or lower prompt_lookup_min"
+            )
+        return self
 
 
 class EngineConfig(StrictModel):
@@ -65,6 +95,12 @@ class EngineConfig(StrictModel):
         None, ge=1, description="torch intra-op threads for this engine; default: torch's choice."
     )
     seed: int = Field(0, description="Seed of the sampler's generator for unseeded requests.")
+    speculative: SpeculativeConfig | None = Field(
+        None,
+        description="Speculative decoding, lossless: greedy and seeded requests give the same tokens as "
+        "without it, sampled ones the same distribution (rejection sampling), in fewer steps when the "
+        "proposer guesses well. Requests with a structured output decode one token per step. null: off.",
+    )
 
     @model_validator(mode="after")
     def _check_device(self) -> EngineConfig:

@@ -26,6 +26,14 @@ replays the tokens generated elsewhere (`prior_output_token_ids`: the prefill wo
 token, or a resumed stream's), so a request continues in its grammar across the prefill→decode
 hand-off. A spec that fails to compile here ends its request (RequestFailedError); the ingress
 compiles every spec before it sends it, so over HTTP that is a 400 naming the field.
+
+With `config.speculative` (speculative.py), a sequence without a structured output gets proposed
+tokens after each of its steps, and its next step verifies them: its 1 + k sampling rows are
+sampled as ones, each row with the proposals before it as output so far (and that position's
+seed key); the proposals the rows' tokens agree with, then the first disagreeing row's token,
+are appended one at a time through the usual checks (so a stop ends the sequence at the first
+token that triggers it), into one delta; KV slots of rejected proposals are dropped. For sampled
+rows that is rejection sampling with a one-hot draft (speculative.py says why it is exact).
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from serving.engine.request import RequestStatus, Sequence
 from serving.engine.sampler import LogitBias, Sampler, SamplingRow
 from serving.engine.scheduler import Scheduler
 from serving.engine.setup import build_parts
+from serving.engine.speculative import Speculator
 from serving.engine.stop_checker import StopChecker
 from serving.engine.validation import check_request
 
@@ -109,6 +118,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.vocab_size = self.model.vocab_size
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
+        # Speculative decoding (speculative.py); None: off, every sequence decodes one token a step
+        self.speculator = Speculator(config.speculative, self.max_model_len) if config.speculative else None
         self.eos_token_ids = spec.eos_token_ids
         self.kv_layout = KVLayout(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, config.dtype
@@ -329,31 +340,38 @@ class LLMEngine:
                 0.8 * self.prefill_tokens_per_s + 0.2 * rate
             )
         for seq, n in scheduled:
-            seq.num_computed_tokens += n
+            # Proposed tokens' KV counts once they are accepted (_append_verified).
+            seq.num_computed_tokens += min(n, seq.num_tokens - seq.num_computed_tokens)
             self.num_computed_tokens += n
             self.block_manager.commit(seq)
-        sampling_seqs = step.sampling_seqs
+        sampling_seqs, num_rows = step.sampling_seqs, step.num_sample_rows
         if step.prompt_spans:
-            num_sampling = len(sampling_seqs)
+            num_sampling = sum(num_rows)
             self._score_prompts(logits[num_sampling:], step.prompt_spans)
+            logits = logits[:num_sampling]
             kept = [i for i, seq in enumerate(sampling_seqs) if seq.request_id in self._requests]
-            if len(kept) < num_sampling:  # a request whose scoring failed samples nothing
-                sampling_seqs = [sampling_seqs[i] for i in kept]
-                logits = logits.index_select(0, torch.tensor(kept, dtype=torch.long, device=logits.device))
-            else:
-                logits = logits[:num_sampling]
+            if len(kept) < len(sampling_seqs):  # a request whose scoring failed samples nothing
+                first_rows = [sum(num_rows[:i]) for i in range(len(num_rows))]
+                rows = [r for i in kept for r in range(first_rows[i], first_rows[i] + num_rows[i])]
+                logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
+                sampling_seqs, num_rows = [sampling_seqs[i] for i in kept], [num_rows[i] for i in kept]
         for seq in step.scored_seqs:
             if seq.request_id in self._requests:  # not failed in this step
                 outputs.append(self._finish_scored(self._requests.pop(seq.request_id)))
         if sampling_seqs:
-            sampled = self._sample(logits, sampling_seqs)
+            sampled = self._sample(logits, sampling_seqs, num_rows)
             now = time.monotonic()
             deltas: dict[str, list[CompletionOutput]] = {}
-            for seq, (token_id, logprob) in zip(sampling_seqs, sampled):
+            for seq, seq_rows in zip(sampling_seqs, sampled):
                 if seq.request_id not in self._requests:
                     continue  # failed in this step
                 try:
-                    delta = self._append(seq, token_id, logprob, now)
+                    if seq.spec_token_ids:
+                        delta = self._append_verified(seq, seq_rows, now)
+                    else:
+                        delta = self._append(seq, *seq_rows[0], now)
+                    if self.speculator is not None and not seq.is_finished and self.speculator.speculates(seq.params):
+                        self.speculator.propose(seq)
                 except Exception as exc:  # its grammar, detokenizer or stop checker
                     self._fail_request(seq.request_id, "grammar / detokenize / stop check", exc)
                     continue
@@ -395,25 +413,66 @@ class LLMEngine:
         request.waiting_children.clear()
         return self._request_output(request, outputs)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int | None, TokenLogprob | None]]:
-        """One (token, logprob) per row; a row at fault fails its request alone (Sampler.sample_each)."""
-        results, failures = self.sampler.sample_each(logits, [self._sampling_row(s) for s in seqs])
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], num_rows: list[int],
+    ) -> list[list[tuple[int | None, TokenLogprob | None]]]:
+        """Each sequence's (token, logprob) per row (1 + its proposed tokens); a row at fault fails
+        its request alone (Sampler.sample_each)."""
+        rows: list[SamplingRow] = []
+        owners: list[int] = []
+        for i, (seq, n) in enumerate(zip(seqs, num_rows)):
+            rows += [self._sampling_row(seq, m) for m in range(n)]
+            owners += [i] * n
+        results, failures = self.sampler.sample_each(logits, rows)
         for failure in failures:
-            self._fail_request(seqs[failure.row].request_id, "sampling", failure.error)
-        return results
+            self._fail_request(seqs[owners[failure.row]].request_id, "sampling", failure.error)
+        per_seq: list[list[tuple[int | None, TokenLogprob | None]]] = [[] for _ in seqs]
+        for owner, result in zip(owners, results):
+            per_seq[owner].append(result)
+        return per_seq
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _sampling_row(self, seq: Sequence, num_proposed: int = 0) -> SamplingRow:
+        """The row of `seq`'s next token after its first `num_proposed` proposed tokens."""
         params = seq.params
         request = self._requests[seq.request_id]
+        output = seq.output_token_ids + seq.spec_token_ids[:num_proposed]
         return SamplingRow(
             params=params,
             prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
+            output_token_ids=output,
             eos_token_ids=self.eos_token_ids,
-            seed_key=None if params.seed is None else (params.seed, seq.index, seq.num_output_tokens),
+            seed_key=None if params.seed is None else (params.seed, seq.index, len(output)),
             logit_bias=request.logit_bias,
             grammar=request.seqs[seq.index].matcher,
         )
+
+    def _append_verified(
+        self, seq: Sequence, rows: list[tuple[int, TokenLogprob | None]], now: float,
+    ) -> CompletionOutput:
+        """Keep the proposed tokens the model agrees with and its own next token, appended one at a
+        time (a stop ends it at the first that triggers); drop the rest and their KV. One delta."""
+        proposed, seq.spec_token_ids = seq.spec_token_ids, []
+        model_tokens = [token_id for token_id, _ in rows]
+        num_kept = self.speculator.verify(proposed, model_tokens) + 1
+        delta: CompletionOutput | None = None
+        for token_id, logprob in rows[:num_kept]:
+            # Every token before this one is known and its KV computed (the proposals before it were kept).
+            seq.num_computed_tokens = seq.num_tokens
+            self.block_manager.commit(seq)
+            one = self._append(seq, token_id, logprob, now)
+            if delta is None:
+                delta = one
+            else:
+                delta.text += one.text
+                delta.token_ids += one.token_ids
+                if one.logprobs:
+                    delta.logprobs = (delta.logprobs or []) + one.logprobs
+                delta.finish_reason, delta.stop_reason = one.finish_reason, one.stop_reason
+            if one.finish_reason is not None:
+                break
+        if not seq.is_finished:
+            self.block_manager.trim(seq)  # the blocks that held only rejected tokens' KV
+        return delta
 
     def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, now: float) -> CompletionOutput:
         request = self._requests[seq.request_id]
@@ -453,6 +512,7 @@ class LLMEngine:
         seq.status = status
         self.scheduler.remove(seq)
         if seq.hold_kv:
+            self.block_manager.trim(seq)  # held: not the blocks rejected proposed tokens were written to
             self.held_kv.hold(seq)
         else:
             self.block_manager.free(seq)
@@ -528,6 +588,7 @@ class LLMEngine:
             kernel_path=self.kernels.path.value,
             kernel_reason=self.kernels.reason,
             linear_path=self.model.linear_choice.summary,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         )
 
     # ---- convenience -------------------------------------------------------------------------

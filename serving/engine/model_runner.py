@@ -9,6 +9,13 @@ asked for prompt logprobs (prompt_logprobs.py), which follow the sampling rows:
 
 A sequence with max_tokens 0 (scoring a prompt) that computes its last prompt token does not
 sample: it is in `scored_seqs`, and the engine finishes it.
+
+A decoding sequence with k proposed tokens (`seq.spec_token_ids`, speculative.py) computes its
+last token and the k proposals as one chunk of 1 + k query rows, causal among themselves, laid
+out and attended like a prefill chunk over its cached context; all 1 + k rows are sampling rows
+(`num_sample_rows`): row i predicts the token after proposal i - 1.
+
+    logits  [ seq A: 1 row | seq B: 1 + k rows | ... | prompt rows ]
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ class StepInput:
     sampling_seqs: list[Sequence]  # those that sample this step, in logits-row order
     prompt_spans: list[PromptSpan] = field(default_factory=list)  # their rows follow the sampling rows
     scored_seqs: list[Sequence] = field(default_factory=list)  # max_tokens 0: prompt done, nothing to sample
+    num_sample_rows: list[int] = field(default_factory=list)  # each one's rows: 1 + its proposed tokens
 
 
 class ModelRunner:
@@ -49,10 +57,12 @@ class ModelRunner:
         decodes = [(s, n) for s, n in scheduled if n == 1]
         prefills = [(s, n) for s, n in scheduled if n > 1]
         ordered = decodes + prefills
-        done = [s for s, n in ordered if s.num_computed_tokens + n == s.num_tokens]
+        done = [(s, n) for s, n in ordered if s.num_computed_tokens + n >= s.num_tokens]
+        sampling = [(s, n) for s, n in done if s.max_tokens > 0]
         return StepInput(
-            [s for s, _ in ordered], [n for _, n in ordered], [s for s in done if s.max_tokens > 0],
-            prompt_spans(ordered), [s for s in done if s.max_tokens == 0],
+            [s for s, _ in ordered], [n for _, n in ordered], [s for s, _ in sampling],
+            prompt_spans(ordered), [s for s, _ in done if s.max_tokens == 0],
+            num_sample_rows=[s.num_computed_tokens + n - s.num_tokens + 1 for s, n in sampling],
         )
 
     def execute(self, step: StepInput) -> torch.Tensor:
@@ -74,11 +84,15 @@ class ModelRunner:
             end = start + n
             table = seq.block_ids
             q_start = len(input_ids)
-            input_ids += seq.token_ids[start:end]
+            known = seq.num_tokens
+            if end <= known:
+                input_ids += seq.token_ids[start:end]
+            else:  # the last known token and proposed ones after it
+                input_ids += seq.token_ids[start:] + seq.spec_token_ids[: end - known]
             positions += range(start, end)
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            if end == seq.num_tokens and seq.max_tokens > 0:
-                sample_rows.append(len(input_ids) - 1)
+            if end >= known and seq.max_tokens > 0:
+                sample_rows += range(q_start + known - 1 - start, q_start + n)
             span = span_of.get(seq) if span_of else None
             if span is not None:  # in step.prompt_spans order: spans follow the token layout
                 prompt_rows += range(q_start + span.start - start, q_start + span.end - start)

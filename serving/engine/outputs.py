@@ -110,3 +110,18 @@ class EngineStats:
     kernel_path: str = ""  # "native" or "pytorch" (cpu_kernels.KernelPath)
     kernel_reason: str = ""  # why that path (cpu_kernels.KernelStatus.reason)
     linear_path: str = ""  # up to how many rows the native linear kernel runs (linear_choice.py)
+    # Speculative decoding (speculative.py), since the engine started; all 0 and "" when it is off
+    spec_method: str = ""  # the proposer, e.g. "ngram"
+    spec_proposed_tokens: int = 0  # proposed tokens a forward pass verified
+    spec_accepted_tokens: int = 0  # of those, kept
+    spec_verify_steps: int = 0  # sequence-steps that verified proposals (each emitted accepted + 1 tokens at most)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Kept / proposed; 0 before any proposal."""
+        return self.spec_accepted_tokens / self.spec_proposed_tokens if self.spec_proposed_tokens else 0.0
+
+    @property
+    def spec_tokens_per_step(self) -> float:
+        """Mean tokens a verifying sequence-step kept (accepted proposals + the model's own); 0 before any."""
+        return (self.spec_accepted_tokens + self.spec_verify_steps) / self.spec_verify_steps if self.spec_verify_steps else 0.0

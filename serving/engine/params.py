@@ -130,6 +130,9 @@ class SamplingParams:
     # themselves (the ingress). Stop strings then are the caller's job too.
     detokenize: bool = True
     guided: GuidedSpec | None = None  # structured output: the grammar every token must follow
+    # False: this request never gets proposed tokens where the engine speculates (speculative.py),
+    # e.g. a short or high-entropy output that proposals would only slow down; no effect otherwise
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

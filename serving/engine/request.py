@@ -4,6 +4,10 @@ A sequence holds `token_ids` (prompt + generated) and `num_computed_tokens`, how
 have KV in the cache. The scheduler's only question each step is how many of the
 `num_tokens - num_computed_tokens` pending tokens to compute. A prefill worker is the same
 sequence asked for one token with its KV held for export.
+
+Speculative decoding (speculative.py) adds `spec_token_ids`: tokens proposed after `token_ids`,
+not yet part of the sequence. A decoding sequence with k of them computes 1 + k tokens in its step
+(`num_tokens_with_spec`); the engine keeps the ones the model agrees with and drops the rest.
 """
 
 from __future__ import annotations
@@ -81,6 +85,9 @@ class Sequence:
     # params.prompt_logprobs (choice 0 only): the logprob of prompt token i + 1 at index i, filled
     # as the prompt's chunks are computed; None when not asked for (then nothing costs anything)
     prompt_logprobs: list[TokenLogprob] | None = None
+    # Proposed tokens after token_ids, verified in the next step (speculative.py); only while
+    # decoding (num_computed_tokens == num_tokens - 1), cleared when preempted
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -89,6 +96,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Tokens a step may compute up to: the known ones and the proposed ones after them."""
+        return len(self.token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -29,6 +29,12 @@ waited longer than that is taken out of the queue and returned in `timed_out`; t
 finishes its request with finish_reason "queue_timeout". One that could be admitted this step
 is admitted, however long it waited. Preempted sequences and ones continued from tokens generated
 elsewhere have started: they wait as long as it takes.
+
+A decoding sequence with proposed tokens (`spec_token_ids`, speculative.py) asks for 1 + k
+tokens: as many of its proposals as the budget leaves room for are scheduled (the rest are
+dropped), and it never counts as a long prefill. Proposals never cost another sequence its
+place: when their blocks are not free, they are dropped and the sequence asks for its one token
+as usual before anything is preempted.
 """
 
 from __future__ import annotations
@@ -104,9 +110,18 @@ class Scheduler:
             seq = self.running[i]
             left = seq.num_tokens - seq.num_computed_tokens
             assert left > 0, f"{seq} is running with nothing to compute"
-            num_long += self._is_long(left)
-            num_new = self._chunk(left, budget)
+            if seq.spec_token_ids:
+                assert left == 1, f"{seq} has proposed tokens but is not decoding"
+                num_new = min(1 + len(seq.spec_token_ids), budget)
+                del seq.spec_token_ids[num_new - 1 :]  # those the budget has no room for
+            else:
+                num_long += self._is_long(left)
+                num_new = self._chunk(left, budget)
             while not bm.allocate(seq, seq.num_computed_tokens + num_new):
+                if seq.spec_token_ids:  # no blocks for the proposals: decode one token as usual
+                    seq.spec_token_ids.clear()
+                    num_new = 1
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -220,6 +235,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         logger.debug("preempting %s", seq)
         self.block_manager.free(seq)
+        seq.spec_token_ids.clear()  # recomputed from its known tokens; proposed again after
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)

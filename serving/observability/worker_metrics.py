@@ -149,6 +149,12 @@ _ENGINE_COUNTERS = {
     "prefix_cache_hit_tokens": "kvrelay_prefix_cache_hit_tokens_total",
     "num_preemptions": "kvrelay_preemptions_total",
 }
+# Speculative decoding's, labelled with the proposer (recorded only where it is on).
+_SPEC_COUNTERS = {
+    "spec_proposed_tokens": "kvrelay_spec_decode_proposed_tokens_total",
+    "spec_accepted_tokens": "kvrelay_spec_decode_accepted_tokens_total",
+    "spec_verify_steps": "kvrelay_spec_decode_verify_steps_total",
+}
 
 
 @dataclass
@@ -239,6 +245,13 @@ class WorkerRecorder:
             value = getattr(stats, field_name)
             ins.inc(metric, value - self._seen[field_name])
             self._seen[field_name] = value
+        if stats.spec_method:  # speculative decoding is on
+            for field_name, metric in _SPEC_COUNTERS.items():
+                value = getattr(stats, field_name)
+                ins.inc(metric, value - self._seen.get(field_name, 0), proposer=stats.spec_method)
+                self._seen[field_name] = value
+            ins.set("kvrelay_spec_decode_acceptance_ratio", stats.spec_acceptance_rate, proposer=stats.spec_method)
+            ins.set("kvrelay_spec_decode_tokens_per_step", stats.spec_tokens_per_step, proposer=stats.spec_method)
 
     def snapshot(self) -> list[tuple[str, str, str, list[tuple[str, dict[str, str], float]]]]:
         """This replica's metrics as plain values (family, type, help, samples), for the

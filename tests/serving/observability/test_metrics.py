@@ -323,6 +323,22 @@ def test_worker_metrics_record_exact_times_bytes_and_engine_deltas():
     assert value(s, "kvrelay_kv_cache_usage_ratio", **mine) == 0.25
 
 
+def test_worker_metrics_export_speculative_decoding_counts_by_proposer():
+    wm = WorkerRecorder(MODEL, "decode", "r1", use_ray=False)
+    wm.refresh(engine_stats())  # speculation off: no series
+    assert not [n for n, _ in registry_samples(wm.instruments.registry) if n.startswith("kvrelay_spec_decode")]
+    spec = {"spec_method": "ngram"}
+    wm.refresh(engine_stats(**spec, spec_proposed_tokens=40, spec_accepted_tokens=10, spec_verify_steps=10))
+    wm.refresh(engine_stats(**spec, spec_proposed_tokens=100, spec_accepted_tokens=30, spec_verify_steps=20))
+    s = registry_samples(wm.instruments.registry)
+    mine = {"model": MODEL, "pool": "decode", "replica": "r1", "proposer": "ngram"}
+    assert value(s, "kvrelay_spec_decode_proposed_tokens_total", **mine) == 100
+    assert value(s, "kvrelay_spec_decode_accepted_tokens_total", **mine) == 30
+    assert value(s, "kvrelay_spec_decode_verify_steps_total", **mine) == 20
+    assert value(s, "kvrelay_spec_decode_acceptance_ratio", **mine) == pytest.approx(0.3)
+    assert value(s, "kvrelay_spec_decode_tokens_per_step", **mine) == pytest.approx(2.5)  # (30 + 20) / 20
+
+
 def fake_router(deployment_name: str, policy: str, reasons: dict[str, int], replicas: dict) -> SimpleNamespace:
     """The RouterView of a request router: its replicas' newest routing stats on the wire (None:
     not reported yet)."""
