@@ -271,6 +271,8 @@ class LLMEngine:
                 state.finish_reason = status.value
                 state.seq.status = status
                 self.scheduler.remove(state.seq)
+                if self.speculator is not None:
+                    self.speculator.release(state.seq)
                 if state.seq.block_ids:
                     self.block_manager.free(state.seq)
                 outputs.append(CompletionOutput(state.seq.index, "", [], None, status.value))
@@ -295,6 +297,8 @@ class LLMEngine:
                 state.finish_reason = "error"
                 seq.status = RequestStatus.FINISHED_ABORTED
                 self.scheduler.remove(seq)
+                if self.speculator is not None:
+                    self.speculator.release(seq)
             if seq.block_ids and not self.held_kv.holds(seq):
                 self.block_manager.free(seq)
         request.waiting_children.clear()
@@ -362,6 +366,7 @@ class LLMEngine:
             sampled = self._sample(logits, sampling_seqs, num_rows)
             now = time.monotonic()
             deltas: dict[str, list[CompletionOutput]] = {}
+            to_propose: list[Sequence] = []  # proposed for together: a draft model runs once
             for seq, seq_rows in zip(sampling_seqs, sampled):
                 if seq.request_id not in self._requests:
                     continue  # failed in this step
@@ -371,11 +376,14 @@ class LLMEngine:
                     else:
                         delta = self._append(seq, *seq_rows[0], now)
                     if self.speculator is not None and not seq.is_finished and self.speculator.speculates(seq.params):
-                        self.speculator.propose(seq)
+                        to_propose.append(seq)
                 except Exception as exc:  # its grammar, detokenizer or stop checker
                     self._fail_request(seq.request_id, "grammar / detokenize / stop check", exc)
                     continue
                 deltas.setdefault(seq.request_id, []).append(delta)
+            to_propose = [seq for seq in to_propose if seq.request_id in self._requests]
+            if to_propose:
+                self.speculator.propose(to_propose)
             for request_id, completion_outputs in deltas.items():
                 request = self._requests.get(request_id)
                 if request is None:
@@ -511,6 +519,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, status: RequestStatus) -> None:
         seq.status = status
         self.scheduler.remove(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
         if seq.hold_kv:
             self.block_manager.trim(seq)  # held: not the blocks rejected proposed tokens were written to
             self.held_kv.hold(seq)

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from serving.engine.spec_proposer import TokenProposer
+
 __all__ = ["NgramProposer"]
 
 
-class NgramProposer:
+class NgramProposer(TokenProposer):
     """Proposes up to `k` tokens for a sequence from its own token ids (prompt + output)."""
 
     name = "ngram"

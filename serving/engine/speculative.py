@@ -56,8 +56,9 @@ from serving.engine.config import SpeculativeConfig
 from serving.engine.params import SamplingParams
 from serving.engine.request import Sequence
 from serving.engine.spec_ngram import NgramProposer
+from serving.engine.spec_proposer import Proposer, TokenProposer
 
-__all__ = ["Speculator", "num_accepted"]
+__all__ = ["Proposer", "Speculator", "TokenProposer", "num_accepted"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(
+        self.proposer: Proposer = NgramProposer(
             min_n=config.prompt_lookup_min, max_n=config.prompt_lookup_max, k=config.num_speculative_tokens,
         )
         self.num_proposed_tokens = 0  # proposals verified by a forward pass
@@ -91,12 +92,25 @@ class Speculator:
         and those that opt out (params.speculative False)."""
         return params.speculative and params.guided is None
 
-    def propose(self, seq: Sequence) -> None:
-        """Set `seq.spec_token_ids` for its next step: at most what fits before max_tokens and the
-        context window, with one token left for the model's own."""
-        assert seq.num_computed_tokens == seq.num_tokens - 1, f"{seq} is not decoding"
-        max_k = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-        seq.spec_token_ids = self.proposer.propose(seq.token_ids, max_k) if max_k > 0 else []
+    def propose(self, seqs: list[Sequence]) -> None:
+        """Set each decoding sequence's `spec_token_ids` for its next step: at most what fits
+        before max_tokens and the context window, with one token left for the model's own. A
+        proposer that fails costs its proposals, never a request: the step decodes one token each."""
+        max_ks = []
+        for seq in seqs:
+            assert seq.num_computed_tokens == seq.num_tokens - 1, f"{seq} is not decoding"
+            max_ks.append(min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1)
+        try:
+            proposals = self.proposer.propose_batch(seqs, max_ks)
+        except Exception:  # noqa: BLE001 - speculation is an optimisation
+            logger.exception("proposer %s failed: %d sequences decode without proposals", self.proposer.name, len(seqs))
+            proposals = [[] for _ in seqs]
+        for seq, max_k, proposed in zip(seqs, max_ks, proposals):
+            seq.spec_token_ids = list(proposed[: max(max_k, 0)])
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` ended: its proposer drops (or keeps, to learn from) what it held for it."""
+        self.proposer.release(seq)
 
     def stats(self) -> dict[str, int | str]:
         """Its EngineStats fields (spec_*)."""

@@ -25,6 +25,7 @@ from serving.engine.config import EngineConfig, SpeculativeConfig
 from serving.engine.outputs import CompletionOutput
 from serving.engine.params import GuidedSpec
 from serving.engine.spec_ngram import NgramProposer
+from serving.engine.spec_proposer import TokenProposer
 from serving.engine.speculative import num_accepted
 from tests.serving.engine.test_engine import make_engine, random_prompts, tokens_of
 
@@ -58,7 +59,7 @@ def plain_outputs(tiny_model_dir) -> list[list[int]]:
     return tokens_of(make_engine(tiny_model_dir).generate(workload(), GREEDY))
 
 
-class OracleProposer:
+class OracleProposer(TokenProposer):
     """Proposes the known continuation of a sequence (from `truths`: prompt -> the output decoding
     without speculation gives), the first j of k tokens right and the rest wrong (each true token
     + 1, never the model's), j = len(tokens) % (k + 1)."""
