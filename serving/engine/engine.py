@@ -27,13 +27,14 @@ token, or a resumed stream's), so a request continues in its grammar across the 
 hand-off. A spec that fails to compile here ends its request (RequestFailedError); the ingress
 compiles every spec before it sends it, so over HTTP that is a 400 naming the field.
 
-With `config.speculative` (speculative.py), a sequence without a structured output gets proposed
+With `config.speculative` (speculative.py), a sequence gets proposed
 tokens after each of its steps, and its next step verifies them: its 1 + k sampling rows are
 sampled as ones, each row with the proposals before it as output so far (and that position's
 seed key); the proposals the rows' tokens agree with, then the first disagreeing row's token,
 are appended one at a time through the usual checks (so a stop ends the sequence at the first
 token that triggers it), into one delta; KV slots of rejected proposals are dropped. For sampled
-rows that is rejection sampling with a one-hot draft (speculative.py says why it is exact).
+rows that is rejection sampling with a one-hot draft (speculative.py says why it is exact). A
+structured output's row m is masked by its grammar after the first m proposals (SpeculativeMask).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.errors import InvalidRequestError, RequestFailedError
-from serving.engine.grammar import GrammarCompiler, GrammarMatcher, PendingGrammars, compiler_for
+from serving.engine.grammar import GrammarCompiler, GrammarMatcher, PendingGrammars, SpeculativeMask, compiler_for
 from serving.engine.held_kv import HeldKV
 from serving.engine.kv_events import KVEvent
 from serving.engine.kv_payload import KVLayout, KVPayload
@@ -384,6 +385,7 @@ class LLMEngine:
             to_propose = [seq for seq in to_propose if seq.request_id in self._requests]
             if to_propose:
                 self.speculator.propose(to_propose)
+                self._trim_to_grammar(to_propose)
             for request_id, completion_outputs in deltas.items():
                 request = self._requests.get(request_id)
                 if request is None:
@@ -392,6 +394,18 @@ class LLMEngine:
                 if request.finished:
                     del self._requests[request_id]
         return outputs
+
+    def _trim_to_grammar(self, seqs: list[Sequence]) -> None:
+        """Cut a structured output's proposals to the prefix its grammar allows: a token it
+        forbids would be rejected anyway, and the rows after it wasted."""
+        for seq in seqs:
+            matcher = self._requests[seq.request_id].seqs[seq.index].matcher
+            if matcher is not None and seq.spec_token_ids:
+                try:
+                    del seq.spec_token_ids[matcher.allowed_prefix(seq.spec_token_ids):]
+                except Exception:  # noqa: BLE001 - the request decodes without proposals
+                    logger.exception("grammar check of %s's proposals failed", seq.request_id)
+                    seq.spec_token_ids.clear()
 
     def _score_prompts(self, logits: torch.Tensor, spans) -> None:
         """Extend each span's sequence's prompt logprobs from its rows of `logits`; a span that
@@ -444,6 +458,7 @@ class LLMEngine:
         params = seq.params
         request = self._requests[seq.request_id]
         output = seq.output_token_ids + seq.spec_token_ids[:num_proposed]
+        matcher = request.seqs[seq.index].matcher  # row m: its grammar after the first m proposals
         return SamplingRow(
             params=params,
             prompt_token_ids=seq.prompt_token_ids,
@@ -451,7 +466,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             seed_key=None if params.seed is None else (params.seed, seq.index, len(output)),
             logit_bias=request.logit_bias,
-            grammar=request.seqs[seq.index].matcher,
+            grammar=matcher if matcher is None or not num_proposed else SpeculativeMask(matcher, seq.spec_token_ids[:num_proposed]),
         )
 
     def _append_verified(

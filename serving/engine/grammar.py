@@ -56,7 +56,10 @@ import torch
 from serving.engine.errors import InvalidRequestError
 from serving.engine.params import GuidedSpec
 
-__all__ = ["CompiledGrammar", "GrammarCompileError", "GrammarCompiler", "GrammarMatcher", "PendingGrammars", "allocate_bitmask", "compiler_for"]
+__all__ = [
+    "CompiledGrammar", "GrammarCompileError", "GrammarCompiler", "GrammarMatcher", "PendingGrammars", "SpeculativeMask",
+    "allocate_bitmask", "compiler_for",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +105,50 @@ class GrammarMatcher:
         """Advance past `token_id`; False (state unchanged) when the grammar does not allow it."""
         return bool(self._handle.accept_token(token_id))
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculation's proposals, engine.py)."""
+        if num_tokens:
+            self._handle.rollback(num_tokens)
+
+    def allowed_prefix(self, token_ids: list[int]) -> int:
+        """How many leading `token_ids` the grammar allows from here; the state is unchanged."""
+        n = 0
+        while n < len(token_ids) and not self.is_terminated and self.accept(token_ids[n]):
+            n += 1
+        self.rollback(n)
+        return n
+
+    def fill_bitmask_after(self, bitmask: torch.Tensor, index: int, token_ids: list[int]) -> None:
+        """Row `index` of `bitmask`: the tokens that may come after `token_ids` (proposals the
+        grammar allows: allowed_prefix); the state is unchanged. After a stop token nothing may
+        follow and the sequence ends there: the row allows every token (its sample is dropped)."""
+        accepted = 0
+        try:
+            for token_id in token_ids:
+                assert self.accept(token_id), f"proposed token {token_id} is not allowed: trim with allowed_prefix"
+                accepted += 1
+            if self.is_terminated:
+                bitmask[index].fill_(-1)
+            else:
+                self.fill_bitmask(bitmask, index)
+        finally:
+            self.rollback(accepted)
+
     @property
     def is_terminated(self) -> bool:
         """A stop token was accepted: nothing may follow."""
         return bool(self._handle.is_terminated())
+
+
+class SpeculativeMask:
+    """The mask of a speculating sequence's row m: its grammar after the first m proposals."""
+
+    def __init__(self, matcher: GrammarMatcher, token_ids: list[int]):
+        self._matcher = matcher
+        self._token_ids = token_ids
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        self._matcher.fill_bitmask_after(bitmask, index, self._token_ids)
 
 
 class PendingGrammars:

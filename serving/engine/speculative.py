@@ -41,9 +41,11 @@ held only rejected positions go back to the pool (BlockManager.trim). Blocks are
 prefix cache only over computed tokens, so a rejected token never reaches the cache.
 
 Who speculates: every request but those that opt out (`params.speculative` False, the API's
-`speculative: false`) and those with a structured output (params.guided), which decode
-one token per step: their rows would need the grammar matcher advanced through the proposals
-(and rolled back after a rejection) to mask each row as the sequence's state at it. Proposals are
+`speculative: false`). A structured output (params.guided) speculates too: its proposals are cut
+to the prefix its grammar allows, and each of its rows is masked by the grammar's state after the
+proposals before that row (the matcher is advanced through them, each row's mask filled, then
+rolled back: engine.py), so a row samples exactly what decoding one token at a time would at that
+position; the kept tokens then advance the matcher as usual. Proposals are
 capped so a step never runs past max_tokens or the context window, and the scheduler drops them
 rather than preempt anyone or exceed the step's token budget (scheduler.py).
 """
@@ -88,9 +90,9 @@ class Speculator:
 
     @staticmethod
     def speculates(params: SamplingParams) -> bool:
-        """Whether a request's sequences get proposals: all but structured outputs (module docstring)
-        and those that opt out (params.speculative False)."""
-        return params.speculative and params.guided is None
+        """Whether a request's sequences get proposals: all but those that opt out
+        (params.speculative False)."""
+        return params.speculative
 
     def propose(self, seqs: list[Sequence]) -> None:
         """Set each decoding sequence's `spec_token_ids` for its next step: at most what fits

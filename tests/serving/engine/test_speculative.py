@@ -22,6 +22,7 @@ import torch
 
 from serving.engine import SamplingParams
 from serving.engine.config import EngineConfig, SpeculativeConfig
+from serving.engine.grammar import GrammarCompiler, SpeculativeMask, allocate_bitmask
 from serving.engine.outputs import CompletionOutput
 from serving.engine.params import GuidedSpec
 from serving.engine.spec_ngram import NgramProposer
@@ -232,19 +233,56 @@ def test_seeded_requests_are_reproducible_with_speculation(tiny_model_dir):
     assert engine.speculator.num_accepted_tokens > 0
 
 
-def test_structured_output_requests_do_not_speculate_beside_ones_that_do(tiny_model_dir, plain_outputs):
-    guided = SamplingParams(temperature=0.0, max_tokens=24, guided=GuidedSpec.choice(["a b a b a b", "c"]))
-    prompts = workload()[-2:]
-    plain_guided = tokens_of(make_engine(tiny_model_dir).generate(prompts, guided))
-    engine = spec_engine(tiny_model_dir, (workload(), plain_outputs))
-    outs = engine.generate(prompts, guided)
-    assert tokens_of(outs) == plain_guided and engine.speculator.num_proposed_tokens == 0
-    assert all(o.outputs[0].text in ("a b a b a b", "c") for o in outs)
-    # In one batch with greedy requests that speculate: both get their tokens.
-    mixed = tokens_of(engine.generate(prompts + workload(), [guided] * 2 + [GREEDY] * len(workload())))
-    assert mixed[:2] == plain_guided and mixed[2:] == plain_outputs
-    assert engine.speculator.num_accepted_tokens > 0
-    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+JSON = GuidedSpec.json_schema({
+    "type": "object",
+    "properties": {"kind": {"enum": ["person", "robot", "cat"]}, "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 4}},
+    "required": ["kind", "tags"],
+})
+
+
+@pytest.mark.parametrize("guided", [GuidedSpec.choice(["a b a b a b a b", "b a b a b a b a c"]), JSON], ids=["choice", "json_schema"])
+def test_structured_outputs_speculate_and_give_the_tokens_of_one_token_a_step(tiny_model_dir, plain_outputs, guided):
+    prompts = workload()[-3:]
+    greedy = SamplingParams(temperature=0.0, max_tokens=64, guided=guided)
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=64, guided=guided)
+    plain = [tokens_of(make_engine(tiny_model_dir).generate(prompts, p)) for p in (greedy, seeded)]
+    for params, truth in zip((greedy, seeded), plain):
+        # The oracle proposes each output's true continuation, the last tokens of each guess wrong
+        # (+1: mostly tokens the grammar forbids, cut before the step, or that the row's mask rules out).
+        engine = spec_engine(tiny_model_dir, (prompts, truth))
+        deltas = run_steps(engine, prompts, params)
+        assert [[t for d in deltas[f"r{i}"] for t in d.token_ids] for i in range(len(prompts))] == truth
+        assert engine.speculator.num_accepted_tokens > 0
+        assert max(len(d.token_ids) for ds in deltas.values() for d in ds) > 1  # several tokens landed in one step
+        assert engine.stats().num_free_blocks == engine.stats().num_blocks
+    # In one batch with unconstrained requests that speculate: each gets its own tokens.
+    engine = spec_engine(tiny_model_dir, (prompts + workload(), plain[0] + plain_outputs))
+    mixed = tokens_of(engine.generate(prompts + workload(), [greedy] * len(prompts) + [GREEDY] * len(workload())))
+    assert mixed[: len(prompts)] == plain[0] and mixed[len(prompts) :] == plain_outputs
+
+
+def test_a_grammar_cuts_proposals_where_it_forbids_them_and_masks_each_row_after_the_ones_before(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size, tuple(engine.eos_token_ids))
+    compiled = grammars.compile(GuidedSpec.choice(["a b a b a b a b", "b a b a b a b a c"]))
+    matcher = grammars.matcher(compiled)
+    truth = [82, 216, 81, 216]  # a path the grammar allows (the tiny model's greedy choice starts so)
+    forbidden = next(t for t in range(engine.vocab_size) if matcher.allowed_prefix([t]) == 0)
+    assert matcher.allowed_prefix(truth) == 4
+    assert matcher.allowed_prefix(truth[:2] + [forbidden] + truth[3:]) == 2
+    # Row m's mask is the grammar's after the first m proposals; the matcher's state never moves.
+    rows = allocate_bitmask(len(truth) + 1, engine.vocab_size)
+    for m in range(len(truth) + 1):
+        SpeculativeMask(matcher, truth[:m]).fill_bitmask(rows, m)
+    expected = allocate_bitmask(len(truth) + 1, engine.vocab_size)
+    walker = grammars.matcher(compiled, replay=[])
+    for m in range(len(truth) + 1):
+        walker.fill_bitmask(expected, m)
+        if m < len(truth):
+            assert walker.accept(truth[m])
+    assert torch.equal(rows, expected)
+    assert not torch.equal(rows[0], rows[1])  # the masks do differ by position
+    assert matcher.allowed_prefix(truth) == 4 and grammars.matcher(compiled, replay=truth).accept(forbidden) is False
 
 
 def test_requests_that_opt_out_do_not_speculate_beside_ones_that_do(tiny_model_dir, plain_outputs):
