@@ -95,6 +95,7 @@ class DraftModelProposer:
         self.max_model_len = min(spec.max_position_embeddings, target.max_model_len)
         self._drafts: dict[int, _Draft] = {}  # by the target sequence's seq_id
         self.num_computed_tokens = 0  # tokens the draft has run (catch-up chunks and fed proposals)
+        self.num_unfit = 0  # sequence-steps without proposals because their KV did not fit the pool
         logger.info(
             "draft model %s (%d layers, hidden %d): %d KV blocks x %d tokens, %.1f MiB",
             config.draft_model, spec.num_layers, spec.hidden_size, config.draft_num_blocks, block_size,
@@ -117,6 +118,7 @@ class DraftModelProposer:
             draft = self._sync(seq)
             if not self.block_manager.allocate(draft, seq.num_tokens + k - 1):
                 self.release(seq)  # the pool is full: its blocks go to the sequences that fit
+                self.num_unfit += 1
                 continue
             live.append((i, draft, k))
         while live:

@@ -161,7 +161,8 @@ def test_a_full_draft_pool_costs_proposals_not_requests(tiny_model_dir, truncate
     assert tokens_of(engine.generate(workload(), GREEDY)) == plain_outputs
     stats = engine.stats()
     assert stats.spec_accepted_tokens > 0 and stats.num_free_blocks == stats.num_blocks
-    assert engine.speculator.proposer.block_manager.num_free_blocks == 8
+    proposer = engine.speculator.proposer
+    assert proposer.num_unfit > 0 and proposer.block_manager.num_free_blocks == 8
 
 
 # ---- the proposer's KV -------------------------------------------------------------------------
@@ -218,11 +219,12 @@ def test_a_sequence_that_does_not_fit_the_draft_pool_gets_nothing_and_holds_noth
     # a needs 10 + 3 tokens (4 blocks, the whole pool); b then finds none free
     proposed_a, proposed_b = proposer.propose_batch([a, b], [K, K])
     assert len(proposed_a) == K and proposed_b == [] and proposer.draft_seq(b) is None and pool.num_free_blocks == 0
+    assert proposer.num_unfit == 1
     proposer.release(a)
     assert len(proposer.propose_batch([b], [K])[0]) == K and pool.num_free_blocks == 2
     # 14 + 3 tokens need 5 blocks: never fit; b, first, keeps its blocks
     assert proposer.propose_batch([b, huge], [K, K])[1] == [] and proposer.draft_seq(huge) is None
-    assert pool.num_free_blocks == 2
+    assert pool.num_free_blocks == 2 and proposer.num_unfit == 2
     # no room left in the context or max_tokens: nothing run, nothing held
     assert proposer.propose_batch([huge], [0]) == [[]] and proposer.draft_seq(huge) is None
     proposer.release(b)
