@@ -165,6 +165,26 @@ def test_a_full_draft_pool_costs_proposals_not_requests(tiny_model_dir, truncate
     assert proposer.num_unfit > 0 and proposer.block_manager.num_free_blocks == 8
 
 
+def test_a_failing_draft_forward_costs_that_steps_proposals_only(tiny_model_dir, truncated_draft_dir, plain_outputs):
+    """The Speculator turns a proposer's exception into no proposals for that step; the draft's
+    views, left half-advanced, are rolled back at the next step like after any rejection."""
+    engine = draft_engine(tiny_model_dir, truncated_draft_dir)
+    proposer = engine.speculator.proposer
+    execute, num_calls = proposer.runner.execute, []
+
+    def flaky(step):
+        num_calls.append(1)
+        if len(num_calls) in (1, 7, 8):  # the first (catch-up chunks, with blocks taken) and two later ones
+            raise RuntimeError("draft forward failed")
+        return execute(step)
+
+    proposer.runner.execute = flaky
+    assert tokens_of(engine.generate(workload(), GREEDY)) == plain_outputs
+    stats = engine.stats()
+    assert len(num_calls) > 8 and stats.spec_accepted_tokens > 0
+    assert stats.num_free_blocks == stats.num_blocks and proposer.block_manager.num_free_blocks == 256
+
+
 # ---- the proposer's KV -------------------------------------------------------------------------
 def test_the_draft_rolls_its_kv_back_to_the_accepted_tokens(tiny_model_dir, small_draft_dir):
     """Exact counts of the draft's computed tokens and blocks (4 tokens each) after each kind of
