@@ -14,6 +14,11 @@ Both engines must give the same tokens (greedy speculation is lossless): checked
 mismatch is reported (`identical: false`), not hidden. On a random-weight model the output does
 not copy the text, so proposals are mostly rejected: that run measures what speculation costs
 when it guesses wrong. The CPU model and ISA are in the JSON's `machine`.
+
+`--spec-method draft` proposes with a draft model instead (spec_draft.py; `--draft-model`,
+default the model itself). The model as its own draft is right nearly always, so it gives the
+upper bound on acceptance and the cost of running a draft as large as the model: a lower bound
+on what a real, smaller draft with the same tokenizer would win.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ class SpeculativeParams:
     prompt_lookup_max: int = 4
     kv_cache_mib: int = 256
     dtype: str = "auto"
+    spec_method: str = "ngram"  # or "draft" (spec_draft.py)
+    draft_model: str | None = None  # spec_method draft: the draft model; None: the model itself (its own draft)
     quick: bool = False
 
 
@@ -117,8 +124,11 @@ def run(p: SpeculativeParams, *, command: str = "") -> dict:
         machine = hardware.machine_record(num_threads=p.threads)
         base = {"model": str(resolve_model_dir(p.model)), "dtype": p.dtype, "kv_cache_bytes": p.kv_cache_mib * 2**20,
                 "num_threads": p.threads, "enable_prefix_caching": False}
-        spec = {"method": "ngram", "num_speculative_tokens": p.num_speculative_tokens,
-                "prompt_lookup_min": p.prompt_lookup_min, "prompt_lookup_max": p.prompt_lookup_max}
+        spec = {"method": p.spec_method, "num_speculative_tokens": p.num_speculative_tokens}
+        if p.spec_method == "draft":
+            spec["draft_model"] = str(resolve_model_dir(p.draft_model or p.model))
+        else:
+            spec.update(prompt_lookup_min=p.prompt_lookup_min, prompt_lookup_max=p.prompt_lookup_max)
         off = LLMEngine(EngineConfig(**base))
         # The same dtype for both: "auto" is measured at start-up and may resolve differently twice.
         base["dtype"] = off.config.dtype
@@ -173,8 +183,12 @@ def run(p: SpeculativeParams, *, command: str = "") -> dict:
 
 def format_table(p: SpeculativeParams, summary: dict, machine: dict) -> str:
     isa = ", ".join(name for name, present in machine["isa"].items() if present) or "none of " + ", ".join(machine["isa"])
+    method = (
+        f"draft {p.draft_model or p.model}, k={p.num_speculative_tokens}" if p.spec_method == "draft"
+        else f"ngram, k={p.num_speculative_tokens}, n={p.prompt_lookup_min}..{p.prompt_lookup_max}"
+    )
     lines = [
-        f"speculative decoding (ngram, k={p.num_speculative_tokens}, n={p.prompt_lookup_min}..{p.prompt_lookup_max}): "
+        f"speculative decoding ({method}): "
         f"{p.model}, 1 x {summary['prompt_tokens']} -> {summary['output_tokens']} tokens, greedy, repeat-the-text task, "
         f"{p.threads} threads, median of {p.repeats} ({machine['cpu_model']}; {isa}; dtype {machine.get('dtype')})",
         f"  speculation off      {summary['off_decode_tokens_per_s']:9.1f} decode tok/s",
@@ -201,6 +215,10 @@ def params_from_args(args: argparse.Namespace) -> SpeculativeParams:
     for name in ("output_len", "repeats", "threads", "kv_cache_mib", "num_speculative_tokens"):
         if getattr(p, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(p, name)}")
+    if p.spec_method not in ("ngram", "draft"):
+        raise SystemExit(f"--spec-method must be ngram or draft, got {p.spec_method!r}")
+    if p.draft_model and p.spec_method != "draft":
+        raise SystemExit("--draft-model needs --spec-method draft")
     if p.output_len < 2:
         raise SystemExit("--single-output-len must be >= 2 with --speculative (the first token is excluded)")
     return p

@@ -73,6 +73,7 @@ def build_tiny_model(
     hidden_size: int = 64,
     num_layers: int = 2,
     init_std: float = 0.15,
+    vocab_size: int = 49152,
 ) -> Path:
     """A seeded random model with the default model's tokenizer (so text round-trips).
 
@@ -82,7 +83,7 @@ def build_tiny_model(
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(
-        vocab_size=49152,
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 3,
         num_hidden_layers=num_layers,

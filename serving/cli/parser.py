@@ -206,8 +206,10 @@ def _add_bench_engine(targets) -> None:
         "--speculative", action="store_true",
         help="instead: single-stream decode tok/s with n-gram speculative decoding on vs off, one request asking for "
              "a given text back (load_tests/bench_speculative.py; uses --quick, --json, --model, --single-output-len "
-             "[128; quick 64], --threads, --kv-cache-mib, --repeats, --num-speculative-tokens)",
+             "[128; quick 64], --threads, --kv-cache-mib, --repeats, --num-speculative-tokens, --spec-method, --draft-model)",
     )
+    p.add_argument("--spec-method", choices=("ngram", "draft"), help="--speculative: the proposer [ngram]")
+    p.add_argument("--draft-model", metavar="MODEL", help="--speculative --spec-method draft: the draft model [the model itself]")
     p.add_argument("--num-speculative-tokens", type=int, metavar="K", help="--speculative: tokens proposed per step [4]")
     p.add_argument("--repeats", type=int, metavar="N", help="--structured, --speculative: timed runs of each, median reported [3; quick 2]")
 

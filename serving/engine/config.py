@@ -17,10 +17,12 @@ __all__ = ["EngineConfig", "SpeculativeConfig"]
 class SpeculativeConfig(StrictModel):
     """Speculative decoding (speculative.py): guess tokens cheaply, verify them in one forward pass."""
 
-    method: Literal["ngram"] = Field(
+    method: Literal["ngram", "draft"] = Field(
         "ngram",
         description="Proposer. ngram: prompt lookup, the tokens that followed the latest earlier occurrence "
-        "of the sequence's last n tokens in its own prompt and output (spec_ngram.py).",
+        "of the sequence's last n tokens in its own prompt and output (spec_ngram.py). draft: a smaller "
+        "model with the same tokenizer (draft_model) decodes k tokens greedily, batched, with its own "
+        "paged KV cache (spec_draft.py).",
     )
     num_speculative_tokens: int = Field(
         4, ge=1, le=16,
@@ -33,6 +35,34 @@ class SpeculativeConfig(StrictModel):
     prompt_lookup_max: int = Field(
         4, ge=1, le=32, description="Longest n-gram tried first; a longer match predicts better.",
     )
+
+    draft_model: str | None = Field(
+        None,
+        description="method draft: the draft model, as EngineConfig.model (a built-in name, a .gguf file or a "
+        "local Hugging Face directory); it must have the model's tokenizer (same vocabulary and eos tokens). "
+        "It runs in the model's dtype and on its device.",
+    )
+    draft_num_blocks: int = Field(
+        256, ge=1, le=1_000_000,
+        description="method draft: KV blocks (of the engine's block_size tokens) of the draft model's own cache. "
+        "A sequence whose draft KV does not fit gets no proposals (it decodes one token per step), never an "
+        "error. Bytes: blocks x block_size x the draft's KV bytes per token (2 x layers x KV heads x head "
+        "dim x dtype size; SmolLM2-135M bf16: 23040).",
+    )
+
+    @model_validator(mode="after")
+    def _check_draft(self) -> SpeculativeConfig:
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError(
+                "method 'draft' needs draft_model: the path or built-in name of a smaller model with the "
+                "same tokenizer (or choose method 'ngram')"
+            )
+        if self.method != "draft" and self.draft_model is not None:
+            raise ValueError(
+                f"draft_model is only used by method 'draft', the method is {self.method!r}: "
+                "set method: draft or remove draft_model"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_window(self) -> SpeculativeConfig:

@@ -120,7 +120,7 @@ class LLMEngine:
         self.vocab_size = self.model.vocab_size
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
         # Speculative decoding (speculative.py); None: off, every sequence decodes one token a step
-        self.speculator = Speculator(config.speculative, self.max_model_len) if config.speculative else None
+        self.speculator = Speculator(config.speculative, self.max_model_len, parts) if config.speculative else None
         self.eos_token_ids = spec.eos_token_ids
         self.kv_layout = KVLayout(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, config.dtype

@@ -53,14 +53,19 @@ rather than preempt anyone or exceed the step's token budget (scheduler.py).
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from serving.engine.config import SpeculativeConfig
 from serving.engine.params import SamplingParams
 from serving.engine.request import Sequence
+from serving.engine.spec_draft import DraftModelProposer
 from serving.engine.spec_ngram import NgramProposer
 from serving.engine.spec_proposer import Proposer, TokenProposer
 
-__all__ = ["Proposer", "Speculator", "TokenProposer", "num_accepted"]
+if TYPE_CHECKING:
+    from serving.engine.setup import EngineParts
+
+__all__ = ["Proposer", "Speculator", "TokenProposer", "build_proposer", "num_accepted"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,15 +80,23 @@ def num_accepted(proposed: list[int], model_tokens: list[int]) -> int:
     return j
 
 
+def build_proposer(config: SpeculativeConfig, target: EngineParts | None = None) -> Proposer:
+    """The proposer `config.method` names. `target`, what the engine is built from (setup.py), is
+    what a draft model needs: the device and dtype it runs in, the block size of its KV cache, and
+    the tokenizer it must share."""
+    if config.method == "draft":
+        assert target is not None, "method draft needs the engine's parts (setup.EngineParts)"
+        return DraftModelProposer(config, target)
+    return NgramProposer(min_n=config.prompt_lookup_min, max_n=config.prompt_lookup_max, k=config.num_speculative_tokens)
+
+
 class Speculator:
     """Proposes tokens for the sequences that speculate, and counts how many were kept."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, target: EngineParts | None = None):
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer: Proposer = NgramProposer(
-            min_n=config.prompt_lookup_min, max_n=config.prompt_lookup_max, k=config.num_speculative_tokens,
-        )
+        self.proposer: Proposer = build_proposer(config, target)
         self.num_proposed_tokens = 0  # proposals verified by a forward pass
         self.num_accepted_tokens = 0  # of those, kept
         self.num_verified_seqs = 0  # sequence-steps that verified proposals
