@@ -57,10 +57,28 @@ from serving.engine.params import SamplingParams
 from serving.engine.request import Sequence
 from serving.engine.spec_ngram import NgramProposer
 from serving.engine.spec_proposer import Proposer, TokenProposer
+from serving.engine.spec_suffix import SuffixProposer
 
-__all__ = ["Proposer", "Speculator", "TokenProposer", "num_accepted"]
+__all__ = ["Proposer", "Speculator", "TokenProposer", "make_proposer", "num_accepted"]
 
 logger = logging.getLogger(__name__)
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer `config.method` names."""
+    k = config.num_speculative_tokens
+    if config.method == "suffix":
+        return SuffixProposer(
+            k=k,
+            max_depth=config.suffix_max_depth,
+            max_cached_requests=config.suffix_max_cached_requests,
+            max_cached_tokens=config.suffix_max_cached_tokens,
+            min_probability=config.suffix_min_probability,
+            max_spec_factor=config.suffix_max_spec_factor,
+            cache_prompts=config.suffix_cache_prompts,
+        )
+    assert config.method == "ngram", config.method
+    return NgramProposer(min_n=config.prompt_lookup_min, max_n=config.prompt_lookup_max, k=k)
 
 
 def num_accepted(proposed: list[int], model_tokens: list[int]) -> int:
@@ -79,9 +97,7 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer: Proposer = NgramProposer(
-            min_n=config.prompt_lookup_min, max_n=config.prompt_lookup_max, k=config.num_speculative_tokens,
-        )
+        self.proposer: Proposer = make_proposer(config)
         self.num_proposed_tokens = 0  # proposals verified by a forward pass
         self.num_accepted_tokens = 0  # of those, kept
         self.num_verified_seqs = 0  # sequence-steps that verified proposals
