@@ -12,8 +12,8 @@ every node counting how many times its path occurred:
 
     root ─┬─ a 2 ── b 2 ─┬─ c 1
           │              └─ d 1 *        *: the active nodes, the suffixes ending at the last
-          ├─ b 2 ─┬─ c 1 ── a 1             token ("d", "b d", "a b d"); appending x gives each
-          │       └─ d 1 *                  of them (and the root) a child x, or counts it once more
+          ├─ b 2 ─┬─ c 1 ── a 1             token ("d", "b d", "a b d"); appending x gives the
+          │       └─ d 1 *                  root and each above max_depth a child x (or counts it)
           ├─ c 1 ── a 1 ── b 1
           └─ d 1 *
 
@@ -47,12 +47,20 @@ which a suffix automaton cannot do. Its cost is memory: up to max_depth nodes pe
 single-occurrence chains of this trie into pointers into the text would give the same bound and
 is the next step if memory matters.
 
-Cost (AMD EPYC, AVX-512 BF16, one core, max_depth 16, k 4; CPython): a sequence step (append one
-token, match both trees, walk) ~13 us at 300 tokens and ~13 us at 3000 (independent of the
-length: the active nodes hold the match); building a sequence's tree from its prompt on its
-first proposal ~1.3 ms per 300 prompt tokens (once); caching a finished 128-token output
-~0.4 ms. Memory: at most max_depth nodes (~100 bytes each) per token, so a 3000-token sequence
-is <= 4.8 MB and the global tree <= max_depth * max_cached_tokens nodes.
+Cost (AMD EPYC, AVX-512 BF16, no AMX; CPython, one core; max_depth 16, k 4, a global tree of 64
+finished 128-token outputs; random text over 2000 distinct tokens; load_tests/bench_spec_suffix.py --cost):
+
+    sequence of          300 tokens    3000 tokens
+    a step (append 1,       36 us         41 us      (n-gram prompt lookup, same run: 15 / 142 us)
+      match both, walk)
+    its first proposal     3.6 ms         40 ms      (builds its tree from the prompt, once)
+    its tree             ~4.8k nodes     ~46k nodes  (~155 bytes a node: 7.2 MB at 3000 tokens)
+
+A step's cost does not grow with the length (the active nodes hold the match): ~0.4% of a
+SmolLM2 step (~10 ms). Caching a finished 128-token output costs ~2 ms, once. Memory is bounded
+by max_depth nodes per token: a live sequence's tree by its length, the global tree by
+max_depth * max_cached_tokens nodes (<= 160 MB at the defaults, 16 * 65536; far less where
+outputs repeat each other, which is when they are worth caching).
 """
 
 from __future__ import annotations
@@ -70,59 +78,117 @@ logger = logging.getLogger(__name__)
 _CACHED_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 
 
-class _Node:
-    __slots__ = ("children", "count")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.children: dict[int, _Node] = {}
+_ROOT = 0
+_NONE = -1
+_KEY = 1 << 32  # an edge's key: parent * _KEY + token (token ids are below 2**32)
 
 
 class SuffixTree:
-    """A trie of a set of texts' suffixes, each cut at `max_depth` tokens, with occurrence counts."""
+    """A trie of a set of texts' suffixes, each cut at `max_depth` tokens, with occurrence counts.
+
+    Nodes are ints indexing flat lists, children are one dict of edges and a linked list per node
+    (first child, next sibling): a node is no Python object of its own, so a tree of a million
+    nodes is not a million objects for the cyclic garbage collector to walk (with a dict and an
+    object per node, the collections it triggered cost ~5 us per node created)."""
 
     def __init__(self, max_depth: int):
         assert max_depth >= 1, max_depth
         self.max_depth = max_depth
-        self.root = _Node()
-        self.num_nodes = 0
+        self.count = [0]  # occurrences of the node's path
+        self.token = [_NONE]  # the token on the edge into it
+        self.first_child = [_NONE]
+        self.next_sibling = [_NONE]  # children are linked newest first
+        self.edges: dict[int, int] = {}  # parent * _KEY + token -> child
+        self.free: list[int] = []  # ids of deleted nodes, reused
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.count) - 1 - len(self.free)
+
+    def child(self, node: int, token: int) -> int:
+        return self.edges.get(node * _KEY + token, _NONE)
+
+    def children(self, node: int) -> list[int]:
+        """Oldest first."""
+        out = []
+        child = self.first_child[node]
+        while child != _NONE:
+            out.append(child)
+            child = self.next_sibling[child]
+        out.reverse()
+        return out
+
+    def count_child(self, node: int, token: int) -> int:
+        """The child of `node` for `token` (made if missing), counted once more."""
+        child = self.edges.get(node * _KEY + token, _NONE)
+        if child == _NONE:
+            if self.free:
+                child = self.free.pop()
+                self.count[child], self.token[child], self.first_child[child] = 0, token, _NONE
+                self.next_sibling[child] = self.first_child[node]
+            else:
+                child = len(self.count)
+                self.count.append(0)
+                self.token.append(token)
+                self.first_child.append(_NONE)
+                self.next_sibling.append(self.first_child[node])
+            self.first_child[node] = child
+            self.edges[node * _KEY + token] = child
+        self.count[child] += 1
+        return child
 
     def add(self, tokens: list[int]) -> None:
         """Count every suffix of `tokens` (each cut at max_depth)."""
         for start in range(len(tokens)):
-            node = self.root
+            node = _ROOT
             for token in tokens[start : start + self.max_depth]:
-                child = node.children.get(token)
-                if child is None:
-                    child = node.children[token] = _Node()
-                    self.num_nodes += 1
-                child.count += 1
-                node = child
+                node = self.count_child(node, token)
 
     def remove(self, tokens: list[int]) -> None:
         """Take back what `add(tokens)` counted; nodes left at 0 are deleted."""
         for start in range(len(tokens)):
-            node = self.root
+            node = _ROOT
             for token in tokens[start : start + self.max_depth]:
-                child = node.children[token]
-                child.count -= 1
-                if child.count == 0:
+                child = self.edges[node * _KEY + token]
+                self.count[child] -= 1
+                if self.count[child] == 0:
                     # Every path below passes through it: nothing below is counted any more.
-                    self.num_nodes -= _subtree_size(child)
-                    del node.children[token]
+                    self._unlink(node, child)
+                    self._delete(node, child)
                     break
                 node = child
 
-    def find(self, tokens: list[int], max_len: int) -> tuple[_Node, int] | None:
+    def _unlink(self, parent: int, child: int) -> None:
+        if self.first_child[parent] == child:
+            self.first_child[parent] = self.next_sibling[child]
+            return
+        prev = self.first_child[parent]
+        while self.next_sibling[prev] != child:
+            prev = self.next_sibling[prev]
+        self.next_sibling[prev] = self.next_sibling[child]
+
+    def _delete(self, parent: int, node: int) -> None:
+        stack = [(parent, node)]
+        while stack:
+            parent, node = stack.pop()
+            del self.edges[parent * _KEY + self.token[node]]
+            self.free.append(node)
+            child = self.first_child[node]
+            while child != _NONE:
+                stack.append((node, child))
+                child = self.next_sibling[child]
+
+    def find(self, tokens: list[int], max_len: int) -> tuple[int, int] | None:
         """The node of the longest suffix of `tokens` (at most max_len) that has children, and its
         length; None when no suffix of even one token was followed by anything."""
+        edges = self.edges
         for length in range(min(max_len, len(tokens), self.max_depth - 1), 0, -1):
-            node = self.root
+            node = _ROOT
             for token in tokens[len(tokens) - length :]:
-                node = node.children.get(token)
-                if node is None:
+                node = edges.get(node * _KEY + token, _NONE)
+                if node == _NONE:
                     break
-            if node is not None and node.children:
+            if node != _NONE and self.first_child[node] != _NONE:
                 return node, length
         return None
 
@@ -133,27 +199,20 @@ class _LiveTree:
 
     tree: SuffixTree
     num_tokens: int = 0  # of the sequence's tokens, how many are in the tree
-    active: list[_Node] = field(default_factory=list)  # active[d]: the node of its last d + 1 tokens
+    active: list[int] = field(default_factory=list)  # active[d]: the node of its last d + 1 tokens
 
     def extend(self, token_ids: list[int]) -> None:
         tree = self.tree
         for token in token_ids[self.num_tokens :]:
-            grown = []
-            for node in [tree.root, *self.active[: tree.max_depth - 1]]:
-                child = node.children.get(token)
-                if child is None:
-                    child = node.children[token] = _Node()
-                    tree.num_nodes += 1
-                child.count += 1
-                grown.append(child)
-            self.active = grown
+            self.active = [tree.count_child(node, token) for node in (_ROOT, *self.active[: tree.max_depth - 1])]
         self.num_tokens = len(token_ids)
 
-    def find(self, max_len: int) -> tuple[_Node, int] | None:
+    def find(self, max_len: int) -> tuple[int, int] | None:
         """SuffixTree.find for the sequence's own tokens, from the active nodes."""
+        first_child = self.tree.first_child
         for length in range(min(max_len, len(self.active)), 0, -1):
             node = self.active[length - 1]
-            if node.children:
+            if first_child[node] != _NONE:
                 return node, length
         return None
 
@@ -201,30 +260,36 @@ class SuffixProposer:
             return []
         max_len = self.max_depth - self.k
         best: tuple[float, list[int], str] = (0.0, [], "")
-        for source, match in (("request", live.find(max_len)), ("global", self.cached.find(seq.token_ids, max_len))):
+        for source, tree, match in (
+            ("request", live.tree, live.find(max_len)),
+            ("global", self.cached, self.cached.find(seq.token_ids, max_len)),
+        ):
             if match is not None:
-                score, tokens = self._walk(*match, k)
+                score, tokens = self._walk(tree, *match, k)
                 if score > best[0]:
                     best = (score, tokens, source)
         if best[1]:
             self.num_matches[best[2]] += 1
         return best[1]
 
-    def _walk(self, node: _Node, match_len: int, k: int) -> tuple[float, list[int]]:
+    def _walk(self, tree: SuffixTree, node: int, match_len: int, k: int) -> tuple[float, list[int]]:
         """The most frequent path below `node` while its probability stays >= min_probability:
         (expected accepted tokens, the path's tokens)."""
         num = min(k, max(1, int(self.max_spec_factor * match_len)))
         tokens: list[int] = []
         probability, score = 1.0, 0.0
-        while len(tokens) < num and node.children:
-            total = sum(child.count for child in node.children.values())
-            token, child = max(node.children.items(), key=lambda item: item[1].count)
-            probability *= child.count / total
+        count = tree.count
+        while len(tokens) < num:
+            children = tree.children(node)
+            if not children:
+                break
+            best = max(children, key=count.__getitem__)  # the first (oldest) of equals
+            probability *= count[best] / sum(count[c] for c in children)
             if probability < self.min_probability:
                 break
-            tokens.append(token)
+            tokens.append(tree.token[best])
             score += probability
-            node = child
+            node = best
         return score, tokens
 
     def release(self, seq: Sequence) -> None:
@@ -244,11 +309,3 @@ class SuffixProposer:
             self.cached.remove(oldest)
             self.num_cached_tokens -= len(oldest)
 
-
-def _subtree_size(node: _Node) -> int:
-    size, stack = 0, [node]
-    while stack:
-        n = stack.pop()
-        size += 1
-        stack.extend(n.children.values())
-    return size

@@ -38,8 +38,9 @@ def finish(p: SuffixProposer, output: list[int], prompt: list[int] = (99,), stat
     p.release(seq(prompt, output, status))
 
 
-def dump(node) -> dict:
-    return {token: (child.count, dump(child)) for token, child in sorted(node.children.items())}
+def dump(tree: SuffixTree, node: int = 0) -> dict:
+    """The tree below `node` as {token: (count, subtree)}."""
+    return {tree.token[c]: (tree.count[c], dump(tree, c)) for c in tree.children(node)}
 
 
 # ---- exact proposals ---------------------------------------------------------------------------
@@ -82,7 +83,7 @@ def test_the_tree_grows_with_the_sequence_one_token_at_a_time():
     # The incremental tree is the tree of the whole text.
     whole = SuffixTree(8)
     whole.add(s.token_ids)
-    assert dump(p.live[s.seq_id].tree.root) == dump(whole.root)
+    assert dump(p.live[s.seq_id].tree) == dump(whole)
 
 
 def test_a_match_only_in_a_recent_requests_output_is_proposed_from_the_global_tree():
@@ -147,7 +148,7 @@ def test_the_oldest_cached_request_is_evicted_first():
     fresh = SuffixTree(8)
     for text in ([4, 5, 6], [7, 8]):
         fresh.add(text)
-    assert dump(by_tokens.cached.root) == dump(fresh.root) and by_tokens.cached.num_nodes == fresh.num_nodes
+    assert dump(by_tokens.cached) == dump(fresh) and by_tokens.cached.num_nodes == fresh.num_nodes
 
 
 def test_removing_texts_leaves_exactly_the_tree_of_the_rest():
@@ -161,10 +162,16 @@ def test_removing_texts_leaves_exactly_the_tree_of_the_rest():
     fresh = SuffixTree(5)
     for text in texts[7:]:
         fresh.add(text)
-    assert dump(tree.root) == dump(fresh.root) and tree.num_nodes == fresh.num_nodes > 50
-    for text in texts[7:]:
+    assert dump(tree) == dump(fresh) and tree.num_nodes == fresh.num_nodes > 50
+    for text in texts[:7]:  # into the freed node ids
+        tree.add(text)
+    fresh_all = SuffixTree(5)
+    for text in texts:
+        fresh_all.add(text)
+    assert dump(tree) == dump(fresh_all) and tree.num_nodes == fresh_all.num_nodes and tree.free == []
+    for text in texts:
         tree.remove(text)
-    assert tree.root.children == {} and tree.num_nodes == 0
+    assert tree.edges == {} and tree.children(0) == [] and tree.num_nodes == 0
 
 
 def test_no_node_is_deeper_than_max_depth():
@@ -173,10 +180,10 @@ def test_no_node_is_deeper_than_max_depth():
     p.propose_batch([s], [8])
     finish(p, [1, 2, 3, 4, 5, 6, 7])
 
-    def depth(node) -> int:
-        return 1 + max((depth(c) for c in node.children.values()), default=0)
+    def depth(tree: SuffixTree, node: int = 0) -> int:
+        return max((1 + depth(tree, c) for c in tree.children(node)), default=0)
 
-    assert depth(p.live[s.seq_id].tree.root) - 1 == 3 and depth(p.cached.root) - 1 == 3
+    assert depth(p.live[s.seq_id].tree) == 3 and depth(p.cached) == 3
     assert p.cached.num_nodes == 3 + 3 + 3 + 3 + 3 + 2 + 1  # each suffix's first 3 tokens, no sharing
 
 
