@@ -51,13 +51,13 @@ Cost (AMD EPYC, AVX-512 BF16, no AMX; CPython, one core; max_depth 16, k 4, a gl
 finished 128-token outputs; random text over 2000 distinct tokens; load_tests/bench_spec_suffix.py --cost):
 
     sequence of          300 tokens    3000 tokens
-    a step (append 1,       36 us         41 us      (n-gram prompt lookup, same run: 15 / 142 us)
+    a step (append 1,       33 us         31 us      (n-gram prompt lookup, same run: 13 / 91 us)
       match both, walk)
-    its first proposal     3.6 ms         40 ms      (builds its tree from the prompt, once)
-    its tree             ~4.8k nodes     ~46k nodes  (~155 bytes a node: 7.2 MB at 3000 tokens)
+    its first proposal     3.3 ms         38 ms      (builds its tree from the prompt, once)
+    its tree              4.7k nodes      46k nodes  (~155 bytes a node: 7.2 MB at 3000 tokens)
 
 A step's cost does not grow with the length (the active nodes hold the match): ~0.4% of a
-SmolLM2 step (~10 ms). Caching a finished 128-token output costs ~2 ms, once. Memory is bounded
+SmolLM2 step (~10 ms). Caching a finished 128-token output costs ~1 ms, once. Memory is bounded
 by max_depth nodes per token: a live sequence's tree by its length, the global tree by
 max_depth * max_cached_tokens nodes (<= 160 MB at the defaults, 16 * 65536; far less where
 outputs repeat each other, which is when they are worth caching).
