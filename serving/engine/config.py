@@ -17,10 +17,12 @@ __all__ = ["EngineConfig", "SpeculativeConfig"]
 class SpeculativeConfig(StrictModel):
     """Speculative decoding (speculative.py): guess tokens cheaply, verify them in one forward pass."""
 
-    method: Literal["ngram", "draft"] = Field(
+    method: Literal["ngram", "suffix", "draft"] = Field(
         "ngram",
         description="Proposer. ngram: prompt lookup, the tokens that followed the latest earlier occurrence "
-        "of the sequence's last n tokens in its own prompt and output (spec_ngram.py). draft: a smaller "
+        "of the sequence's last n tokens in its own prompt and output (spec_ngram.py). suffix: the most "
+        "frequent continuation of the sequence's longest matching suffix in its own text and in the outputs "
+        "of recently finished requests (spec_suffix.py; the suffix_* fields). draft: a smaller "
         "model with the same tokenizer (draft_model) decodes k tokens greedily, batched, with its own "
         "paged KV cache (spec_draft.py).",
     )
@@ -34,6 +36,33 @@ class SpeculativeConfig(StrictModel):
     )
     prompt_lookup_max: int = Field(
         4, ge=1, le=32, description="Longest n-gram tried first; a longer match predicts better.",
+    )
+
+    suffix_max_depth: int = Field(
+        16, ge=2, le=64,
+        description="suffix: tokens per suffix kept in the trees (match + proposals); memory is up to this "
+        "many nodes per token of text. Must exceed num_speculative_tokens.",
+    )
+    suffix_max_cached_requests: int = Field(
+        256, ge=0, le=100_000,
+        description="suffix: finished requests whose outputs the global tree keeps, oldest evicted first (0: none).",
+    )
+    suffix_max_cached_tokens: int = Field(
+        65_536, ge=1, le=10_000_000,
+        description="suffix: tokens the global tree keeps, oldest requests evicted first; its memory is at most "
+        "suffix_max_depth nodes (~100 bytes each) per token.",
+    )
+    suffix_min_probability: float = Field(
+        0.1, ge=0.0, le=1.0,
+        description="suffix: stop proposing where the path's estimated probability (the product of each "
+        "token's count over its siblings' counts) falls below this.",
+    )
+    suffix_max_spec_factor: float = Field(
+        1.0, gt=0.0, le=16.0,
+        description="suffix: propose at most this many tokens per matched token (at least 1): a short match proposes few.",
+    )
+    suffix_cache_prompts: bool = Field(
+        False, description="suffix: also put finished requests' prompts (not only their outputs) in the global tree.",
     )
 
     draft_model: str | None = Field(
@@ -70,6 +99,11 @@ class SpeculativeConfig(StrictModel):
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must be at most prompt_lookup_max "
                 f"({self.prompt_lookup_max}): raise prompt_lookup_max or lower prompt_lookup_min"
+            )
+        if self.method == "suffix" and self.suffix_max_depth <= self.num_speculative_tokens:
+            raise ValueError(
+                f"suffix_max_depth ({self.suffix_max_depth}) must exceed num_speculative_tokens "
+                f"({self.num_speculative_tokens}): a match and its proposals must fit in a suffix; raise suffix_max_depth"
             )
         return self
 

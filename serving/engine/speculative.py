@@ -61,6 +61,7 @@ from serving.engine.request import Sequence
 from serving.engine.spec_draft import DraftModelProposer
 from serving.engine.spec_ngram import NgramProposer
 from serving.engine.spec_proposer import Proposer, TokenProposer
+from serving.engine.spec_suffix import SuffixProposer
 
 if TYPE_CHECKING:
     from serving.engine.setup import EngineParts
@@ -87,6 +88,17 @@ def build_proposer(config: SpeculativeConfig, target: EngineParts | None = None)
     if config.method == "draft":
         assert target is not None, "method draft needs the engine's parts (setup.EngineParts)"
         return DraftModelProposer(config, target)
+    if config.method == "suffix":
+        return SuffixProposer(
+            k=config.num_speculative_tokens,
+            max_depth=config.suffix_max_depth,
+            max_cached_requests=config.suffix_max_cached_requests,
+            max_cached_tokens=config.suffix_max_cached_tokens,
+            min_probability=config.suffix_min_probability,
+            max_spec_factor=config.suffix_max_spec_factor,
+            cache_prompts=config.suffix_cache_prompts,
+        )
+    assert config.method == "ngram", config.method
     return NgramProposer(min_n=config.prompt_lookup_min, max_n=config.prompt_lookup_max, k=config.num_speculative_tokens)
 
 
