@@ -24,6 +24,7 @@ the row limit in its stats (`linear_path`).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ class LinearChoice:
 
     @property
     def summary(self) -> str:
+        if self.native_max_rows == sys.maxsize:
+            return "native linear for every row count (batch-invariant)"
         return f"native small-M linear up to {self.native_max_rows} rows"
 
     def __str__(self) -> str:

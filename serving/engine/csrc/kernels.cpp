@@ -348,54 +348,67 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 
 namespace {
 
-// y[m, n] = sum_k x[m, k] * w[n, k] for a few rows m: each weight row is read once for all m.
+// y[m, n] = sum_k x[m, k] * w[n, k]: each weight row is read once for up to 8 rows m.
 // Decoding a small batch is a matrix-vector product bound by how fast the weights stream from
 // memory; with AVX512-BF16 one instruction does 32 bf16 multiply-adds into fp32 lanes.
+//
+// Any number of rows runs, 8 at a time over blocks of 64 weight rows (the block stays in L2
+// while every 8-row tile of x passes over it). Each output y[m, n] is summed in one fixed order,
+// k in steps of 32 into one fp32 vector, then one reduction tree, whatever M, the tile it falls
+// in, or the thread that computes it: a row's result does not depend on the other rows of the
+// batch (batch-invariant, what EngineConfig.deterministic relies on).
 void small_m_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                          int64_t M, int64_t N, int64_t K) {
-  constexpr int64_t kMaxM = 8;
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const uint16_t* wr = w + n * K;
-      float out[kMaxM];
+  constexpr int64_t kMaxM = 8, kBlockN = 64;
+  at::parallel_for(0, (N + kBlockN - 1) / kBlockN, 1, [&](int64_t block_begin, int64_t block_end) {
+    for (int64_t nb = block_begin; nb < block_end; ++nb) {
+      const int64_t n_end = std::min(N, (nb + 1) * kBlockN);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
+        const int64_t mr = std::min(kMaxM, M - m0);
+        const uint16_t* xt = x + m0 * K;
+        for (int64_t n = nb * kBlockN; n < n_end; ++n) {
+          const uint16_t* wr = w + n * K;
+          float out[kMaxM];
 #if defined(__AVX512BF16__)
-      __m512 acc[kMaxM];
-      for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-      int64_t k = 0;
-      for (; k + 32 <= K; k += 32) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k);
-        for (int64_t m = 0; m < M; ++m)
-          acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(x + m * K + k), wv);
-      }
-      if (k < K) {
-        const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
-        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + k);
-        for (int64_t m = 0; m < M; ++m)
-          acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), wv);
-      }
-      for (int64_t m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+          __m512 acc[kMaxM];
+          for (int64_t m = 0; m < mr; ++m) acc[m] = _mm512_setzero_ps();
+          int64_t k = 0;
+          for (; k + 32 <= K; k += 32) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k);
+            for (int64_t m = 0; m < mr; ++m)
+              acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(xt + m * K + k), wv);
+          }
+          if (k < K) {
+            const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
+            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + k);
+            for (int64_t m = 0; m < mr; ++m)
+              acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_maskz_loadu_epi16(mask, xt + m * K + k), wv);
+          }
+          for (int64_t m = 0; m < mr; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
 #else
-      for (int64_t m = 0; m < M; ++m) {
-        float sum = 0.f;
-        for (int64_t k = 0; k < K; ++k) {
-          uint32_t a = static_cast<uint32_t>(x[m * K + k]) << 16, b = static_cast<uint32_t>(wr[k]) << 16;
-          float fa, fb;
-          std::memcpy(&fa, &a, 4);
-          std::memcpy(&fb, &b, 4);
-          sum += fa * fb;
-        }
-        out[m] = sum;
-      }
+          for (int64_t m = 0; m < mr; ++m) {
+            float sum = 0.f;
+            for (int64_t k = 0; k < K; ++k) {
+              uint32_t a = static_cast<uint32_t>(xt[m * K + k]) << 16, b = static_cast<uint32_t>(wr[k]) << 16;
+              float fa, fb;
+              std::memcpy(&fa, &a, 4);
+              std::memcpy(&fb, &b, 4);
+              sum += fa * fb;
+            }
+            out[m] = sum;
+          }
 #endif
-      for (int64_t m = 0; m < M; ++m) {
-        float v = out[m];
-        if (bias != nullptr) {
-          uint32_t bb = static_cast<uint32_t>(bias[n]) << 16;
-          float fb;
-          std::memcpy(&fb, &bb, 4);
-          v = to_float(c10::BFloat16(v)) + fb;  // torch adds the bias to the rounded product
+          for (int64_t m = 0; m < mr; ++m) {
+            float v = out[m];
+            if (bias != nullptr) {
+              uint32_t bb = static_cast<uint32_t>(bias[n]) << 16;
+              float fb;
+              std::memcpy(&fb, &bb, 4);
+              v = to_float(c10::BFloat16(v)) + fb;  // torch adds the bias to the rounded product
+            }
+            y[(m0 + m) * N + n] = c10::BFloat16(v).x;
+          }
         }
-        y[m * N + n] = c10::BFloat16(v).x;
       }
     }
   });
@@ -469,7 +482,7 @@ void small_m_linear_f32(const float* x, const float* w, const float* bias, float
 
 }  // namespace
 
-// x: [M, K] (bf16: M <= 8), w: [N, K] of x's dtype (nn.Linear layout), bias: [N] or None.
+// x: [M, K], w: [N, K] of x's dtype (nn.Linear layout), bias: [N] or None.
 // Returns [M, N].
 torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x and w must have one dtype");
@@ -488,7 +501,6 @@ torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor w, c10::optional<tor
                        y.data_ptr<float>(), x.size(0), w.size(0), x.size(1));
     return y;
   }
-  TORCH_CHECK(x.size(0) <= 8, "bf16: x [M <= 8, K]");
   const uint16_t* b = bias_t.defined() ? reinterpret_cast<const uint16_t*>(bias_t.data_ptr<at::BFloat16>()) : nullptr;
   small_m_linear_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
                       reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), b,
@@ -506,5 +518,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm", no_gil());
   m.def("rope_cache_write", &rope_cache_write, "RoPE on q/k in place + K/V cache write", no_gil());
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up", no_gil());
-  m.def("small_m_linear", &small_m_linear, "x @ w.T (+ bias) for a few rows (bf16: at most 8)", no_gil());
+  m.def("small_m_linear", &small_m_linear, "x @ w.T (+ bias), rows summed independently of each other", no_gil());
 }
