@@ -65,17 +65,27 @@ class _Linear:
     runs up to `native_rows` rows (measured at start-up, linear_choice.py). More rows are
     compute-bound: oneDNN with W pre-packed in its blocked layout (bf16 on CPU) runs ~1.3x
     faster at 64 rows than with the plain layout, with identical results; else torch's GEMM.
+
+    Batch-invariant (`invariant`): every row count runs one native kernel whose sums do not depend
+    on the other rows: for bf16 with AVX512-BF16, `packed_linear` over W packed once in its dot
+    product layout (`invariant_weight`); else `small_m_linear` (native_rows is unbounded then).
     """
 
-    __slots__ = ("weight", "bias", "packed")
+    __slots__ = ("weight", "bias", "packed", "invariant_weight")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, pack: bool):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, pack: bool, invariant: bool = False):
         self.weight = weight
         self.bias = bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64) if pack else None
+        self.invariant_weight = None
+        kernels = native_kernels() if invariant else None
+        if kernels is not None and weight.dtype == torch.bfloat16 and kernels.has_packed_linear():
+            self.invariant_weight = kernels.pack_linear_weight(weight)
 
     def __call__(self, x: torch.Tensor, kernels=None, native_rows: int = 0) -> torch.Tensor:
         rows = x.shape[0]
+        if self.invariant_weight is not None:
+            return kernels.packed_linear(x, self.invariant_weight, self.weight.shape[0], self.bias)
         if kernels is not None and 0 < rows <= native_rows:
             return kernels.small_m_linear(x, self.weight, self.bias)
         if self.packed is not None and rows > 0:
@@ -137,6 +147,7 @@ class LlamaModel:
             not self.is_batch_invariant and device.type == "cpu" and dtype == torch.bfloat16
             and native_kernels() is not None and _can_pack_bf16()
         )
+        invariant = self.is_batch_invariant
         self.embed = take("model.embed_tokens.weight")
         self.layers: list[_Layer] = []
         for i in range(spec.num_layers):
@@ -157,8 +168,9 @@ class LlamaModel:
                             take(p + "self_attn.v_proj.bias", attn_bias),
                         ),
                         pack=pack,
+                        invariant=invariant,
                     ),
-                    o=_Linear(take(p + "self_attn.o_proj.weight"), take(p + "self_attn.o_proj.bias", False), pack=pack),
+                    o=_Linear(take(p + "self_attn.o_proj.weight"), take(p + "self_attn.o_proj.bias", False), pack=pack, invariant=invariant),
                     post_norm=take(p + "post_attention_layernorm.weight"),
                     gate_up=_Linear(
                         cat(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")),
@@ -167,13 +179,14 @@ class LlamaModel:
                             take(p + "mlp.up_proj.bias", spec.mlp_bias),
                         ),
                         pack=pack,
+                        invariant=invariant,
                     ),
-                    down=_Linear(take(p + "mlp.down_proj.weight"), take(p + "mlp.down_proj.bias", spec.mlp_bias), pack=pack),
+                    down=_Linear(take(p + "mlp.down_proj.weight"), take(p + "mlp.down_proj.bias", spec.mlp_bias), pack=pack, invariant=invariant),
                 )
             )
         self.norm = take("model.norm.weight")
         lm_head = take("lm_head.weight", required=not spec.tie_word_embeddings)
-        self.lm_head = _Linear(self.embed if lm_head is None else lm_head, None, pack=pack)
+        self.lm_head = _Linear(self.embed if lm_head is None else lm_head, None, pack=pack, invariant=invariant)
         self.cos, self.sin = _rope_tables(spec, device, dtype)
         if self.is_batch_invariant:
             self.linear_choice = LinearChoice(sys.maxsize, "batch-invariant mode: every row count, one summation order")

@@ -482,6 +482,124 @@ void small_m_linear_f32(const float* x, const float* w, const float* bias, float
 
 }  // namespace
 
+namespace {
+
+// The batch-invariant linear for bf16 at any number of rows, in the layout of AVX512-BF16's
+// dot product: weights packed once as [N/64][K/2][64 columns][2 k], so one 64-byte load holds
+// 16 columns x 2 k, and an output row's 64 columns are 4 vectors of fp32 sums. For every k pair
+// in order, x[m, k:k+2] is broadcast and multiplied into them:
+//
+//     acc[m][c] lane j += x[m, 2kk] * w[n, 2kk] + x[m, 2kk+1] * w[n, 2kk+1],  n = 64 nb + 16 c + j
+//
+// y[m, n] is that lane after the last pair: one order of sums per (m, n) whatever M, the 6-row
+// tile m falls in, or the thread, and no horizontal reduction at all (what makes small_m_linear
+// slower at many rows). Columns past N and the k past an odd K are packed as zeros.
+constexpr int64_t kPackN = 64;
+constexpr int64_t kTileM = 6;  // 6 rows x 4 vectors of sums + 4 of weights + x: 29 of the 32 registers
+
+#if defined(__AVX512BF16__)
+template <int MR>
+inline void packed_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* wb, int64_t pairs, __m512* acc) {
+  for (int i = 0; i < MR * 4; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    const uint16_t* wk = wb + kk * 2 * kPackN;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32),
+                   w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
+    const int64_t k = 2 * kk;
+    for (int m = 0; m < MR; ++m) {
+      const uint32_t lo = x[m * K + k], hi = k + 1 < K ? x[m * K + k + 1] : 0;
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(lo | (hi << 16)));
+      acc[m * 4 + 0] = _mm512_dpbf16_ps(acc[m * 4 + 0], xv, w0);
+      acc[m * 4 + 1] = _mm512_dpbf16_ps(acc[m * 4 + 1], xv, w1);
+      acc[m * 4 + 2] = _mm512_dpbf16_ps(acc[m * 4 + 2], xv, w2);
+      acc[m * 4 + 3] = _mm512_dpbf16_ps(acc[m * 4 + 3], xv, w3);
+    }
+  }
+}
+#endif
+
+void packed_linear_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y, int64_t M,
+                        int64_t N, int64_t K) {
+#if defined(__AVX512BF16__)
+  const int64_t pairs = (K + 1) / 2;
+  at::parallel_for(0, (N + kPackN - 1) / kPackN, 1, [&](int64_t block_begin, int64_t block_end) {
+    __m512 acc[kTileM * 4];
+    alignas(64) float out[16];
+    for (int64_t nb = block_begin; nb < block_end; ++nb) {
+      const uint16_t* wb = wp + nb * pairs * 2 * kPackN;
+      for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
+        const int64_t mr = std::min<int64_t>(kTileM, M - m0);
+        const uint16_t* xt = x + m0 * K;
+        switch (mr) {
+          case 6: packed_tile_bf16<6>(xt, K, wb, pairs, acc); break;
+          case 5: packed_tile_bf16<5>(xt, K, wb, pairs, acc); break;
+          case 4: packed_tile_bf16<4>(xt, K, wb, pairs, acc); break;
+          case 3: packed_tile_bf16<3>(xt, K, wb, pairs, acc); break;
+          case 2: packed_tile_bf16<2>(xt, K, wb, pairs, acc); break;
+          default: packed_tile_bf16<1>(xt, K, wb, pairs, acc); break;
+        }
+        for (int64_t m = 0; m < mr; ++m)
+          for (int c = 0; c < 4; ++c) {
+            _mm512_store_ps(out, acc[m * 4 + c]);
+            for (int j = 0; j < 16; ++j) {
+              const int64_t n = nb * kPackN + c * 16 + j;
+              if (n >= N) break;
+              float v = out[j];
+              if (bias != nullptr) v = to_float(c10::BFloat16(v)) + to_float(c10::BFloat16(bias[n], c10::BFloat16::from_bits()));
+              y[(m0 + m) * N + n] = c10::BFloat16(v).x;
+            }
+          }
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "packed_linear: this CPU has no AVX512-BF16");
+#endif
+}
+
+}  // namespace
+
+bool has_packed_linear() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// w: [N, K] bf16 -> [ceil(N / 64), ceil(K / 2), 64, 2], zero-padded (the layout packed_linear reads).
+torch::Tensor pack_linear_weight(torch::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "w must be bf16 [N, K]");
+  w = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), blocks = (N + kPackN - 1) / kPackN, pairs = (K + 1) / 2;
+  auto packed = torch::zeros({blocks, pairs, kPackN, 2}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k)
+      dst[((n / kPackN * pairs + k / 2) * kPackN + n % kPackN) * 2 + k % 2] = src[n * K + k];
+  return packed;
+}
+
+// x: [M, K] bf16, packed: pack_linear_weight(w) of w [N, K], bias: [N] or None. Returns [M, N].
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bf16 only");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(1) == (x.size(1) + 1) / 2 &&
+                  packed.size(0) == (N + kPackN - 1) / kPackN, "x [M, K], packed from a [N, K] weight");
+  x = x.contiguous();
+  auto y = torch::empty({x.size(0), N}, x.options());
+  torch::Tensor bias_t;
+  if (bias.has_value()) {
+    bias_t = bias->contiguous();
+    TORCH_CHECK(bias_t.scalar_type() == at::kBFloat16 && bias_t.numel() == N, "bias must be bf16 [N]");
+  }
+  packed_linear_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+                     reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+                     bias_t.defined() ? reinterpret_cast<const uint16_t*>(bias_t.data_ptr<at::BFloat16>()) : nullptr,
+                     reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), x.size(0), N, x.size(1));
+  return y;
+}
+
 // x: [M, K], w: [N, K] of x's dtype (nn.Linear layout), bias: [N] or None.
 // Returns [M, N].
 torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
@@ -518,5 +636,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm", no_gil());
   m.def("rope_cache_write", &rope_cache_write, "RoPE on q/k in place + K/V cache write", no_gil());
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up", no_gil());
+  m.def("has_packed_linear", &has_packed_linear, "whether packed_linear runs here (AVX512-BF16)");
+  m.def("pack_linear_weight", &pack_linear_weight, "bf16 [N, K] -> the layout of packed_linear", no_gil());
+  m.def("packed_linear", &packed_linear, "batch-invariant bf16 x @ w.T (+ bias) from a packed w", no_gil());
   m.def("small_m_linear", &small_m_linear, "x @ w.T (+ bias), rows summed independently of each other", no_gil());
 }

@@ -21,20 +21,34 @@ pytestmark = pytest.mark.skipif(native_kernels() is None, reason="batch-invarian
 SMOLLM2_LINEARS = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+KERNELS = [
+    pytest.param("packed", torch.bfloat16, id="packed-bf16"),
+    pytest.param("small_m", torch.bfloat16, id="small_m-bf16"),
+    pytest.param("small_m", torch.float32, id="small_m-fp32"),
+]
+
+
+@pytest.mark.parametrize(("kernel", "dtype"), KERNELS)
 @pytest.mark.parametrize("shape", SMOLLM2_LINEARS + [(40, 33)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_linear_row_does_not_depend_on_the_other_rows(dtype, shape):
-    """Row i of x @ W^T is bitwise the same computed alone or among M rows, for M across the
-    8-row tiles and 64-row weight blocks of the kernel (and an odd K: the masked tail)."""
+def test_linear_row_does_not_depend_on_the_other_rows(kernel, dtype, shape):
+    """Row i of x @ W^T is bitwise the same computed alone or among M rows, for M across the row
+    tiles (6 packed, 8 small_m) and 64-column weight blocks (and an odd K and N: the tails)."""
+    kernels = native_kernels()
+    if kernel == "packed" and not kernels.has_packed_linear():
+        pytest.skip("packed_linear needs AVX512-BF16")
     n, k = shape
     gen = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if n == 40 else None
     x = torch.randn(70, k, generator=gen).to(dtype)
-    kernels = native_kernels()
-    alone = torch.cat([kernels.small_m_linear(x[i : i + 1], w, bias) for i in range(70)])
-    for rows in (2, 7, 8, 9, 17, 64, 70):
-        assert torch.equal(kernels.small_m_linear(x[:rows], w, bias), alone[:rows]), rows
+    if kernel == "packed":
+        packed = kernels.pack_linear_weight(w)
+        run = lambda rows: kernels.packed_linear(rows, packed, n, bias)  # noqa: E731
+    else:
+        run = lambda rows: kernels.small_m_linear(rows, w, bias)  # noqa: E731
+    alone = torch.cat([run(x[i : i + 1]) for i in range(70)])
+    for rows in (2, 5, 6, 7, 8, 9, 13, 17, 64, 70):
+        assert torch.equal(run(x[:rows]), alone[:rows]), rows
     # the values are the product: within rounding of a float64 reference
     reference = x.double() @ w.double().T + (0 if bias is None else bias.double())
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
