@@ -498,23 +498,35 @@ constexpr int64_t kPackN = 64;
 constexpr int64_t kTileM = 6;  // 6 rows x 4 vectors of sums + 4 of weights + x: 29 of the 32 registers
 
 #if defined(__AVX512BF16__)
+// Broadcast x[m, k] and x[m, k + 1] as one 32-bit lane (one load-and-broadcast; the last pair of an
+// odd K gets a zero for the k past the row).
+inline __m512bh x_pair(const uint16_t* xr, int64_t k, int64_t K) {
+  uint32_t pair = xr[k];
+  if (k + 1 < K) std::memcpy(&pair, xr + k, sizeof(pair));
+  return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
+}
+
 template <int MR>
 inline void packed_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* wb, int64_t pairs, __m512* acc) {
   for (int i = 0; i < MR * 4; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t kk = 0; kk < pairs; ++kk) {
+  const int64_t full_pairs = K / 2;
+  auto step = [&](int64_t kk, auto&& pair_of) {
     const uint16_t* wk = wb + kk * 2 * kPackN;
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32),
                    w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
-    const int64_t k = 2 * kk;
     for (int m = 0; m < MR; ++m) {
-      const uint32_t lo = x[m * K + k], hi = k + 1 < K ? x[m * K + k + 1] : 0;
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(lo | (hi << 16)));
+      const __m512bh xv = pair_of(x + m * K, 2 * kk);
       acc[m * 4 + 0] = _mm512_dpbf16_ps(acc[m * 4 + 0], xv, w0);
       acc[m * 4 + 1] = _mm512_dpbf16_ps(acc[m * 4 + 1], xv, w1);
       acc[m * 4 + 2] = _mm512_dpbf16_ps(acc[m * 4 + 2], xv, w2);
       acc[m * 4 + 3] = _mm512_dpbf16_ps(acc[m * 4 + 3], xv, w3);
     }
-  }
+  };
+  for (int64_t kk = 0; kk < full_pairs; ++kk)
+    step(kk, [](const uint16_t* xr, int64_t k) {
+      return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr + k));
+    });
+  if (full_pairs < pairs) step(full_pairs, [K](const uint16_t* xr, int64_t k) { return x_pair(xr, k, K); });
 }
 #endif
 
