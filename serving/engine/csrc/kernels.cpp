@@ -524,7 +524,9 @@ inline void packed_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* wb, i
   };
   for (int64_t kk = 0; kk < full_pairs; ++kk)
     step(kk, [](const uint16_t* xr, int64_t k) {
-      return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr + k));
+      int32_t pair;
+      std::memcpy(&pair, xr + k, sizeof(pair));
+      return (__m512bh)_mm512_set1_epi32(pair);
     });
   if (full_pairs < pairs) step(full_pairs, [K](const uint16_t* xr, int64_t k) { return x_pair(xr, k, K); });
 }
