@@ -159,6 +159,14 @@ class EngineConfig(StrictModel):
         None, ge=1, description="torch intra-op threads for this engine; default: torch's choice."
     )
     seed: int = Field(0, description="Seed of the sampler's generator for unseeded requests.")
+    deterministic: bool = Field(
+        False,
+        description="Batch-invariant kernels: a request's tokens (greedy, or sampled with a seed) do not depend "
+        "on what else runs in its step, whether its prefix came from the prefix cache or a KV hand-off, or how "
+        "its prompt was chunked; bitwise, in bf16 too. Every linear layer runs one native kernel with one "
+        "summation order per row, and every token's attention the one paged kernel (model.py). Needs the "
+        "native CPU kernels and dtype bfloat16 or float32; elsewhere it logs a warning and runs the usual path.",
+    )
     speculative: SpeculativeConfig | None = Field(
         None,
         description="Speculative decoding, lossless: greedy and seeded requests give the same tokens as "

@@ -9,11 +9,23 @@ cost of a small-batch decode step on CPU. On CPU the glue between the matrix pro
 add + RMSNorm, RoPE + cache write, SiLU·up) runs as fused native kernels (cpu_kernels.py); the
 plain PyTorch path computes the same thing elsewhere. Numerics follow transformers'
 LlamaForCausalLM, rounding step for step, so fp32 runs match it token for token.
+
+Batch-invariant mode (`deterministic=True`, EngineConfig.deterministic): a token's numbers do not
+depend on how its step was put together: how many other rows share it, whether its prefix came
+from the prefix cache, a KV hand-off or this step, how its prompt was chunked. Every linear
+layer, for any number of rows, runs the native small-M kernel, which sums each output in one
+fixed order per row (csrc/kernels.cpp); attention runs every token, prefill or decode, through the
+one paged kernel, one query row at a time over its own context (model_runner.py); the glue
+kernels (RMSNorm, RoPE, SiLU) are per row already. Without it, oneDNN's GEMM runs the rows above
+the native limit, whose rounding varies with the row count, and prefill chunks go through SDPA,
+whose sums differ from the decode kernel's: in bf16 enough to change a sampled or greedy token.
+It needs the native kernels and a bf16 or fp32 model (`is_batch_invariant` says whether it runs).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -53,17 +65,27 @@ class _Linear:
     runs up to `native_rows` rows (measured at start-up, linear_choice.py). More rows are
     compute-bound: oneDNN with W pre-packed in its blocked layout (bf16 on CPU) runs ~1.3x
     faster at 64 rows than with the plain layout, with identical results; else torch's GEMM.
+
+    Batch-invariant (`invariant`): every row count runs one native kernel whose sums do not depend
+    on the other rows: for bf16 with AVX512-BF16, `packed_linear` over W packed once in its dot
+    product layout (`invariant_weight`); else `small_m_linear` (native_rows is unbounded then).
     """
 
-    __slots__ = ("weight", "bias", "packed")
+    __slots__ = ("weight", "bias", "packed", "invariant_weight")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, pack: bool):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, pack: bool, invariant: bool = False):
         self.weight = weight
         self.bias = bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64) if pack else None
+        self.invariant_weight = None
+        kernels = native_kernels() if invariant else None
+        if kernels is not None and weight.dtype == torch.bfloat16 and kernels.has_packed_linear():
+            self.invariant_weight = kernels.pack_linear_weight(weight)
 
     def __call__(self, x: torch.Tensor, kernels=None, native_rows: int = 0) -> torch.Tensor:
         rows = x.shape[0]
+        if self.invariant_weight is not None:
+            return kernels.packed_linear(x, self.invariant_weight, self.weight.shape[0], self.bias)
         if kernels is not None and 0 < rows <= native_rows:
             return kernels.small_m_linear(x, self.weight, self.bias)
         if self.packed is not None and rows > 0:
@@ -94,10 +116,14 @@ class LlamaModel:
         *,
         dtype: torch.dtype,
         device: torch.device,
+        deterministic: bool = False,
     ):
         self.spec = spec
         self.dtype = dtype
         self.device = device
+        self.is_batch_invariant, invariance_reason = _batch_invariance(deterministic, device, dtype)
+        if deterministic and not self.is_batch_invariant:
+            logger.warning("deterministic: batch-invariant kernels unavailable, results may vary with the batch: %s", invariance_reason)
         self.scale = spec.head_dim**-0.5
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
@@ -116,7 +142,12 @@ class LlamaModel:
             return torch.cat(list(tensors)).contiguous()
 
         # Pre-packed oneDNN weights pay off for bf16 on CPU (see _Linear); elsewhere plain ones.
-        pack = device.type == "cpu" and dtype == torch.bfloat16 and native_kernels() is not None and _can_pack_bf16()
+        # Batch-invariant mode runs no oneDNN linear: no packed copies.
+        pack = (
+            not self.is_batch_invariant and device.type == "cpu" and dtype == torch.bfloat16
+            and native_kernels() is not None and _can_pack_bf16()
+        )
+        invariant = self.is_batch_invariant
         self.embed = take("model.embed_tokens.weight")
         self.layers: list[_Layer] = []
         for i in range(spec.num_layers):
@@ -137,8 +168,9 @@ class LlamaModel:
                             take(p + "self_attn.v_proj.bias", attn_bias),
                         ),
                         pack=pack,
+                        invariant=invariant,
                     ),
-                    o=_Linear(take(p + "self_attn.o_proj.weight"), take(p + "self_attn.o_proj.bias", False), pack=pack),
+                    o=_Linear(take(p + "self_attn.o_proj.weight"), take(p + "self_attn.o_proj.bias", False), pack=pack, invariant=invariant),
                     post_norm=take(p + "post_attention_layernorm.weight"),
                     gate_up=_Linear(
                         cat(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")),
@@ -147,15 +179,19 @@ class LlamaModel:
                             take(p + "mlp.up_proj.bias", spec.mlp_bias),
                         ),
                         pack=pack,
+                        invariant=invariant,
                     ),
-                    down=_Linear(take(p + "mlp.down_proj.weight"), take(p + "mlp.down_proj.bias", spec.mlp_bias), pack=pack),
+                    down=_Linear(take(p + "mlp.down_proj.weight"), take(p + "mlp.down_proj.bias", spec.mlp_bias), pack=pack, invariant=invariant),
                 )
             )
         self.norm = take("model.norm.weight")
         lm_head = take("lm_head.weight", required=not spec.tie_word_embeddings)
-        self.lm_head = _Linear(self.embed if lm_head is None else lm_head, None, pack=pack)
+        self.lm_head = _Linear(self.embed if lm_head is None else lm_head, None, pack=pack, invariant=invariant)
         self.cos, self.sin = _rope_tables(spec, device, dtype)
-        self.linear_choice = self._choose_linear()
+        if self.is_batch_invariant:
+            self.linear_choice = LinearChoice(sys.maxsize, "batch-invariant mode: every row count, one summation order")
+        else:
+            self.linear_choice = self._choose_linear()
         self.native_rows = self.linear_choice.native_max_rows
 
     def _choose_linear(self) -> LinearChoice:
@@ -253,6 +289,19 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         kernels = native_kernels() if self.device.type == "cpu" else None
         return self.lm_head(hidden, kernels, self.native_rows).float()
+
+
+def _batch_invariance(deterministic: bool, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether batch-invariant mode runs, and if not, why."""
+    if not deterministic:
+        return False, "off (deterministic: false)"
+    if device.type != "cpu":
+        return False, f"its kernels are CPU-only; the device is {device}"
+    if native_kernels() is None:
+        return False, "the native CPU kernels are not loaded (kvrelay status says why)"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return False, f"the native linear kernel runs bf16 and fp32, not {dtype}"
+    return True, "on"
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,13 @@ out and attended like a prefill chunk over its cached context; all 1 + k rows ar
 (`num_sample_rows`): row i predicts the token after proposal i - 1.
 
     logits  [ seq A: 1 row | seq B: 1 + k rows | ... | prompt rows ]
+
+In batch-invariant mode (model.is_batch_invariant) every token attends as a decode row of its
+own: its block table and context length (its position + 1), so the same paged kernel computes
+a token's attention in one order whether its keys were cached, handed over or computed in this
+step, and whatever chunk it fell in:
+
+    decode rows  [ A's token | B's token | chunk C: token 0 (len s+1) | token 1 (len s+2) | ... ]
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ class ModelRunner:
 
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
+        per_token_attention = self.model.is_batch_invariant
         for seq, n in zip(step.seqs, step.num_new_tokens):
             start = seq.num_computed_tokens
             end = start + n
@@ -99,6 +107,10 @@ class ModelRunner:
             if n == 1:
                 decode_tables.append(table)
                 decode_lens.append(end)
+            elif per_token_attention:
+                context = table[: -(-end // bs)]
+                decode_tables += [context] * n
+                decode_lens += range(start + 1, end + 1)
             else:
                 num_blocks = -(-end // bs)
                 block_ids = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)

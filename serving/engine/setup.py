@@ -56,7 +56,9 @@ def build_parts(config: EngineConfig) -> EngineParts:
         else KernelStatus(KernelPath.PYTORCH, f"the native kernels are CPU-only; the device is {device}")
     )
     t0 = time.monotonic()
-    model = LlamaModel(spec, load_state_dict(model_dir), dtype=dtype, device=device)
+    model = LlamaModel(
+        spec, load_state_dict(model_dir), dtype=dtype, device=device, deterministic=config.deterministic
+    )
     logger.info(
         "loaded %s (%s, %d layers) in %.2fs; dtype: %s; kernels: %s%s", config.model, spec.architecture,
         spec.num_layers, time.monotonic() - t0, dtype_choice, kernels,

@@ -348,54 +348,67 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 
 namespace {
 
-// y[m, n] = sum_k x[m, k] * w[n, k] for a few rows m: each weight row is read once for all m.
+// y[m, n] = sum_k x[m, k] * w[n, k]: each weight row is read once for up to 8 rows m.
 // Decoding a small batch is a matrix-vector product bound by how fast the weights stream from
 // memory; with AVX512-BF16 one instruction does 32 bf16 multiply-adds into fp32 lanes.
+//
+// Any number of rows runs, 8 at a time over blocks of 64 weight rows (the block stays in L2
+// while every 8-row tile of x passes over it). Each output y[m, n] is summed in one fixed order,
+// k in steps of 32 into one fp32 vector, then one reduction tree, whatever M, the tile it falls
+// in, or the thread that computes it: a row's result does not depend on the other rows of the
+// batch (batch-invariant, what EngineConfig.deterministic relies on).
 void small_m_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                          int64_t M, int64_t N, int64_t K) {
-  constexpr int64_t kMaxM = 8;
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const uint16_t* wr = w + n * K;
-      float out[kMaxM];
+  constexpr int64_t kMaxM = 8, kBlockN = 64;
+  at::parallel_for(0, (N + kBlockN - 1) / kBlockN, 1, [&](int64_t block_begin, int64_t block_end) {
+    for (int64_t nb = block_begin; nb < block_end; ++nb) {
+      const int64_t n_end = std::min(N, (nb + 1) * kBlockN);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
+        const int64_t mr = std::min(kMaxM, M - m0);
+        const uint16_t* xt = x + m0 * K;
+        for (int64_t n = nb * kBlockN; n < n_end; ++n) {
+          const uint16_t* wr = w + n * K;
+          float out[kMaxM];
 #if defined(__AVX512BF16__)
-      __m512 acc[kMaxM];
-      for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-      int64_t k = 0;
-      for (; k + 32 <= K; k += 32) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k);
-        for (int64_t m = 0; m < M; ++m)
-          acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(x + m * K + k), wv);
-      }
-      if (k < K) {
-        const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
-        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + k);
-        for (int64_t m = 0; m < M; ++m)
-          acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k), wv);
-      }
-      for (int64_t m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+          __m512 acc[kMaxM];
+          for (int64_t m = 0; m < mr; ++m) acc[m] = _mm512_setzero_ps();
+          int64_t k = 0;
+          for (; k + 32 <= K; k += 32) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k);
+            for (int64_t m = 0; m < mr; ++m)
+              acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(xt + m * K + k), wv);
+          }
+          if (k < K) {
+            const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
+            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + k);
+            for (int64_t m = 0; m < mr; ++m)
+              acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_maskz_loadu_epi16(mask, xt + m * K + k), wv);
+          }
+          for (int64_t m = 0; m < mr; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
 #else
-      for (int64_t m = 0; m < M; ++m) {
-        float sum = 0.f;
-        for (int64_t k = 0; k < K; ++k) {
-          uint32_t a = static_cast<uint32_t>(x[m * K + k]) << 16, b = static_cast<uint32_t>(wr[k]) << 16;
-          float fa, fb;
-          std::memcpy(&fa, &a, 4);
-          std::memcpy(&fb, &b, 4);
-          sum += fa * fb;
-        }
-        out[m] = sum;
-      }
+          for (int64_t m = 0; m < mr; ++m) {
+            float sum = 0.f;
+            for (int64_t k = 0; k < K; ++k) {
+              uint32_t a = static_cast<uint32_t>(xt[m * K + k]) << 16, b = static_cast<uint32_t>(wr[k]) << 16;
+              float fa, fb;
+              std::memcpy(&fa, &a, 4);
+              std::memcpy(&fb, &b, 4);
+              sum += fa * fb;
+            }
+            out[m] = sum;
+          }
 #endif
-      for (int64_t m = 0; m < M; ++m) {
-        float v = out[m];
-        if (bias != nullptr) {
-          uint32_t bb = static_cast<uint32_t>(bias[n]) << 16;
-          float fb;
-          std::memcpy(&fb, &bb, 4);
-          v = to_float(c10::BFloat16(v)) + fb;  // torch adds the bias to the rounded product
+          for (int64_t m = 0; m < mr; ++m) {
+            float v = out[m];
+            if (bias != nullptr) {
+              uint32_t bb = static_cast<uint32_t>(bias[n]) << 16;
+              float fb;
+              std::memcpy(&fb, &bb, 4);
+              v = to_float(c10::BFloat16(v)) + fb;  // torch adds the bias to the rounded product
+            }
+            y[(m0 + m) * N + n] = c10::BFloat16(v).x;
+          }
         }
-        y[m * N + n] = c10::BFloat16(v).x;
       }
     }
   });
@@ -469,7 +482,139 @@ void small_m_linear_f32(const float* x, const float* w, const float* bias, float
 
 }  // namespace
 
-// x: [M, K] (bf16: M <= 8), w: [N, K] of x's dtype (nn.Linear layout), bias: [N] or None.
+namespace {
+
+// The batch-invariant linear for bf16 at any number of rows, in the layout of AVX512-BF16's
+// dot product: weights packed once as [N/64][K/2][64 columns][2 k], so one 64-byte load holds
+// 16 columns x 2 k, and an output row's 64 columns are 4 vectors of fp32 sums. For every k pair
+// in order, x[m, k:k+2] is broadcast and multiplied into them:
+//
+//     acc[m][c] lane j += x[m, 2kk] * w[n, 2kk] + x[m, 2kk+1] * w[n, 2kk+1],  n = 64 nb + 16 c + j
+//
+// y[m, n] is that lane after the last pair: one order of sums per (m, n) whatever M, the 6-row
+// tile m falls in, or the thread, and no horizontal reduction at all (what makes small_m_linear
+// slower at many rows). Columns past N and the k past an odd K are packed as zeros.
+constexpr int64_t kPackN = 64;
+constexpr int64_t kTileM = 6;  // 6 rows x 4 vectors of sums + 4 of weights + x: 29 of the 32 registers
+
+#if defined(__AVX512BF16__)
+// Broadcast x[m, k] and x[m, k + 1] as one 32-bit lane (one load-and-broadcast; the last pair of an
+// odd K gets a zero for the k past the row).
+inline __m512bh x_pair(const uint16_t* xr, int64_t k, int64_t K) {
+  uint32_t pair = xr[k];
+  if (k + 1 < K) std::memcpy(&pair, xr + k, sizeof(pair));
+  return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
+}
+
+template <int MR>
+inline void packed_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* wb, int64_t pairs, __m512* acc) {
+  for (int i = 0; i < MR * 4; ++i) acc[i] = _mm512_setzero_ps();
+  const int64_t full_pairs = K / 2;
+  auto step = [&](int64_t kk, auto&& pair_of) {
+    const uint16_t* wk = wb + kk * 2 * kPackN;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32),
+                   w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = pair_of(x + m * K, 2 * kk);
+      acc[m * 4 + 0] = _mm512_dpbf16_ps(acc[m * 4 + 0], xv, w0);
+      acc[m * 4 + 1] = _mm512_dpbf16_ps(acc[m * 4 + 1], xv, w1);
+      acc[m * 4 + 2] = _mm512_dpbf16_ps(acc[m * 4 + 2], xv, w2);
+      acc[m * 4 + 3] = _mm512_dpbf16_ps(acc[m * 4 + 3], xv, w3);
+    }
+  };
+  for (int64_t kk = 0; kk < full_pairs; ++kk)
+    step(kk, [](const uint16_t* xr, int64_t k) {
+      int32_t pair;
+      std::memcpy(&pair, xr + k, sizeof(pair));
+      return (__m512bh)_mm512_set1_epi32(pair);
+    });
+  if (full_pairs < pairs) step(full_pairs, [K](const uint16_t* xr, int64_t k) { return x_pair(xr, k, K); });
+}
+#endif
+
+void packed_linear_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y, int64_t M,
+                        int64_t N, int64_t K) {
+#if defined(__AVX512BF16__)
+  const int64_t pairs = (K + 1) / 2;
+  at::parallel_for(0, (N + kPackN - 1) / kPackN, 1, [&](int64_t block_begin, int64_t block_end) {
+    __m512 acc[kTileM * 4];
+    alignas(64) float out[16];
+    for (int64_t nb = block_begin; nb < block_end; ++nb) {
+      const uint16_t* wb = wp + nb * pairs * 2 * kPackN;
+      for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
+        const int64_t mr = std::min<int64_t>(kTileM, M - m0);
+        const uint16_t* xt = x + m0 * K;
+        switch (mr) {
+          case 6: packed_tile_bf16<6>(xt, K, wb, pairs, acc); break;
+          case 5: packed_tile_bf16<5>(xt, K, wb, pairs, acc); break;
+          case 4: packed_tile_bf16<4>(xt, K, wb, pairs, acc); break;
+          case 3: packed_tile_bf16<3>(xt, K, wb, pairs, acc); break;
+          case 2: packed_tile_bf16<2>(xt, K, wb, pairs, acc); break;
+          default: packed_tile_bf16<1>(xt, K, wb, pairs, acc); break;
+        }
+        for (int64_t m = 0; m < mr; ++m)
+          for (int c = 0; c < 4; ++c) {
+            _mm512_store_ps(out, acc[m * 4 + c]);
+            for (int j = 0; j < 16; ++j) {
+              const int64_t n = nb * kPackN + c * 16 + j;
+              if (n >= N) break;
+              float v = out[j];
+              if (bias != nullptr) v = to_float(c10::BFloat16(v)) + to_float(c10::BFloat16(bias[n], c10::BFloat16::from_bits()));
+              y[(m0 + m) * N + n] = c10::BFloat16(v).x;
+            }
+          }
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "packed_linear: this CPU has no AVX512-BF16");
+#endif
+}
+
+}  // namespace
+
+bool has_packed_linear() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// w: [N, K] bf16 -> [ceil(N / 64), ceil(K / 2), 64, 2], zero-padded (the layout packed_linear reads).
+torch::Tensor pack_linear_weight(torch::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "w must be bf16 [N, K]");
+  w = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), blocks = (N + kPackN - 1) / kPackN, pairs = (K + 1) / 2;
+  auto packed = torch::zeros({blocks, pairs, kPackN, 2}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k)
+      dst[((n / kPackN * pairs + k / 2) * kPackN + n % kPackN) * 2 + k % 2] = src[n * K + k];
+  return packed;
+}
+
+// x: [M, K] bf16, packed: pack_linear_weight(w) of w [N, K], bias: [N] or None. Returns [M, N].
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bf16 only");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(1) == (x.size(1) + 1) / 2 &&
+                  packed.size(0) == (N + kPackN - 1) / kPackN, "x [M, K], packed from a [N, K] weight");
+  x = x.contiguous();
+  auto y = torch::empty({x.size(0), N}, x.options());
+  torch::Tensor bias_t;
+  if (bias.has_value()) {
+    bias_t = bias->contiguous();
+    TORCH_CHECK(bias_t.scalar_type() == at::kBFloat16 && bias_t.numel() == N, "bias must be bf16 [N]");
+  }
+  packed_linear_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+                     reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+                     bias_t.defined() ? reinterpret_cast<const uint16_t*>(bias_t.data_ptr<at::BFloat16>()) : nullptr,
+                     reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), x.size(0), N, x.size(1));
+  return y;
+}
+
+// x: [M, K], w: [N, K] of x's dtype (nn.Linear layout), bias: [N] or None.
 // Returns [M, N].
 torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x and w must have one dtype");
@@ -488,7 +633,6 @@ torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor w, c10::optional<tor
                        y.data_ptr<float>(), x.size(0), w.size(0), x.size(1));
     return y;
   }
-  TORCH_CHECK(x.size(0) <= 8, "bf16: x [M <= 8, K]");
   const uint16_t* b = bias_t.defined() ? reinterpret_cast<const uint16_t*>(bias_t.data_ptr<at::BFloat16>()) : nullptr;
   small_m_linear_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
                       reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), b,
@@ -506,5 +650,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm", no_gil());
   m.def("rope_cache_write", &rope_cache_write, "RoPE on q/k in place + K/V cache write", no_gil());
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up", no_gil());
-  m.def("small_m_linear", &small_m_linear, "x @ w.T (+ bias) for a few rows (bf16: at most 8)", no_gil());
+  m.def("has_packed_linear", &has_packed_linear, "whether packed_linear runs here (AVX512-BF16)");
+  m.def("pack_linear_weight", &pack_linear_weight, "bf16 [N, K] -> the layout of packed_linear", no_gil());
+  m.def("packed_linear", &packed_linear, "batch-invariant bf16 x @ w.T (+ bias) from a packed w", no_gil());
+  m.def("small_m_linear", &small_m_linear, "x @ w.T (+ bias), rows summed independently of each other", no_gil());
 }

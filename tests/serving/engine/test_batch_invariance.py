@@ -1,0 +1,163 @@
+"""Batch-invariant mode (EngineConfig.deterministic): a request's numbers do not depend on how
+its steps were put together. Per op (the linear kernel, row by row), then through the engine on
+the tiny model (exact logprobs) and, marked slow, on the real default model in bf16: the issue's
+20 prompts cold, prefix-cached, in a batch of 32, chunked and after a KV hand-off."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from serving.engine import EngineConfig, LLMEngine, SamplingParams
+from serving.engine.cpu_kernels import native_kernels
+from tests.serving.engine.test_engine import random_prompts
+
+pytestmark = pytest.mark.skipif(native_kernels() is None, reason="batch-invariant mode needs the native CPU kernels")
+
+# SmolLM2-135M's linear layers, [N, K]: qkv, o, gate|up, down, lm_head.
+SMOLLM2_LINEARS = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+
+
+KERNELS = [
+    pytest.param("packed", torch.bfloat16, id="packed-bf16"),
+    pytest.param("small_m", torch.bfloat16, id="small_m-bf16"),
+    pytest.param("small_m", torch.float32, id="small_m-fp32"),
+]
+
+
+@pytest.mark.parametrize(("kernel", "dtype"), KERNELS)
+@pytest.mark.parametrize("shape", SMOLLM2_LINEARS + [(40, 33)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_linear_row_does_not_depend_on_the_other_rows(kernel, dtype, shape):
+    """Row i of x @ W^T is bitwise the same computed alone or among M rows, for M across the row
+    tiles (6 packed, 8 small_m) and 64-column weight blocks (and an odd K and N: the tails)."""
+    kernels = native_kernels()
+    if kernel == "packed" and not kernels.has_packed_linear():
+        pytest.skip("packed_linear needs AVX512-BF16")
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if n == 40 else None
+    x = torch.randn(70, k, generator=gen).to(dtype)
+    if kernel == "packed":
+        packed = kernels.pack_linear_weight(w)
+        run = lambda rows: kernels.packed_linear(rows, packed, n, bias)  # noqa: E731
+    else:
+        run = lambda rows: kernels.small_m_linear(rows, w, bias)  # noqa: E731
+    alone = torch.cat([run(x[i : i + 1]) for i in range(70)])
+    for rows in (2, 5, 6, 7, 8, 9, 13, 17, 64, 70):
+        assert torch.equal(run(x[:rows]), alone[:rows]), rows
+    # the values are the product: within rounding of a float64 reference
+    reference = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert torch.allclose(alone.double(), reference, atol=tolerance, rtol=tolerance)
+
+
+def _engine(model_dir, **overrides) -> LLMEngine:
+    config = dict(model=str(model_dir), dtype="bfloat16", kv_cache_bytes=16 * 2**20, deterministic=True)
+    config.update(overrides)
+    return LLMEngine(EngineConfig(**config))
+
+
+def _run(engine: LLMEngine, prompts, params) -> list[tuple[list[int], list[float]]]:
+    outs = engine.generate(prompts, params)
+    return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+def _handed_off(prefill: LLMEngine, decode: LLMEngine, prompt, params: SamplingParams):
+    """The P/D split: the prefill engine samples the first token and exports the prompt's KV;
+    the decode engine imports it and continues."""
+    prefill.add_request("x", params=dataclasses.replace(params, max_tokens=1), prompt_token_ids=prompt, hold_kv=True)
+    (first,) = [o for o in prefill.step() if o.finished]
+    payload = prefill.export_kv("x")
+    decode.add_request(
+        "x", params=params, prompt_token_ids=prompt, kv_payload=payload,
+        prior_output_token_ids=first.outputs[0].token_ids,
+    )
+    tokens = list(first.outputs[0].token_ids)
+    logprobs = [lp.logprob for lp in first.outputs[0].logprobs]
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            tokens += out.outputs[0].token_ids
+            logprobs += [lp.logprob for lp in out.outputs[0].logprobs or []]
+    return tokens, logprobs
+
+
+def _scenarios(model_dir, prompts, others, params_of, **engine_overrides) -> dict[str, list]:
+    """Each prompt's (tokens, logprobs) in the five placements of the issue; `params_of(i)` gives
+    prompt i's sampling parameters."""
+    n = len(prompts)
+    cold_engine = _engine(model_dir, enable_prefix_caching=False, **engine_overrides)
+    results = {"cold": [_run(cold_engine, [p], params_of(i))[0] for i, p in enumerate(prompts)]}
+
+    warm = _engine(model_dir, **engine_overrides)
+    cached = []
+    for i, p in enumerate(prompts):
+        _run(warm, [p], params_of(i))
+        hits = warm.stats().prefix_cache_hit_tokens
+        cached.append(_run(warm, [p], params_of(i))[0])
+        assert warm.stats().prefix_cache_hit_tokens - hits >= 16, "the second run reads its prefix from the cache"
+    results["prefix-cached"] = cached
+
+    batch_engine = _engine(model_dir, enable_prefix_caching=False, **engine_overrides)
+    batch = prompts + others
+    results["batch"] = _run(batch_engine, batch, [params_of(i) for i in range(len(batch))])[:n]
+
+    chunked_engine = _engine(model_dir, enable_prefix_caching=False, max_num_batched_tokens=13, **engine_overrides)
+    results["chunked"] = _run(chunked_engine, prompts, [params_of(i) for i in range(n)])
+
+    prefill = _engine(model_dir, enable_prefix_caching=False, **engine_overrides)
+    decode = _engine(model_dir, enable_prefix_caching=False, **engine_overrides)
+    results["kv-handoff"] = [_handed_off(prefill, decode, p, params_of(i)) for i, p in enumerate(prompts)]
+    return results
+
+
+def _greedy(i: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+
+
+def _seeded(i: int) -> SamplingParams:
+    return SamplingParams(temperature=1.0, seed=1000 + i, max_tokens=16, ignore_eos=True, logprobs=0)
+
+
+@pytest.mark.parametrize("params_of", [_greedy, _seeded], ids=["greedy", "seeded"])
+def test_tiny_model_logprobs_identical_in_every_placement(tiny_model_dir, params_of):
+    """bf16, tiny model: the same tokens and bitwise the same logprobs cold, prefix-cached, in a
+    batch with others, chunked 13 tokens a step, and after a KV hand-off."""
+    prompts = random_prompts([40, 75, 33, 18], seed=3)
+    others = random_prompts([5, 120, 64, 9], seed=4)
+    results = _scenarios(tiny_model_dir, prompts, others, params_of)
+    for name, got in results.items():
+        assert got == results["cold"], name
+
+
+def test_deterministic_off_or_unsupported_runs_the_usual_path(tiny_model_dir, caplog):
+    assert _engine(tiny_model_dir).model.is_batch_invariant
+    assert "batch-invariant" in _engine(tiny_model_dir).stats().linear_path
+    assert not _engine(tiny_model_dir, deterministic=False).model.is_batch_invariant
+    with caplog.at_level(logging.WARNING, logger="serving.engine.model"):
+        engine = _engine(tiny_model_dir, dtype="float16")
+    assert not engine.model.is_batch_invariant
+    assert "native linear kernel runs bf16 and fp32, not torch.float16" in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params_of", [_greedy, _seeded], ids=["greedy", "seeded"])
+def test_default_model_bf16_same_tokens_in_every_placement(default_model_dir, params_of):
+    """The issue's check on the real default model in bf16: 20 prompts cold, prefix-cached, in a
+    batch of 32 (the 20 and 12 others), prefilled 13 tokens a step, and after a KV hand-off give
+    identical greedy tokens and identical seeded samples (and bitwise logprobs)."""
+    from transformers import AutoTokenizer
+
+    from tests.serving.engine.test_model_parity import PROMPTS, chat_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
+    texts = PROMPTS + [f"Tell me one fact about the number {i}." for i in range(21)]
+    ids = [chat_ids(tokenizer, t) for t in texts]
+    prompts, others = ids[:20], ids[20:32]
+    results = _scenarios(default_model_dir, prompts, others, params_of, kv_cache_bytes=64 * 2**20)
+    for name, got in results.items():
+        mismatched = [i for i, (a, b) in enumerate(zip(got, results["cold"])) if a != b]
+        assert not mismatched, f"{name}: prompts {mismatched} differ from cold"
