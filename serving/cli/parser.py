@@ -204,9 +204,11 @@ def _add_bench_engine(targets) -> None:
     )
     p.add_argument(
         "--speculative", action="store_true",
-        help="instead: single-stream decode tok/s with n-gram speculative decoding on vs off, one request asking for "
-             "a given text back (load_tests/bench_speculative.py; uses --quick, --json, --model, --single-output-len "
-             "[128; quick 64], --threads, --kv-cache-mib, --repeats, --num-speculative-tokens)",
+        help="instead: n-gram speculative decoding (adaptive) on vs off in one run: single-stream decode tok/s on a "
+             "grounded task (a given text back) and on free-form chat, and generated tok/s of --num-requests at once "
+             "(load_tests/bench_speculative.py; uses --quick, --json, --model, --single-output-len [128; quick 64], "
+             "--num-requests [64; quick 16], --output-len [64; quick 32], --threads, --kv-cache-mib [1024], --repeats, "
+             "--num-speculative-tokens)",
     )
     p.add_argument("--num-speculative-tokens", type=int, metavar="K", help="--speculative: tokens proposed per step [4]")
     p.add_argument("--repeats", type=int, metavar="N", help="--structured, --speculative: timed runs of each, median reported [3; quick 2]")
