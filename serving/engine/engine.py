@@ -122,7 +122,7 @@ class LLMEngine:
         # Speculative decoding (speculative.py); None: off, every sequence decodes one token a step
         self.speculator = Speculator(
             config.speculative, self.max_model_len, step_costs=lambda: measure_step_costs(
-                self.model, self.kv_cache, max_rows=min(config.max_num_batched_tokens, config.max_num_seqs * 2),
+                self.model, self.kv_cache, max_rows=min(config.max_num_batched_tokens // (1 + config.speculative.num_speculative_tokens), config.max_num_seqs),
                 num_speculative_tokens=config.speculative.num_speculative_tokens,
             ),
         ) if config.speculative else None

@@ -50,9 +50,9 @@ rather than preempt anyone or exceed the step's token budget (scheduler.py).
 Adaptive (config `adaptive`, on by default). A proposal pays when the tokens it is expected to
 add outweigh the rows it costs. Model a sequence's proposals as kept one after another with
 probability p each (kept until the first miss), so the i-th proposal is kept with p^i; verifying it
-costs one more row, c of the sequence's share of the step (step_costs.py: ~0.1-0.2 for a single
-stream on a CPU, where a step streams the weights whatever its rows; ~1 once the batch is
-compute-bound). The i-th proposal pays when p^i >= c, so each step a sequence is offered
+costs one more row, c of the sequence's share of the step (step_costs.py: ~0.3 for a single
+stream of SmolLM2 on this CPU, where a step streams the weights whatever its rows; ~1 once the
+batch is compute-bound). The i-th proposal pays when p^i >= c, so each step a sequence is offered
 
     k = the largest k <= num_speculative_tokens with p^k >= c      (p = 1: all; c = 0: all)
 

@@ -182,14 +182,16 @@ def test_proposals_are_cut_to_the_knee_best_estimate_first():
 
 
 def test_measured_row_cost_depends_on_the_steps_rows():
-    costs = step_costs_from([1, 2, 4, 8], [0.010, 0.0105, 0.0126, 0.0227], single_row_cost=0.12)
+    # cost(n) = (verify / decode - 1) / 4: 0.1, 0.2, 0.75 (knee at 4), 0.5 -> 0.75 (non-decreasing)
+    costs = step_costs_from([1, 2, 4, 8], [0.010, 0.012, 0.016, 0.024], [0.014, 0.0216, 0.064, 0.072], 4)
     spec = Speculator(SpeculativeConfig(), max_model_len=10_000, step_costs=lambda: costs)
     spec.proposer = ScriptedProposer()
+    assert costs.costs() == pytest.approx([0.1, 0.2, 0.75, 0.75]) and costs.single_row_cost == pytest.approx(0.1)
     assert spec.max_batch_rows == 4 == costs.knee_rows
-    assert [round(spec.row_cost(n), 3) for n in (1, 2, 3, 4, 7, 100)] == [0.12, 0.2, 0.2, 0.802, 0.802, 0.802]
+    assert [spec.row_cost(n) for n in (1, 2, 3, 4, 7, 100)] == pytest.approx([0.1, 0.2, 0.2, 0.75, 0.75, 0.75])
     seq = decoding_seq()
     spec.observe(seq, 1, 4)  # 1 kept, 2 trials: p = 0.5
-    spec.propose([seq], num_other_rows=0)  # 1 row: c = 0.12, 0.5^3 = 0.125 >= 0.12
+    spec.propose([seq], num_other_rows=0)  # 1 row: c = 0.1, 0.5^3 = 0.125 >= 0.1 > 0.5^4
     assert len(seq.spec_token_ids) == 3
     spec.propose([seq], num_other_rows=1)  # 2 rows: c = 0.2, 0.5^2 = 0.25 >= 0.2 > 0.125
     assert len(seq.spec_token_ids) == 2
@@ -197,33 +199,32 @@ def test_measured_row_cost_depends_on_the_steps_rows():
 
 # ---- step costs ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "step_ms, expected_knee",
+    "decode_ms, verify_ms, expected_knee",
     [
-        ([10, 10.2, 10.8, 12, 16, 30, 60], 16),  # elasticity 0.02 0.06 0.11 0.33 0.875: knee at 16
-        ([10, 18, 34], 1),  # compute-bound from the first row
-        ([10, 10, 10, 10], 8),  # memory-bound throughout: the last measured
-        ([10, 10.1, 16, 16.5, 33], 8),  # elasticity 0.01 0.58 0.03 1.0, made non-decreasing: 0.58 at 4
+        ([10, 11, 12, 14, 18], [12, 14, 18, 50, 80], 16),  # costs 0.05 0.068 0.125 0.64 0.86
+        ([10, 10], [40, 50], 1),  # compute-bound from the first sequence
+        ([10, 10, 10], [11, 11, 11], 4),  # verifying pays throughout: the last measured
+        ([10, 10, 10, 10], [10, 39, 20, 40], 2),  # 0, 0.725, 0.25 -> 0.725, 0.75: non-decreasing
     ],
 )
-def test_knee_is_where_a_row_costs_nearly_its_share(step_ms, expected_knee):
-    rows = [2**i for i in range(len(step_ms))]
-    costs = step_costs_from(rows, [ms / 1000 for ms in step_ms], single_row_cost=0.1)
-    elasticity = costs.elasticity()
-    assert elasticity == sorted(elasticity)
+def test_knee_is_where_a_verify_row_costs_nearly_a_full_row(decode_ms, verify_ms, expected_knee):
+    rows = [2**i for i in range(len(decode_ms))]
+    costs = step_costs_from(rows, [ms / 1000 for ms in decode_ms], [ms / 1000 for ms in verify_ms], 4)
+    assert costs.costs() == sorted(costs.costs())
     assert costs.knee_rows == expected_knee
-    below = [e for n, e in zip(rows, elasticity) if n < expected_knee]
-    assert all(e < KNEE_FRACTION for e in below)
+    assert all(c < KNEE_FRACTION for n, c in zip(rows, costs.costs()) if n < expected_knee)
 
 
 def test_measured_step_costs_on_the_tiny_model(tiny_model_dir):
     engine = make_engine(tiny_model_dir)
     costs = measure_step_costs(engine.model, engine.kv_cache, max_rows=64, num_speculative_tokens=4, repeats=1)
-    assert costs.rows[:2] == (1, 2) and all(b == 2 * a for a, b in zip(costs.rows, costs.rows[1:]))
-    assert costs.rows[-1] <= 64 and costs.knee_rows in costs.rows
-    assert all(s > 0 for s in costs.step_s) and costs.single_row_cost >= 0
-    # The knee is the first measured point whose elasticity reaches KNEE_FRACTION, or the last one.
-    reached = [n for n, e in zip(costs.rows, costs.elasticity()) if e >= KNEE_FRACTION]
-    assert costs.knee_rows == (reached[0] if reached else costs.rows[-1])
+    assert costs.rows[0] == 1 and all(b == 2 * a for a, b in zip(costs.rows, costs.rows[1:])) and costs.rows[-1] <= 64
+    assert len(costs.decode_s) == len(costs.verify_s) == len(costs.rows)
+    assert all(s > 0 for s in costs.decode_s + costs.verify_s) and costs.single_row_cost >= 0
+    # Measuring stops at the first point whose cost reaches KNEE_FRACTION (the knee), else at max_rows.
+    assert costs.knee_rows == costs.rows[-1]
+    assert costs.costs()[-1] >= KNEE_FRACTION or costs.rows[-1] == 64
+    assert all(c < KNEE_FRACTION for c in costs.costs()[:-1])
 
 
 def test_engine_measures_at_start_and_shows_the_knee(tiny_model_dir):
@@ -231,7 +232,7 @@ def test_engine_measures_at_start_and_shows_the_knee(tiny_model_dir):
     stats = engine.stats()
     assert stats.spec_max_batch_rows == engine.speculator.step_costs.knee_rows >= 1
     assert stats.spec_single_row_cost == engine.speculator.step_costs.single_row_cost
-    assert engine.speculator.step_costs.rows[-1] <= 16  # max_num_seqs * 2
+    assert engine.speculator.step_costs.rows[-1] <= 8  # max_num_seqs
 
 
 def test_no_measurement_when_both_figures_are_configured(tiny_model_dir):
