@@ -81,7 +81,9 @@ Compute-bound off: the step's decode rows (every running sequence's one, plus th
 not pass `max_batch_rows`, by default the measured knee (step_costs.py): past it a verify row
 costs nearly a sure token's compute, so it is better spent on other sequences. Proposals are kept
 for the sequences with the highest p first and cut where the rows run out; at or past the knee
-without proposals, the proposer is not even asked.
+without proposals, the proposer is not even asked. The knee is measured as a number of sequences
+each verifying k proposals and applied here to rows (sequences + proposals): the cautious reading,
+as a step's cost grows with both.
 """
 
 from __future__ import annotations
