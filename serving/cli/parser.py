@@ -204,9 +204,11 @@ def _add_bench_engine(targets) -> None:
     )
     p.add_argument(
         "--speculative", action="store_true",
-        help="instead: single-stream decode tok/s with n-gram speculative decoding on vs off, one request asking for "
-             "a given text back (load_tests/bench_speculative.py; uses --quick, --json, --model, --single-output-len "
-             "[128; quick 64], --threads, --kv-cache-mib, --repeats, --num-speculative-tokens, --spec-method, --draft-model)",
+        help="instead: speculative decoding (adaptive) on vs off in one run: single-stream decode tok/s on a "
+             "grounded task (a given text back) and on free-form chat, and generated tok/s of --num-requests at once "
+             "(load_tests/bench_speculative.py; uses --quick, --json, --model, --single-output-len [128; quick 64], "
+             "--num-requests [64; quick 16], --output-len [64; quick 32], --threads, --kv-cache-mib [1024], --repeats, "
+             "--num-speculative-tokens, --spec-method, --draft-model)",
     )
     p.add_argument("--spec-method", choices=("ngram", "draft"), help="--speculative: the proposer [ngram]")
     p.add_argument("--draft-model", metavar="MODEL", help="--speculative --spec-method draft: the draft model [the model itself]")

@@ -37,6 +37,32 @@ class SpeculativeConfig(StrictModel):
     prompt_lookup_max: int = Field(
         4, ge=1, le=32, description="Longest n-gram tried first; a longer match predicts better.",
     )
+    adaptive: bool = Field(
+        True,
+        description="Size each sequence's proposals by its acceptance so far and the measured cost of a "
+        "verify row, back off where guesses keep failing, and propose nothing in steps whose decode rows "
+        "would pass the compute-bound knee (speculative.py). false: always num_speculative_tokens.",
+    )
+    acceptance_ema: float = Field(
+        0.3, gt=0.0, le=1.0,
+        description="adaptive: weight of a sequence's newest verify step in its acceptance estimate "
+        "(an exponential moving average; 1: the last step alone).",
+    )
+    backoff_steps: int = Field(
+        8, ge=1, le=1024,
+        description="adaptive: steps a sequence proposes nothing once its estimate says no proposal pays; "
+        "then it tries one token again.",
+    )
+    verify_row_cost: float | None = Field(
+        None, ge=0.0, le=2.0,
+        description="adaptive: what verifying one proposed token costs, as a fraction of a sequence's share "
+        "of a step; null: measured at start-up from step time vs rows (step_costs.py), by the step's rows.",
+    )
+    max_batch_rows: int | None = Field(
+        None, ge=1,
+        description="adaptive: most decode rows (sequences + proposals) a step may have and still get "
+        "proposals, past it decode is compute-bound; null: the knee measured at start-up (step_costs.py).",
+    )
 
     suffix_max_depth: int = Field(
         16, ge=2, le=64,

@@ -62,6 +62,7 @@ from serving.engine.sampler import LogitBias, Sampler, SamplingRow
 from serving.engine.scheduler import Scheduler
 from serving.engine.setup import build_parts
 from serving.engine.speculative import Speculator
+from serving.engine.step_costs import measure_step_costs
 from serving.engine.stop_checker import StopChecker
 from serving.engine.validation import check_request
 
@@ -120,7 +121,12 @@ class LLMEngine:
         self.vocab_size = self.model.vocab_size
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
         # Speculative decoding (speculative.py); None: off, every sequence decodes one token a step
-        self.speculator = Speculator(config.speculative, self.max_model_len, parts) if config.speculative else None
+        self.speculator = Speculator(
+            config.speculative, self.max_model_len, step_costs=lambda: measure_step_costs(
+                self.model, self.kv_cache, max_rows=min(config.max_num_batched_tokens // (1 + config.speculative.num_speculative_tokens), config.max_num_seqs),
+                num_speculative_tokens=config.speculative.num_speculative_tokens,
+            ), target=parts,
+        ) if config.speculative else None
         self.eos_token_ids = spec.eos_token_ids
         self.kv_layout = KVLayout(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, config.dtype
@@ -384,7 +390,8 @@ class LLMEngine:
                 deltas.setdefault(seq.request_id, []).append(delta)
             to_propose = [seq for seq in to_propose if seq.request_id in self._requests]
             if to_propose:
-                self.speculator.propose(to_propose)
+                # Every other running sequence has a row in the next step too (the knee counts them).
+                self.speculator.propose(to_propose, num_other_rows=len(self.scheduler.running) - len(to_propose))
                 self._trim_to_grammar(to_propose)
             for request_id, completion_outputs in deltas.items():
                 request = self._requests.get(request_id)
@@ -476,7 +483,7 @@ class LLMEngine:
         time (a stop ends it at the first that triggers); drop the rest and their KV. One delta."""
         proposed, seq.spec_token_ids = seq.spec_token_ids, []
         model_tokens = [token_id for token_id, _ in rows]
-        num_kept = self.speculator.verify(proposed, model_tokens) + 1
+        num_kept = self.speculator.verify(seq, proposed, model_tokens) + 1
         delta: CompletionOutput | None = None
         for token_id, logprob in rows[:num_kept]:
             # Every token before this one is known and its KV computed (the proposals before it were kept).

@@ -115,6 +115,9 @@ class EngineStats:
     spec_proposed_tokens: int = 0  # proposed tokens a forward pass verified
     spec_accepted_tokens: int = 0  # of those, kept
     spec_verify_steps: int = 0  # sequence-steps that verified proposals (each emitted accepted + 1 tokens at most)
+    spec_knee_dropped_tokens: int = 0  # adaptive: proposals dropped as the step's rows passed spec_max_batch_rows
+    spec_max_batch_rows: int = 0  # adaptive: decode rows past which no proposals (the measured knee; 0: none)
+    spec_single_row_cost: float = 0.0  # adaptive, measured: a verify row / a single-stream step (0: not measured)
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -48,11 +48,52 @@ rolled back: engine.py), so a row samples exactly what decoding one token at a t
 position; the kept tokens then advance the matcher as usual. Proposals are
 capped so a step never runs past max_tokens or the context window, and the scheduler drops them
 rather than preempt anyone or exceed the step's token budget (scheduler.py).
+
+Adaptive (config `adaptive`, on by default). A proposal pays when the tokens it is expected to
+add outweigh the rows it costs. Model a sequence's proposals as kept one after another with
+probability p each (kept until the first miss), so the i-th proposal is kept with p^i; verifying it
+costs one more row, c of the sequence's share of the step (step_costs.py: ~0.3 for a single
+stream of SmolLM2 on this CPU, where a step streams the weights whatever its rows; ~1 once the
+batch is compute-bound). The i-th proposal pays when p^i >= c, so each step a sequence is offered
+
+    k = the largest k <= num_speculative_tokens with p^k >= c      (p = 1: all; c = 0: all)
+
+    p   estimate of the sequence's per-token acceptance, an EMA over its verify steps of
+        accepted / trials (trials = accepted, + 1 if a proposal was rejected: the kept-until-a-miss
+        estimate), with weight `acceptance_ema` for the newest step; before its first verify
+        p = 1 (try the most: an input-grounded request pays off from the start).
+    c   `verify_row_cost`, or measured: row_cost(the step's rows before proposals).
+
+k = 0 starts a back-off: the sequence is offered nothing for `backoff_steps` steps, then exactly
+one token (a probe) whose verdict updates p. A step where the proposer finds no match teaches
+nothing and changes nothing. For example (c = 0.15, num_speculative_tokens 4, ema 0.3, backoff 2),
+a sequence whose first guesses miss and that later starts copying its prompt:
+
+    step                 1    2   3   4    5   6   7    8   9   10   11   12   13
+    k offered            4    0   0   1    0   0   1    0   0   1    2    2    4
+    verdict (kept/k)     0/4  -   -   0/1  -   -   0/1  -   -   1/1  1/2  2/2  4/4
+    p after the step     0    0   0   0    0   0   0    0   0   .39  .45  .69  .86
+
+The rule weighs the i-th proposal alone (kept-token gain minus row cost, not tokens per second),
+which is simple and errs little where c is small; the back-off bounds what a sequence that never
+matches costs: one verify row every backoff_steps + 1 steps, ~2% of a step at c = 0.15 and the
+default backoff_steps 8.
+
+Compute-bound off: the step's decode rows (every running sequence's one, plus the proposals) may
+not pass `max_batch_rows`, by default the measured knee (step_costs.py): past it a verify row
+costs nearly a sure token's compute, so it is better spent on other sequences. Proposals are kept
+for the sequences with the highest p first and cut where the rows run out; at or past the knee
+without proposals, the proposer is not even asked. The knee is measured as a number of sequences
+each verifying k proposals and applied here to rows (sequences + proposals): the cautious reading,
+as a step's cost grows with both.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from serving.engine.config import SpeculativeConfig
@@ -62,11 +103,12 @@ from serving.engine.spec_draft import DraftModelProposer
 from serving.engine.spec_ngram import NgramProposer
 from serving.engine.spec_proposer import Proposer, TokenProposer
 from serving.engine.spec_suffix import SuffixProposer
+from serving.engine.step_costs import StepCosts
 
 if TYPE_CHECKING:
     from serving.engine.setup import EngineParts
 
-__all__ = ["Proposer", "Speculator", "TokenProposer", "build_proposer", "num_accepted"]
+__all__ = ["Proposer", "Speculator", "TokenProposer", "build_proposer", "next_k", "num_accepted"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,16 +144,55 @@ def build_proposer(config: SpeculativeConfig, target: EngineParts | None = None)
     return NgramProposer(min_n=config.prompt_lookup_min, max_n=config.prompt_lookup_max, k=config.num_speculative_tokens)
 
 
-class Speculator:
-    """Proposes tokens for the sequences that speculate, and counts how many were kept."""
+@dataclass
+class _Estimate:
+    """A sequence's acceptance so far (module docstring, Adaptive)."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, target: EngineParts | None = None):
+    accepted: float = 0.0  # EMA of kept proposals per verify step
+    trials: float = 0.0  # EMA of proposals judged per verify step (kept, + 1 for the miss)
+    backoff: int = 0  # steps left proposing nothing
+    probe: bool = False  # the back-off is over: offer one token
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.trials if self.trials else 1.0
+
+
+def next_k(acceptance: float, row_cost: float, max_k: int) -> int:
+    """The largest k <= max_k with acceptance^k >= row_cost (module docstring, Adaptive)."""
+    if row_cost <= 0.0 or acceptance >= 1.0:
+        return max_k
+    if acceptance <= 0.0 or acceptance < row_cost:
+        return 0
+    return min(max_k, int(math.log(row_cost) / math.log(acceptance) + 1e-9))
+
+
+class Speculator:
+    """Proposes tokens for the sequences that speculate, and counts how many were kept. With
+    `adaptive`, how many each gets (module docstring) from `step_costs`, called once on the
+    first proposal that needs a measured figure (verify_row_cost or max_batch_rows null)."""
+
+    def __init__(
+        self, config: SpeculativeConfig, max_model_len: int, step_costs: Callable[[], StepCosts] | None = None,
+        target: EngineParts | None = None,
+    ):
         self.config = config
         self.max_model_len = max_model_len
         self.proposer: Proposer = build_proposer(config, target)
         self.num_proposed_tokens = 0  # proposals verified by a forward pass
         self.num_accepted_tokens = 0  # of those, kept
         self.num_verified_seqs = 0  # sequence-steps that verified proposals
+        self.num_knee_dropped_tokens = 0  # proposals dropped for the step's rows passing max_batch_rows
+        self._estimates: dict[Sequence, _Estimate] = {}
+        self.step_costs: StepCosts | None = None
+        needs_costs = config.adaptive and (config.verify_row_cost is None or config.max_batch_rows is None)
+        if needs_costs:
+            assert step_costs is not None, "adaptive speculation without verify_row_cost/max_batch_rows needs step_costs"
+            self.step_costs = step_costs()
+        self.max_batch_rows = (
+            config.max_batch_rows if config.max_batch_rows is not None
+            else self.step_costs.knee_rows if self.step_costs is not None else None
+        )
 
     @staticmethod
     def speculates(params: SamplingParams) -> bool:
@@ -119,14 +200,33 @@ class Speculator:
         (params.speculative False)."""
         return params.speculative
 
-    def propose(self, seqs: list[Sequence]) -> None:
+    def row_cost(self, num_rows: int) -> float:
+        """c of the module docstring at `num_rows` rows in the step."""
+        if self.config.verify_row_cost is not None:
+            return self.config.verify_row_cost
+        return self.step_costs.row_cost(num_rows)
+
+    def propose(self, seqs: list[Sequence], num_other_rows: int = 0) -> None:
         """Set each decoding sequence's `spec_token_ids` for its next step: at most what fits
-        before max_tokens and the context window, with one token left for the model's own. A
-        proposer that fails costs its proposals, never a request: the step decodes one token each."""
+        before max_tokens and the context window, with one token left for the model's own, and
+        with `adaptive` what its estimate and the step's rows allow (`num_other_rows`: the next
+        step's rows of sequences not in `seqs`). A proposer that fails costs its proposals, never
+        a request: the step decodes one token each."""
         max_ks = []
         for seq in seqs:
             assert seq.num_computed_tokens == seq.num_tokens - 1, f"{seq} is not decoding"
             max_ks.append(min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1)
+        num_rows = num_other_rows + len(seqs)
+        if self.config.adaptive:
+            if self.max_batch_rows is not None and num_rows >= self.max_batch_rows:
+                max_ks = [0] * len(seqs)  # compute-bound: no step for the proposer either
+            else:
+                row_cost = self.row_cost(num_rows)
+                max_ks = [min(max_k, self._offer(seq, row_cost)) for seq, max_k in zip(seqs, max_ks)]
+        if not any(max_k > 0 for max_k in max_ks):
+            for seq in seqs:
+                seq.spec_token_ids = []
+            return
         try:
             proposals = self.proposer.propose_batch(seqs, max_ks)
         except Exception:  # noqa: BLE001 - speculation is an optimisation
@@ -134,9 +234,41 @@ class Speculator:
             proposals = [[] for _ in seqs]
         for seq, max_k, proposed in zip(seqs, max_ks, proposals):
             seq.spec_token_ids = list(proposed[: max(max_k, 0)])
+        if self.config.adaptive and self.max_batch_rows is not None:
+            self._fit_rows(seqs, self.max_batch_rows - num_rows)
+
+    def _offer(self, seq: Sequence, row_cost: float) -> int:
+        """How many proposals `seq` may get this step (module docstring, Adaptive); counts its back-off down."""
+        est = self._estimates.get(seq)
+        if est is None:
+            est = self._estimates[seq] = _Estimate()
+        if est.backoff > 0:
+            est.backoff -= 1
+            est.probe = est.backoff == 0
+            return 0
+        if est.probe:
+            return 1
+        k = next_k(est.acceptance, row_cost, self.config.num_speculative_tokens)
+        if k == 0:
+            est.backoff = self.config.backoff_steps - 1  # this step is the first of the back-off
+            est.probe = est.backoff == 0
+        return k
+
+    def _fit_rows(self, seqs: list[Sequence], free_rows: int) -> None:
+        """Keep proposals within `free_rows`, for the sequences with the best estimates first."""
+        by_estimate = sorted(
+            (seq for seq in seqs if seq.spec_token_ids),
+            key=lambda seq: -self._estimates[seq].acceptance if seq in self._estimates else -1.0,
+        )
+        for seq in by_estimate:
+            keep = max(0, min(len(seq.spec_token_ids), free_rows))
+            self.num_knee_dropped_tokens += len(seq.spec_token_ids) - keep
+            del seq.spec_token_ids[keep:]
+            free_rows -= keep
 
     def release(self, seq: Sequence) -> None:
         """`seq` ended: its proposer drops (or keeps, to learn from) what it held for it."""
+        self._estimates.pop(seq, None)
         self.proposer.release(seq)
 
     def stats(self) -> dict[str, int | str]:
@@ -146,12 +278,29 @@ class Speculator:
             "spec_proposed_tokens": self.num_proposed_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
             "spec_verify_steps": self.num_verified_seqs,
+            "spec_knee_dropped_tokens": self.num_knee_dropped_tokens,
+            "spec_max_batch_rows": self.max_batch_rows or 0,
+            "spec_single_row_cost": self.step_costs.single_row_cost if self.step_costs is not None else 0.0,
         }
 
-    def verify(self, proposed: list[int], model_tokens: list[int]) -> int:
-        """num_accepted, counted."""
+    def verify(self, seq: Sequence, proposed: list[int], model_tokens: list[int]) -> int:
+        """num_accepted, counted, and with `adaptive` learnt into `seq`'s estimate."""
         j = num_accepted(proposed, model_tokens)
         self.num_proposed_tokens += len(proposed)
         self.num_accepted_tokens += j
         self.num_verified_seqs += 1
+        if self.config.adaptive:
+            self.observe(seq, j, len(proposed))
         return j
+
+    def observe(self, seq: Sequence, num_accepted_tokens: int, num_proposed_tokens: int) -> None:
+        """Fold one verify step's verdict into `seq`'s acceptance estimate."""
+        assert 0 <= num_accepted_tokens <= num_proposed_tokens > 0, (num_accepted_tokens, num_proposed_tokens)
+        est = self._estimates.get(seq)
+        if est is None:
+            est = self._estimates[seq] = _Estimate()
+        alpha = self.config.acceptance_ema
+        trials = num_accepted_tokens + (num_accepted_tokens < num_proposed_tokens)
+        est.accepted = (1 - alpha) * est.accepted + alpha * num_accepted_tokens
+        est.trials = (1 - alpha) * est.trials + alpha * trials
+        est.probe = False

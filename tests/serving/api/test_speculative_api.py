@@ -26,7 +26,7 @@ BODY = {
 def stack(tiny_model_dir):
     engine = AsyncEngine(EngineConfig(
         model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20, enable_prefix_caching=False,
-        num_threads=1, speculative={"num_speculative_tokens": 4},
+        num_threads=1, speculative={"num_speculative_tokens": 4, "verify_row_cost": 0.1, "max_batch_rows": 64},
     ))
     config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL)
     app = OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config).build_app()

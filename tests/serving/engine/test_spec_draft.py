@@ -27,7 +27,9 @@ K = 4
 
 
 def draft_engine(model_dir, draft_dir, *, draft_num_blocks: int = 256, **overrides):
-    speculative = {"method": "draft", "draft_model": str(draft_dir), "num_speculative_tokens": K, "draft_num_blocks": draft_num_blocks}
+    # adaptive off: these tests check the draft's proposals and their verification, every step
+    speculative = {"method": "draft", "draft_model": str(draft_dir), "num_speculative_tokens": K, "draft_num_blocks": draft_num_blocks,
+                   "adaptive": False}
     return make_engine(model_dir, speculative=speculative, **overrides)
 
 

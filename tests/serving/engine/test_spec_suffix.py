@@ -209,7 +209,7 @@ def test_a_repeated_request_is_proposed_from_the_global_tree_and_decodes_the_sam
     prompts = random_prompts([40, 25], seed=21)
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     plain = tokens_of(make_engine(tiny_model_dir).generate(prompts, greedy))
-    engine = spec_engine(tiny_model_dir, speculative={"method": "suffix", "num_speculative_tokens": 4})
+    engine = spec_engine(tiny_model_dir, speculative={"method": "suffix", "num_speculative_tokens": 4, "adaptive": False})
     proposer_ = engine.speculator.proposer
     assert tokens_of(engine.generate(prompts, greedy)) == plain
     first = (proposer_.num_matches["global"], engine.speculator.num_accepted_tokens)

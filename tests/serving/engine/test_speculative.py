@@ -30,7 +30,8 @@ from serving.engine.spec_proposer import TokenProposer
 from serving.engine.speculative import num_accepted
 from tests.serving.engine.test_engine import make_engine, random_prompts, tokens_of
 
-SPEC = {"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+# adaptive off: these tests are about verification, with every proposal the proposer makes
+SPEC = {"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4, "adaptive": False}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
 
