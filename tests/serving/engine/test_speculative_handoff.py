@@ -45,15 +45,15 @@ def decode_after_import(engine, prompts, payloads, firsts) -> list[list[int]]:
     return [outputs[f"r{i}"] for i in range(len(prompts))]
 
 
-def oracle_counts(prompt_len: int, num_generated: int, k: int) -> tuple[int, int, int]:
+def oracle_counts(prompt_len: int, num_generated: int, k: int, max_tokens: int = MAX_TOKENS) -> tuple[int, int, int]:
     """(proposed, accepted, verify steps) of one sequence under the oracle from when it has
-    `num_generated` tokens until MAX_TOKENS: each step proposes min(k, what fits before
+    `num_generated` tokens until `max_tokens`: each step proposes min(k, what fits before
     max_tokens less the model's own token), of which the first (prompt + generated) % (that + 1)
     are right; a step with no room for a proposal decodes one token."""
     proposed = accepted = steps = 0
     n = num_generated
-    while n < MAX_TOKENS:
-        room = min(k, MAX_TOKENS - n - 1)
+    while n < max_tokens:
+        room = min(k, max_tokens - n - 1)
         if room <= 0:
             n += 1
             continue
