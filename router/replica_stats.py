@@ -59,9 +59,23 @@ class RoutingStats:
     # reported.
     block_reuse: Mapping[int, float] | None = None
     block_reuse_weight: float = 0.0
+    # Speculative decoding (serving/engine/speculative.py), cumulative since the engine started:
+    # the proposer ("": off), proposed tokens a step verified, those kept, and the sequence-steps
+    # that verified. And what a decoding sequence gained per step since the previous report
+    # (generated / (generated - accepted): 1.0 without speculation; the last figure when idle).
+    spec_method: str = ""
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_steps: int = 0
+    decode_tokens_per_step: float = 1.0
     # The replica's metrics (WorkerRecorder.snapshot), which the ingress's GET /metrics re-exports
     # (serving/observability/export.py): they ride along instead of a scrape of every replica.
     metrics: tuple[MetricFamily, ...] = ()
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Kept / proposed since the engine started; 0.0 before any proposal (or without speculation)."""
+        return self.spec_accepted_tokens / self.spec_proposed_tokens if self.spec_proposed_tokens else 0.0
 
     def to_wire(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -88,6 +88,10 @@ class ReplicaSignals:
     output_tokens_per_request: float | None = None  # mean tokens generated here per request finished here
     output_tokens_per_s: float | None = None  # tokens generated here (with num_seqs: the decode step time)
     prefill_tokens_per_s: float | None = None  # the engine's measured prefill rate (0: none yet)
+    # Tokens a decoding sequence gains per engine step: 1 without speculative decoding, 1 + the
+    # accepted proposals with it (serving/observability/worker_metrics.py TokensPerStep); the
+    # planner's decode capacity scales with it. 0 on the wire: not reported (an older worker).
+    decode_tokens_per_step: float | None = None
 
     def to_wire(self) -> dict[str, float]:
         """What a replica's record_autoscaling_stats returns: Serve keeps a time series per key
@@ -99,7 +103,7 @@ class ReplicaSignals:
 # reactive targets bound, and the planner's.
 SIGNALS = ("queued_prefill_tokens", "ttft_p95_ms", "num_seqs", "kv_utilization", "tpot_p95_ms")
 WORKLOAD_SIGNALS = ("requests_per_s", "prompt_tokens_per_request", "output_tokens_per_request", "output_tokens_per_s",
-                    "prefill_tokens_per_s")
+                    "prefill_tokens_per_s", "decode_tokens_per_step")
 WIRE_SIGNALS = SIGNALS + WORKLOAD_SIGNALS
 
 

@@ -67,8 +67,15 @@ def pool_load(pool: str, replicas: tuple[ReplicaSignals, ...]) -> PoolLoad | Non
     tokens = _weighted(replicas, "output_tokens_per_request")
     if rate > 0 and tokens <= 0:
         return None  # requests arrive, none has finished yet: no output length to plan with
+    # Tokens per step: 0 (not reported) or below 1 (a window's mean over a report of 0) is 1.
+    per_step = [max(1.0, r.decode_tokens_per_step or 1.0) for r in replicas]
+    made = [r.output_tokens_per_s or 0.0 for r in replicas]
+    steps = [t / m for t, m in zip(made, per_step)]
+    # The pool's: its tokens over its steps; with nothing made, the replicas' plain mean.
+    tokens_per_step = sum(made) / sum(steps) if sum(steps) > 0 else sum(per_step) / len(per_step)
     return PoolLoad(rate, tokens, backlog=sum(r.num_seqs or 0.0 for r in replicas),
-                    measured_decode=tuple((r.num_seqs or 0.0, r.output_tokens_per_s or 0.0) for r in replicas))
+                    measured_decode=tuple((r.num_seqs or 0.0, s) for r, s in zip(replicas, steps)),
+                    tokens_per_step=tokens_per_step)
 
 
 def _weighted(replicas: tuple[ReplicaSignals, ...], signal: str) -> float:

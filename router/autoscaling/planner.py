@@ -24,7 +24,9 @@ The plan is the fewest c with P(wait > ttft - s) <= 1 - attainment: pooling make
 one replica can carry at the target grow with c, which a fixed "tokens/s per replica" misses.
 
 Decode at the TPOT target. TPOT at batch n is tpot_base_ms + n * tpot_ms_per_seq, so a replica
-keeps the target up to a batch of b_max = (tpot_ms - base) / per_seq. A stream's TPOT is the mean
+keeps the target up to a batch of b_max = (tpot_ms - base) / per_seq. With speculative decoding
+a step gives a sequence m tokens (its replicas measure m, PoolLoad.tokens_per_step): the profile
+is then a step's time, a request needs tokens / m steps and b_max = (tpot_ms * m - base) / per_seq. A stream's TPOT is the mean
 step over the tokens it decodes, and tokens are decoded where the batch is: more of them at a
 large batch than the mean batch says (tokens/s is concave in the batch). So the plan does not
 use Little's law at the mean batch (which planned too few replicas: 0.954 of the ramp's requests
@@ -91,8 +93,11 @@ class PoolLoad:
     tokens_per_request: float  # prefill: prompt tokens; decode: tokens decoded per request
     backlog: float = 0.0  # prefill: prompt tokens queued; decode: sequences running or waiting
     measured_tokens_per_s: float | None = None  # prefill: the engines' measured prefill rate
-    # decode, per replica: (mean running + waiting sequences, tokens generated per second)
+    # decode, per replica: (mean running + waiting sequences, sequence-steps per second: tokens
+    # generated per second / that replica's tokens per step)
     measured_decode: tuple[tuple[float, float], ...] = ()
+    # decode: tokens a sequence gains per step, the pool's (speculative decoding; 1 without)
+    tokens_per_step: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -166,16 +171,23 @@ def prefill_replicas(policy: PlannerPolicy, rate: float, prompt_tokens: float, c
 
 
 def decode_replicas(policy: PlannerPolicy, rate: float, decode_tokens: float, correction: float = 1.0,
-                    num_seqs: float = 0.0, limit: int = 4096) -> int:
+                    num_seqs: float = 0.0, limit: int = 4096, tokens_per_step: float = 1.0) -> int:
     """Fewest decode replicas at which the batch the decoded tokens see, at its attainment
     quantile, stays within the TPOT target; and at least enough for the sequences running now
-    (module docstring; the law is router/autoscaling/decode_model.py)."""
+    (module docstring; the law is router/autoscaling/decode_model.py).
+
+    With speculative decoding a sequence gains `tokens_per_step` tokens per step (measured), so
+    the law runs in steps: a request takes decode_tokens / tokens_per_step of them, and its TPOT
+    is the step time / tokens_per_step, which lets a step take tokens_per_step times the target.
+    The step's cost of verifying the proposals is the profile's times the learnt correction."""
+    assert tokens_per_step >= 1.0, tokens_per_step
     decode = policy.profiles.decode
     base_s = decode.tpot_base_ms * correction / 1000
     per_seq_s = decode.tpot_ms_per_seq * correction / 1000
-    max_batch = policy.max_batch(correction)
+    max_batch = policy.max_batch(correction / tokens_per_step)
     z = NormalDist().inv_cdf(policy.targets.attainment)
-    work = max(0.0, rate * decode_tokens)  # tokens/s to decode
+    decode_tokens = decode_tokens / tokens_per_step  # steps per request, from here on
+    work = max(0.0, rate * decode_tokens)  # sequence-steps/s to run
     if work <= 0:
         return 0 if num_seqs <= 0 else max(1, math.ceil(num_seqs / max_batch - _EPS))
     for c in range(max(1, math.ceil(num_seqs / max_batch - _EPS), math.floor(work * per_seq_s) + 1), limit + 1):
@@ -192,10 +204,11 @@ def decode_replicas(policy: PlannerPolicy, rate: float, decode_tokens: float, co
     return limit
 
 
-def _replicas(policy: PlannerPolicy, pool: str, rate: float, tokens: float, correction: float, backlog: float) -> int:
+def _replicas(policy: PlannerPolicy, pool: str, rate: float, tokens: float, correction: float, backlog: float,
+              tokens_per_step: float = 1.0) -> int:
     if pool == "prefill":
         return prefill_replicas(policy, rate, tokens, correction, backlog)
-    return decode_replicas(policy, rate, tokens, correction, backlog)
+    return decode_replicas(policy, rate, tokens, correction, backlog, tokens_per_step=tokens_per_step)
 
 
 def _learn(policy: PlannerPolicy, pool: str, load: PoolLoad, correction: float) -> float:
@@ -239,7 +252,8 @@ def plan_pool(policy: PlannerPolicy, pool: str, bounds: PoolPolicy, load: PoolLo
         # burst's queue, the prefill pool's flow) outgrows it scales up now, not at the next plan.
         planned_rate = max(load.requests_per_s, rate.forecast(policy.horizon_steps), upstream.planned)
         planned_tokens = max(load.tokens_per_request, tokens.forecast(policy.horizon_steps))
-        need = _replicas(policy, pool, planned_rate + upstream.drain, planned_tokens, state.correction, load.backlog)
+        need = _replicas(policy, pool, planned_rate + upstream.drain, planned_tokens, state.correction, load.backlog,
+                         load.tokens_per_step)
         need = min(max(need, bounds.min_replicas), bounds.max_replicas)
         drain = load.backlog / (planned_tokens * policy.interval_s) if pool == "prefill" and planned_tokens > 0 else 0.0
         flow = Flow(planned_rate, max(load.requests_per_s, rate.level or 0.0, upstream.held), drain)
@@ -254,10 +268,12 @@ def plan_pool(policy: PlannerPolicy, pool: str, bounds: PoolPolicy, load: PoolLo
     planned_rate = max(held_rate, rate.forecast(policy.horizon_steps), upstream.planned)
     planned_tokens = max(load.tokens_per_request, tokens.forecast(policy.horizon_steps))
     held_tokens = max(load.tokens_per_request, tokens.level)
-    need = _replicas(policy, pool, planned_rate + upstream.drain, planned_tokens, correction, load.backlog)
+    need = _replicas(policy, pool, planned_rate + upstream.drain, planned_tokens, correction, load.backlog,
+                     load.tokens_per_step)
     # What the arrivals need without the trend, grown by the dead band: the level a pool shrinks
     # to. A backlog's drain and a trend's overshoot last a few intervals; they are not held.
-    steady = _replicas(policy, pool, held_rate * (1 + policy.dead_band), held_tokens, correction, 0.0)
+    steady = _replicas(policy, pool, held_rate * (1 + policy.dead_band), held_tokens, correction, 0.0,
+                       load.tokens_per_step)
     drain = load.backlog / (planned_tokens * policy.interval_s) if pool == "prefill" and planned_tokens > 0 else 0.0
     flow = Flow(planned_rate, held_rate, drain)
     lo, hi = bounds.min_replicas, bounds.max_replicas
@@ -270,6 +286,8 @@ def plan_pool(policy: PlannerPolicy, pool: str, bounds: PoolPolicy, load: PoolLo
     state = replace(state, planned_at=now, rate_level=rate.level, rate_trend=rate.trend,
                     tokens_level=tokens.level, tokens_trend=tokens.trend, correction=correction, surges=surges)
     why = f"{planned_rate + upstream.drain:.3g} req/s x {planned_tokens:.4g} tok, capacity x{correction:.3g}"
+    if load.tokens_per_step != 1.0:
+        why += f", {load.tokens_per_step:.3g} tok/step"
     reset = replace(state, below_since=None, peak_below=None)
     if not lo <= current <= hi:
         target = max(need, min(max(current, lo), hi))

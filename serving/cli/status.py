@@ -1,7 +1,8 @@
 """`kvrelay status`: pools, replicas and their states (from the dashboard), plus queue depth, KV
 usage and TTFT/TPOT p50/p95 per pool, the routers' prefix predictions against the hits the engines
 found, the TTFT split into its components (and the decode start after a KV hand-off), KV hand-offs
-imported and recomputed, and recoveries (from the ingress's /metrics, Prometheus text: its
+imported and recomputed, speculative decoding per pool and proposer (acceptance rate, tokens per
+step), and recoveries (from the ingress's /metrics, Prometheus text: its
 histograms and counters since the ingress started).
 """
 
@@ -106,6 +107,7 @@ def status_report(state: dict, app_name: str, metrics_text: str | None) -> str:
     lines += _prefix_lines(samples)
     lines += _split_lines(samples, "TTFT split", "kvrelay_ttft_split_seconds", ("queue", "prefill", "handoff", "delivery"))
     lines += _split_lines(samples, "decode start", "kvrelay_decode_start_seconds", ("kv_transfer", "first_decode_step", "delivery"))
+    lines += _speculation_lines(samples)
     handoff = _handoff_line(samples)
     if handoff:
         lines += ["", handoff]
@@ -164,6 +166,29 @@ def _split_lines(samples, title: str, name: str, components: tuple[str, ...]) ->
     for component in shown:
         p50, p95 = quantiles[component]
         lines.append(f"  {component:<17} {p50 * 1000:>8.1f} {p95 * 1000:>8.1f}")
+    return lines
+
+
+def _speculation_lines(samples) -> list[str]:
+    """Per pool and proposer, speculative decoding since the replicas started (their counters
+    summed, so the rates are the pool's, not a mean of the replicas'): proposed and accepted
+    tokens, the acceptance rate, and the tokens a verifying sequence-step kept, (accepted +
+    steps) / steps (1 + the accepted proposals; a step without proposals keeps 1)."""
+    counts: dict[tuple[str, str], dict[str, float]] = {}
+    kinds = {"kvrelay_spec_decode_proposed_tokens_total": "proposed", "kvrelay_spec_decode_accepted_tokens_total": "accepted",
+             "kvrelay_spec_decode_verify_steps_total": "steps"}
+    for metric, labels, value in samples:
+        if metric in kinds:
+            by_kind = counts.setdefault((labels.get("pool", ""), labels.get("proposer", "")), {})
+            by_kind[kinds[metric]] = by_kind.get(kinds[metric], 0.0) + value
+    if not counts:
+        return []
+    lines = ["", f"{'speculative':<12} {'proposer':<10} {'proposed':>9} {'accepted':>9} {'rate':>6} {'tok/step':>8}"]
+    for (pool, proposer), c in sorted(counts.items()):
+        proposed, accepted, steps = c.get("proposed", 0.0), c.get("accepted", 0.0), c.get("steps", 0.0)
+        rate = f"{accepted / proposed:.1%}" if proposed else "-"
+        per_step = f"{(accepted + steps) / steps:.2f}" if steps else "-"
+        lines.append(f"  {pool:<10} {proposer:<10} {proposed:>9g} {accepted:>9g} {rate:>6} {per_step:>8}")
     return lines
 
 

@@ -172,6 +172,12 @@ class ServeConfig(StrictModel):
             except ValidationError as exc:
                 err = exc.errors()[0]
                 raise ValueError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
+        if self.prefill.engine.speculative is not None:
+            raise ValueError(
+                "prefill.engine.speculative is set, but a prefill worker computes a prompt and its first token "
+                "and never decodes, so it has nothing to speculate on; set `decode.engine.speculative` "
+                "(disaggregated) or `worker.engine.speculative` (colocated), or `engine.speculative` for both"
+            )
         prefill, decode = self.engine_config(self.prefill), self.engine_config(self.decode)
         for key in HANDOFF_KEYS:  # the prefill pool's KV goes into the decode pool's cache
             if getattr(prefill, key) != getattr(decode, key):
@@ -213,11 +219,20 @@ class ServeConfig(StrictModel):
     def pools(self) -> dict[str, PoolConfig]:
         return {pool: getattr(self, pool) for pool in POOLS}
 
-    def engine_config(self, pool: PoolConfig) -> EngineConfig:
-        """A pool's engine: the app's model and `engine`, then the pool's own keys over them."""
-        return EngineConfig.model_validate({
-            **self.engine.model_dump(), **pool.engine.model_dump(), "model": self.model,
-        })
+    def engine_config(self, pool: PoolConfig | str) -> EngineConfig:
+        """A pool's engine (the pool, or its name): the app's model and `engine`, then the pool's
+        own keys over them. The prefill pool's never speculates (`engine.speculative` is for the
+        pools that decode): it generates one token per request, and a proposer's state (a draft
+        model) would only take its memory."""
+        if isinstance(pool, str):
+            assert pool in POOLS, f"no pool {pool!r} (pools: {', '.join(POOLS)})"
+            name, pool = pool, self.pools[pool]
+        else:  # one PoolConfig given for several pools is the decoding pools' too
+            name = next((n for n in ("decode", "worker", "prefill") if self.pools[n] is pool), "")
+        settings = {**self.engine.model_dump(), **pool.engine.model_dump(), "model": self.model}
+        if name == "prefill":
+            settings["speculative"] = None
+        return EngineConfig.model_validate(settings)
 
 
 # Engine keys the prefill and decode pools must share: the KV layout, and the context window the

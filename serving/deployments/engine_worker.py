@@ -61,7 +61,7 @@ from serving.engine.request import RequestStatus
 from serving.engine.validation import ModelInfo
 from serving.observability import tracing
 from serving.observability.request_path import Admission, clock_offset_s
-from serving.observability.worker_metrics import RequestLatencies, WorkerRecorder
+from serving.observability.worker_metrics import RequestLatencies, TokensPerStep, WorkerRecorder
 
 __all__ = ["EngineWorker", "replica_signals"]
 
@@ -91,6 +91,7 @@ class EngineWorker:
         self._epoch = time.time_ns()  # orders this engine's snapshots after a restarted one's
         self._requests = RequestRate()  # requests this replica took lately (RoutingStats.requests_per_s)
         self._num_requests = 0  # requests taken since the engine started (RoutingStats.num_requests)
+        self._tokens_per_step = TokensPerStep()  # per routing-stats period (autoscaling keeps its own)
         # How often its requests use each block, for the routers' admission (router/eviction.py):
         # a router alone sees only the requests it sent.
         self._block_reuse = BlockReuse(REPLICA_REUSE_WINDOW)
@@ -135,6 +136,11 @@ class EngineWorker:
             num_requests=self._num_requests,
             block_reuse=block_reuse,
             block_reuse_weight=self._block_reuse.weight,
+            spec_method=stats.spec_method,
+            spec_proposed_tokens=stats.spec_proposed_tokens,
+            spec_accepted_tokens=stats.spec_accepted_tokens,
+            spec_verify_steps=stats.spec_verify_steps,
+            decode_tokens_per_step=self._tokens_per_step.report(stats.num_generated_tokens, stats.spec_accepted_tokens),
             metrics=tuple(self.recorder.snapshot()),
         )
 
@@ -370,7 +376,8 @@ def replica_signals(stats: EngineStats, latencies: RequestLatencies) -> ReplicaS
     """A replica's autoscaling signals from its engine's figures and its latency and workload
     windows. TTFT and TPOT p95 are 0.0 without a sample in the window: an idle replica puts no
     latency pressure on the pool, and queued work shows in the queue signals. Each call starts the
-    next interval of output_tokens_per_s (Serve calls it every metrics_interval_s)."""
+    next interval of output_tokens_per_s and decode_tokens_per_step (Serve calls it every
+    metrics_interval_s)."""
     requests_per_s, prompt_tokens, output_tokens, made_per_s = latencies.workload.report()
     return ReplicaSignals(
         queued_prefill_tokens=float(stats.num_queued_prefill_tokens),
@@ -383,4 +390,5 @@ def replica_signals(stats: EngineStats, latencies: RequestLatencies) -> ReplicaS
         output_tokens_per_request=output_tokens,
         output_tokens_per_s=made_per_s,
         prefill_tokens_per_s=float(stats.prefill_tokens_per_s),
+        decode_tokens_per_step=latencies.tokens_per_step.report(stats.num_generated_tokens, stats.spec_accepted_tokens),
     )

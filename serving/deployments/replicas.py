@@ -40,7 +40,7 @@ class _WorkerDeployment:
         if cores is not None:  # before the engine starts its threads: they inherit the mask
             pin_process(cores, what=f"{self.role} replica (local rank {local_rank})")
         recorder = WorkerRecorder(cfg.model_name, self.role, context.replica_id.unique_id)
-        self.worker = EngineWorker(self.role, cfg.engine_config(pool), cfg.kv_transfer, cfg.app_name, recorder,
+        self.worker = EngineWorker(self.role, cfg.engine_config(self.role), cfg.kv_transfer, cfg.app_name, recorder,
                                    replica=context.replica_id.unique_id)
 
     def model_info(self) -> ModelInfo:

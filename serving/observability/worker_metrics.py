@@ -33,8 +33,8 @@ from serving.observability.metrics import METRICS, Instruments
 if TYPE_CHECKING:
     from serving.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 
-__all__ = ["LATENCY_WINDOW_S", "LatencyWindow", "RequestLatencies", "RequestTracker", "WorkerCounters", "WorkerRecorder",
-           "WorkloadWindow"]
+__all__ = ["LATENCY_WINDOW_S", "LatencyWindow", "RequestLatencies", "RequestTracker", "TokensPerStep", "WorkerCounters",
+           "WorkerRecorder", "WorkloadWindow"]
 
 LATENCY_WINDOW_S = 30.0  # matches the policies' default window_s
 _MAX_SAMPLES = 4096  # bounds memory and the sort at record time under heavy load
@@ -100,14 +100,35 @@ class WorkloadWindow:
         )
 
 
+class TokensPerStep:
+    """Tokens a decoding sequence gained per engine step between two reports, from the engine's
+    cumulative counters: every sequence-step emits its accepted proposals + 1 (the model's own
+    token), so steps = generated - accepted and the mean is generated / (generated - accepted):
+    1.0 without speculation. An interval that generated nothing reports the last interval's mean
+    (1.0 before any), so an idle replica keeps the figure its pool's plan needs."""
+
+    def __init__(self) -> None:
+        self._counts = (0, 0)  # (generated, accepted) at the previous report
+        self._last = 1.0
+
+    def report(self, num_generated_tokens: int, num_accepted_tokens: int) -> float:
+        generated = num_generated_tokens - self._counts[0]
+        accepted = num_accepted_tokens - self._counts[1]
+        self._counts = (num_generated_tokens, num_accepted_tokens)
+        if generated > accepted >= 0:
+            self._last = generated / (generated - accepted)
+        return self._last
+
+
 class RequestLatencies:
-    """TTFT and TPOT windows of one replica, and its workload window; `track()` follows one
-    request's outputs."""
+    """TTFT and TPOT windows of one replica, its workload window and its decode tokens per step;
+    `track()` follows one request's outputs."""
 
     def __init__(self, window_s: float = LATENCY_WINDOW_S):
         self.ttft_ms = LatencyWindow(window_s)
         self.tpot_ms = LatencyWindow(window_s)
         self.workload = WorkloadWindow(window_s)
+        self.tokens_per_step = TokensPerStep()
 
     def track(self, *, continues: bool = False) -> RequestTracker:
         """`continues`: the request's first token came from elsewhere (no TTFT here)."""

@@ -247,3 +247,22 @@ def test_a_routing_parameter_of_the_wrong_type_names_the_section_and_the_fix(tmp
     with pytest.raises(ConfigError) as info:
         load_config(path, env={})
     assert "prefill_params: routing policy 'prefix_cost': admission must be bool, got 'off' (str)" in str(info.value)
+
+
+def test_speculation_is_for_the_pools_that_decode():
+    """`engine.speculative` reaches the decode and worker pools' engines, never the prefill pool's
+    (it generates one token per request); setting it on the prefill pool is an error naming the fix."""
+    config = load_config(overrides={"engine.speculative": {"num_speculative_tokens": 3}}, env={})
+    assert config.engine_config(config.decode).speculative.num_speculative_tokens == 3
+    assert config.engine_config("decode").speculative.num_speculative_tokens == 3
+    assert config.engine_config(config.worker).speculative.num_speculative_tokens == 3
+    assert config.engine_config(config.prefill).speculative is None
+    assert config.engine_config("prefill").speculative is None
+    decode_only = load_config(overrides={"decode.engine.speculative": {"method": "ngram"}}, env={})
+    assert decode_only.engine_config("decode").speculative.num_speculative_tokens == 4
+    assert decode_only.engine_config("worker").speculative is None
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides={"prefill.engine.speculative": {"method": "ngram"}}, env={})
+    assert ("prefill.engine.speculative is set, but a prefill worker computes a prompt and its first token and "
+            "never decodes, so it has nothing to speculate on; set `decode.engine.speculative` (disaggregated) or "
+            "`worker.engine.speculative` (colocated), or `engine.speculative` for both") in str(info.value)

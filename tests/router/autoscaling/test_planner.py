@@ -165,6 +165,24 @@ def test_decode_replicas_by_the_batch_the_tokens_see():
     assert decode_replicas(policy, 0.0, 50, num_seqs=3) == 1
 
 
+def test_decode_capacity_scales_with_the_measured_tokens_per_step():
+    # With speculative decoding a step gives each sequence m tokens: a request of 50 tokens takes
+    # 50 / m steps, and a step may take m x 100 ms, so a replica holds a batch of (100 m - 20) / 20.
+    policy = planner()
+    assert policy.max_batch(1 / 2) == 9.0
+    assert [decode_replicas(policy, 2.0, 50, tokens_per_step=m) for m in (1.0, 1.5, 2.0, 3.0)] == [4, 3, 2, 1]
+    # m = 2 is the steps of 1 req/s of 50 tokens at twice the target: the same 2 replicas.
+    assert decode_replicas(policy, 1.0, 50) == 2
+    assert decode_replicas(policy, 0.0, 50, num_seqs=17, tokens_per_step=2.0) == 2  # ceil(17 / 9), not ceil(17 / 4)
+    # The decision changes with it, and says so.
+    decisions = [plan_pool(policy, "decode", BOUNDS["decode"], PoolLoad(2.0, 50, tokens_per_step=m), 1, PoolPlanState(), 0.0)
+                 for m in (1.0, 2.0)]
+    assert [(d.num_replicas, d.reason) for d in decisions] == [
+        (4, "up: 1 -> 4 (2 req/s x 50 tok, capacity x1)"),
+        (2, "up: 1 -> 2 (2 req/s x 50 tok, capacity x1, 2 tok/step)"),
+    ]
+
+
 # ---- the joint plan ----------------------------------------------------------------------------
 def run_plan(policy, steps):
     counts = {"prefill": 1, "decode": 1}

@@ -167,6 +167,14 @@ def test_pool_load_from_replica_signals():
     decode = (ReplicaSignals(updated_at=1.0, requests_per_s=2.0, output_tokens_per_request=30.0, num_seqs=3.0,
                              output_tokens_per_s=20.0),)
     assert pool_load("decode", decode) == PoolLoad(2.0, 30.0, backlog=3.0, measured_decode=((3.0, 20.0),))
+    # Speculating replicas: sequence-steps/s are tokens/s over tokens per step (0: not reported,
+    # 1); the pool's tokens per step is its tokens over its steps, (30 + 20) / (10 + 20).
+    speculating = (ReplicaSignals(updated_at=1.0, requests_per_s=1.0, output_tokens_per_request=50.0, num_seqs=3.0,
+                                  output_tokens_per_s=30.0, decode_tokens_per_step=3.0),
+                   ReplicaSignals(updated_at=1.0, requests_per_s=1.0, output_tokens_per_request=50.0, num_seqs=2.0,
+                                  output_tokens_per_s=20.0, decode_tokens_per_step=0.0))
+    assert pool_load("decode", speculating) == PoolLoad(2.0, 50.0, backlog=5.0, measured_decode=((3.0, 10.0), (2.0, 20.0)),
+                                                        tokens_per_step=50.0 / 30.0)
     unfinished = (ReplicaSignals(updated_at=1.0, requests_per_s=2.0, output_tokens_per_request=0.0, num_seqs=3.0),)
     assert pool_load("decode", unfinished) is None
     idle = (ReplicaSignals(updated_at=1.0, requests_per_s=0.0, output_tokens_per_request=40.0, num_seqs=0.0),

@@ -121,3 +121,29 @@ def test_status_shows_the_routers_predictions_and_the_ttft_split():
         "",
     ]
     assert report[start + 8:start + 10] == ["decode start          p50 ms   p95 ms", "  kv_transfer            7.5      9.8"]
+
+
+SPECULATION = """\
+kvrelay_spec_decode_proposed_tokens_total{model="m",pool="decode",replica="a",proposer="ngram"} 300.0
+kvrelay_spec_decode_proposed_tokens_total{model="m",pool="decode",replica="b",proposer="ngram"} 100.0
+kvrelay_spec_decode_accepted_tokens_total{model="m",pool="decode",replica="a",proposer="ngram"} 240.0
+kvrelay_spec_decode_accepted_tokens_total{model="m",pool="decode",replica="b",proposer="ngram"} 20.0
+kvrelay_spec_decode_verify_steps_total{model="m",pool="decode",replica="a",proposer="ngram"} 75.0
+kvrelay_spec_decode_verify_steps_total{model="m",pool="decode",replica="b",proposer="ngram"} 25.0
+kvrelay_spec_decode_proposed_tokens_total{model="m",pool="worker",replica="c",proposer="ngram"} 0.0
+kvrelay_spec_decode_accepted_tokens_total{model="m",pool="worker",replica="c",proposer="ngram"} 0.0
+kvrelay_spec_decode_verify_steps_total{model="m",pool="worker",replica="c",proposer="ngram"} 0.0
+"""
+
+
+def test_status_shows_speculation_per_pool_and_proposer():
+    report = status.status_report(recorded(), "kvrelay", METRICS + SPECULATION).splitlines()
+    start = report.index("speculative  proposer    proposed  accepted   rate tok/step")
+    # The pool's counters summed over its replicas: 260 of 400 kept, (260 + 100) / 100 per step;
+    # a pool that has not proposed yet shows no rates.
+    assert report[start + 1:start + 4] == [
+        "  decode     ngram            400       260  65.0%     3.60",
+        "  worker     ngram              0         0      -        -",
+        "",
+    ]
+    assert report[start + 4].startswith("KV hand-off")

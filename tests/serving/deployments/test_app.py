@@ -7,6 +7,7 @@ apps on one HTTP port under different route prefixes:
     /coloc    one Worker pool
     /faults   disaggregated, KV lease 1 s and a KV-claim timeout so short every import times out
     /queue    colocated, one ongoing + one queued request per replica (for 429)
+    /spec     disaggregated, n-gram speculative decoding on the decode pool
     /crash    disaggregated, with faults (serving/deployments/faults.py) a test arms by deleting its file:
               a replica then exits at that point, once
 
@@ -73,6 +74,7 @@ def serve_instance(tmp_path_factory, tiny_model_dir):
             tiny_model_dir, "queue", mode="colocated",
             worker={"num_cpus": 0.1, "max_ongoing_requests": 1, "max_queued_requests": 1},
         ),
+        "spec": tiny_app_config(tiny_model_dir, "spec", decode={"num_cpus": 0.1, "engine": {"speculative": {}}}),
     }
     for name, config in configs.items():
         serve.run(build_app(config), name=name, route_prefix=f"/{name}")
@@ -317,6 +319,46 @@ def test_kv_crosses_through_the_transfer_actor(serve_instance, reference):
     actor_after = kv_actor_stats("disagg")
     assert actor_after.num_claimed == actor_before.num_claimed + 1
     assert actor_after.num_held == 0
+
+
+def test_speculation_on_the_decode_pool_after_a_kv_hand_off(serve_instance):
+    """The decode pool speculates on what it imported (the prefill pool never does): greedy output
+    equal to the same request kept out of speculation (`speculative: false`) and to the app
+    without it; the decode worker's stats, its routing stats' metrics at the ingress's /metrics
+    and `kvrelay status` show the accepted tokens."""
+    from serving.cli.status import _speculation_lines
+
+    # Greedy over three biased tokens: the tiny model loops, and prompt lookup predicts the loops.
+    body = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True, "logit_bias": {"1000": 100, "2000": 100, "3000": 100}}
+    before = stats("spec", "DecodeWorker")
+    contents = {}
+    for app, extra in (("spec", {}), ("spec", {"speculative": False}), ("disagg", {})):
+        with httpx.Client(base_url=serve_instance["url"] + f"/{app}", timeout=60) as client:
+            answer = client.post("/v1/chat/completions", json={**body, **extra}).json()
+        contents[(app, bool(extra))] = (answer["choices"][0]["message"]["content"], answer["usage"]["completion_tokens"])
+    assert contents[("spec", False)] == contents[("spec", True)] == contents[("disagg", False)]
+    assert contents[("spec", False)][1] == 40
+    after = stats("spec", "DecodeWorker")
+    assert after.counters.num_kv_imports == before.counters.num_kv_imports + 2  # both decoded after a hand-off
+    assert after.engine.spec_method == "ngram"
+    assert 0 < after.engine.spec_accepted_tokens - before.engine.spec_accepted_tokens < (
+        after.engine.spec_proposed_tokens - before.engine.spec_proposed_tokens)
+    assert stats("spec", "PrefillWorker").engine.spec_method == ""
+    assert stats("disagg", "DecodeWorker").engine.spec_method == ""
+
+    def reported() -> list[str]:  # the decode replica's routing stats carry its metrics every stats period
+        text = httpx.get(f"{serve_instance['url']}/spec/metrics", timeout=10).text
+        accepted = sum(v for n, labels, v in parse_metrics(text)
+                       if n == "kvrelay_spec_decode_accepted_tokens_total" and labels.get("pool") == "decode")
+        return _speculation_lines(parse_metrics(text)) if accepted == after.engine.spec_accepted_tokens else []
+
+    lines = wait_until(reported, timeout_s=30)
+    engine = after.engine
+    assert lines[2:] == [
+        f"  decode     ngram      {engine.spec_proposed_tokens:>9g} {engine.spec_accepted_tokens:>9g} "
+        f"{engine.spec_acceptance_rate:>6.1%} {engine.spec_tokens_per_step:>8.2f}",
+    ]
 
 
 # ---- failure outcomes ------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from dataclasses import replace
 from router.autoscaling.decide import WIRE_SIGNALS
 from serving.deployments.engine_worker import replica_signals
 from serving.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from serving.observability.worker_metrics import LatencyWindow, RequestLatencies, WorkloadWindow
+from serving.observability.worker_metrics import LatencyWindow, RequestLatencies, TokensPerStep, WorkloadWindow
 
 
 def output(tokens: int, *, arrival: float, first: float | None, finished: float | None, reason: str | None = None):
@@ -72,7 +72,7 @@ def test_replica_signals_report_every_signal_on_the_wire():
     assert replica_signals(replace(stats, prefill_tokens_per_s=296.5), latencies).to_wire() == {
         "queued_prefill_tokens": 1234.0, "ttft_p95_ms": 0.0, "num_seqs": 5.0, "kv_utilization": 0.6, "tpot_p95_ms": 0.0,
         "requests_per_s": 0.0, "prompt_tokens_per_request": 0.0, "output_tokens_per_request": 0.0,
-        "output_tokens_per_s": 0.0, "prefill_tokens_per_s": 296.5,
+        "output_tokens_per_s": 0.0, "prefill_tokens_per_s": 296.5, "decode_tokens_per_step": 1.0,
     }
     latencies.ttft_ms.add(80.0)
     assert replica_signals(replace(stats, num_waiting=0), latencies).ttft_p95_ms == 80.0
@@ -103,3 +103,24 @@ def test_tracked_requests_feed_the_workload_window():
     latencies.track().observe(output(3, arrival=0.0, first=0.1, finished=0.5, reason="abort"))  # made, not finished
     _, _, output_tokens, made_per_s = latencies.workload.report(now=7.0)
     assert (output_tokens, made_per_s) == (4.0, 1.0)
+
+
+def test_tokens_per_step_is_generated_over_generated_less_accepted_between_reports():
+    per_step = TokensPerStep()
+    assert per_step.report(0, 0) == 1.0  # nothing yet
+    assert per_step.report(10, 0) == 1.0  # no speculation: a token per step
+    assert per_step.report(40, 15) == 2.0  # 30 tokens in 15 steps (15 accepted)
+    assert per_step.report(40, 15) == 2.0  # idle: the last interval's
+    assert per_step.report(48, 21) == 4.0  # 8 tokens, 6 accepted: 2 steps
+
+
+def test_replica_signals_carry_the_decode_tokens_per_step():
+    stats = EngineStats(
+        num_running=1, num_waiting=0, num_blocks=100, num_free_blocks=90, kv_cache_usage=0.1, num_preemptions=0,
+        prefix_cache_query_tokens=0, prefix_cache_hit_tokens=0, num_computed_tokens=0, num_generated_tokens=0,
+        num_held_exports=0, spec_method="ngram",
+    )
+    latencies = RequestLatencies()
+    assert replica_signals(stats, latencies).decode_tokens_per_step == 1.0
+    stats = replace(stats, num_generated_tokens=25, spec_proposed_tokens=40, spec_accepted_tokens=15, spec_verify_steps=10)
+    assert replica_signals(stats, latencies).decode_tokens_per_step == 2.5  # 25 tokens, 10 steps
