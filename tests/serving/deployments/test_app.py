@@ -42,6 +42,8 @@ from tests.helpers import TINY_KV_BYTES, tiny_app_config, wait_until
 pytestmark = pytest.mark.integration
 
 MAX_TOKENS = 24
+# Adaptive speculation with its step costs pinned: measured, the tiny model's could turn it off.
+PINNED_SPEC = {"verify_row_cost": 0.1, "max_batch_rows": 64}
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +76,7 @@ def serve_instance(tmp_path_factory, tiny_model_dir):
             tiny_model_dir, "queue", mode="colocated",
             worker={"num_cpus": 0.1, "max_ongoing_requests": 1, "max_queued_requests": 1},
         ),
-        "spec": tiny_app_config(tiny_model_dir, "spec", decode={"num_cpus": 0.1, "engine": {"speculative": {}}}),
+        "spec": tiny_app_config(tiny_model_dir, "spec", decode={"num_cpus": 0.1, "engine": {"speculative": PINNED_SPEC}}),
     }
     for name, config in configs.items():
         serve.run(build_app(config), name=name, route_prefix=f"/{name}")

@@ -21,7 +21,7 @@ def test_a_speculating_decode_worker_reports_what_it_accepted(tiny_model_dir, ac
     config = EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20)
     kv = KVTransferConfig(lease_s=30.0, timeout_s=5.0, arena_mib=1)
     prefill = EngineWorker("prefill", config, kv, "app")
-    decode = EngineWorker("decode", config.model_copy(update={"speculative": SpeculativeConfig()}), kv, "app")
+    decode = EngineWorker("decode", config.model_copy(update={"speculative": SpeculativeConfig(adaptive=False)}), kv, "app")
     prefill._node_id = decode._node_id = "node-a"
     expected = expected_tokens(tiny_model_dir)
     decode.engine.engine.speculator.proposer = OracleProposer([PROMPT], [expected], k=4)
