@@ -161,3 +161,46 @@ def test_default_model_bf16_same_tokens_in_every_placement(default_model_dir, pa
     for name, got in results.items():
         mismatched = [i for i, (a, b) in enumerate(zip(got, results["cold"])) if a != b]
         assert not mismatched, f"{name}: prompts {mismatched} differ from cold"
+
+
+# ---- speculative decoding, bitwise ------------------------------------------------------------
+def _spec(engine_overrides: dict | None = None, **spec) -> dict:
+    return {"speculative": {"num_speculative_tokens": 4, "adaptive": False, **spec}, **(engine_overrides or {})}
+
+
+@pytest.mark.parametrize("params_of", [_greedy, _seeded], ids=["greedy", "seeded"])
+def test_tiny_model_speculation_gives_bitwise_the_tokens_and_logprobs_of_one_token_a_step(tiny_model_dir, params_of):
+    """With deterministic on, a verify row is computed as the decode row of its position would be,
+    so speculation changes no logit: in bf16 the tokens and logprobs are bitwise those without it
+    (speculative.py: off deterministic, a near-tie can flip). The oracle proposes each output's
+    continuation, its last guesses wrong."""
+    from tests.serving.engine.test_speculative import OracleProposer
+
+    prompts = random_prompts([40, 75, 33, 18], seed=3)
+    params = [params_of(i) for i in range(len(prompts))]
+    plain = _run(_engine(tiny_model_dir), prompts, params)
+    engine = _engine(tiny_model_dir, **_spec())
+    engine.speculator.proposer = OracleProposer(prompts, [tokens for tokens, _ in plain], k=4)
+    assert _run(engine, prompts, params) == plain
+    assert 0 < engine.speculator.num_accepted_tokens < engine.speculator.num_proposed_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params_of", [_greedy, _seeded], ids=["greedy", "seeded"])
+def test_default_model_bf16_speculation_changes_no_token(default_model_dir, params_of):
+    """The real default model in bf16, n-gram speculation on vs off, deterministic on: a text to
+    repeat (proposals accepted) and free-form questions, alone and in one batch: the same tokens
+    and bitwise the same logprobs."""
+    from transformers import AutoTokenizer
+
+    from tests.serving.engine.test_model_parity import PROMPTS, chat_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
+    text = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat by the door."
+    prompts = [chat_ids(tokenizer, f"Repeat this text exactly: {text}")] + [chat_ids(tokenizer, t) for t in PROMPTS[:5]]
+    params = [dataclasses.replace(params_of(i), max_tokens=32) for i in range(len(prompts))]
+    plain = _run(_engine(default_model_dir, kv_cache_bytes=64 * 2**20), prompts, params)
+    engine = _engine(default_model_dir, **_spec({"kv_cache_bytes": 64 * 2**20}))
+    assert _run(engine, prompts, params) == plain  # one batch
+    assert [_run(engine, [p], [q])[0] for p, q in zip(prompts, params)] == plain  # alone
+    assert engine.speculator.num_accepted_tokens > 0
