@@ -169,8 +169,9 @@ def next_k(acceptance: float, row_cost: float, max_k: int) -> int:
 
 class Speculator:
     """Proposes tokens for the sequences that speculate, and counts how many were kept. With
-    `adaptive`, how many each gets (module docstring) from `step_costs`, called once on the
-    first proposal that needs a measured figure (verify_row_cost or max_batch_rows null)."""
+    `adaptive`, how many each gets (module docstring) from `step_costs`, called once here at
+    construction (the engine's start-up, ~1-2 s on SmolLM2) when a figure is not pinned in the
+    config (verify_row_cost or max_batch_rows null)."""
 
     def __init__(
         self, config: SpeculativeConfig, max_model_len: int, step_costs: Callable[[], StepCosts] | None = None,
