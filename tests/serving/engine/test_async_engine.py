@@ -73,7 +73,10 @@ def test_leaving_the_stream_aborts_and_frees_blocks(async_engine):
         return got, async_engine.stats()
 
     got, stats = asyncio.run(main())
-    assert got == 3
+    # a slow reader gets several tokens in one output (the stream coalesces), so 3 or a few more
+    assert 3 <= got <= stats.num_generated_tokens
+    # the engine stopped the request: it did not generate the 500 tokens asked for
+    assert stats.num_generated_tokens < 500
     assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
 
 
