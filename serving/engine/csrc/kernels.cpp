@@ -506,6 +506,21 @@ inline __m512bh x_pair(const uint16_t* xr, int64_t k, int64_t K) {
   return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
 }
 
+// fp32 -> bf16 rounded to nearest even, NaN -> 0x7FC0: c10::BFloat16(float)'s rounding, 16 lanes at
+// once (not vcvtneps2bf16, which flushes denormals to zero).
+inline __m256i ps_to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  // NaN by its bits (-ffast-math may fold a floating-point v != v away)
+  const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
+}
+
+inline __m512 bf16_to_ps(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 template <int MR>
 inline void packed_tile_bf16(const uint16_t* x, int64_t K, const uint16_t* wb, int64_t pairs, __m512* acc) {
   for (int i = 0; i < MR * 4; ++i) acc[i] = _mm512_setzero_ps();
@@ -538,7 +553,6 @@ void packed_linear_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* b
   const int64_t pairs = (K + 1) / 2;
   at::parallel_for(0, (N + kPackN - 1) / kPackN, 1, [&](int64_t block_begin, int64_t block_end) {
     __m512 acc[kTileM * 4];
-    alignas(64) float out[16];
     for (int64_t nb = block_begin; nb < block_end; ++nb) {
       const uint16_t* wb = wp + nb * pairs * 2 * kPackN;
       for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
@@ -552,17 +566,17 @@ void packed_linear_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* b
           case 2: packed_tile_bf16<2>(xt, K, wb, pairs, acc); break;
           default: packed_tile_bf16<1>(xt, K, wb, pairs, acc); break;
         }
-        for (int64_t m = 0; m < mr; ++m)
-          for (int c = 0; c < 4; ++c) {
-            _mm512_store_ps(out, acc[m * 4 + c]);
-            for (int j = 0; j < 16; ++j) {
-              const int64_t n = nb * kPackN + c * 16 + j;
-              if (n >= N) break;
-              float v = out[j];
-              if (bias != nullptr) v = to_float(c10::BFloat16(v)) + to_float(c10::BFloat16(bias[n], c10::BFloat16::from_bits()));
-              y[(m0 + m) * N + n] = c10::BFloat16(v).x;
-            }
+        for (int c = 0; c < 4; ++c) {
+          const int64_t n0 = nb * kPackN + c * 16;
+          if (n0 >= N) break;
+          const __mmask16 lanes = N - n0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n0)) - 1);
+          const __m512 b = bias != nullptr ? bf16_to_ps(_mm256_maskz_loadu_epi16(lanes, bias + n0)) : _mm512_setzero_ps();
+          for (int64_t m = 0; m < mr; ++m) {
+            __m512 v = acc[m * 4 + c];
+            if (bias != nullptr) v = _mm512_add_ps(bf16_to_ps(ps_to_bf16(v)), b);
+            _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, lanes, ps_to_bf16(v));
           }
+        }
       }
     }
   });
