@@ -46,8 +46,9 @@ def _type_schema(annotation: Any) -> dict:
         return {**schema, **_constraints(metadata, schema)}
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(args) > 1 and type(None) not in typing.get_args(annotation):  # e.g. a count or "auto"
-            return {"anyOf": [_type_schema(a) for a in args]}
+        if len(args) > 1:  # e.g. a count or "auto"; an override of one: or null
+            nullable = [{"type": "null"}] if type(None) in typing.get_args(annotation) else []
+            return {"anyOf": [*(_type_schema(a) for a in args), *nullable]}
         assert len(args) == 1, f"unsupported union {annotation}"
         inner = _type_schema(args[0])
         if "type" in inner:

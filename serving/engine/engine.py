@@ -620,6 +620,7 @@ class LLMEngine:
             kernel_path=self.kernels.path.value,
             kernel_reason=self.kernels.reason,
             linear_path=self.model.linear_choice.summary,
+            deterministic=self.model.invariance_reason,
             **(self.speculator.stats() if self.speculator is not None else {}),
         )
 

@@ -20,6 +20,8 @@ kernels (RMSNorm, RoPE, SiLU) are per row already. Without it, oneDNN's GEMM run
 the native limit, whose rounding varies with the row count, and prefill chunks go through SDPA,
 whose sums differ from the decode kernel's: in bf16 enough to change a sampled or greedy token.
 It needs the native kernels and a bf16 or fp32 model (`is_batch_invariant` says whether it runs).
+The default, `deterministic: "auto"`, turns it on only where it was measured to cost nothing: bf16
+on a CPU with AVX512-BF16 (the packed kernel) and without AMX (_batch_invariance).
 """
 
 from __future__ import annotations
@@ -116,13 +118,14 @@ class LlamaModel:
         *,
         dtype: torch.dtype,
         device: torch.device,
-        deterministic: bool = False,
+        deterministic: bool | str = False,
     ):
         self.spec = spec
         self.dtype = dtype
         self.device = device
         self.is_batch_invariant, invariance_reason = _batch_invariance(deterministic, device, dtype)
-        if deterministic and not self.is_batch_invariant:
+        self.invariance_reason = invariance_reason
+        if deterministic is True and not self.is_batch_invariant:
             logger.warning("deterministic: batch-invariant kernels unavailable, results may vary with the batch: %s", invariance_reason)
         self.scale = spec.head_dim**-0.5
         self.q_size = spec.num_heads * spec.head_dim
@@ -291,17 +294,40 @@ class LlamaModel:
         return self.lm_head(hidden, kernels, self.native_rows).float()
 
 
-def _batch_invariance(deterministic: bool, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether batch-invariant mode runs, and if not, why."""
-    if not deterministic:
+def _batch_invariance(deterministic: bool | str, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether batch-invariant mode runs, and why (EngineConfig.deterministic: true, false or "auto")."""
+    if deterministic is False:
         return False, "off (deterministic: false)"
     if device.type != "cpu":
-        return False, f"its kernels are CPU-only; the device is {device}"
-    if native_kernels() is None:
-        return False, "the native CPU kernels are not loaded (kvrelay status says why)"
+        return False, f"off: its kernels are CPU-only; the device is {device}"
+    kernels = native_kernels()
+    if kernels is None:
+        return False, "off: the native CPU kernels are not loaded (kvrelay status says why)"
     if dtype not in (torch.bfloat16, torch.float32):
-        return False, f"the native linear kernel runs bf16 and fp32, not {dtype}"
-    return True, "on"
+        return False, f"off: the native linear kernel runs bf16 and fp32, not {dtype}"
+    if deterministic is True:
+        return True, "on (deterministic: true)"
+    # auto: on only where it was measured to cost nothing (the config field's description).
+    if dtype != torch.bfloat16:
+        return False, "off (auto: fp32 runs the usual path; deterministic: true forces it)"
+    if not kernels.has_packed_linear():
+        return False, "off (auto: no AVX512-BF16 here, so no packed kernel; deterministic: true forces the slower one)"
+    if cpu_has_amx():
+        return False, "off (auto: this CPU has AMX, whose oneDNN GEMM outruns the packed kernel on prefill; " \
+                      "deterministic: true forces it)"
+    return True, "on (auto: bf16 with AVX512-BF16 and no AMX, where the packed kernel costs nothing)"
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX's bf16 tiles (Linux's CPU flags; False where they cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_bf16" in line.split()
+    except OSError:
+        pass
+    return False
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

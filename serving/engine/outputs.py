@@ -110,6 +110,7 @@ class EngineStats:
     kernel_path: str = ""  # "native" or "pytorch" (cpu_kernels.KernelPath)
     kernel_reason: str = ""  # why that path (cpu_kernels.KernelStatus.reason)
     linear_path: str = ""  # up to how many rows the native linear kernel runs (linear_choice.py)
+    deterministic: str = ""  # batch-invariant mode: "on (...)" or "off (...)", and why (model._batch_invariance)
     # Speculative decoding (speculative.py), since the engine started; all 0 and "" when it is off
     spec_method: str = ""  # the proposer, e.g. "ngram"
     spec_proposed_tokens: int = 0  # proposed tokens a forward pass verified

@@ -60,9 +60,9 @@ def build_parts(config: EngineConfig) -> EngineParts:
         spec, load_state_dict(model_dir), dtype=dtype, device=device, deterministic=config.deterministic
     )
     logger.info(
-        "loaded %s (%s, %d layers) in %.2fs; dtype: %s; kernels: %s%s", config.model, spec.architecture,
-        spec.num_layers, time.monotonic() - t0, dtype_choice, kernels,
-        f"; {model.linear_choice}" if kernels.path is KernelPath.NATIVE else "",
+        "loaded %s (%s, %d layers) in %.2fs; dtype: %s; kernels: %s%s; deterministic: %s", config.model,
+        spec.architecture, spec.num_layers, time.monotonic() - t0, dtype_choice, kernels,
+        f"; {model.linear_choice}" if kernels.path is KernelPath.NATIVE else "", model.invariance_reason,
     )
 
     bytes_per_token = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)

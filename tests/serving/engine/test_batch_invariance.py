@@ -143,12 +143,52 @@ def test_deterministic_off_or_unsupported_runs_the_usual_path(tiny_model_dir, ca
     assert "native linear kernel runs bf16 and fp32, not torch.float16" in caplog.text
 
 
+class _Kernels:
+    def __init__(self, packed: bool):
+        self.packed = packed
+
+    def has_packed_linear(self) -> bool:
+        return self.packed
+
+
+@pytest.mark.parametrize(
+    ("setting", "dtype", "packed", "amx", "on", "why"),
+    [
+        ("auto", torch.bfloat16, True, False, True, "on (auto: bf16 with AVX512-BF16 and no AMX"),
+        ("auto", torch.bfloat16, True, True, False, "off (auto: this CPU has AMX"),
+        ("auto", torch.bfloat16, False, False, False, "off (auto: no AVX512-BF16 here"),
+        ("auto", torch.float32, True, False, False, "off (auto: fp32 runs the usual path"),
+        (True, torch.bfloat16, True, True, True, "on (deterministic: true)"),
+        (True, torch.float32, False, False, True, "on (deterministic: true)"),
+        (False, torch.bfloat16, True, False, False, "off (deterministic: false)"),
+        ("auto", torch.float16, True, False, False, "off: the native linear kernel runs bf16 and fp32"),
+    ],
+)
+def test_auto_is_on_only_where_it_was_measured_to_cost_nothing(monkeypatch, setting, dtype, packed, amx, on, why):
+    """deterministic: auto (the default) turns the mode on for bf16 on a CPU with AVX512-BF16 and
+    no AMX (the packed kernel's cost there: docs/benchmarks.md); true forces it wherever the
+    kernels run, false never. The reason is what the engine logs and reports (stats)."""
+    from serving.engine import model as model_module
+
+    monkeypatch.setattr(model_module, "native_kernels", lambda: _Kernels(packed))
+    monkeypatch.setattr(model_module, "cpu_has_amx", lambda: amx)
+    got_on, got_why = model_module._batch_invariance(setting, torch.device("cpu"), dtype)
+    assert (got_on, got_why.startswith(why)) == (on, True), got_why
+
+
+def _auto_is_on_here() -> bool:
+    from serving.engine import model as model_module
+
+    return model_module._batch_invariance("auto", torch.device("cpu"), torch.bfloat16)[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("params_of", [_greedy, _seeded], ids=["greedy", "seeded"])
 def test_default_model_bf16_same_tokens_in_every_placement(default_model_dir, params_of):
     """The issue's check on the real default model in bf16: 20 prompts cold, prefix-cached, in a
     batch of 32 (the 20 and 12 others), prefilled 13 tokens a step, and after a KV hand-off give
-    identical greedy tokens and identical seeded samples (and bitwise logprobs)."""
+    identical greedy tokens and identical seeded samples (and bitwise logprobs). Where the default
+    (deterministic: auto) turns the mode on, the engines run the default; elsewhere true."""
     from transformers import AutoTokenizer
 
     from tests.serving.engine.test_model_parity import PROMPTS, chat_ids
@@ -157,7 +197,10 @@ def test_default_model_bf16_same_tokens_in_every_placement(default_model_dir, pa
     texts = PROMPTS + [f"Tell me one fact about the number {i}." for i in range(21)]
     ids = [chat_ids(tokenizer, t) for t in texts]
     prompts, others = ids[:20], ids[20:32]
-    results = _scenarios(default_model_dir, prompts, others, params_of, kv_cache_bytes=64 * 2**20)
+    setting = "auto" if _auto_is_on_here() else True
+    assert _engine(default_model_dir, kv_cache_bytes=16 * 2**20, deterministic=setting).model.is_batch_invariant
+    results = _scenarios(default_model_dir, prompts, others, params_of, kv_cache_bytes=64 * 2**20,
+                         deterministic=setting)
     for name, got in results.items():
         mismatched = [i for i, (a, b) in enumerate(zip(got, results["cold"])) if a != b]
         assert not mismatched, f"{name}: prompts {mismatched} differ from cold"

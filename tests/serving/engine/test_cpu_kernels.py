@@ -61,7 +61,9 @@ def test_the_engine_reports_its_kernel_path(fresh_process, tiny_model_dir, caplo
     stats = engine.stats()
     assert (stats.kernel_path, stats.kernel_reason) == ("pytorch", "KVRELAY_DISABLE_NATIVE=1")
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded ")]
-    assert line.endswith("; kernels: pytorch (KVRELAY_DISABLE_NATIVE=1)"), line
+    assert line.endswith("; kernels: pytorch (KVRELAY_DISABLE_NATIVE=1); deterministic: off: the native CPU kernels "
+                         "are not loaded (kvrelay status says why)"), line
+    assert stats.deterministic == "off: the native CPU kernels are not loaded (kvrelay status says why)"
 
 
 _BUILD = """
