@@ -193,8 +193,9 @@ class EngineConfig(StrictModel):
         "summation order per row, and every token's attention the one paged kernel (model.py). Needs the "
         "native CPU kernels and dtype bfloat16 or float32; elsewhere it logs a warning and runs the usual path. "
         "auto: on where it costs nothing measured: bf16 on a CPU with AVX512-BF16 and no AMX (prefill 0.94-1.04x, "
-        "decode 1.2-1.36x the usual path's speed: docs/benchmarks.md); off elsewhere (fp32, CUDA, AVX2, and AMX, "
-        "whose oneDNN GEMM outruns the native kernel on prefill). true forces it, false turns it off.",
+        "decode 1.1-1.36x the usual path's speed: docs/benchmarks.md), and on AMX too when this engine speculates "
+        "(greedy output equal to decoding without speculation needs it); off elsewhere (fp32, CUDA, AVX2, and "
+        "AMX, whose oneDNN GEMM outruns the native kernel on prefill). true forces it, false turns it off.",
     )
     speculative: SpeculativeConfig | None = Field(
         None,

@@ -119,11 +119,12 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         deterministic: bool | str = False,
+        speculative: bool = False,
     ):
         self.spec = spec
         self.dtype = dtype
         self.device = device
-        self.is_batch_invariant, invariance_reason = _batch_invariance(deterministic, device, dtype)
+        self.is_batch_invariant, invariance_reason = _batch_invariance(deterministic, device, dtype, speculative=speculative)
         self.invariance_reason = invariance_reason
         if deterministic is True and not self.is_batch_invariant:
             logger.warning("deterministic: batch-invariant kernels unavailable, results may vary with the batch: %s", invariance_reason)
@@ -294,8 +295,12 @@ class LlamaModel:
         return self.lm_head(hidden, kernels, self.native_rows).float()
 
 
-def _batch_invariance(deterministic: bool | str, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether batch-invariant mode runs, and why (EngineConfig.deterministic: true, false or "auto")."""
+def _batch_invariance(deterministic: bool | str, device: torch.device, dtype: torch.dtype, *,
+                      speculative: bool = False) -> tuple[bool, str]:
+    """Whether batch-invariant mode runs, and why (EngineConfig.deterministic: true, false or "auto").
+    `speculative`: the engine verifies proposals, whose rows must compute as decode rows for greedy
+    output to be token-identical to decoding without speculation (auto turns the mode on for it
+    on AMX too)."""
     if deterministic is False:
         return False, "off (deterministic: false)"
     if device.type != "cpu":
@@ -312,6 +317,8 @@ def _batch_invariance(deterministic: bool | str, device: torch.device, dtype: to
         return False, "off (auto: fp32 runs the usual path; deterministic: true forces it)"
     if not kernels.has_packed_linear():
         return False, "off (auto: no AVX512-BF16 here, so no packed kernel; deterministic: true forces the slower one)"
+    if cpu_has_amx() and speculative:
+        return True, "on (auto: speculative decoding needs verify rows equal to decode rows; on AMX prefill pays for it)"
     if cpu_has_amx():
         return False, "off (auto: this CPU has AMX, whose oneDNN GEMM outruns the packed kernel on prefill; " \
                       "deterministic: true forces it)"

@@ -57,7 +57,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
     )
     t0 = time.monotonic()
     model = LlamaModel(
-        spec, load_state_dict(model_dir), dtype=dtype, device=device, deterministic=config.deterministic
+        spec, load_state_dict(model_dir), dtype=dtype, device=device, deterministic=config.deterministic,
+        speculative=config.speculative is not None,
     )
     logger.info(
         "loaded %s (%s, %d layers) in %.2fs; dtype: %s; kernels: %s%s; deterministic: %s", config.model,

@@ -152,27 +152,30 @@ class _Kernels:
 
 
 @pytest.mark.parametrize(
-    ("setting", "dtype", "packed", "amx", "on", "why"),
+    ("setting", "dtype", "packed", "amx", "speculative", "on", "why"),
     [
-        ("auto", torch.bfloat16, True, False, True, "on (auto: bf16 with AVX512-BF16 and no AMX"),
-        ("auto", torch.bfloat16, True, True, False, "off (auto: this CPU has AMX"),
-        ("auto", torch.bfloat16, False, False, False, "off (auto: no AVX512-BF16 here"),
-        ("auto", torch.float32, True, False, False, "off (auto: fp32 runs the usual path"),
-        (True, torch.bfloat16, True, True, True, "on (deterministic: true)"),
-        (True, torch.float32, False, False, True, "on (deterministic: true)"),
-        (False, torch.bfloat16, True, False, False, "off (deterministic: false)"),
-        ("auto", torch.float16, True, False, False, "off: the native linear kernel runs bf16 and fp32"),
+        ("auto", torch.bfloat16, True, False, False, True, "on (auto: bf16 with AVX512-BF16 and no AMX"),
+        ("auto", torch.bfloat16, True, True, False, False, "off (auto: this CPU has AMX"),
+        ("auto", torch.bfloat16, True, True, True, True, "on (auto: speculative decoding needs verify rows"),
+        ("auto", torch.bfloat16, False, False, True, False, "off (auto: no AVX512-BF16 here"),
+        ("auto", torch.float32, True, False, True, False, "off (auto: fp32 runs the usual path"),
+        (True, torch.bfloat16, True, True, False, True, "on (deterministic: true)"),
+        (True, torch.float32, False, False, False, True, "on (deterministic: true)"),
+        (False, torch.bfloat16, True, False, True, False, "off (deterministic: false)"),
+        ("auto", torch.float16, True, False, False, False, "off: the native linear kernel runs bf16 and fp32"),
     ],
 )
-def test_auto_is_on_only_where_it_was_measured_to_cost_nothing(monkeypatch, setting, dtype, packed, amx, on, why):
+def test_auto_is_on_only_where_it_was_measured_to_cost_nothing(monkeypatch, setting, dtype, packed, amx, speculative,
+                                                                on, why):
     """deterministic: auto (the default) turns the mode on for bf16 on a CPU with AVX512-BF16 and
-    no AMX (the packed kernel's cost there: docs/benchmarks.md); true forces it wherever the
-    kernels run, false never. The reason is what the engine logs and reports (stats)."""
+    no AMX (the packed kernel's cost there: docs/benchmarks.md), and on AMX too for an engine that
+    speculates (greedy output must equal decoding without it); true forces it wherever the kernels
+    run, false never. The reason is what the engine logs and reports (stats)."""
     from serving.engine import model as model_module
 
     monkeypatch.setattr(model_module, "native_kernels", lambda: _Kernels(packed))
     monkeypatch.setattr(model_module, "cpu_has_amx", lambda: amx)
-    got_on, got_why = model_module._batch_invariance(setting, torch.device("cpu"), dtype)
+    got_on, got_why = model_module._batch_invariance(setting, torch.device("cpu"), dtype, speculative=speculative)
     assert (got_on, got_why.startswith(why)) == (on, True), got_why
 
 
