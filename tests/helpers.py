@@ -74,13 +74,23 @@ def build_tiny_model(
     num_layers: int = 2,
     init_std: float = 0.15,
     vocab_size: int = 49152,
+    head_dim: int | None = None,
 ) -> Path:
     """A seeded random model with the default model's tokenizer (so text round-trips).
 
     The init std is larger than usual so next-token distributions are peaked: greedy
     comparisons then test the math, not which of two near-equal logits rounding favours.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     common = dict(
         vocab_size=vocab_size,
@@ -101,6 +111,14 @@ def build_tiny_model(
     torch.manual_seed(seed)
     if architecture == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif architecture == "qwen3":  # q/k norms; a head_dim that is not hidden / heads, as Qwen3's
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=head_dim or 2 * hidden_size // num_heads))
+        with torch.no_grad():  # norms start at ones: make the q/k norms' weights matter
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    elif architecture == "phi3":  # fused qkv_proj and gate_up_proj
+        model = Phi3ForCausalLM(Phi3Config(**common))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     model.save_pretrained(out_dir)

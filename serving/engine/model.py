@@ -1,4 +1,4 @@
-"""The Llama-family forward pass (Llama, SmolLM2, Qwen2, Mistral without sliding window).
+"""The Llama-family forward pass (Llama, SmolLM2, Qwen2, Qwen3, Mistral without sliding window, Phi-3).
 
     embed ─▶ [ RMSNorm ─▶ QKV (fused) ─▶ RoPE ─▶ write K/V to paged cache ─▶ paged attention
                ─▶ O proj ─▶ +residual ─▶ RMSNorm ─▶ gate|up (fused) ─▶ SiLU·up ─▶ down ─▶ +residual ] × L
@@ -108,6 +108,8 @@ class _Layer:
     post_norm: torch.Tensor
     gate_up: _Linear
     down: _Linear
+    q_norm: torch.Tensor | None = None  # Qwen3: [head_dim], applied to each query head before RoPE
+    k_norm: torch.Tensor | None = None
 
 
 class LlamaModel:
@@ -157,35 +159,27 @@ class LlamaModel:
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
             attn_bias = spec.attention_bias
+            if spec.fused_projections:  # Phi-3: the projections come fused, q|k|v and gate|up
+                qkv_weight, qkv_bias = take(p + "self_attn.qkv_proj.weight"), take(p + "self_attn.qkv_proj.bias", attn_bias)
+                gate_up_weight = take(p + "mlp.gate_up_proj.weight")
+                gate_up_bias = take(p + "mlp.gate_up_proj.bias", spec.mlp_bias)
+            else:
+                qkv_weight = cat(take(p + "self_attn.q_proj.weight"), take(p + "self_attn.k_proj.weight"),
+                                 take(p + "self_attn.v_proj.weight"))
+                qkv_bias = cat(take(p + "self_attn.q_proj.bias", attn_bias), take(p + "self_attn.k_proj.bias", attn_bias),
+                               take(p + "self_attn.v_proj.bias", attn_bias))
+                gate_up_weight = cat(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight"))
+                gate_up_bias = cat(take(p + "mlp.gate_proj.bias", spec.mlp_bias), take(p + "mlp.up_proj.bias", spec.mlp_bias))
             self.layers.append(
                 _Layer(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=_Linear(
-                        cat(
-                            take(p + "self_attn.q_proj.weight"),
-                            take(p + "self_attn.k_proj.weight"),
-                            take(p + "self_attn.v_proj.weight"),
-                        ),
-                        cat(
-                            take(p + "self_attn.q_proj.bias", attn_bias),
-                            take(p + "self_attn.k_proj.bias", attn_bias),
-                            take(p + "self_attn.v_proj.bias", attn_bias),
-                        ),
-                        pack=pack,
-                        invariant=invariant,
-                    ),
+                    qkv=_Linear(qkv_weight, qkv_bias, pack=pack, invariant=invariant),
                     o=_Linear(take(p + "self_attn.o_proj.weight"), take(p + "self_attn.o_proj.bias", False), pack=pack, invariant=invariant),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=_Linear(
-                        cat(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")),
-                        cat(
-                            take(p + "mlp.gate_proj.bias", spec.mlp_bias),
-                            take(p + "mlp.up_proj.bias", spec.mlp_bias),
-                        ),
-                        pack=pack,
-                        invariant=invariant,
-                    ),
+                    gate_up=_Linear(gate_up_weight, gate_up_bias, pack=pack, invariant=invariant),
                     down=_Linear(take(p + "mlp.down_proj.weight"), take(p + "mlp.down_proj.bias", spec.mlp_bias), pack=pack, invariant=invariant),
+                    q_norm=take(p + "self_attn.q_norm.weight") if spec.qk_norm else None,
+                    k_norm=take(p + "self_attn.k_norm.weight") if spec.qk_norm else None,
                 )
             )
         self.norm = take("model.norm.weight")
@@ -230,6 +224,14 @@ class LlamaModel:
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
         return weight * x32.to(x.dtype)
 
+    def _qk_norm(self, qkv: torch.Tensor, layer: _Layer) -> None:
+        """Qwen3: RMSNorm over each query and key head (head_dim), in place, before RoPE."""
+        num_tokens, spec = qkv.shape[0], self.spec
+        q = qkv[:, : self.q_size].view(num_tokens, spec.num_heads, spec.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        qkv[:, : self.q_size] = self._rms_norm(q, layer.q_norm).view(num_tokens, self.q_size)
+        qkv[:, self.q_size : self.q_size + self.kv_size] = self._rms_norm(k, layer.k_norm).view(num_tokens, self.kv_size)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -252,6 +254,8 @@ class LlamaModel:
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = kernels.add_rms_norm(h, delta, layer.input_norm, eps)  # h += delta
             qkv = layer.qkv(x, kernels, rows)
+            if layer.q_norm is not None:
+                self._qk_norm(qkv, layer)
             kernels.rope_cache_write(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, spec.num_heads)
             q = qkv[:, : self.q_size].view(num_tokens, spec.num_heads, spec.head_dim)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
@@ -275,6 +279,8 @@ class LlamaModel:
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = self._rms_norm(h, layer.input_norm)
             qkv = layer.qkv(x)
+            if layer.q_norm is not None:
+                self._qk_norm(qkv, layer)
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, qk_heads, spec.head_dim)
             qk = _apply_rope(qk, cos, sin)
             q = qk[:, : spec.num_heads]

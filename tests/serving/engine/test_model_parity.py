@@ -95,6 +95,10 @@ TINY_VARIANTS = {
         }
     ),
     "qwen2-bias": dict(architecture="qwen2", num_heads=4, num_kv_heads=2),
+    "qwen3-qk-norm": dict(architecture="qwen3", num_heads=4, num_kv_heads=2),
+    "qwen3-mqa-tied": dict(architecture="qwen3", num_heads=4, num_kv_heads=1, tie_word_embeddings=True, head_dim=16),
+    "phi3-fused": dict(architecture="phi3", num_heads=4, num_kv_heads=2),
+    "phi3-mha": dict(architecture="phi3", num_heads=4, num_kv_heads=4),
 }
 
 
@@ -124,7 +128,8 @@ def test_unknown_architecture_is_named(tmp_path, tiny_model_dir):
     config = json.loads((model_dir / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM"):
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                       "MistralForCausalLM, Phi3ForCausalLM"):
         LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_bytes=2**20))
 
 
@@ -174,3 +179,23 @@ def test_default_model_bf16_answers_and_tracks_fp32(default_model_dir):
             if x.token_id != y.token_id:
                 break
             assert abs(x.logprob - y.logprob) < 0.15
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'.*supported: silu"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}},
+         "partial_rotary_factor 0.75.*supported: 1.0"),
+    ],
+    ids=["hidden_act", "partial_rotary_factor"],
+)
+def test_a_config_the_engine_cannot_run_is_refused_naming_the_field(tmp_path, default_model_dir, change, named):
+    import json
+
+    model_dir = build_tiny_model(tmp_path / "phi3", default_model_dir, architecture="phi3")
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(change)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=named):
+        LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_bytes=2**20))
