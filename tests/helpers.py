@@ -75,6 +75,8 @@ def build_tiny_model(
     init_std: float = 0.15,
     vocab_size: int = 49152,
     head_dim: int | None = None,
+    sliding_window: int | None = None,
+    max_window_layers: int | None = None,
 ) -> Path:
     """A seeded random model with the default model's tokenizer (so text round-trips).
 
@@ -84,6 +86,8 @@ def build_tiny_model(
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         Phi3Config,
         Phi3ForCausalLM,
         Qwen2Config,
@@ -109,16 +113,22 @@ def build_tiny_model(
         rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
     )
     torch.manual_seed(seed)
+    window = {} if sliding_window is None else {"sliding_window": sliding_window}
+    if architecture in ("qwen2", "qwen3") and sliding_window is not None:
+        # Qwen windows the layers from max_window_layers on (layer_types), with use_sliding_window
+        window.update(use_sliding_window=True, max_window_layers=max_window_layers or 0)
     if architecture == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
+        model = Qwen2ForCausalLM(Qwen2Config(**common, **window))
+    elif architecture == "mistral":  # every layer windowed when sliding_window is set
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=sliding_window))
     elif architecture == "qwen3":  # q/k norms; a head_dim that is not hidden / heads, as Qwen3's
-        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=head_dim or 2 * hidden_size // num_heads))
+        model = Qwen3ForCausalLM(Qwen3Config(**common, **window, head_dim=head_dim or 2 * hidden_size // num_heads))
         with torch.no_grad():  # norms start at ones: make the q/k norms' weights matter
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     elif architecture == "phi3":  # fused qkv_proj and gate_up_proj
-        model = Phi3ForCausalLM(Phi3Config(**common))
+        model = Phi3ForCausalLM(Phi3Config(**common, **window))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     model.save_pretrained(out_dir)

@@ -48,6 +48,7 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,  # a sliding window: a token at position i sees keys i - window + 1 .. i; 0: all
 ) -> torch.Tensor:  # [T, heads * d]
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -59,23 +60,24 @@ def paged_attention(
         kernels = native_kernels() if q.device.type == "cpu" else None
         if kernels is not None:
             o = kernels.paged_decode_attention(
-                q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+                q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, window
             )
             out[:b] = o.view(b, num_heads * head_dim)
         else:
-            out[:b] = _decode_attention_torch(q[:b], k_cache, v_cache, meta, scale)
+            out[:b] = _decode_attention_torch(q[:b], k_cache, v_cache, meta, scale, window)
 
     for chunk in meta.prefills:
         n = chunk.q_len
         qc = q[chunk.q_start : chunk.q_start + n].transpose(0, 1).unsqueeze(0)  # [1, h, n, d]
         k = _gather(k_cache, chunk.block_ids[None])[:, :, : chunk.ctx_len]  # [1, kvh, L, d]
         v = _gather(v_cache, chunk.block_ids[None])[:, :, : chunk.ctx_len]
+        mask = _window_mask(chunk, window, q.device) if window and chunk.ctx_len > window else chunk.mask
         o = F.scaled_dot_product_attention(
             qc,
             k,
             v,
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=group > 1,
         )
@@ -83,14 +85,26 @@ def paged_attention(
     return out
 
 
-def _decode_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _window_mask(chunk: PrefillChunk, window: int, device: torch.device) -> torch.Tensor:
+    """[q_len, ctx_len] bool: causal within a sliding window. The chunk's queries are the last
+    q_len positions of its context."""
+    q_pos = torch.arange(chunk.ctx_len - chunk.q_len, chunk.ctx_len, device=device)[:, None]
+    k_pos = torch.arange(chunk.ctx_len, device=device)[None, :]
+    return (k_pos <= q_pos) & (k_pos > q_pos - window)
+
+
+def _decode_attention_torch(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     b, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     tables = meta.decode_block_tables
     k = _gather(k_cache, tables)
     v = _gather(v_cache, tables)
     positions = torch.arange(k.shape[2], device=q.device)
-    mask = (positions[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+    lens = meta.decode_context_lens[:, None]
+    visible = positions[None, :] < lens
+    if window:
+        visible &= positions[None, :] >= lens - window
+    mask = visible[:, None, None, :]
     # GQA without repeating K/V: the query heads sharing a KV head become query rows.
     qd = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
     o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)

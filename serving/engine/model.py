@@ -251,14 +251,14 @@ class LlamaModel:
         sin = self.sin.index_select(0, positions)
         delta = None
         rows = self.native_rows
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x = kernels.add_rms_norm(h, delta, layer.input_norm, eps)  # h += delta
             qkv = layer.qkv(x, kernels, rows)
             if layer.q_norm is not None:
                 self._qk_norm(qkv, layer)
             kernels.rope_cache_write(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, spec.num_heads)
             q = qkv[:, : self.q_size].view(num_tokens, spec.num_heads, spec.head_dim)
-            attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
+            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, spec.window(i))
             delta = layer.o(attn, kernels, rows)
             x = kernels.add_rms_norm(h, delta, layer.post_norm, eps)
             act = kernels.silu_mul(layer.gate_up(x, kernels, rows))
@@ -276,7 +276,7 @@ class LlamaModel:
         block_size = kv_caches[0][0].shape[2]
         write_blocks = meta.slot_mapping // block_size
         write_offsets = meta.slot_mapping % block_size
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x = self._rms_norm(h, layer.input_norm)
             qkv = layer.qkv(x)
             if layer.q_norm is not None:
@@ -288,7 +288,7 @@ class LlamaModel:
             v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, spec.num_kv_heads, spec.head_dim)
             k_cache[write_blocks, :, write_offsets] = k
             v_cache[write_blocks, :, write_offsets] = v
-            attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
+            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, spec.window(i))
             h = h + layer.o(attn)
             x = self._rms_norm(h, layer.post_norm)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)

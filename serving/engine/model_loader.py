@@ -170,6 +170,15 @@ class ModelSpec:
     hf_config: object  # transformers PretrainedConfig, for the rope init functions
     qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before RoPE
     fused_projections: bool = False  # Phi-3: one qkv_proj and one gate_up_proj weight per layer
+    # Per layer, the sliding window in tokens a position sees back (itself included); 0: all of them
+    layer_windows: tuple[int, ...] = ()
+
+    def window(self, layer: int) -> int:
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(self.layer_windows)
 
     @property
     def rope_type(self) -> str:
@@ -199,13 +208,7 @@ def load_model_spec(model_dir: Path) -> ModelSpec:
             f"unsupported rope_type {rope_type!r} in {model_dir}; "
             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", arch == "MistralForCausalLM")
-    if window and uses_window and window < config.max_position_embeddings:
-        raise ModelLoadError(
-            f"{arch} with an active sliding window ({window}) is not supported; "
-            "set sliding_window to null or use_sliding_window to false"
-        )
+    layer_windows = _layer_windows(arch, config)
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise ModelLoadError(f"unsupported hidden_act {act!r} in {model_dir}/config.json; supported: silu")
@@ -240,8 +243,24 @@ def load_model_spec(model_dir: Path) -> ModelSpec:
         eos_token_ids=tuple(dict.fromkeys(eos)),
         hf_config=config,
         qk_norm=arch == "Qwen3ForCausalLM",
+        layer_windows=layer_windows,
         fused_projections=arch == "Phi3ForCausalLM",
     )
+
+
+def _layer_windows(arch: str, config) -> tuple[int, ...]:
+    """Each layer's sliding window as transformers runs it (0: full attention). Mistral and Phi-3
+    window every layer when sliding_window is set; Qwen2/Qwen3 the layers their layer_types call
+    "sliding_attention" (sliding_window is set only with use_sliding_window). A window as long as
+    the context changes nothing and counts as none."""
+    window = getattr(config, "sliding_window", None) or 0
+    layers = config.num_hidden_layers
+    if not window or window >= config.max_position_embeddings:
+        return (0,) * layers
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        types = getattr(config, "layer_types", None) or ["full_attention"] * layers
+        return tuple(window if kind == "sliding_attention" else 0 for kind in types)
+    return (window,) * layers
 
 
 def _as_list(value) -> list[int]:

@@ -96,7 +96,7 @@ template <typename T, int D>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                    const int64_t* lens, T* out, int64_t num_seqs, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim_rt, int64_t block_size,
-                   int64_t max_blocks, float scale) {
+                   int64_t max_blocks, float scale, int64_t window) {
   const int64_t head_dim = D > 0 ? D : head_dim_rt;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t head_stride = block_size * head_dim;
@@ -107,13 +107,16 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
     for (int64_t work = begin; work < end; ++work) {
       const int64_t b = work / num_kv_heads, h = work % num_kv_heads;
       const int64_t len = lens[b];
+      // A sliding window: the query (position len - 1) sees keys len - window .. len - 1 only.
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t* table = tables + b * max_blocks;
       for (int64_t j = 0; j < group; ++j)
         for (int64_t e = 0; e < head_dim; ++e)
           qf[j * head_dim + e] = to_float(q[(b * num_heads + h * group + j) * head_dim + e]) * scale;
       scores.assign(group * len, 0.f);
       const int64_t num_blocks = (len + block_size - 1) / block_size;
-      int64_t blk = 0;
+      const int64_t first_blk = first / block_size;  // blocks before it are never read (may be freed)
+      int64_t blk = first_blk;
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (block_size == 16 && head_dim % 32 == 0) {
@@ -152,11 +155,11 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       for (int64_t j = 0; j < group; ++j) {
         float* sj = scores.data() + j * len;
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t l = 0; l < len; ++l) m = std::max(m, sj[l]);
+        for (int64_t l = first; l < len; ++l) m = std::max(m, sj[l]);
         float sum = 0.f;
-        for (int64_t l = 0; l < len; ++l) { sj[l] = fast_exp(sj[l] - m); sum += sj[l]; }
+        for (int64_t l = first; l < len; ++l) { sj[l] = fast_exp(sj[l] - m); sum += sj[l]; }
         const float inv = 1.f / sum;
-        for (int64_t l = 0; l < len; ++l) sj[l] *= inv;
+        for (int64_t l = first; l < len; ++l) sj[l] *= inv;
       }
       // One query head at a time, so its accumulator row stays in registers (D is a constant
       // for the common head sizes); the V rows it re-reads are in cache by the second head.
@@ -165,12 +168,12 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
         float* accj = D > 0 ? aj : acc.data() + j * head_dim;
         for (int64_t e = 0; e < head_dim; ++e) accj[e] = 0.f;
         const float* pj = scores.data() + j * len;
-        for (int64_t blk = 0; blk < num_blocks; ++blk) {
+        for (int64_t blk = first_blk; blk < num_blocks; ++blk) {
           const T* base = v_cache + table[blk] * block_stride + h * head_stride;
           if (j == 0 && blk + 1 < num_blocks)  // the later heads find these rows in cache
             prefetch(v_cache + table[blk + 1] * block_stride + h * head_stride, head_stride * sizeof(T));
           const int64_t rows = std::min(block_size, len - blk * block_size);
-          for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t r = blk == first_blk ? first - blk * block_size : 0; r < rows; ++r) {
             const float p = pj[blk * block_size + r];
             const T* vrow = base + r * head_dim;
             for (int64_t e = 0; e < head_dim; ++e) accj[e] += p * to_float(vrow[e]);
@@ -191,7 +194,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 // block_tables: [B, max_blocks] int64; context_lens: [B] int64. Returns [B, heads, d].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens,
-                                     double scale) {
+                                     double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [B, heads, d], cache [blocks, kvh, bs, d]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(q.size(2) == k_cache.size(3), "head_dim mismatch");
@@ -208,7 +211,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
              block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
              out.data_ptr<scalar_t>(), q.size(0), q.size(1), k_cache.size(1), d, k_cache.size(2),
-             block_tables.size(1), static_cast<float>(scale));
+             block_tables.size(1), static_cast<float>(scale), window);
     };
     if (d == 64) run(decode_kernel<scalar_t, 64>);
     else if (d == 128) run(decode_kernel<scalar_t, 128>);
@@ -660,7 +663,9 @@ torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor w, c10::optional<tor
 // with the engine's step thread, and must not wait for a kernel.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using no_gil = py::call_guard<py::gil_scoped_release>;
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache", no_gil());
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("window") = 0, no_gil());
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm", no_gil());
   m.def("rope_cache_write", &rope_cache_write, "RoPE on q/k in place + K/V cache write", no_gil());
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up", no_gil());

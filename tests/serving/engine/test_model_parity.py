@@ -99,6 +99,12 @@ TINY_VARIANTS = {
     "qwen3-mqa-tied": dict(architecture="qwen3", num_heads=4, num_kv_heads=1, tie_word_embeddings=True, head_dim=16),
     "phi3-fused": dict(architecture="phi3", num_heads=4, num_kv_heads=2),
     "phi3-mha": dict(architecture="phi3", num_heads=4, num_kv_heads=4),
+    # sliding windows shorter than the prompts and the 64 tokens generated (300 + 64 positions)
+    "mistral-window-24": dict(architecture="mistral", sliding_window=24),
+    "mistral-window-100": dict(architecture="mistral", sliding_window=100, num_kv_heads=1),
+    "qwen2-window-layer-1": dict(architecture="qwen2", sliding_window=20, max_window_layers=1),
+    "qwen3-window-all": dict(architecture="qwen3", sliding_window=33, max_window_layers=0),
+    "phi3-window-40": dict(architecture="phi3", sliding_window=40),
 }
 
 
@@ -199,3 +205,32 @@ def test_a_config_the_engine_cannot_run_is_refused_naming_the_field(tmp_path, de
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=named):
         LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_bytes=2**20))
+
+
+@pytest.mark.parametrize("placement", ["chunked", "prefix-cached", "deterministic"])
+def test_sliding_window_holds_across_chunks_and_the_prefix_cache(tmp_path, default_model_dir, placement):
+    """A windowed model (Mistral, window 24) prefilled 13 tokens a step, or reading 288 of its 300
+    prompt tokens from the prefix cache, gives transformers' greedy tokens: each chunk's mask and
+    each decode row see exactly the window, wherever the keys came from. In batch-invariant mode
+    every token attends through the decode kernel's window."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = build_tiny_model(tmp_path / "mistral", default_model_dir, architecture="mistral", sliding_window=24)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 49152, (300,), generator=gen).tolist()
+    expected, _ = hf_greedy(hf, prompt, 32)
+    config = dict(model=str(model_dir), dtype="float32", kv_cache_bytes=8 * 2**20)
+    if placement == "chunked":
+        engine = LLMEngine(EngineConfig(**config, max_num_batched_tokens=13))
+    elif placement == "prefix-cached":
+        engine = LLMEngine(EngineConfig(**config))
+        engine_greedy(engine, [prompt[:290] + [7] * 10], 1)
+        hits = engine.stats().prefix_cache_hit_tokens
+        assert engine_greedy(engine, [prompt], 32)[0] == expected
+        assert engine.stats().prefix_cache_hit_tokens - hits == 288  # 18 full blocks of 16
+        return
+    else:
+        engine = LLMEngine(EngineConfig(**config, deterministic=True))
+        assert engine.model.is_batch_invariant
+    assert engine_greedy(engine, [prompt], 32)[0] == expected
