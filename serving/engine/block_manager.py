@@ -199,9 +199,30 @@ class BlockManager:
         del seq.block_ids[keep:]
         return len(tail)
 
+    def release_before(self, seq: Sequence, position: int) -> int:
+        """A sliding window: give back `seq`'s leading blocks that hold only positions before
+        `position` (no query of it will read them again). Their table entries stay, so a block's
+        index is still its positions; attention never reads them (attention.py). A hashed block
+        stays cached, as any freed one. The number given back."""
+        keep_from = min(position // self.block_size, seq.num_committed_blocks if self.enable_prefix_caching
+                        else len(seq.block_ids))
+        released = 0
+        for i in range(seq.num_released_blocks, keep_from):
+            block = self.blocks[seq.block_ids[i]]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"double free of {block}"
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block.block_id, last=False)
+            released += 1
+        seq.num_released_blocks = max(seq.num_released_blocks, keep_from)
+        return released
+
     def fork(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
         """Share `parent`'s first `num_blocks` (fully computed) blocks with `child`."""
         assert not child.block_ids and num_blocks <= parent.num_computed_tokens // self.block_size
+        assert parent.num_released_blocks == 0, f"{parent}: forking after its window released blocks"
         for block_id in parent.block_ids[:num_blocks]:
             self.blocks[block_id].ref_count += 1
             child.block_ids.append(block_id)
@@ -215,7 +236,7 @@ class BlockManager:
         num_hits = seq.num_cached_tokens // self.block_size
         empty: list[int] = []
         cold: list[int] = []  # tail first
-        for i in range(len(seq.block_ids) - 1, -1, -1):
+        for i in range(len(seq.block_ids) - 1, seq.num_released_blocks - 1, -1):
             block_id = seq.block_ids[i]
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -231,4 +252,5 @@ class BlockManager:
         seq.block_ids = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
+        seq.num_released_blocks = 0
 

@@ -74,6 +74,8 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of full blocks, in order
     num_committed_blocks: int = 0  # leading blocks whose KV is computed and registered by hash
+    # leading blocks given back as a sliding window moved past them (their table entries stay, unread)
+    num_released_blocks: int = 0
     num_preemptions: int = 0
     pending_import: KVPayload | None = None
     # hold_kv: where its payload is read out when it finishes (a shared-memory arena range,

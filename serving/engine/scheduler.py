@@ -73,8 +73,10 @@ class Scheduler:
         max_queue_wait_s: float | None = None,
         priority_aging_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,  # the clock of Sequence.arrival_time
+        sliding_window: int = 0,  # every layer's window (the least); 0: none, blocks are kept to the end
     ):
         self.block_manager = block_manager
+        self.sliding_window = sliding_window
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold
@@ -110,6 +112,10 @@ class Scheduler:
             seq = self.running[i]
             left = seq.num_tokens - seq.num_computed_tokens
             assert left > 0, f"{seq} is running with nothing to compute"
+            if self.sliding_window and not seq.hold_kv:
+                # Its next queries (from num_computed_tokens on) see keys from here: the blocks
+                # before go back to the pool (an exported sequence keeps its whole prompt).
+                bm.release_before(seq, seq.num_computed_tokens - self.sliding_window + 1)
             if seq.spec_token_ids:
                 assert left == 1, f"{seq} has proposed tokens but is not decoding"
                 num_new = min(1 + len(seq.spec_token_ids), budget)

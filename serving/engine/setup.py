@@ -84,7 +84,14 @@ def build_parts(config: EngineConfig) -> EngineParts:
         num_blocks, config.block_size, capacity, bytes_per_token, kv_cache.num_bytes / 2**20,
     )
     max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-    if capacity < max_model_len:
+    window = min(spec.layer_windows) if spec.layer_windows and all(spec.layer_windows) else 0
+    # With every layer windowed a sequence holds at most its window, one step's chunk and a block
+    # at each end (the rest go back as the window moves: BlockManager.release_before).
+    held = window + config.max_num_batched_tokens + 2 * config.block_size if window else max_model_len
+    if window:
+        logger.info("sliding window of %d tokens in every layer: a sequence holds at most %d tokens of KV "
+                    "(window + one step's %d + 2 blocks)", window, min(held, max_model_len), config.max_num_batched_tokens)
+    if capacity < min(held, max_model_len):
         logger.warning("KV cache holds %d tokens, less than the context window %d: capping it", capacity, max_model_len)
         max_model_len = capacity
     return EngineParts(config, device, spec, tokenizer, dtype_choice, kernels, model, kv_cache, bytes_per_token, max_model_len)

@@ -234,3 +234,31 @@ def test_sliding_window_holds_across_chunks_and_the_prefix_cache(tmp_path, defau
         engine = LLMEngine(EngineConfig(**config, deterministic=True))
         assert engine.model.is_batch_invariant
     assert engine_greedy(engine, [prompt], 32)[0] == expected
+
+
+def test_a_windowed_model_keeps_only_its_window_of_blocks(tmp_path, default_model_dir):
+    """Every layer windowed (Mistral, 24 tokens): a sequence gives back the blocks its window has
+    passed, so a 300-token prompt and 64 generated tokens run in a KV cache of 8 blocks (128
+    tokens), prefilled 32 tokens a step, with transformers' greedy tokens; the context window is
+    not capped to the cache, and every block is free at the end."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = build_tiny_model(tmp_path / "mistral", default_model_dir, architecture="mistral", sliding_window=24)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prompt = torch.randint(3, 49152, (300,), generator=torch.Generator().manual_seed(9)).tolist()
+    expected, _ = hf_greedy(hf, prompt, 64)
+    # 2 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 512 bytes a token: 8 blocks of 16
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_bytes=8 * 16 * 512,
+                                    max_num_batched_tokens=32))
+    assert engine.stats().num_blocks == 8 and engine.max_model_len == 2048
+    engine.add_request("w", params=SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), prompt_token_ids=prompt)
+    got, most_used = [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got += out.outputs[0].token_ids
+        stats = engine.stats()
+        most_used = max(most_used, stats.num_blocks - stats.num_free_blocks)
+    assert got == expected
+    assert engine.stats().num_preemptions == 0
+    assert most_used <= 5  # (24 + 32) / 16 rounded up, plus the block a window starts in
+    assert engine.stats().num_free_blocks == 8
