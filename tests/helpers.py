@@ -84,6 +84,10 @@ def build_tiny_model(
     comparisons then test the math, not which of two near-equal logits rounding favours.
     """
     from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -119,6 +123,24 @@ def build_tiny_model(
         window.update(use_sliding_window=True, max_window_layers=max_window_layers or 0)
     if architecture == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, **window))
+    elif architecture in ("gemma2", "gemma3"):
+        # sliding and full layers interleaved (every third full), query_pre_attn_scalar unlike
+        # head_dim; Gemma 2 soft-caps scores and logits; Gemma 3 has q/k norms and a RoPE base per
+        # layer type
+        gemma = dict(
+            common, head_dim=head_dim or 32, sliding_window=sliding_window or 24, query_pre_attn_scalar=20,
+            layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(num_layers)],
+        )
+        if architecture == "gemma2":
+            model = Gemma2ForCausalLM(Gemma2Config(**gemma, attn_logit_softcapping=8.0, final_logit_softcapping=6.0))
+        else:
+            gemma["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+            model = Gemma3ForCausalLM(Gemma3TextConfig(**gemma))
+        with torch.no_grad():  # Gemma's norms scale by 1 + w and start at w = 0: make them matter
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(-0.5, 0.5)
     elif architecture == "mistral":  # every layer windowed when sliding_window is set
         model = MistralForCausalLM(MistralConfig(**common, sliding_window=sliding_window))
     elif architecture == "qwen3":  # q/k norms; a head_dim that is not hidden / heads, as Qwen3's

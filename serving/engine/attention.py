@@ -49,7 +49,10 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int = 0,  # a sliding window: a token at position i sees keys i - window + 1 .. i; 0: all
+    softcap: float = 0.0,  # Gemma 2: scores -> tanh(scores / softcap) * softcap before the softmax
 ) -> torch.Tensor:  # [T, heads * d]
+    if softcap:
+        return _softcapped_attention(q, k_cache, v_cache, meta, scale, window, softcap)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -82,6 +85,44 @@ def paged_attention(
             enable_gqa=group > 1,
         )
         out[chunk.q_start : chunk.q_start + n] = o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
+    return out
+
+
+def _softcapped_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int,
+                          softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores (Gemma 2), explicitly, as transformers' eager attention:
+    scores = tanh(q.k * scale / softcap) * softcap, masked, softmax in fp32. Decode rows and
+    prefill chunks alike, each over its gathered context."""
+    num_tokens, num_heads, head_dim = q.shape
+    group = num_heads // k_cache.shape[1]
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+
+    def attend(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        # rows [n, h, d]; k, v [kvh, L, d]; visible [n, L]
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+        scores = torch.einsum("nhd,hld->hnl", rows, k) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        return torch.einsum("hnl,hld->nhd", probs, v).reshape(rows.shape[0], num_heads * head_dim)
+
+    for b in range(meta.num_decode_tokens):
+        length = int(meta.decode_context_lens[b])
+        k = _gather(k_cache, meta.decode_block_tables[b : b + 1])[0, :, :length]
+        v = _gather(v_cache, meta.decode_block_tables[b : b + 1])[0, :, :length]
+        positions = torch.arange(length, device=q.device)
+        visible = (positions >= length - window if window else positions >= 0)[None]
+        out[b] = attend(q[b : b + 1], k, v, visible)[0]
+    for chunk in meta.prefills:
+        k = _gather(k_cache, chunk.block_ids[None])[0, :, : chunk.ctx_len]
+        v = _gather(v_cache, chunk.block_ids[None])[0, :, : chunk.ctx_len]
+        q_pos = torch.arange(chunk.ctx_len - chunk.q_len, chunk.ctx_len, device=q.device)[:, None]
+        k_pos = torch.arange(chunk.ctx_len, device=q.device)[None, :]
+        visible = k_pos <= q_pos
+        if window:
+            visible &= k_pos > q_pos - window
+        out[chunk.q_start : chunk.q_start + chunk.q_len] = attend(q[chunk.q_start : chunk.q_start + chunk.q_len], k, v, visible)
     return out
 
 

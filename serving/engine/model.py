@@ -108,8 +108,10 @@ class _Layer:
     post_norm: torch.Tensor
     gate_up: _Linear
     down: _Linear
-    q_norm: torch.Tensor | None = None  # Qwen3: [head_dim], applied to each query head before RoPE
+    q_norm: torch.Tensor | None = None  # Qwen3, Gemma 3: [head_dim], applied to each query head before RoPE
     k_norm: torch.Tensor | None = None
+    pre_ff_norm: torch.Tensor | None = None  # Gemma: before the MLP (post_norm is then after attention)
+    post_ff_norm: torch.Tensor | None = None  # Gemma: after the MLP
 
 
 class LlamaModel:
@@ -127,6 +129,8 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device
         self.is_batch_invariant, invariance_reason = _batch_invariance(deterministic, device, dtype, speculative=speculative)
+        if spec.family == "gemma" and self.is_batch_invariant:
+            self.is_batch_invariant, invariance_reason = False, "off: Gemma runs the PyTorch path, not the native kernels"
         self.invariance_reason = invariance_reason
         if deterministic is True and not self.is_batch_invariant:
             logger.warning("deterministic: batch-invariant kernels unavailable, results may vary with the batch: %s", invariance_reason)
@@ -141,6 +145,14 @@ class LlamaModel:
                     raise ModelLoadError(f"weight {name!r} missing from {spec.path}")
                 return None
             return tensor.to(device=device, dtype=dtype).contiguous()
+
+        gemma = spec.family == "gemma"
+
+        def norm(name: str) -> torch.Tensor:
+            """A norm's weight; Gemma's scale by (1 + w), in fp32 (Gemma3RMSNorm)."""
+            if not gemma:
+                return take(name)
+            return 1.0 + state_dict.pop(name).to(device=device, dtype=torch.float32)
 
         def cat(*tensors: torch.Tensor | None) -> torch.Tensor | None:
             if all(t is None for t in tensors):
@@ -172,20 +184,30 @@ class LlamaModel:
                 gate_up_bias = cat(take(p + "mlp.gate_proj.bias", spec.mlp_bias), take(p + "mlp.up_proj.bias", spec.mlp_bias))
             self.layers.append(
                 _Layer(
-                    input_norm=take(p + "input_layernorm.weight"),
+                    input_norm=norm(p + "input_layernorm.weight"),
                     qkv=_Linear(qkv_weight, qkv_bias, pack=pack, invariant=invariant),
                     o=_Linear(take(p + "self_attn.o_proj.weight"), take(p + "self_attn.o_proj.bias", False), pack=pack, invariant=invariant),
-                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    post_norm=norm(p + "post_attention_layernorm.weight"),
                     gate_up=_Linear(gate_up_weight, gate_up_bias, pack=pack, invariant=invariant),
                     down=_Linear(take(p + "mlp.down_proj.weight"), take(p + "mlp.down_proj.bias", spec.mlp_bias), pack=pack, invariant=invariant),
-                    q_norm=take(p + "self_attn.q_norm.weight") if spec.qk_norm else None,
-                    k_norm=take(p + "self_attn.k_norm.weight") if spec.qk_norm else None,
+                    q_norm=norm(p + "self_attn.q_norm.weight") if spec.qk_norm else None,
+                    k_norm=norm(p + "self_attn.k_norm.weight") if spec.qk_norm else None,
+                    pre_ff_norm=norm(p + "pre_feedforward_layernorm.weight") if gemma else None,
+                    post_ff_norm=norm(p + "post_feedforward_layernorm.weight") if gemma else None,
                 )
             )
-        self.norm = take("model.norm.weight")
+        self.norm = norm("model.norm.weight")
         lm_head = take("lm_head.weight", required=not spec.tie_word_embeddings)
         self.lm_head = _Linear(self.embed if lm_head is None else lm_head, None, pack=pack, invariant=invariant)
-        self.cos, self.sin = _rope_tables(spec, device, dtype)
+        if spec.layer_rope_types:  # Gemma 3: a table per layer type (local and global bases)
+            tables = {t: _rope_tables(spec, device, dtype, t) for t in set(spec.layer_rope_types)}
+            self.layer_rope = [tables[t] for t in spec.layer_rope_types]
+            self.cos, self.sin = self.layer_rope[0]
+        else:
+            self.cos, self.sin = _rope_tables(spec, device, dtype)
+            self.layer_rope = [(self.cos, self.sin)] * spec.num_layers
+        if spec.query_scale is not None:
+            self.scale = spec.query_scale
         if self.is_batch_invariant:
             self.linear_choice = LinearChoice(sys.maxsize, "batch-invariant mode: every row count, one summation order")
         else:
@@ -240,6 +262,8 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
+        if self.spec.family == "gemma":
+            return self._forward_gemma(input_ids, positions, kv_caches, meta)
         kernels = native_kernels() if self.device.type == "cpu" else None
         if kernels is None:
             return self._forward_torch(input_ids, positions, kv_caches, meta)
@@ -295,10 +319,54 @@ class LlamaModel:
             h = h + layer.down(F.silu(gate) * up)
         return self._rms_norm(h, self.norm)
 
+    def _gemma_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Gemma3RMSNorm: normalise and scale in fp32 (weight is 1 + w already), then round."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        return (x32 * weight).to(x.dtype)
+
+    def _forward_gemma(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        """Gemma 2/3 (transformers' Gemma3DecoderLayer): a norm before and after attention and
+        before and after the MLP, GeGLU, the embedding times sqrt(hidden) in the model dtype, q/k
+        norms (Gemma 3), a RoPE table per layer type (Gemma 3), sliding layers interleaved, and
+        soft-capped attention scores (Gemma 2). PyTorch ops, the paged attention of attention.py."""
+        spec = self.spec
+        num_tokens = input_ids.shape[0]
+        h = F.embedding(input_ids, self.embed) * torch.tensor(spec.hidden_size**0.5, dtype=self.dtype)
+        qk_heads = spec.num_heads + spec.num_kv_heads
+        block_size = kv_caches[0][0].shape[2]
+        write_blocks = meta.slot_mapping // block_size
+        write_offsets = meta.slot_mapping % block_size
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            cos_table, sin_table = self.layer_rope[i]
+            cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
+            x = self._gemma_norm(h, layer.input_norm)
+            qkv = layer.qkv(x)
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, qk_heads, spec.head_dim)
+            if layer.q_norm is not None:
+                qk = torch.cat((self._gemma_norm(qk[:, : spec.num_heads], layer.q_norm),
+                                self._gemma_norm(qk[:, spec.num_heads :], layer.k_norm)), dim=1)
+            qk = _apply_rope(qk, cos, sin)
+            q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
+            v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, spec.num_kv_heads, spec.head_dim)
+            k_cache[write_blocks, :, write_offsets] = k
+            v_cache[write_blocks, :, write_offsets] = v
+            attn = paged_attention(q.contiguous(), k_cache, v_cache, meta, self.scale, spec.window(i),
+                                   softcap=spec.attn_softcap or 0.0)
+            h = h + self._gemma_norm(layer.o(attn), layer.post_norm)
+            x = self._gemma_norm(h, layer.pre_ff_norm)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + self._gemma_norm(layer.down(F.gelu(gate, approximate="tanh") * up), layer.post_ff_norm)
+        return self._gemma_norm(h, self.norm)
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         kernels = native_kernels() if self.device.type == "cpu" else None
-        return self.lm_head(hidden, kernels, self.native_rows).float()
+        logits = self.lm_head(hidden, kernels, self.native_rows)
+        cap = self.spec.final_softcap
+        if cap:  # Gemma 2: logits soft-capped to (-cap, cap), in the model dtype as transformers does
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
 
 def _batch_invariance(deterministic: bool | str, device: torch.device, dtype: torch.dtype, *,
@@ -348,20 +416,23 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def _rope_tables(spec: ModelSpec, device: torch.device, dtype: torch.dtype):
-    """cos/sin for every position, [max_pos, head_dim], from transformers' rope init functions."""
+def _rope_tables(spec: ModelSpec, device: torch.device, dtype: torch.dtype, layer_type: str | None = None):
+    """cos/sin for every position, [max_pos, head_dim], from transformers' rope init functions
+    (`layer_type`: Gemma 3's rope_parameters of that layer type)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     config = spec.hf_config
-    rope_type = spec.rope_type
+    params = config.rope_parameters[layer_type] if layer_type else config.rope_parameters
+    rope_type = params.get("rope_type", "default") if layer_type else spec.rope_type
     if rope_type == "default":
-        base = config.rope_parameters["rope_theta"]
+        base = params["rope_theta"]
         inv_freq = 1.0 / (
             base ** (torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim)
         )
         attention_scaling = 1.0
     else:
-        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        extra = {"layer_type": layer_type} if layer_type else {}
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **extra)
     positions = torch.arange(spec.max_position_embeddings, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq.float()[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)

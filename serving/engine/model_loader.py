@@ -51,7 +51,9 @@ BUILTIN_MODELS = {
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM",
 )
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
@@ -172,6 +174,14 @@ class ModelSpec:
     fused_projections: bool = False  # Phi-3: one qkv_proj and one gate_up_proj weight per layer
     # Per layer, the sliding window in tokens a position sees back (itself included); 0: all of them
     layer_windows: tuple[int, ...] = ()
+    # Gemma 2/3: norms scale by (1 + w) around both blocks, GeGLU, the embedding scaled by
+    # sqrt(hidden), queries by query_pre_attn_scalar ** -0.5, logits soft-capped where configured,
+    # and (Gemma 3) a RoPE base per layer type
+    family: str = "llama"  # "llama" | "gemma"
+    query_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    layer_rope_types: tuple[str, ...] = ()  # Gemma 3: each layer's key into rope_parameters
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
@@ -202,16 +212,21 @@ def load_model_spec(model_dir: Path) -> ModelSpec:
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     params = getattr(config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(
-            f"unsupported rope_type {rope_type!r} in {model_dir}; "
-            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
+    # Gemma 3 keeps one rope_parameters per layer type; everything else one for every layer
+    per_type = {k: v for k, v in params.items() if isinstance(v, dict)}
+    for rope_params in per_type.values() or [params]:
+        rope_type = rope_params.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelLoadError(
+                f"unsupported rope_type {rope_type!r} in {model_dir}; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
     layer_windows = _layer_windows(arch, config)
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise ModelLoadError(f"unsupported hidden_act {act!r} in {model_dir}/config.json; supported: silu")
+    gemma = arch in GEMMA_ARCHITECTURES
+    act_field, supported_act = ("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu")
+    act = getattr(config, act_field, supported_act)
+    if act != supported_act:
+        raise ModelLoadError(f"unsupported {act_field} {act!r} in {model_dir}/config.json; supported: {supported_act}")
     partial = params.get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         raise ModelLoadError(
@@ -242,8 +257,13 @@ def load_model_spec(model_dir: Path) -> ModelSpec:
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         eos_token_ids=tuple(dict.fromkeys(eos)),
         hf_config=config,
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
         layer_windows=layer_windows,
+        family="gemma" if gemma else "llama",
+        query_scale=config.query_pre_attn_scalar ** -0.5 if gemma else None,
+        attn_softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
+        final_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
+        layer_rope_types=tuple(config.layer_types) if per_type else (),
         fused_projections=arch == "Phi3ForCausalLM",
     )
 
@@ -251,13 +271,14 @@ def load_model_spec(model_dir: Path) -> ModelSpec:
 def _layer_windows(arch: str, config) -> tuple[int, ...]:
     """Each layer's sliding window as transformers runs it (0: full attention). Mistral and Phi-3
     window every layer when sliding_window is set; Qwen2/Qwen3 the layers their layer_types call
-    "sliding_attention" (sliding_window is set only with use_sliding_window). A window as long as
-    the context changes nothing and counts as none."""
+    "sliding_attention" (sliding_window is set only with use_sliding_window), and Gemma 2/3 theirs
+    (sliding and full layers interleaved). A window as long as the context changes nothing and
+    counts as none."""
     window = getattr(config, "sliding_window", None) or 0
     layers = config.num_hidden_layers
     if not window or window >= config.max_position_embeddings:
         return (0,) * layers
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", *GEMMA_ARCHITECTURES):
         types = getattr(config, "layer_types", None) or ["full_attention"] * layers
         return tuple(window if kind == "sliding_attention" else 0 for kind in types)
     return (window,) * layers

@@ -105,6 +105,9 @@ TINY_VARIANTS = {
     "qwen2-window-layer-1": dict(architecture="qwen2", sliding_window=20, max_window_layers=1),
     "qwen3-window-all": dict(architecture="qwen3", sliding_window=33, max_window_layers=0),
     "phi3-window-40": dict(architecture="phi3", sliding_window=40),
+    "gemma2-softcap": dict(architecture="gemma2", num_layers=3),
+    "gemma3-local-global": dict(architecture="gemma3", num_layers=3),
+    "gemma3-mqa-window-100": dict(architecture="gemma3", num_layers=3, num_kv_heads=1, sliding_window=100),
 }
 
 
@@ -135,7 +138,7 @@ def test_unknown_architecture_is_named(tmp_path, tiny_model_dir):
     config["architectures"] = ["GPT2LMHeadModel"]
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-                       "MistralForCausalLM, Phi3ForCausalLM"):
+                       "MistralForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM"):
         LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_bytes=2**20))
 
 
