@@ -11,7 +11,22 @@ from serving.engine.strict import StrictModel
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EngineConfig", "SpeculativeConfig"]
+__all__ = ["EngineConfig", "LoRAConfig", "SpeculativeConfig"]
+
+
+class LoRAConfig(StrictModel):
+    """Multi-LoRA (lora.py): PEFT adapters over the base model, mixed in one batch."""
+
+    adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="Adapter name -> local PEFT directory (adapter_config.json, adapter_model.safetensors). "
+        "A request names its adapter (LLMEngine.add_request(lora_name=...)); it is read on first use.",
+    )
+    max_loras: int = Field(
+        4, ge=1, le=1024,
+        description="Adapters resident at once; the least recently used one no running request uses is "
+        "evicted for a new one.",
+    )
 
 
 class SpeculativeConfig(StrictModel):
@@ -196,6 +211,9 @@ class EngineConfig(StrictModel):
         "decode 1.1-1.36x the usual path's speed: docs/benchmarks.md), and on AMX too when this engine speculates "
         "(greedy output equal to decoding without speculation needs it); off elsewhere (fp32, CUDA, AVX2, and "
         "AMX, whose oneDNN GEMM outruns the native kernel on prefill). true forces it, false turns it off.",
+    )
+    lora: LoRAConfig | None = Field(
+        None, description="Multi-LoRA serving: adapters over this base model, mixed in one batch. null: off.",
     )
     speculative: SpeculativeConfig | None = Field(
         None,

@@ -53,6 +53,7 @@ from serving.engine.grammar import GrammarCompiler, GrammarMatcher, PendingGramm
 from serving.engine.held_kv import HeldKV
 from serving.engine.kv_events import KVEvent
 from serving.engine.kv_payload import KVLayout, KVPayload
+from serving.engine.lora import LoRAManager
 from serving.engine.model_runner import ModelRunner
 from serving.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob, merge_outputs
 from serving.engine.params import SamplingParams
@@ -121,6 +122,8 @@ class LLMEngine:
             sliding_window=min(spec.layer_windows) if spec.layer_windows and all(spec.layer_windows) else 0,
         )
         self.runner = ModelRunner(self.model, self.kv_cache)
+        self.loras = LoRAManager(config.lora.adapters, config.lora.max_loras, spec, self.model.dtype,
+                                 self.device) if config.lora is not None else None
         self.vocab_size = self.model.vocab_size
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
         # Speculative decoding (speculative.py); None: off, every sequence decodes one token a step
@@ -163,8 +166,11 @@ class LLMEngine:
         export_into: torch.Tensor | None = None,
         export_until: float | None = None,
         keep_cached: bool = True,
+        lora_name: str | None = None,
     ) -> int:
         """Validate and queue a request; returns its prompt length.
+
+        `lora_name`: the LoRA adapter (EngineConfig.lora) it runs with; None: the base model.
 
         `hold_kv` keeps the KV after the request finishes, for `export_kv` (prefill worker);
         `export_into` (with hold_kv) is where its payload is read out: a contiguous tensor of
@@ -199,6 +205,14 @@ class LLMEngine:
                 )
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
         extra_keys = (cache_salt,) if cache_salt else ()
+        adapters = []
+        if lora_name is not None:
+            if self.loras is None:
+                raise InvalidRequestError("model", f"adapter {lora_name!r}: this engine serves no LoRA adapters "
+                                          "(EngineConfig.lora)")
+            adapters = [self.loras.acquire(lora_name) for _ in range(params.n)]  # one use per choice
+            # its blocks hash apart from the base model's and every other adapter's
+            extra_keys += (("lora", lora_name, adapters[0].adapter_id),)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
 
         states: list[_SeqState] = []
@@ -207,6 +221,7 @@ class LLMEngine:
                 request_id=request_id, index=index, prompt_token_ids=prompt_token_ids,
                 params=params, max_tokens=max_tokens, priority=priority, arrival_time=arrival,
                 extra_keys=extra_keys, hold_kv=hold_kv, keep_cached=keep_cached,
+                lora=adapters[index] if adapters else None,
             )
             for token_id in prior:
                 seq.append_token(token_id)
@@ -227,7 +242,12 @@ class LLMEngine:
                 self._requests[request_id] = request
                 self.compiling.add(request_id, grammar)
                 return num_prompt
-            self._start_grammar(request, grammar.result())  # raises for a spec that did not compile
+            try:
+                self._start_grammar(request, grammar.result())  # raises for a spec that did not compile
+            except Exception:
+                for state in states:
+                    self._release_lora(state.seq)
+                raise
         self._queue(request)
         self._requests[request_id] = request
         return num_prompt
@@ -280,6 +300,7 @@ class LLMEngine:
             if state.finish_reason is None:
                 state.finish_reason = status.value
                 state.seq.status = status
+                self._release_lora(state.seq)
                 self.scheduler.remove(state.seq)
                 if self.speculator is not None:
                     self.speculator.release(state.seq)
@@ -306,6 +327,7 @@ class LLMEngine:
             if state.finish_reason is None:
                 state.finish_reason = "error"
                 seq.status = RequestStatus.FINISHED_ABORTED
+                self._release_lora(seq)
                 self.scheduler.remove(seq)
                 if self.speculator is not None:
                     self.speculator.release(seq)
@@ -541,8 +563,14 @@ class LLMEngine:
             self.scheduler.add(child)
         request.waiting_children = []
 
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora is not None:
+            self.loras.release(seq.lora)
+            seq.lora = None
+
     def _finish(self, seq: Sequence, status: RequestStatus) -> None:
         seq.status = status
+        self._release_lora(seq)
         self.scheduler.remove(seq)
         if self.speculator is not None:
             self.speculator.release(seq)

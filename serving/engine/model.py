@@ -37,6 +37,7 @@ from serving.engine.attention import AttentionMetadata, paged_attention
 from serving.engine.cpu_kernels import native_kernels
 from serving.engine.errors import ModelLoadError
 from serving.engine.linear_choice import LinearChoice, choose_linear
+from serving.engine.lora import LoRABatch
 from serving.engine.model_loader import ModelSpec
 
 __all__ = ["LlamaModel"]
@@ -128,6 +129,7 @@ class LlamaModel:
         self.spec = spec
         self.dtype = dtype
         self.device = device
+        self._lora: LoRABatch | None = None  # set per forward pass
         self.is_batch_invariant, invariance_reason = _batch_invariance(deterministic, device, dtype, speculative=speculative)
         if spec.family == "gemma" and self.is_batch_invariant:
             self.is_batch_invariant, invariance_reason = False, "off: Gemma runs the PyTorch path, not the native kernels"
@@ -246,6 +248,11 @@ class LlamaModel:
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
         return weight * x32.to(x.dtype)
 
+    def _lin(self, index: int, name: str, linear: _Linear, x: torch.Tensor, kernels=None, rows: int = 0) -> torch.Tensor:
+        """Layer `index`'s linear `name` on x, plus the step's LoRA adapters' products (lora.py)."""
+        y = linear(x, kernels, rows) if kernels is not None else linear(x)
+        return y if self._lora is None else self._lora.apply(y, x, index, name)
+
     def _qk_norm(self, qkv: torch.Tensor, layer: _Layer) -> None:
         """Qwen3: RMSNorm over each query and key head (head_dim), in place, before RoPE."""
         num_tokens, spec = qkv.shape[0], self.spec
@@ -261,7 +268,9 @@ class LlamaModel:
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
+        self._lora = lora  # the step's adapters (lora.py), read by _linear
         if self.spec.family == "gemma":
             return self._forward_gemma(input_ids, positions, kv_caches, meta)
         kernels = native_kernels() if self.device.type == "cpu" else None
@@ -277,16 +286,16 @@ class LlamaModel:
         rows = self.native_rows
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x = kernels.add_rms_norm(h, delta, layer.input_norm, eps)  # h += delta
-            qkv = layer.qkv(x, kernels, rows)
+            qkv = self._lin(i, "qkv", layer.qkv, x, kernels, rows)
             if layer.q_norm is not None:
                 self._qk_norm(qkv, layer)
             kernels.rope_cache_write(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, spec.num_heads)
             q = qkv[:, : self.q_size].view(num_tokens, spec.num_heads, spec.head_dim)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale, spec.window(i))
-            delta = layer.o(attn, kernels, rows)
+            delta = self._lin(i, "o", layer.o, attn, kernels, rows)
             x = kernels.add_rms_norm(h, delta, layer.post_norm, eps)
-            act = kernels.silu_mul(layer.gate_up(x, kernels, rows))
-            delta = layer.down(act, kernels, rows)
+            act = kernels.silu_mul(self._lin(i, "gate_up", layer.gate_up, x, kernels, rows))
+            delta = self._lin(i, "down", layer.down, act, kernels, rows)
         return kernels.add_rms_norm(h, delta, self.norm, eps)
 
     def _forward_torch(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
@@ -302,7 +311,7 @@ class LlamaModel:
         write_offsets = meta.slot_mapping % block_size
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x = self._rms_norm(h, layer.input_norm)
-            qkv = layer.qkv(x)
+            qkv = self._lin(i, "qkv", layer.qkv, x)
             if layer.q_norm is not None:
                 self._qk_norm(qkv, layer)
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, qk_heads, spec.head_dim)
@@ -313,10 +322,10 @@ class LlamaModel:
             k_cache[write_blocks, :, write_offsets] = k
             v_cache[write_blocks, :, write_offsets] = v
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale, spec.window(i))
-            h = h + layer.o(attn)
+            h = h + self._lin(i, "o", layer.o, attn)
             x = self._rms_norm(h, layer.post_norm)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            gate, up = self._lin(i, "gate_up", layer.gate_up, x).chunk(2, dim=-1)
+            h = h + self._lin(i, "down", layer.down, F.silu(gate) * up)
         return self._rms_norm(h, self.norm)
 
     def _gemma_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -341,7 +350,7 @@ class LlamaModel:
             cos_table, sin_table = self.layer_rope[i]
             cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
             x = self._gemma_norm(h, layer.input_norm)
-            qkv = layer.qkv(x)
+            qkv = self._lin(i, "qkv", layer.qkv, x)
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, qk_heads, spec.head_dim)
             if layer.q_norm is not None:
                 qk = torch.cat((self._gemma_norm(qk[:, : spec.num_heads], layer.q_norm),
@@ -353,10 +362,11 @@ class LlamaModel:
             v_cache[write_blocks, :, write_offsets] = v
             attn = paged_attention(q.contiguous(), k_cache, v_cache, meta, self.scale, spec.window(i),
                                    softcap=spec.attn_softcap or 0.0)
-            h = h + self._gemma_norm(layer.o(attn), layer.post_norm)
+            h = h + self._gemma_norm(self._lin(i, "o", layer.o, attn), layer.post_norm)
             x = self._gemma_norm(h, layer.pre_ff_norm)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + self._gemma_norm(layer.down(F.gelu(gate, approximate="tanh") * up), layer.post_ff_norm)
+            gate, up = self._lin(i, "gate_up", layer.gate_up, x).chunk(2, dim=-1)
+            h = h + self._gemma_norm(self._lin(i, "down", layer.down, F.gelu(gate, approximate="tanh") * up),
+                                     layer.post_ff_norm)
         return self._gemma_norm(h, self.norm)
 
     @torch.inference_mode()

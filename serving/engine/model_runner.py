@@ -34,6 +34,7 @@ import torch
 
 from serving.engine.attention import AttentionMetadata, PrefillChunk
 from serving.engine.kv_cache import KVCache
+from serving.engine.lora import LoRABatch
 from serving.engine.model import LlamaModel
 from serving.engine.prompt_logprobs import PromptSpan, prompt_spans
 from serving.engine.request import Sequence
@@ -53,7 +54,29 @@ class StepInput:
     num_sample_rows: list[int] = field(default_factory=list)  # each one's rows: 1 + its proposed tokens
 
 
+def _rows_by_adapter(step: StepInput) -> dict:
+    """Each LoRA adapter of the step: the token rows of its sequences (in the token layout)."""
+    rows: dict = {}
+    start = 0
+    for seq, n in zip(step.seqs, step.num_new_tokens):
+        if seq.lora is not None:
+            rows.setdefault(seq.lora, []).extend(range(start, start + n))
+        start += n
+    return rows
+
+
 class ModelRunner:
+    def _lora_batch(self, step: StepInput, num_tokens: int) -> LoRABatch | None:
+        """The step's adapters and their rows (None: every row is the base model's). An adapter
+        with every row gets no index: its product runs on the whole step."""
+        by_adapter = _rows_by_adapter(step)
+        if not by_adapter:
+            return None
+        return LoRABatch([
+            (adapter, None if len(rows) == num_tokens else torch.tensor(rows, dtype=torch.long, device=self.device))
+            for adapter, rows in by_adapter.items()
+        ])
+
     def __init__(self, model: LlamaModel, kv_cache: KVCache):
         self.model = model
         self.kv_cache = kv_cache
@@ -140,6 +163,7 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=self.device),
             self.kv_cache.layers,
             meta,
+            lora=self._lora_batch(step, len(input_ids)),
         )
         rows = torch.tensor(sample_rows + prompt_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows))

@@ -60,6 +60,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     # Extra keys mixed into every block hash (adapter id, cache salt).
     extra_keys: tuple = ()
+    lora: object | None = None  # its LoRA adapter (lora.LoRAAdapter) while it runs; None: the base model
     # Keep the KV blocks after finishing, for export (prefill worker).
     hold_kv: bool = False
     # Whether the blocks it computes stay cached as the most recently used when freed (False: at

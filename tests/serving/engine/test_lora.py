@@ -1,0 +1,191 @@
+"""Multi-LoRA (lora.py): PEFT adapters made here with `peft` on the tiny random model, served
+mixed in one batch with the base model; each adapter's greedy output equals PEFT's merged model's.
+Slots and eviction, prefix-cache isolation, and adapters refused at load naming file and field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from serving.engine import EngineConfig, InvalidRequestError, LLMEngine, ModelLoadError, SamplingParams
+from tests.serving.engine.test_model_parity import hf_greedy
+
+peft = pytest.importorskip("peft")
+
+# name -> (rank, alpha, target modules, rslora)
+ADAPTERS = {
+    "attn-qv": (8, 16, ["q_proj", "v_proj"], False),
+    "all-rslora": (4, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True),
+    "mlp-r16": (16, 16, ["gate_proj", "up_proj", "down_proj"], False),
+}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def assert_greedy_agrees(reference, prompt: list[int], tokens: list[int], tie: float = 1e-3) -> None:
+    """`tokens` are the reference model's greedy tokens, followed token by token. The engine adds
+    an adapter's product to the base output where PEFT's merged model adds it to the weight: the
+    logits agree to ~1e-5 (not bitwise), so at a near-tie (top two within `tie`) either token is
+    the model's, and past it the two continuations may part."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for j, token in enumerate(tokens):
+            logits = reference(torch.tensor([ids])).logits[0, -1]
+            top = logits.topk(2)
+            if int(top.indices[0]) != token:
+                gap = float(top.values[0] - top.values[1])
+                assert token == int(top.indices[1]) and gap < tie, f"token {j}: {token} where the model's is {int(top.indices[0])} (gap {gap})"
+                return
+            ids.append(token)
+
+
+def make_adapter(base_dir, out_dir, rank, alpha, targets, rslora, seed):
+    """A PEFT LoRA adapter with random A and B (not PEFT's zero B), saved; and its merged model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False)
+    model = get_peft_model(base, config)
+    with torch.no_grad():  # large enough to change what the tiny model says
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.mul_(3.0)
+    model.save_pretrained(out_dir)
+    return model.merge_and_unload()
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("loras")
+    made = {}
+    for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        merged = make_adapter(tiny_model_dir, root / name, rank, alpha, targets, rslora, seed)
+        made[name] = (str(root / name), merged)
+    return made
+
+
+def engine_with(model_dir, adapters, **lora) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=str(model_dir), dtype="float32", kv_cache_bytes=8 * 2**20,
+        lora={"adapters": {name: path for name, (path, _) in adapters.items()}, **lora},
+    ))
+
+
+def run(engine: LLMEngine, requests: list[tuple[str | None, list[int]]]) -> list[list[int]]:
+    """All requests in one batch (added before the first step); tokens in request order."""
+    for i, (name, prompt) in enumerate(requests):
+        engine.add_request(f"r{i}", params=GREEDY, prompt_token_ids=prompt, lora_name=name)
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    return [got[f"r{i}"] for i in range(len(requests))]
+
+
+def test_three_adapters_and_the_base_model_in_one_batch_match_peft_merged(tiny_model_dir, adapters):
+    from transformers import AutoModelForCausalLM
+
+    engine = engine_with(tiny_model_dir, adapters)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (7, 40, 90, 23)]
+    names = [None, *ADAPTERS]
+    got = run(engine, list(zip(names, prompts)))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert got[0] == hf_greedy(base, prompts[0], 24)[0]  # the base model's rows: no adapter touches them
+    for name, prompt, tokens in zip(names[1:], prompts[1:], got[1:]):
+        assert_greedy_agrees(adapters[name][1], prompt, tokens)
+        assert tokens[:4] != hf_greedy(base, prompt, 4)[0], name  # the adapter changes what the model says
+    # the same adapter on two requests of different lengths, and in other company: its rows give
+    # the tokens they gave in the first batch
+    again = run(engine, [("attn-qv", prompts[0]), ("attn-qv", prompts[1]), ("mlp-r16", prompts[3])])
+    assert_greedy_agrees(adapters["attn-qv"][1], prompts[0], again[0])
+    assert again[1:] == [got[1], got[3]]
+    assert engine.loras.num_loads == 3 and all(a.num_running == 0 for a in engine.loras.resident.values())
+
+
+def test_prefix_cache_hits_never_cross_adapters(tiny_model_dir, adapters):
+    engine = engine_with(tiny_model_dir, adapters)
+    prompt = list(range(100, 164))  # 4 full blocks
+    run(engine, [("attn-qv", prompt)])
+    for name, hits in ((None, 0), ("mlp-r16", 0), ("attn-qv", 48)):
+        before = engine.stats().prefix_cache_hit_tokens
+        run(engine, [(name, prompt)])
+        assert engine.stats().prefix_cache_hit_tokens - before == hits, name
+
+
+def test_slots_evict_the_least_recently_used_idle_adapter_never_a_running_one(tiny_model_dir, adapters):
+    engine = engine_with(tiny_model_dir, adapters, max_loras=2)
+    long = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    engine.add_request("a", params=long, prompt_token_ids=[5, 6, 7], lora_name="attn-qv")
+    engine.add_request("b", params=long, prompt_token_ids=[5, 6, 7], lora_name="all-rslora")
+    engine.step()
+    with pytest.raises(InvalidRequestError, match="all 2 adapter slots") as info:
+        engine.add_request("c", params=long, prompt_token_ids=[5, 6, 7], lora_name="mlp-r16")
+    assert info.value.param == "model"
+    engine.abort_request("a")
+    engine.step()
+    engine.add_request("c", params=long, prompt_token_ids=[5, 6, 7], lora_name="mlp-r16")  # evicts attn-qv
+    assert list(engine.loras.resident) == ["all-rslora", "mlp-r16"] and engine.loras.num_evictions == 1
+    with pytest.raises(InvalidRequestError, match="unknown adapter 'nope'; registered: all-rslora, attn-qv, mlp-r16"):
+        engine.add_request("d", params=long, prompt_token_ids=[5], lora_name="nope")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert all(a.num_running == 0 for a in engine.loras.resident.values())
+
+
+def test_a_base_only_engine_refuses_an_adapter_naming_the_config(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=2**20))
+    with pytest.raises(InvalidRequestError, match="serves no LoRA adapters"):
+        engine.add_request("x", params=GREEDY, prompt_token_ids=[5], lora_name="attn-qv")
+
+
+def _broken(adapters, tmp_path, name, edit):
+    import shutil
+
+    path = tmp_path / name
+    shutil.copytree(adapters["attn-qv"][0], path)
+    edit(path)
+    return str(path)
+
+
+def _config_edit(**changes):
+    def edit(path):
+        config = json.loads((path / "adapter_config.json").read_text())
+        config.update(changes)
+        (path / "adapter_config.json").write_text(json.dumps(config))
+    return edit
+
+
+def _wrong_shape(path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    key = next(k for k in tensors if k.endswith("q_proj.lora_A.weight"))
+    tensors[key] = torch.zeros(8, 33)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda p: (p / "adapter_config.json").unlink(), r"adapter_config.json not found"),
+        (lambda p: (p / "adapter_model.safetensors").unlink(), r"adapter_model.safetensors not found"),
+        (_config_edit(target_modules=["q_proj", "lm_head"]), r"target_modules has \['lm_head'\]; supported: q_proj"),
+        (_config_edit(use_dora=True), r"use_dora is true; not supported"),
+        (_config_edit(peft_type="IA3"), r"peft_type is 'IA3'; supported: LORA"),
+        (_config_edit(r=4), r"r is 4, but the weights have rank \[8\]"),
+        (_wrong_shape, r"layers.0.q_proj: lora_A \(8, 33\) and lora_B \(64, 8\) do not fit the base model: "
+                       r"expected \[r, 64\] and \[64, r\]"),
+    ],
+    ids=["no-config", "no-weights", "unknown-module", "dora", "not-lora", "rank", "shape"],
+)
+def test_a_bad_adapter_is_refused_at_load_naming_the_file_and_field(tiny_model_dir, adapters, tmp_path, edit, message):
+    path = _broken(adapters, tmp_path, "broken", edit)
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=2**20,
+                                    lora={"adapters": {"broken": path}}))
+    with pytest.raises(ModelLoadError, match=message):
+        engine.add_request("x", params=GREEDY, prompt_token_ids=[5], lora_name="broken")
+    assert engine.loras.resident == {}  # nothing half-loaded
