@@ -211,8 +211,10 @@ class LLMEngine:
                 raise InvalidRequestError("model", f"adapter {lora_name!r}: this engine serves no LoRA adapters "
                                           "(EngineConfig.lora)")
             adapters = [self.loras.acquire(lora_name) for _ in range(params.n)]  # one use per choice
-            # its blocks hash apart from the base model's and every other adapter's
-            extra_keys += (("lora", lora_name, adapters[0].adapter_id),)
+            # Its blocks hash apart from the base model's and every other adapter's: by name and
+            # directory, so a reload (after an eviction) finds them again, and a name registered
+            # anew elsewhere does not.
+            extra_keys += (("lora", lora_name, str(adapters[0].path)),)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
 
         states: list[_SeqState] = []

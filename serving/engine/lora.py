@@ -56,7 +56,7 @@ class LoRAError(ModelLoadError):
 class LoRAAdapter:
     name: str
     path: Path
-    adapter_id: int  # unique per load: part of every block hash of its requests
+    adapter_id: int  # unique per load
     rank: int
     # (layer, fused linear) -> (A [sum r, in], B [out, sum r]) in the model dtype
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)

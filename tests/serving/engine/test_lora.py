@@ -189,3 +189,16 @@ def test_a_bad_adapter_is_refused_at_load_naming_the_file_and_field(tiny_model_d
     with pytest.raises(ModelLoadError, match=message):
         engine.add_request("x", params=GREEDY, prompt_token_ids=[5], lora_name="broken")
     assert engine.loras.resident == {}  # nothing half-loaded
+
+
+def test_an_evicted_adapter_finds_its_cached_prefix_again(tiny_model_dir, adapters):
+    """The block hash holds the adapter's name and directory, not its load: after an eviction
+    and a reload, its requests hit the blocks it cached before."""
+    engine = engine_with(tiny_model_dir, adapters, max_loras=1)
+    prompt = list(range(200, 264))
+    first = run(engine, [("attn-qv", prompt)])
+    run(engine, [("mlp-r16", [5, 6, 7])])  # evicts attn-qv
+    before = engine.stats().prefix_cache_hit_tokens
+    assert run(engine, [("attn-qv", prompt)]) == first
+    assert engine.stats().prefix_cache_hit_tokens - before == 48
+    assert engine.loras.num_loads == 3 and engine.loras.num_evictions == 2
