@@ -100,7 +100,7 @@ class ChatEndpoint:
     async def start(self, request: ChatCompletionRequest, call: Call) -> StartedChat:
         """A chat request up to its deltas: checked, rendered and fitted into the context window,
         validated, admitted by its key's limits, generating. /v1/responses runs through here too."""
-        self.server.check_model(request.model, call.key)
+        lora = self.server.check_model(request.model, call.key)
         limits.check_request(request, 1, self.server.config.api)
         params = sampling_params(request)
         tooling = self.server.config.tool_calling
@@ -141,7 +141,7 @@ class ChatEndpoint:
         call.account.track(lambda: usage)
         deltas = self.server.frontend.generate(
             call.request_id, prompt_ids, params, usage, priority=call.priority, cache_salt=request.cache_salt,
-            session=request.user, trace=call.trace, record=call.record,
+            session=request.user, trace=call.trace, record=call.record, lora_name=lora, lora_path=self.server.adapters.get(lora),
         )
         deltas = bounded(deltas, call.deadline)
         deltas = self.server.metrics.track(call.record, deltas, prompt_tokens=len(prompt_ids), status_of=error_status)

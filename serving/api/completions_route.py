@@ -39,7 +39,7 @@ class CompletionsEndpoint:
     async def __call__(self, body: dict, call: Call) -> Response:
         request = parse_body(CompletionRequest, body)
         call.headers.update(screen(request, COMPLETION_FIELDS))
-        self.server.check_model(request.model, call.key)
+        lora = self.server.check_model(request.model, call.key)
         call.deadline = deadline_for(request.timeout, self.server.config, call.key.tier, call.received_at, self.server.clock)
         prompts = split_prompts(request.prompt)
         limits.check_request(request, len(prompts), self.server.config.api)
@@ -75,7 +75,7 @@ class CompletionsEndpoint:
             self.server.frontend.generate(
                 f"{request_id}-{i}", ids, per_prompt[i], usages[i], priority=call.priority,
                 cache_salt=request.cache_salt, index_offset=i * params.n, session=request.user, trace=call.trace,
-                record=call.record,
+                record=call.record, lora_name=lora, lora_path=self.server.adapters.get(lora),
             )
             for i, ids in enumerate(prompt_ids)
         ]

@@ -30,7 +30,7 @@ from typing import Any, Literal, Protocol
 from serving.api.errors import QueueTimeoutError
 from serving.api.protocol import ChatMessage
 from serving.api.tool_calls import ToolPlan, render_conversation, template_knows_tools
-from serving.engine.block_hash import hash_blocks
+from serving.engine.block_hash import block_extra_keys, hash_blocks
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.errors import ContextLengthError, InvalidRequestError
 from serving.engine.grammar import compiler_for
@@ -60,6 +60,7 @@ class GenerateRequest:
     priority: int = 0
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.time)  # wall clock, comparable across nodes
+    lora_name: str | None = None  # the LoRA adapter it runs with (EngineConfig.lora); None: the base model
     # Routing: the prompt's chained block hashes, computed once at the ingress with the engines'
     # block size and extra keys (router/index.py), and the session-affinity key (`user`).
     block_hashes: list[int] = field(default_factory=list)
@@ -234,6 +235,8 @@ class Frontend:
         session: str | None = None,
         trace: RequestTrace | None = None,
         record: RequestRecord | None = None,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
     ) -> AsyncIterator[ChoiceDelta]:
         """Run and detokenize one prompt that `validate` passed; `usage` is filled in as tokens
         arrive. The workers get the parameters without what the ingress does itself (stop
@@ -247,9 +250,9 @@ class Frontend:
         info = await self.model_info()
         request = GenerateRequest(
             request_id, prompt_ids, worker_params, priority, cache_salt,
-            block_hashes=hash_blocks(prompt_ids, info.block_size, (cache_salt,) if cache_salt else ()),
+            block_hashes=hash_blocks(prompt_ids, info.block_size, block_extra_keys(cache_salt, lora_name, lora_path)),
             block_size=info.block_size, session=session,
-            trace_context=trace.carrier() if trace is not None else None,
+            trace_context=trace.carrier() if trace is not None else None, lora_name=lora_name,
         )
         choices = [_Choice(self.tokenizer, prompt_ids, params) for _ in range(params.n)]
         stream = coalesced(self.backend.generate(request), self.max_merged_tokens)

@@ -100,6 +100,9 @@ class OpenAIServer:
         self.frontend = frontend
         self.config = config
         self.model_name = config.model_name
+        # LoRA adapters (EngineConfig.lora): a request names one as its `model`, or base:adapter
+        lora = config.engine.lora
+        self.adapters: dict[str, str] = dict(lora.adapters) if lora is not None else {}
         self._keys = KeyRing(config.keys)
         self._hints = {key.name: key.hint for key in config.keys} | {ANONYMOUS.name: ANONYMOUS.hint}
         self.limiter = RateLimiter(config.tiers)
@@ -138,13 +141,14 @@ class OpenAIServer:
         @app.get("/v1/models")
         async def models(request: Request):
             key = self.authenticate(request)
-            allowed = self._may_use(key, self.model_name)
-            return {"object": "list", "data": [await self._model_card()] if allowed else []}
+            base = [await self._model_card()] if self._may_use(key, self.model_name) else []
+            return {"object": "list", "data": base + [self._adapter_card(name) for name in sorted(self.adapters)
+                                                        if self._may_use(key, name)]}
 
         @app.get("/v1/models/{model:path}")
         async def model(model: str, request: Request):
-            self.check_model(model, self.authenticate(request))
-            return await self._model_card()
+            lora = self.check_model(model, self.authenticate(request))
+            return await self._model_card() if lora is None else self._adapter_card(lora)
 
         add_tokenize_routes(app, self)
 
@@ -284,13 +288,26 @@ class OpenAIServer:
         allowed = self.config.tiers[key.tier].models
         return allowed is None or model in allowed
 
-    def check_model(self, model: str | None, key: APIKey) -> None:
-        """A model this app does not serve, or one the key's tier may not use: 404, as OpenAI
-        answers both (it does not say which models exist to a key that may not use them)."""
+    def check_model(self, model: str | None, key: APIKey) -> str | None:
+        """The LoRA adapter a request's `model` names (the adapter, or `base:adapter`), None for the
+        base model. A model this app does not serve, or one the key's tier may not use: 404, as
+        OpenAI answers both (it does not say which models exist to a key that may not use them).
+        A tier's `models` lists adapters by name."""
+        lora = None
         if model is not None and model != self.model_name:
-            raise ModelNotFoundError(model, [self.model_name] if self._may_use(key, self.model_name) else [])
-        if not self._may_use(key, self.model_name):
+            base, _, adapter = model.partition(":")
+            lora = model if model in self.adapters else adapter if base == self.model_name and adapter in self.adapters else None
+            if lora is None:
+                served = [m for m in [self.model_name, *sorted(self.adapters)] if self._may_use(key, m)]
+                raise ModelNotFoundError(model, served)
+        if not self._may_use(key, lora or self.model_name):
             raise ModelNotFoundError(model or self.model_name, [])
+        return lora
+
+    def _adapter_card(self, name: str) -> dict:
+        """A LoRA adapter in /v1/models, as vLLM lists one: its base model as parent."""
+        return {"id": name, "object": "model", "created": self._created, "owned_by": "kvrelay",
+                "root": self.adapters[name], "parent": self.model_name}
 
     def admit(self, call: Call, prompt_ids: list[list[int]], params: list[SamplingParams]) -> None:
         """Take the request's tokens (its prompts and all it may generate, max_tokens resolved per

@@ -208,6 +208,7 @@ class EngineWorker:
                 async for out in self.engine.generate(
                     request.request_id, prompt_token_ids=request.prompt_token_ids, params=one,
                     priority=request.priority, cache_salt=request.cache_salt, hold_kv=not scores_only,
+                    lora_name=request.lora_name,
                     keep_cached=request.keep_cached,
                     export_into=export_into, export_until=slot.deadline if slot is not None else None,
                 ):
@@ -319,6 +320,7 @@ class EngineWorker:
                 async for out in self.engine.generate(
                     request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
                     priority=request.priority, cache_salt=request.cache_salt, kv_payload=payload,
+                    lora_name=request.lora_name,
                     prior_output_token_ids=prior_output_token_ids, keep_cached=request.keep_cached,
                 ):
                     payload = None  # imported (or never needed); let the shared-memory view go

@@ -39,7 +39,7 @@ class LocalBackend:
             # Closed explicitly, not left to garbage collection: closing it is what aborts the request.
             async with aclosing(self.engine.generate(
                 request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
-                priority=request.priority, cache_salt=request.cache_salt,
+                priority=request.priority, cache_salt=request.cache_salt, lora_name=request.lora_name,
             )) as outputs:
                 async for out in outputs:
                     if last is None and path is not None:

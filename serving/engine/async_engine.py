@@ -92,6 +92,7 @@ class AsyncEngine:
         export_into: torch.Tensor | None = None,
         export_until: float | None = None,
         keep_cached: bool = True,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request (the arguments are LLMEngine.add_request's) and yield its outputs as
         they come. The engine's refusals raise here, before the first output. Leaving the
@@ -104,7 +105,7 @@ class AsyncEngine:
             await self._call(lambda engine: engine.add_request(
                 request_id, params=params, prompt_token_ids=prompt_token_ids, priority=priority, cache_salt=cache_salt,
                 hold_kv=hold_kv, kv_payload=kv_payload, prior_output_token_ids=prior_output_token_ids,
-                export_into=export_into, export_until=export_until, keep_cached=keep_cached,
+                export_into=export_into, export_until=export_until, keep_cached=keep_cached, lora_name=lora_name,
             ))
         except asyncio.CancelledError:
             # The add is queued and runs anyway: abort it right behind, or nobody reads it.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["ROOT_HASH", "hash_block", "hash_blocks"]
 
@@ -42,3 +43,14 @@ def hash_blocks(
         parent_hash = hash_block(parent_hash, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
         hashes.append(parent_hash)
     return hashes
+
+
+def block_extra_keys(cache_salt: str | None = None, lora_name: str | None = None, lora_path: str | None = None) -> tuple:
+    """The extra keys of a request's block hashes, the same at the engine and the ingress (whose
+    router hashes prompts to find them): its cache salt, and its LoRA adapter by name and
+    directory (so a reload finds its blocks again, and a name registered anew elsewhere does not)."""
+    keys: tuple = (cache_salt,) if cache_salt else ()
+    if lora_name is not None:
+        keys += (("lora", lora_name, str(Path(lora_path or ""))),)
+    return keys
+

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from serving.engine.block_hash import block_extra_keys
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
@@ -204,17 +205,14 @@ class LLMEngine:
                     f"{need} bytes for a {num_prompt}-token prompt; got {have} bytes",
                 )
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
-        extra_keys = (cache_salt,) if cache_salt else ()
         adapters = []
         if lora_name is not None:
             if self.loras is None:
                 raise InvalidRequestError("model", f"adapter {lora_name!r}: this engine serves no LoRA adapters "
                                           "(EngineConfig.lora)")
             adapters = [self.loras.acquire(lora_name) for _ in range(params.n)]  # one use per choice
-            # Its blocks hash apart from the base model's and every other adapter's: by name and
-            # directory, so a reload (after an eviction) finds them again, and a name registered
-            # anew elsewhere does not.
-            extra_keys += (("lora", lora_name, str(adapters[0].path)),)
+        # an adapter's blocks hash apart from the base model's and every other adapter's
+        extra_keys = block_extra_keys(cache_salt, lora_name, str(adapters[0].path) if adapters else None)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
 
         states: list[_SeqState] = []
