@@ -202,3 +202,28 @@ def test_an_evicted_adapter_finds_its_cached_prefix_again(tiny_model_dir, adapte
     assert run(engine, [("attn-qv", prompt)]) == first
     assert engine.stats().prefix_cache_hit_tokens - before == 48
     assert engine.loras.num_loads == 3 and engine.loras.num_evictions == 2
+
+
+def test_a_kv_hand_off_with_an_adapter_continues_as_one_engine_would(tiny_model_dir, adapters):
+    """P/D: the prefill engine computes the prompt with the adapter and exports its KV; the decode
+    engine imports it and continues with the same adapter: the tokens of one engine alone. A
+    decode engine that cannot load the adapter refuses the request, naming `model`."""
+    prompt = list(range(300, 340))
+    alone = run(engine_with(tiny_model_dir, adapters), [("all-rslora", prompt)])[0]
+    prefill, decode = engine_with(tiny_model_dir, adapters), engine_with(tiny_model_dir, adapters)
+    prefill.add_request("x", params=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                        prompt_token_ids=prompt, hold_kv=True, lora_name="all-rslora")
+    (first,) = [o for o in prefill.step() if o.finished]
+    payload = prefill.export_kv("x")
+    decode.add_request("x", params=GREEDY, prompt_token_ids=prompt, kv_payload=payload,
+                       prior_output_token_ids=first.outputs[0].token_ids, lora_name="all-rslora")
+    tokens = list(first.outputs[0].token_ids)
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            tokens += out.outputs[0].token_ids
+    assert tokens == alone
+    base_only = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=8 * 2**20))
+    with pytest.raises(InvalidRequestError, match="serves no LoRA adapters") as info:
+        base_only.add_request("y", params=GREEDY, prompt_token_ids=prompt, kv_payload=payload,
+                              prior_output_token_ids=first.outputs[0].token_ids, lora_name="all-rslora")
+    assert info.value.param == "model"
