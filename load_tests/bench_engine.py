@@ -663,6 +663,10 @@ def run_from_args(args: argparse.Namespace, argv: list[str]) -> int:
         from load_tests import bench_structured
 
         return bench_structured.run_from_args(args, argv)
+    if getattr(args, "lora", False):  # many LoRA adapters mixed in one batch vs the base model
+        from load_tests import bench_lora
+
+        return bench_lora.run_from_args(args, argv)
     if getattr(args, "speculative", False):  # single stream with speculative decoding on vs off
         from load_tests import bench_speculative
 

@@ -210,6 +210,16 @@ def _add_bench_engine(targets) -> None:
              "--num-requests [64; quick 16], --output-len [64; quick 32], --threads, --kv-cache-mib [1024], --repeats, "
              "--num-speculative-tokens, --spec-method, --draft-model)",
     )
+    p.add_argument(
+        "--lora", action="store_true",
+        help="instead: --num-requests [64; quick 16] at once on the base model vs spread over --num-adapters [8] "
+             "random LoRA adapters of rank --lora-rank [16] on every projection, generated tok/s and the ratio "
+             "(summary.lora_throughput_ratio), and each adapter's load on first use (load_tests/bench_lora.py; uses "
+             "--quick, --json, --model, --prompt-len [64], --output-len [32; quick 8], --threads, --kv-cache-mib, "
+             "--repeats, --seed)",
+    )
+    p.add_argument("--num-adapters", type=int, metavar="N", help="--lora: adapters the requests spread over [8]")
+    p.add_argument("--lora-rank", type=int, metavar="R", help="--lora: the adapters' rank [16]")
     p.add_argument("--spec-method", choices=("ngram", "draft"), help="--speculative: the proposer [ngram]")
     p.add_argument("--draft-model", metavar="MODEL", help="--speculative --spec-method draft: the draft model [the model itself]")
     p.add_argument("--num-speculative-tokens", type=int, metavar="K", help="--speculative: tokens proposed per step [4]")
