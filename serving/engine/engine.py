@@ -125,6 +125,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.loras = LoRAManager(config.lora.adapters, config.lora.max_loras, spec, self.model.dtype,
                                  self.device) if config.lora is not None else None
+        self.runner.lora_manager = self.loras
         self.vocab_size = self.model.vocab_size
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
         # Speculative decoding (speculative.py); None: off, every sequence decodes one token a step

@@ -67,17 +67,25 @@ def _rows_by_adapter(step: StepInput) -> dict:
 
 class ModelRunner:
     def _lora_batch(self, step: StepInput, num_tokens: int) -> LoRABatch | None:
-        """The step's adapters and their rows (None: every row is the base model's). An adapter
-        with every row gets no index: its product runs on the whole step."""
+        """The step's adapters and their rows (None: every row is the base model's). One adapter:
+        its products on its rows (no index when it has every row); several: the stacked form
+        (lora.LoRABatch), each token's slot in the resident set."""
         by_adapter = _rows_by_adapter(step)
         if not by_adapter:
             return None
-        return LoRABatch([
-            (adapter, None if len(rows) == num_tokens else torch.tensor(rows, dtype=torch.long, device=self.device))
-            for adapter, rows in by_adapter.items()
-        ])
+        if len(by_adapter) == 1:
+            ((adapter, rows),) = by_adapter.items()
+            index = None if len(rows) == num_tokens else torch.tensor(rows, dtype=torch.long, device=self.device)
+            return LoRABatch(groups=[(adapter, index)])
+        manager = self.lora_manager
+        stacked = manager.stacked()
+        slots = torch.full((num_tokens,), -1, dtype=torch.long)
+        for adapter, rows in by_adapter.items():
+            slots[rows] = manager.slot_of[adapter.name]
+        return LoRABatch(slots=slots.to(self.device), stacked=stacked)
 
     def __init__(self, model: LlamaModel, kv_cache: KVCache):
+        self.lora_manager = None  # the engine's LoRAManager, when it serves adapters
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
