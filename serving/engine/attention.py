@@ -117,11 +117,7 @@ def _softcapped_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: f
     for chunk in meta.prefills:
         k = _gather(k_cache, chunk.block_ids[None])[0, :, : chunk.ctx_len]
         v = _gather(v_cache, chunk.block_ids[None])[0, :, : chunk.ctx_len]
-        q_pos = torch.arange(chunk.ctx_len - chunk.q_len, chunk.ctx_len, device=q.device)[:, None]
-        k_pos = torch.arange(chunk.ctx_len, device=q.device)[None, :]
-        visible = k_pos <= q_pos
-        if window:
-            visible &= k_pos > q_pos - window
+        visible = _window_mask(chunk, window or chunk.ctx_len, q.device)
         out[chunk.q_start : chunk.q_start + chunk.q_len] = attend(q[chunk.q_start : chunk.q_start + chunk.q_len], k, v, visible)
     return out
 

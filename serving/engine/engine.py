@@ -118,9 +118,7 @@ class LLMEngine:
             max_long_partial_prefills=config.max_long_partial_prefills,
             max_queue_wait_s=config.max_queue_wait_s,
             priority_aging_s=config.priority_aging_s,
-            # Blocks leave a sequence as its window moves only when every layer is windowed (one
-            # block holds every layer's KV of its tokens).
-            sliding_window=min(spec.layer_windows) if spec.layer_windows and all(spec.layer_windows) else 0,
+            sliding_window=spec.every_layer_window,  # blocks leave a sequence as its window moves
         )
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.loras = LoRAManager(config.lora.adapters, config.lora.max_loras, spec, self.model.dtype,

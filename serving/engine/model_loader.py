@@ -187,8 +187,10 @@ class ModelSpec:
         return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
-    def has_sliding_window(self) -> bool:
-        return any(self.layer_windows)
+    def every_layer_window(self) -> int:
+        """The window every layer has (the least of them), 0 unless every layer is windowed: only
+        then can a sequence give blocks back as its window moves (one block holds all layers)."""
+        return min(self.layer_windows) if self.layer_windows and all(self.layer_windows) else 0
 
     @property
     def rope_type(self) -> str:

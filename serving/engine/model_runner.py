@@ -66,6 +66,13 @@ def _rows_by_adapter(step: StepInput) -> dict:
 
 
 class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache):
+        self.lora_manager = None  # the engine's LoRAManager, when it serves adapters
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = model.device
+
     def _lora_batch(self, step: StepInput, num_tokens: int) -> LoRABatch | None:
         """The step's adapters and their rows (None: every row is the base model's). One adapter:
         its products on its rows (no index when it has every row); several: the stacked form
@@ -83,13 +90,6 @@ class ModelRunner:
         for adapter, rows in by_adapter.items():
             slots[rows] = manager.slot_of[adapter.name]
         return LoRABatch(slots=slots.to(self.device), stacked=stacked)
-
-    def __init__(self, model: LlamaModel, kv_cache: KVCache):
-        self.lora_manager = None  # the engine's LoRAManager, when it serves adapters
-        self.model = model
-        self.kv_cache = kv_cache
-        self.block_size = kv_cache.block_size
-        self.device = model.device
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepInput:
         decodes = [(s, n) for s, n in scheduled if n == 1]

@@ -84,7 +84,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         num_blocks, config.block_size, capacity, bytes_per_token, kv_cache.num_bytes / 2**20,
     )
     max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-    window = min(spec.layer_windows) if spec.layer_windows and all(spec.layer_windows) else 0
+    window = spec.every_layer_window
     # With every layer windowed a sequence holds at most its window, one step's chunk and a block
     # at each end (the rest go back as the window moves: BlockManager.release_before).
     held = window + config.max_num_batched_tokens + 2 * config.block_size if window else max_model_len
