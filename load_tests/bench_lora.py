@@ -49,6 +49,7 @@ class LoRAParams:
     threads: int = 2
     kv_cache_mib: int = 512
     seed: int = 0
+    device: str = "cpu"
     quick: bool = False
 
 
@@ -113,7 +114,7 @@ def run(p: LoRAParams, *, command: str = "") -> dict:
             paths = {name: str(write_random_adapter(Path(tmp) / name, spec, p.lora_rank, p.seed + i))
                      for i, name in enumerate(names)}
             base_config = {"model": model_dir, "dtype": p.dtype, "kv_cache_bytes": p.kv_cache_mib * 2**20,
-                           "num_threads": p.threads, "enable_prefix_caching": False}
+                           "num_threads": p.threads, "enable_prefix_caching": False, "device": p.device}
             engines["base"] = LLMEngine(EngineConfig(**base_config))
             base_config["dtype"] = engines["base"].config.dtype  # "auto" once, the same for both
             engines["mixed"] = LLMEngine(EngineConfig(
@@ -174,7 +175,7 @@ def params_from_args(args: argparse.Namespace) -> LoRAParams:
     for name, arg in (("model", "model"), ("num_requests", "num_requests"), ("output_len", "output_len"),
                       ("prompt_len", "prompt_len"), ("threads", "threads"), ("repeats", "repeats"),
                       ("kv_cache_mib", "kv_cache_mib"), ("num_adapters", "num_adapters"), ("lora_rank", "lora_rank"),
-                      ("seed", "seed")):
+                      ("seed", "seed"), ("device", "device")):
         value = getattr(args, arg, None)
         if value is not None and value is not False:  # 0 is a value (refused below), not "unset"
             given[name] = value

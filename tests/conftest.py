@@ -37,9 +37,18 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
+def tokenizer_dir(request) -> Path:
+    """Where tiny models take their tokenizer: `$KVRELAY_TEST_TOKENIZER_DIR` when set (a GPU machine
+    that has the default model's tokenizer files but not its weights: load_tests/gpu_check.sh),
+    else the default model's directory."""
+    given = os.environ.get("KVRELAY_TEST_TOKENIZER_DIR")
+    return Path(given) if given else request.getfixturevalue("default_model_dir")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer_dir) -> Path:
     """A 2-layer GQA Llama with untied embeddings."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), tokenizer_dir)
 
 
 @pytest.fixture(scope="session")

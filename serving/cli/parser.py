@@ -220,6 +220,7 @@ def _add_bench_engine(targets) -> None:
     )
     p.add_argument("--num-adapters", type=int, metavar="N", help="--lora: adapters the requests spread over [8]")
     p.add_argument("--lora-rank", type=int, metavar="R", help="--lora: the adapters' rank [16]")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="--lora: where the engines run [cpu]")
     p.add_argument("--spec-method", choices=("ngram", "draft"), help="--speculative: the proposer [ngram]")
     p.add_argument("--draft-model", metavar="MODEL", help="--speculative --spec-method draft: the draft model [the model itself]")
     p.add_argument("--num-speculative-tokens", type=int, metavar="K", help="--speculative: tokens proposed per step [4]")
