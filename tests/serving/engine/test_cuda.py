@@ -57,7 +57,9 @@ def test_every_family_on_cuda_matches_transformers(variant, tmp_path, tokenizer_
 
     model_dir = build_tiny_model(tmp_path / variant, tokenizer_dir, **TINY_VARIANTS[variant])
     engine = cuda_engine(model_dir)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # the reference, on the CPU
+    # the reference, on the CPU, in eager attention: the math the engine follows (with SDPA some
+    # transformers versions skip Gemma 2's score soft-capping)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 37, 300)]
     for prompt, got in zip(prompts, engine_greedy(engine, prompts, 64)):
@@ -70,7 +72,8 @@ def test_bf16_on_cuda_tracks_fp32(tiny_model_dir):
     prompt = list(range(200, 260))
     fp32 = engine_first_logits(cuda_engine(tiny_model_dir), prompt).float().cpu()
     bf16 = engine_first_logits(cuda_engine(tiny_model_dir, dtype="bfloat16"), prompt).float().cpu()
-    assert ((bf16 - fp32).norm() / fp32.norm()).item() < 2e-2
+    # bf16's rounding on this tiny model: 0.019 on the CPU, 0.020 on an H200; a wrong path gives ~1
+    assert ((bf16 - fp32).norm() / fp32.norm()).item() < 3e-2
 
 
 def test_mixed_lora_batch_on_cuda_matches_peft_merged(tiny_model_dir, tmp_path):
@@ -88,8 +91,11 @@ def test_mixed_lora_batch_on_cuda_matches_peft_merged(tiny_model_dir, tmp_path):
     for name, prompt, tokens in zip(names[1:], prompts[1:], got[1:]):
         assert_greedy_agrees(made[name][1], prompt, tokens)
         assert tokens[:4] != hf_greedy(base, prompt, 4)[0], name
-    # P/D between two CUDA engines, with an adapter: the tokens of one engine alone
+    # P/D between two CUDA engines, with an adapter: the tokens of one engine alone (alone: a
+    # batch of other shapes may take other cuBLAS kernels, and part at a near-tie)
     prompt = prompts[2]
+    alone = run(cuda_engine(tiny_model_dir, lora={"adapters": {n: str(p) for n, (p, _) in made.items()}}),
+                [("all-rslora", prompt)])[0]
     prefill, decode = (cuda_engine(tiny_model_dir, lora={"adapters": {n: str(p) for n, (p, _) in made.items()}})
                        for _ in range(2))
     prefill.add_request("x", params=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
@@ -102,7 +108,7 @@ def test_mixed_lora_batch_on_cuda_matches_peft_merged(tiny_model_dir, tmp_path):
     while decode.has_unfinished_requests():
         for out in decode.step():
             tokens += out.outputs[0].token_ids
-    assert tokens == got[2]
+    assert tokens == alone
 
 
 def test_greedy_speculation_on_cuda_keeps_the_tokens(tiny_model_dir):
