@@ -35,9 +35,10 @@ from pathlib import Path
 
 import torch
 
+from serving.engine.cpu_kernels import native_kernels
 from serving.engine.errors import InvalidRequestError, ModelLoadError
 
-__all__ = ["LoRAAdapter", "LoRAManager", "LoRABatch", "load_adapter", "LoRAError"]
+__all__ = ["LoRAAdapter", "LoRAManager", "LoRABatch", "StackedLinear", "load_adapter", "LoRAError"]
 
 # Each PEFT target module: (our fused linear, which piece of its output)
 _MODULES = {
@@ -187,17 +188,26 @@ def load_adapter(name: str, path: str | Path, spec, dtype: torch.dtype, device: 
 
 @dataclass
 class LoRABatch:
-    """One step's adapters. Either `groups`: each adapter with the rows (token indices) it applies
-    to (None: every row), one pair of products per adapter; or, with several adapters in the step,
-    `stacked`: every resident adapter's A and B side by side (LoRAManager.stacked) and each
-    token's slot (-1: the base model), two products for all of them, each token's columns kept by
-    a mask. The second costs every token all resident adapters' ranks in FLOPs but a handful of
-    calls per linear instead of four per adapter: on a CPU the calls are what costs (8 adapters
-    of rank 16 in a 64-request batch: 0.53x the base model's throughput looping, docs/benchmarks.md)."""
+    """One step's adapters, in one of three forms:
+
+    segmented  (CPU with the native kernels) every row with an adapter, sorted by slot, and its
+               slot in the resident set (LoRAManager.stacked); one kernel call per linear adds
+               each row's own adapter's product (csrc/kernels.cpp `lora_segmented`). A row costs
+               its own adapter's rank, nothing else.
+    groups     each adapter with the rows it applies to (None: every row), one pair of products
+               per adapter (one adapter in the step, or no native kernels).
+    stacked    every resident adapter's A and B side by side and each token's slot (-1: the base
+               model), two products for all, each token's columns kept by a mask: every token
+               pays every resident adapter's rank, but a handful of calls per linear.
+
+    8 adapters of rank 16 in a 64-request batch, SmolLM2 bf16 on 2 cores: docs/benchmarks.md."""
 
     groups: list[tuple[LoRAAdapter, torch.Tensor | None]] = field(default_factory=list)
-    slots: torch.Tensor | None = None  # [tokens] int64
-    stacked: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    slots: torch.Tensor | None = None  # [tokens] int64 (stacked)
+    stacked: dict[tuple[int, str], StackedLinear] | None = None
+    rows: torch.Tensor | None = None  # [n] int64, sorted by slot (segmented)
+    row_slots: torch.Tensor | None = None  # [n] int64
+    kernels: object = None  # the native module (segmented)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, layer: int, linear: str) -> torch.Tensor:
         """y (= x W^T) plus each adapter's (x A^T) B^T on its rows."""
@@ -205,10 +215,18 @@ class LoRABatch:
             entry = self.stacked.get((layer, linear))
             if entry is None:
                 return y
-            a, b, col_slot = entry
-            h = x @ a.T
-            h = h * (self.slots[:, None] == col_slot[None, :]).to(h.dtype)
-            return y + h @ b.T
+            if self.rows is not None:
+                y = y.contiguous()
+                if entry.bp is not None:
+                    self.kernels.lora_segmented_packed(y, x.contiguous(), entry.a, entry.bp, self.rows, self.row_slots,
+                                                       entry.ranges, entry.pair_starts)
+                else:
+                    self.kernels.lora_segmented(y, x.contiguous(), entry.a, entry.bt, self.rows, self.row_slots,
+                                                entry.ranges)
+                return y
+            h = x @ entry.a.T
+            h = h * (self.slots[:, None] == entry.col_slot[None, :]).to(h.dtype)
+            return y + h @ entry.bt
         for adapter, rows in self.groups:
             pair = adapter.weights.get((layer, linear))
             if pair is None:
@@ -219,6 +237,33 @@ class LoRABatch:
             else:
                 y = y.index_add(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
         return y
+
+
+@dataclass(frozen=True)
+class StackedLinear:
+    """Every resident adapter's factors for one (layer, linear), side by side along the rank."""
+
+    a: torch.Tensor  # [R, in]
+    bt: torch.Tensor  # [R, out]: the B factors transposed
+    col_slot: torch.Tensor  # [R] int64: which slot owns each rank row
+    ranges: torch.Tensor  # [slots, 2] int64 on the CPU: each slot's rank rows [lo, hi) (empty: none)
+    # bf16 on AVX512-BF16 (lora_segmented_packed): each slot's B^T by pairs of rank rows,
+    # [ceil(r / 2), out, 2] from pair_starts[slot] pairs on
+    bp: torch.Tensor | None = None
+    pair_starts: torch.Tensor | None = None
+
+
+def _pack_pairs(bts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each [r, out] B^T as [ceil(r / 2), out, 2] (an odd rank padded with a zero row), one after
+    another, and where each starts (in pairs)."""
+    packed, starts, at = [], [], 0
+    for bt in bts:
+        if bt.shape[0] % 2:
+            bt = torch.cat([bt, bt.new_zeros(1, bt.shape[1])])
+        packed.append(bt.view(bt.shape[0] // 2, 2, bt.shape[1]).transpose(1, 2).reshape(-1))
+        starts.append(at)
+        at += bt.shape[0] // 2
+    return torch.cat(packed).contiguous(), torch.tensor(starts, dtype=torch.long)
 
 
 class LoRAManager:
@@ -235,6 +280,9 @@ class LoRAManager:
         self.num_evictions = 0
         self._stacked: dict | None = None  # built on demand for the resident set (stacked())
         self.slot_of: dict[str, int] = {}  # adapter name -> its slot in the stacked tensors
+        # bf16 on a CPU whose native kernels have AVX512-BF16: B^T also packed by pairs (StackedLinear.bp)
+        kernels = native_kernels() if device.type == "cpu" and dtype == torch.bfloat16 else None
+        self.pack_pairs = kernels is not None and kernels.has_packed_linear()
 
     def register(self, name: str, path: str) -> None:
         self.paths[name] = path
@@ -278,9 +326,9 @@ class LoRAManager:
         adapter.num_running -= 1
         assert adapter.num_running >= 0, adapter.name
 
-    def stacked(self) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def stacked(self) -> dict[tuple[int, str], StackedLinear]:
         """Every resident adapter's A and B per (layer, linear), side by side along the rank, and
-        which slot owns each rank column; rebuilt when the resident set changes. Slots are
+        which slot owns which rank rows; rebuilt when the resident set changes. Slots are
         `slot_of[name]`."""
         if self._stacked is None:
             self.slot_of = {name: i for i, name in enumerate(self.resident)}
@@ -288,10 +336,23 @@ class LoRAManager:
             for name, adapter in self.resident.items():
                 for key, (a, b) in adapter.weights.items():
                     parts.setdefault(key, []).append((self.slot_of[name], a, b))
-            self._stacked = {
-                key: (torch.cat([a for _, a, _ in group]).contiguous(), torch.cat([b for _, _, b in group], dim=1).contiguous(),
-                      torch.cat([torch.full((a.shape[0],), slot, dtype=torch.long, device=a.device) for slot, a, _ in group]))
-                for key, group in parts.items()
-            }
+            self._stacked = {}
+            for key, group in parts.items():
+                ranges = torch.zeros(len(self.slot_of), 2, dtype=torch.long)
+                row = 0
+                for slot, a, _ in group:
+                    ranges[slot] = torch.tensor([row, row + a.shape[0]])
+                    row += a.shape[0]
+                bp = pair_starts = None
+                if self.pack_pairs:
+                    by_slot = {slot: b.T for slot, _, b in group}
+                    empty = group[0][2].new_zeros(0, group[0][2].shape[0])  # a slot without this linear
+                    bp, pair_starts = _pack_pairs([by_slot.get(slot, empty) for slot in range(len(self.slot_of))])
+                self._stacked[key] = StackedLinear(
+                    a=torch.cat([a for _, a, _ in group]).contiguous(),
+                    bt=torch.cat([b.T for _, _, b in group]).contiguous(),
+                    col_slot=torch.cat([torch.full((a.shape[0],), slot, dtype=torch.long, device=a.device)
+                                        for slot, a, _ in group]),
+                    ranges=ranges, bp=bp, pair_starts=pair_starts,
+                )
         return self._stacked
-

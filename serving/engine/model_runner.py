@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from serving.engine.attention import AttentionMetadata, PrefillChunk
+from serving.engine.cpu_kernels import native_kernels
 from serving.engine.kv_cache import KVCache
 from serving.engine.lora import LoRABatch
 from serving.engine.model import LlamaModel
@@ -54,6 +55,21 @@ class StepInput:
     num_sample_rows: list[int] = field(default_factory=list)  # each one's rows: 1 + its proposed tokens
 
 
+def _segments(step: StepInput, slot_of: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of the step's sequences that have an adapter, sorted by its slot, and each row's
+    slot (lora.LoRABatch's segmented form), built from one span per sequence."""
+    spans, start = [], 0
+    for seq, n in zip(step.seqs, step.num_new_tokens):
+        if seq.lora is not None:
+            spans.append((slot_of[seq.lora.name], start, n))
+        start += n
+    spans.sort(key=lambda span: span[0])
+    slots, starts, lengths = (torch.tensor(column, dtype=torch.long) for column in zip(*spans))
+    offsets = torch.cumsum(lengths, 0) - lengths  # where each span starts among the listed rows
+    rows = torch.arange(int(lengths.sum())) + torch.repeat_interleave(starts - offsets, lengths)
+    return rows, torch.repeat_interleave(slots, lengths)
+
+
 def _rows_by_adapter(step: StepInput) -> dict:
     """Each LoRA adapter of the step: the token rows of its sequences (in the token layout)."""
     rows: dict = {}
@@ -65,6 +81,9 @@ def _rows_by_adapter(step: StepInput) -> dict:
     return rows
 
 
+_NATIVE_LORA_DTYPES = (torch.bfloat16, torch.float32)  # lora_segmented's
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: KVCache):
         self.lora_manager = None  # the engine's LoRAManager, when it serves adapters
@@ -74,17 +93,22 @@ class ModelRunner:
         self.device = model.device
 
     def _lora_batch(self, step: StepInput, num_tokens: int) -> LoRABatch | None:
-        """The step's adapters and their rows (None: every row is the base model's). One adapter:
-        its products on its rows (no index when it has every row); several: the stacked form
-        (lora.LoRABatch), each token's slot in the resident set."""
-        by_adapter = _rows_by_adapter(step)
-        if not by_adapter:
+        """The step's adapters and their rows (None: every row is the base model's), in the form
+        that runs fastest here (lora.LoRABatch): segmented on a CPU with the native kernels; else
+        one adapter's products on its rows, or several adapters stacked."""
+        if all(seq.lora is None for seq in step.seqs):
             return None
+        kernels = native_kernels() if self.device.type == "cpu" and self.model.dtype in _NATIVE_LORA_DTYPES else None
+        manager = self.lora_manager
+        if kernels is not None:
+            stacked = manager.stacked()
+            rows, row_slots = _segments(step, manager.slot_of)
+            return LoRABatch(stacked=stacked, rows=rows, row_slots=row_slots, kernels=kernels)
+        by_adapter = _rows_by_adapter(step)
         if len(by_adapter) == 1:
             ((adapter, rows),) = by_adapter.items()
             index = None if len(rows) == num_tokens else torch.tensor(rows, dtype=torch.long, device=self.device)
             return LoRABatch(groups=[(adapter, index)])
-        manager = self.lora_manager
         stacked = manager.stacked()
         slots = torch.full((num_tokens,), -1, dtype=torch.long)
         for adapter, rows in by_adapter.items():

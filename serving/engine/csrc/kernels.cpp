@@ -658,6 +658,274 @@ torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor w, c10::optional<tor
   return y;
 }
 
+namespace {
+
+// ---- multi-LoRA: each token's own adapter, segmented (the Punica / S-LoRA "SGMV" idea) ---------
+// y[row] += (x[row] A_s^T) B_s^T for each listed row, s its adapter's slot: A_s = a[lo_s:hi_s]
+// ([r, in]) and B_s^T = bt[lo_s:hi_s] ([r, out]), the slot's rank range in the step's stacked
+// adapters. A token costs its own adapter's rank only, where a stacked product costs every
+// resident adapter's. Rows come sorted by slot, so one adapter's A and B stay in cache across its
+// tokens. Sums are fp32 and a row's result depends on that row alone (batch-invariant); y is
+// rounded once.
+
+template <typename T>
+inline void load_row_f32(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (; i + 16 <= n; i += 16) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+      _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+    }
+  }
+#endif
+  for (; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// yr[0:kLanes] += v, rounded once to T (bf16: round to nearest even, as c10::BFloat16(float))
+inline void add_lanes(float* yr, const vfloat& v) {
+  const vfloat sum = load_v(yr) + v;
+  std::memcpy(yr, &sum, sizeof(sum));
+}
+inline void add_lanes(c10::BFloat16* yr, const vfloat& v) {
+#if defined(__AVX512BF16__)
+  static_assert(kLanes == 16);
+  __m512 vv;
+  std::memcpy(&vv, &v, sizeof(vv));
+  const __m512 sum = _mm512_add_ps(bf16_to_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(yr))), vv);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr), ps_to_bf16(sum));
+#else
+  for (int lane = 0; lane < kLanes; ++lane) yr[lane] = c10::BFloat16(to_float(yr[lane]) + v[lane]);
+#endif
+}
+
+inline vfloat load_lanes(const float* p) { return load_v(p); }
+inline vfloat load_lanes(const c10::BFloat16* p) {
+  vfloat v;
+#if defined(__AVX512BF16__)
+  const __m512 wide = bf16_to_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  std::memcpy(&v, &wide, sizeof(v));
+#else
+  for (int lane = 0; lane < kLanes; ++lane) v[lane] = to_float(p[lane]);
+#endif
+  return v;
+}
+
+constexpr int kLoraTile = 8;  // tokens of one adapter that share each load of its A and B
+
+template <typename T>
+void lora_segmented_impl(T* y, const T* x, const T* a, const T* bt, const int64_t* rows, const int64_t* slots,
+                         const int64_t* ranges, int64_t n, int64_t in, int64_t out) {
+  // Tiles: runs of up to kLoraTile listed rows of one slot (rows come sorted by slot).
+  std::vector<int64_t> tiles;
+  for (int64_t i = 0; i < n;) {
+    int64_t j = i;
+    while (j < n && j - i < kLoraTile && slots[j] == slots[i]) ++j;
+    if (ranges[2 * slots[i] + 1] > ranges[2 * slots[i]]) tiles.push_back(i);  // else: the adapter leaves it alone
+    i = j;
+  }
+  tiles.push_back(n);
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> xs(kLoraTile * in), as, hs;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t first = tiles[t];
+      int64_t count = 1;
+      while (first + count < n && count < kLoraTile && slots[first + count] == slots[first]) ++count;
+      const int64_t lo = ranges[2 * slots[first]], rank = ranges[2 * slots[first] + 1] - lo;
+      // fp32 copies of the tile's x rows (zero past `count`) and its adapter's A
+      std::fill(xs.begin(), xs.end(), 0.f);
+      for (int64_t m = 0; m < count; ++m) load_row_f32(x + rows[first + m] * in, xs.data() + m * in, in);
+      as.resize(rank * in);
+      load_row_f32(a + lo * in, as.data(), rank * in);
+      const T* b_rows = bt + lo * out;
+      // shrink: h[j][m] = x_m . A_j
+      hs.assign(rank * kLoraTile, 0.f);
+      float h_tile[kLoraTile * 2];
+      int64_t j = 0;
+      for (; j + 2 <= rank; j += 2) {
+        dot_tile<kLoraTile, 2>(xs.data(), as.data() + j * in, in, h_tile);
+        for (int m = 0; m < kLoraTile; ++m) {
+          hs[j * kLoraTile + m] = h_tile[m * 2];
+          hs[(j + 1) * kLoraTile + m] = h_tile[m * 2 + 1];
+        }
+      }
+      if (j < rank) {
+        dot_tile<kLoraTile, 1>(xs.data(), as.data() + j * in, in, h_tile);
+        for (int m = 0; m < kLoraTile; ++m) hs[j * kLoraTile + m] = h_tile[m];
+      }
+      // expand: y_m += sum_j h[j][m] B^T_j, 16 outputs at a time in registers for all the tile's rows
+      int64_t k = 0;
+      for (; k + kLanes <= out; k += kLanes) {
+        vfloat acc[kLoraTile] = {};
+        for (int64_t jj = 0; jj < rank; ++jj) {
+          const vfloat b = load_lanes(b_rows + jj * out + k);
+          const float* h = hs.data() + jj * kLoraTile;
+          for (int m = 0; m < kLoraTile; ++m) acc[m] += h[m] * b;
+        }
+        for (int64_t m = 0; m < count; ++m) add_lanes(y + rows[first + m] * out + k, acc[m]);
+      }
+      for (; k < out; ++k)
+        for (int64_t m = 0; m < count; ++m) {
+          float sum = 0.f;
+          for (int64_t jj = 0; jj < rank; ++jj) sum += hs[jj * kLoraTile + m] * to_float(b_rows[jj * out + k]);
+          T* yr = y + rows[first + m] * out + k;
+          *yr = static_cast<T>(to_float(*yr) + sum);
+        }
+    }
+  });
+}
+
+
+#if defined(__AVX512BF16__)
+// The bf16 form with AVX512-BF16's pair dot products (32 multiply-adds an instruction, no
+// conversions): the shrink reads x and A as they are; the expand reads B^T packed by pairs of
+// rank rows, [pairs, out, 2] per slot (LoRAManager lays it out), and h rounded to bf16 pairs.
+void lora_segmented_packed_bf16(uint16_t* y, const uint16_t* x, const uint16_t* a, const uint16_t* bp,
+                                const int64_t* rows, const int64_t* slots, const int64_t* ranges,
+                                const int64_t* pair_starts, int64_t n, int64_t in, int64_t out) {
+  std::vector<int64_t> tiles;
+  for (int64_t i = 0; i < n;) {
+    int64_t j = i;
+    while (j < n && j - i < kLoraTile && slots[j] == slots[i]) ++j;
+    if (ranges[2 * slots[i] + 1] > ranges[2 * slots[i]]) tiles.push_back(i);
+    i = j;
+  }
+  tiles.push_back(n);
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> hp;  // [pairs][kLoraTile]: each row's (h_2p, h_2p+1) as two bf16
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t first = tiles[t];
+      int64_t count = 1;
+      while (first + count < n && count < kLoraTile && slots[first + count] == slots[first]) ++count;
+      const int64_t slot = slots[first], lo = ranges[2 * slot], rank = ranges[2 * slot + 1] - lo;
+      const int64_t pairs = (rank + 1) / 2;
+      const uint16_t* xr[kLoraTile];
+      for (int m = 0; m < kLoraTile; ++m) xr[m] = x + rows[first + std::min<int64_t>(m, count - 1)] * in;
+      // shrink: h[m][j] = x_m . A_j, fp32 sums of bf16 pairs; two rank rows at a time, their 16
+      // sums reduced together
+      hp.assign(pairs * kLoraTile, 0u);
+      for (int64_t j = 0; j < rank; j += 2) {
+        const bool two = j + 1 < rank;
+        const uint16_t* a0 = a + (lo + j) * in;
+        const uint16_t* a1 = two ? a0 + in : a0;
+        __m512 acc[2 * kLoraTile];
+        for (int i = 0; i < 2 * kLoraTile; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < in; k += 32) {
+          const __mmask32 mask = in - k >= 32 ? (__mmask32)~0u : (__mmask32)((1ull << (in - k)) - 1);
+          const __m512bh v0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, a0 + k);
+          const __m512bh v1 = (__m512bh)_mm512_maskz_loadu_epi16(mask, a1 + k);
+          for (int m = 0; m < kLoraTile; ++m) {
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xr[m] + k);
+            acc[m] = _mm512_dpbf16_ps(acc[m], xv, v0);
+            acc[kLoraTile + m] = _mm512_dpbf16_ps(acc[kLoraTile + m], xv, v1);
+          }
+        }
+        alignas(64) float sums[2 * kLoraTile];
+        _mm512_store_ps(sums, reduce16(acc));
+        for (int m = 0; m < kLoraTile; ++m) {
+          // (h_j, h_j+1) as one bf16 pair; an odd rank's last pair has a zero second half
+          const uint32_t h0 = c10::BFloat16(sums[m]).x, h1 = two ? c10::BFloat16(sums[kLoraTile + m]).x : 0u;
+          hp[(j / 2) * kLoraTile + m] = h0 | (h1 << 16);
+        }
+      }
+      // expand: y_m += sum_p (h_2p, h_2p+1) . (B^T_2p, B^T_2p+1), 32 outputs at a time
+      const uint16_t* b = bp + pair_starts[slot] * out * 2;
+      for (int64_t k = 0; k < out; k += 32) {
+        const int64_t lanes0 = std::min<int64_t>(16, out - k), lanes1 = std::max<int64_t>(0, std::min<int64_t>(16, out - k - 16));
+        const __mmask16 mask0 = (__mmask16)((1u << lanes0) - 1), mask1 = (__mmask16)((1u << lanes1) - 1);
+        __m512 acc[2 * kLoraTile];
+        for (int i = 0; i < 2 * kLoraTile; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < pairs; ++p) {
+          const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi32(mask0, b + (p * out + k) * 2);
+          const __m512bh w1 = (__m512bh)_mm512_maskz_loadu_epi32(mask1, b + (p * out + k + 16) * 2);
+          const uint32_t* h = hp.data() + p * kLoraTile;
+          for (int m = 0; m < kLoraTile; ++m) {
+            const __m512bh hv = (__m512bh)_mm512_set1_epi32(static_cast<int>(h[m]));
+            acc[m] = _mm512_dpbf16_ps(acc[m], hv, w0);
+            acc[kLoraTile + m] = _mm512_dpbf16_ps(acc[kLoraTile + m], hv, w1);
+          }
+        }
+        for (int64_t m = 0; m < count; ++m) {
+          uint16_t* yr = y + rows[first + m] * out + k;
+          _mm256_mask_storeu_epi16(yr, mask0, ps_to_bf16(_mm512_add_ps(bf16_to_ps(_mm256_maskz_loadu_epi16(mask0, yr)), acc[m])));
+          if (lanes1 > 0)
+            _mm256_mask_storeu_epi16(yr + 16, mask1,
+                                     ps_to_bf16(_mm512_add_ps(bf16_to_ps(_mm256_maskz_loadu_epi16(mask1, yr + 16)), acc[kLoraTile + m])));
+        }
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+// y [T, out] (added to in place), x [T, in], a [R, in], bt [R, out], all of one dtype (bf16 or
+// fp32); rows, slots [n] int64 (the rows that have an adapter, and its slot); ranges [S, 2] int64
+// (each slot's rank range in a and bt; empty: the adapter leaves this linear alone).
+void lora_segmented(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor bt, torch::Tensor rows,
+                    torch::Tensor slots, torch::Tensor ranges) {
+  TORCH_CHECK(x.scalar_type() == y.scalar_type() && a.scalar_type() == y.scalar_type() &&
+                  bt.scalar_type() == y.scalar_type(), "y, x, a and bt must have one dtype");
+  TORCH_CHECK(y.scalar_type() == at::kBFloat16 || y.scalar_type() == at::kFloat, "bf16 or fp32 only");
+  TORCH_CHECK(y.is_contiguous() && x.is_contiguous() && a.is_contiguous() && bt.is_contiguous() &&
+                  rows.is_contiguous() && slots.is_contiguous() && ranges.is_contiguous(), "contiguous tensors only");
+  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0) && a.size(1) == x.size(1) &&
+                  bt.size(1) == y.size(1) && a.size(0) == bt.size(0), "y [T, out], x [T, in], a [R, in], bt [R, out]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && ranges.scalar_type() == at::kLong &&
+                  rows.numel() == slots.numel() && ranges.dim() == 2 && ranges.size(1) == 2, "rows, slots [n], ranges [S, 2] int64");
+  const int64_t n = rows.numel(), num_slots = ranges.size(0), total = y.size(0), rank_rows = a.size(0);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t* g = ranges.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(r[i] >= 0 && r[i] < total && s[i] >= 0 && s[i] < num_slots, "row or slot out of range");
+  for (int64_t i = 0; i < num_slots; ++i)
+    TORCH_CHECK(g[2 * i] >= 0 && g[2 * i] <= g[2 * i + 1] && g[2 * i + 1] <= rank_rows,
+                "a slot's rank range is outside a");
+  if (y.scalar_type() == at::kFloat) {
+    lora_segmented_impl<float>(y.data_ptr<float>(), x.data_ptr<float>(), a.data_ptr<float>(), bt.data_ptr<float>(), r, s, g,
+                               n, x.size(1), y.size(1));
+  } else {
+    lora_segmented_impl<c10::BFloat16>(y.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), a.data_ptr<at::BFloat16>(),
+                                       bt.data_ptr<at::BFloat16>(), r, s, g, n, x.size(1), y.size(1));
+  }
+}
+
+// The bf16 form on AVX512-BF16: as lora_segmented, with B^T packed by pairs of rank rows
+// (bp: each slot's [ceil(r / 2), out, 2] from pair_starts[slot] pairs on, zero-padded).
+void lora_segmented_packed(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor bp, torch::Tensor rows,
+                           torch::Tensor slots, torch::Tensor ranges, torch::Tensor pair_starts) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(y.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 && a.scalar_type() == at::kBFloat16 &&
+                  bp.scalar_type() == at::kBFloat16, "bf16 only");
+  TORCH_CHECK(y.is_contiguous() && x.is_contiguous() && a.is_contiguous() && bp.is_contiguous() && rows.is_contiguous() &&
+                  slots.is_contiguous() && ranges.is_contiguous() && pair_starts.is_contiguous(), "contiguous tensors only");
+  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0) && a.size(1) == x.size(1), "y [T, out], x [T, in], a [R, in]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && ranges.scalar_type() == at::kLong &&
+                  pair_starts.scalar_type() == at::kLong && rows.numel() == slots.numel() && ranges.dim() == 2 &&
+                  ranges.size(1) == 2 && pair_starts.numel() == ranges.size(0), "rows, slots [n], ranges [S, 2], pair_starts [S] int64");
+  const int64_t n = rows.numel(), num_slots = ranges.size(0), total = y.size(0), out = y.size(1);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t* g = ranges.data_ptr<int64_t>();
+  const int64_t* ps = pair_starts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(r[i] >= 0 && r[i] < total && s[i] >= 0 && s[i] < num_slots, "row or slot out of range");
+  for (int64_t i = 0; i < num_slots; ++i)
+    TORCH_CHECK(g[2 * i] >= 0 && g[2 * i] <= g[2 * i + 1] && g[2 * i + 1] <= a.size(0) && ps[i] >= 0 &&
+                    (ps[i] + (g[2 * i + 1] - g[2 * i] + 1) / 2) * out * 2 <= bp.numel(), "a slot's rank range is outside a or bp");
+  lora_segmented_packed_bf16(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
+                             reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+                             reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),
+                             reinterpret_cast<const uint16_t*>(bp.data_ptr<at::BFloat16>()), r, s, g, ps, n, x.size(1), out);
+#else
+  TORCH_CHECK(false, "lora_segmented_packed needs AVX512-BF16 (has_packed_linear)");
+#endif
+}
+
 // Every kernel runs without the GIL (its tensors are converted before and its result after):
 // in a served replica the event loop that streams tokens and answers Serve shares the process
 // with the engine's step thread, and must not wait for a kernel.
@@ -673,4 +941,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight, "bf16 [N, K] -> the layout of packed_linear", no_gil());
   m.def("packed_linear", &packed_linear, "batch-invariant bf16 x @ w.T (+ bias) from a packed w", no_gil());
   m.def("small_m_linear", &small_m_linear, "x @ w.T (+ bias), rows summed independently of each other", no_gil());
+  m.def("lora_segmented_packed", &lora_segmented_packed, "lora_segmented in bf16 pairs, B^T packed (AVX512-BF16)",
+        no_gil());
+  m.def("lora_segmented", &lora_segmented, "y[rows] += (x[rows] A_slot^T) B_slot^T, each row its own adapter", no_gil());
 }

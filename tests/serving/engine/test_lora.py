@@ -227,3 +227,51 @@ def test_a_kv_hand_off_with_an_adapter_continues_as_one_engine_would(tiny_model_
         base_only.add_request("y", params=GREEDY, prompt_token_ids=prompt, kv_payload=payload,
                               prior_output_token_ids=first.outputs[0].token_ids, lora_name="all-rslora")
     assert info.value.param == "model"
+
+
+@pytest.mark.parametrize("dtype, packed", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_the_segmented_kernel_adds_each_rows_own_adapter(dtype, packed):
+    """lora_segmented (and its bf16 form with B^T packed by pairs) against float64: each listed
+    row gets its own slot's (x A^T) B^T, a slot with an empty range and the unlisted rows keep y;
+    a row's result does not depend on the other rows listed with it."""
+    from serving.engine.cpu_kernels import native_kernels
+    from serving.engine.lora import _pack_pairs
+
+    kernels = native_kernels()
+    if kernels is None or (packed and not kernels.has_packed_linear()):
+        pytest.skip("the native kernels (with AVX512-BF16 for the packed form) are not loaded")
+    gen = torch.Generator().manual_seed(0)
+    tokens, fan_in, fan_out = 37, 70, 45  # not multiples of the vector width
+    ranks = [16, 0, 4, 33]  # slot 1 leaves this linear alone
+    lo = [sum(ranks[:i]) for i in range(len(ranks))]
+    ranges = torch.tensor([[start, start + r] for start, r in zip(lo, ranks)], dtype=torch.long)
+    x = torch.randn(tokens, fan_in, generator=gen).to(dtype)
+    a = (torch.randn(sum(ranks), fan_in, generator=gen) * 0.1).to(dtype)
+    bt = (torch.randn(sum(ranks), fan_out, generator=gen) * 0.1).to(dtype)
+    y0 = torch.randn(tokens, fan_out, generator=gen).to(dtype)
+    rows = torch.tensor([1, 5, 6, 30, 2, 9, 0, 36, 11], dtype=torch.long)  # sorted by slot, below
+    slots = torch.tensor([0, 0, 0, 1, 2, 2, 3, 3, 3], dtype=torch.long)
+
+    bp, pair_starts = _pack_pairs([bt[start:end] for start, end in ranges.tolist()])
+
+    def segmented(y, rows, slots):
+        if packed:
+            kernels.lora_segmented_packed(y, x, a, bp, rows, slots, ranges, pair_starts)
+        else:
+            kernels.lora_segmented(y, x, a, bt, rows, slots, ranges)
+
+    y = y0.clone()
+    segmented(y, rows, slots)
+    expected = y0.double().clone()
+    for row, slot in zip(rows.tolist(), slots.tolist()):
+        start, end = ranges[slot].tolist()
+        expected[row] += (x[row].double() @ a[start:end].double().T) @ bt[start:end].double()
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: y rounded once
+    assert (y.double() - expected).abs().max().item() < tolerance
+    untouched = [r for r in range(tokens) if r not in rows.tolist() or r == 30]
+    assert torch.equal(y[untouched], y0[untouched])
+    alone = y0.clone()  # row 9 listed alone gives the same bits
+    segmented(alone, rows[5:6], slots[5:6])
+    assert torch.equal(alone[9], y[9])
+    with pytest.raises(RuntimeError, match="row or slot out of range"):
+        segmented(y, torch.tensor([tokens]), torch.tensor([0]))
