@@ -9,8 +9,9 @@
     every linear:  y = x W^T  +  for each adapter a in the step:  y[rows_a] += (x[rows_a] A_a^T) B_a^T
 
 Not merged into the base weights and not one pass per adapter: the base GEMM runs once over the
-whole step, and each adapter adds its low-rank product on its own rows (a gather, two small
-matrix products, a scatter-add).
+whole step, and each adapter adds its low-rank product on its own rows. On a CPU one native call
+per linear does that for every row (csrc/kernels.cpp `lora_segmented`, the SGMV idea: a row costs
+its own adapter's rank only); elsewhere PyTorch products (LoRABatch says which form runs).
 
 Layout. The engine's linears are fused: qkv = [q | k | v] and gate_up = [gate | up] along the
 output. An adapter's pieces for one fused linear become one A (its pieces' A stacked along the
