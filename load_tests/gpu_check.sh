@@ -2,10 +2,13 @@
 # The engine's CUDA checks, for a lent GPU machine (device tool), in one call:
 #   tests/serving/engine/test_cuda.py, then `kvrelay bench engine --lora` on CUDA with a random-weight
 #   model of the default model's shape (the weights do not travel; its config and tokenizer do).
-# Needs .gpu/tok: the converted default model's directory without model.safetensors. The machine's
-# python3 has torch (CUDA), transformers, peft, safetensors and pytest; nothing is installed.
+# Needs .gpu/tok: the converted default model's directory without model.safetensors; and .whl: the
+# wheels of pydantic, pydantic-core, annotated-types and typing-inspection for Python 3.12 (the
+# machine's python3 has torch with CUDA, transformers, peft, safetensors and pytest, not pydantic):
+#   device run: bash load_tests/gpu_check.sh   carry: .gpu .whl
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD KVRELAY_TEST_TOKENIZER_DIR=$PWD/.gpu/tok KVRELAY_CACHE_DIR=/tmp/kvrelay-cache
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site KVRELAY_TEST_TOKENIZER_DIR=$PWD/.gpu/tok KVRELAY_CACHE_DIR=/tmp/kvrelay-cache
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, torch.cuda.get_device_name())"
