@@ -61,6 +61,9 @@ class GenerateRequest:
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.time)  # wall clock, comparable across nodes
     lora_name: str | None = None  # the LoRA adapter it runs with (EngineConfig.lora); None: the base model
+    # its PEFT directory, as the ingress knows it: a worker registers a name it has not heard of
+    # (an adapter loaded at run time, POST /v1/load_lora_adapter) from here
+    lora_path: str | None = None
     # Routing: the prompt's chained block hashes, computed once at the ingress with the engines'
     # block size and extra keys (router/index.py), and the session-affinity key (`user`).
     block_hashes: list[int] = field(default_factory=list)
@@ -84,6 +87,11 @@ class Backend(Protocol):
 
     async def health(self) -> dict[str, Any]:
         """Per pool, whether a replica is alive; raises NoWorkerError when one is not."""
+        ...
+
+    async def check_adapter(self, name: str, path: str) -> None:
+        """Whether the PEFT LoRA adapter at `path` loads on the workers; raises
+        InvalidRequestError naming `lora_path` (and the file and field) when it does not."""
         ...
 
 
@@ -252,7 +260,7 @@ class Frontend:
             request_id, prompt_ids, worker_params, priority, cache_salt,
             block_hashes=hash_blocks(prompt_ids, info.block_size, block_extra_keys(cache_salt, lora_name, lora_path)),
             block_size=info.block_size, session=session,
-            trace_context=trace.carrier() if trace is not None else None, lora_name=lora_name,
+            trace_context=trace.carrier() if trace is not None else None, lora_name=lora_name, lora_path=lora_path,
         )
         choices = [_Choice(self.tokenizer, prompt_ids, params) for _ in range(params.n)]
         stream = coalesced(self.backend.generate(request), self.max_merged_tokens)

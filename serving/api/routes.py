@@ -51,7 +51,7 @@ import uuid
 
 import prometheus_client
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from serving.api.calls import Call
@@ -77,6 +77,7 @@ from serving.api.tokenize_routes import add_tokenize_routes
 from serving.api.usage import ModelPrice, RequestAccount, UsageLedger, load_pricing
 from serving.config import ServeConfig
 from serving.config.access import APIKey
+from serving.engine.errors import InvalidRequestError
 from serving.engine.params import SamplingParams
 from serving.observability import tracing
 from serving.observability.ingress_metrics import CLIENT_CLOSED, IngressMetrics
@@ -137,6 +138,14 @@ class OpenAIServer:
         @app.post("/v1/responses")
         async def responses(request: Request):
             return await self._guard(request, self.degrader.wrap(request, self.responses), "resp_")
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request):
+            return await self._adapter_update(request, load=True)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request):
+            return await self._adapter_update(request, load=False)
 
         @app.get("/v1/models")
         async def models(request: Request):
@@ -304,6 +313,48 @@ class OpenAIServer:
             raise ModelNotFoundError(model or self.model_name, [])
         return lora
 
+    async def _adapter_update(self, request: Request, *, load: bool) -> Response:
+        """vLLM's runtime LoRA endpoints. Load: {"lora_name", "lora_path"}; the workers read and
+        check the adapter (one replica per pool) before its name is served; every replica
+        registers it from the first request that names it (the request carries its path).
+        Unload: {"lora_name"}; new requests for it get 404 at once, running ones finish. Plain-text
+        answers, as vLLM's."""
+        try:
+            key = self.authenticate(request)
+            lora = self.config.engine.lora
+            if lora is None or not lora.allow_runtime_updates:
+                raise APIError(403, "Adapters are not loaded or unloaded at run time here: set "
+                               "engine.lora.allow_runtime_updates: true in the serve config.",
+                               type="permission_error", code="runtime_lora_updates_disabled")
+            if self._keys and not key.is_admin:
+                raise APIError(403, "Loading and unloading LoRA adapters needs an admin key (admin_api_keys).",
+                               type="permission_error", code="admin_key_required")
+            body = await read_json(request, self.config.max_request_body_bytes)
+            name = _adapter_field(body, "lora_name")
+            if not load:
+                if name not in self.adapters:
+                    raise APIError(404, f"The lora adapter {name!r} cannot be found.", param="lora_name",
+                                   code="lora_adapter_not_found")
+                del self.adapters[name]
+                logger.info("LoRA adapter %r unloaded", name)
+                return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+            path = _adapter_field(body, "lora_path")
+            if name == self.model_name or ":" in name:
+                raise InvalidRequestError("lora_name", f"{name!r} cannot name an adapter: it is the base model's "
+                                          "name or holds ':' (base:adapter is how requests name adapters)")
+            if name in self.adapters:
+                raise InvalidRequestError("lora_name", f"adapter {name!r} is already loaded (from "
+                                          f"{self.adapters[name]}); unload it first")
+            await self.frontend.backend.check_adapter(name, path)
+            self.adapters[name] = path
+            logger.info("LoRA adapter %r loaded from %s", name, path)
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+        except Exception as exc:  # noqa: BLE001 - every failure is an HTTP answer
+            error = to_api_error(exc)
+            if error.status >= 500:
+                logger.exception("%s failed", request.url.path)
+            return error_response(error)
+
     def _adapter_card(self, name: str) -> dict:
         """A LoRA adapter in /v1/models, as vLLM lists one: its base model as parent."""
         return {"id": name, "object": "model", "created": self._created, "owned_by": "kvrelay",
@@ -326,3 +377,10 @@ class OpenAIServer:
         except APIError as exc:  # no live replica to ask (a request would get this 503): listed without it
             logger.warning("the model card of %s has no max_model_len: %s", self.model_name, exc.message)
         return card
+
+
+def _adapter_field(body: dict, name: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str) or not value.strip() or len(value) > 4096:
+        raise InvalidRequestError(name, f"must be a non-empty string (at most 4096 characters); got {value!r:.80}")
+    return value.strip()

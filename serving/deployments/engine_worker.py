@@ -103,6 +103,14 @@ class EngineWorker:
     def model_info(self) -> ModelInfo:
         return ModelInfo.of(self.engine.engine)
 
+    async def check_adapter(self, name: str, path: str) -> WorkerError | None:
+        """Whether the PEFT adapter at `path` loads here (POST /v1/load_lora_adapter)."""
+        try:
+            await self.engine.check_adapter(name, path)
+        except Exception as exc:  # noqa: BLE001 - returned as a value, raised again at the ingress
+            return WorkerError.from_exception(exc)
+        return None
+
     def stats(self) -> WorkerStats:
         return WorkerStats(self.role, os.getpid(), self._this_node(), self.engine.stats(),
                            replace(self.recorder.counters, fallback_reasons=dict(self.recorder.counters.fallback_reasons)))
@@ -208,7 +216,7 @@ class EngineWorker:
                 async for out in self.engine.generate(
                     request.request_id, prompt_token_ids=request.prompt_token_ids, params=one,
                     priority=request.priority, cache_salt=request.cache_salt, hold_kv=not scores_only,
-                    lora_name=request.lora_name,
+                    lora_name=request.lora_name, lora_path=request.lora_path,
                     keep_cached=request.keep_cached,
                     export_into=export_into, export_until=slot.deadline if slot is not None else None,
                 ):
@@ -320,7 +328,7 @@ class EngineWorker:
                 async for out in self.engine.generate(
                     request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
                     priority=request.priority, cache_salt=request.cache_salt, kv_payload=payload,
-                    lora_name=request.lora_name,
+                    lora_name=request.lora_name, lora_path=request.lora_path,
                     prior_output_token_ids=prior_output_token_ids, keep_cached=request.keep_cached,
                 ):
                     payload = None  # imported (or never needed); let the shared-memory view go

@@ -29,6 +29,9 @@ class LocalBackend:
     async def model_info(self) -> ModelInfo:
         return ModelInfo.of(self.engine.engine)
 
+    async def check_adapter(self, name: str, path: str) -> None:
+        await self.engine.check_adapter(name, path)
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if not self.engine.is_alive:
             raise NoWorkerError("engine", "its step loop has stopped")
@@ -39,7 +42,7 @@ class LocalBackend:
             # Closed explicitly, not left to garbage collection: closing it is what aborts the request.
             async with aclosing(self.engine.generate(
                 request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
-                priority=request.priority, cache_salt=request.cache_salt, lora_name=request.lora_name,
+                priority=request.priority, cache_salt=request.cache_salt, lora_name=request.lora_name, lora_path=request.lora_path,
             )) as outputs:
                 async for out in outputs:
                     if last is None and path is not None:

@@ -137,6 +137,15 @@ class ServeBackend:
         limit = min(info.max_model_len for info in infos)
         return replace(infos[0], max_model_len=limit)
 
+    async def check_adapter(self, name: str, path: str) -> None:
+        """Whether the PEFT adapter at `path` loads in each pool (one replica of each reads and
+        checks it; every replica registers it from the first request that names it)."""
+        for pool, handle in self._pools.items():
+            await self._check_alive(pool, handle)
+            error = await self._call(handle.check_adapter.remote(name, path), pool)
+            if isinstance(error, WorkerError):
+                raise error.to_exception()
+
     async def health(self) -> dict[str, Any]:
         """Per pool, its replica states, from the controller's view. Raises HealthUnknownError when
         the latest read of it failed or did not finish in status_timeout_s, NoWorkerError when a

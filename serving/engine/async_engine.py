@@ -93,6 +93,7 @@ class AsyncEngine:
         export_until: float | None = None,
         keep_cached: bool = True,
         lora_name: str | None = None,
+        lora_path: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request (the arguments are LLMEngine.add_request's) and yield its outputs as
         they come. The engine's refusals raise here, before the first output. Leaving the
@@ -106,6 +107,7 @@ class AsyncEngine:
                 request_id, params=params, prompt_token_ids=prompt_token_ids, priority=priority, cache_salt=cache_salt,
                 hold_kv=hold_kv, kv_payload=kv_payload, prior_output_token_ids=prior_output_token_ids,
                 export_into=export_into, export_until=export_until, keep_cached=keep_cached, lora_name=lora_name,
+                lora_path=lora_path,
             ))
         except asyncio.CancelledError:
             # The add is queued and runs anyway: abort it right behind, or nobody reads it.
@@ -159,6 +161,10 @@ class AsyncEngine:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._inbox.put(_STOP)
         self._thread.join(timeout_s)
+
+    async def check_adapter(self, name: str, path: str) -> None:
+        """LLMEngine.check_adapter, on the step thread."""
+        await self._call(lambda engine: engine.check_adapter(name, path))
 
     # ---- internals ---------------------------------------------------------------------------
     async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:

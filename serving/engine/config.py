@@ -27,6 +27,12 @@ class LoRAConfig(StrictModel):
         description="Adapters resident at once; the least recently used one no running request uses is "
         "evicted for a new one.",
     )
+    allow_runtime_updates: bool = Field(
+        False,
+        description="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) may add and remove "
+        "adapters while serving: admin keys only (admin_api_keys), or anyone where no keys are configured. "
+        "An adapter loaded so reads from a path every worker can reach (a shared volume).",
+    )
 
 
 class SpeculativeConfig(StrictModel):

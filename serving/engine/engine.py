@@ -49,7 +49,7 @@ from serving.engine.block_hash import block_extra_keys
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
-from serving.engine.errors import InvalidRequestError, RequestFailedError
+from serving.engine.errors import InvalidRequestError, ModelLoadError, RequestFailedError
 from serving.engine.grammar import GrammarCompiler, GrammarMatcher, PendingGrammars, SpeculativeMask, compiler_for
 from serving.engine.held_kv import HeldKV
 from serving.engine.kv_events import KVEvent
@@ -167,10 +167,13 @@ class LLMEngine:
         export_until: float | None = None,
         keep_cached: bool = True,
         lora_name: str | None = None,
+        lora_path: str | None = None,
     ) -> int:
         """Validate and queue a request; returns its prompt length.
 
         `lora_name`: the LoRA adapter (EngineConfig.lora) it runs with; None: the base model.
+        `lora_path`: its PEFT directory, registered under the name first (an adapter loaded at
+        run time reaches a worker this way; LoRAManager.register says when that is refused).
 
         `hold_kv` keeps the KV after the request finishes, for `export_kv` (prefill worker);
         `export_into` (with hold_kv) is where its payload is read out: a contiguous tensor of
@@ -209,6 +212,8 @@ class LLMEngine:
             if self.loras is None:
                 raise InvalidRequestError("model", f"adapter {lora_name!r}: this engine serves no LoRA adapters "
                                           "(EngineConfig.lora)")
+            if lora_path is not None:
+                self.loras.register(lora_name, lora_path)
             adapters = [self.loras.acquire(lora_name) for _ in range(params.n)]  # one use per choice
         # an adapter's blocks hash apart from the base model's and every other adapter's
         extra_keys = block_extra_keys(cache_salt, lora_name, str(adapters[0].path) if adapters else None)
@@ -561,6 +566,17 @@ class LLMEngine:
             child.num_cached_tokens = parent.num_cached_tokens
             self.scheduler.add(child)
         request.waiting_children = []
+
+    def check_adapter(self, name: str, path: str) -> None:
+        """Whether the PEFT adapter at `path` loads on this engine's model (POST
+        /v1/load_lora_adapter asks before any request names it); LoRAError names file and field."""
+        if self.loras is None:
+            raise InvalidRequestError("lora_name", "this engine serves no LoRA adapters: set engine.lora "
+                                      "(lora.allow_runtime_updates for adapters loaded at run time)")
+        try:
+            self.loras.check(name, path)
+        except ModelLoadError as exc:  # LoRAError: names the file and the field
+            raise InvalidRequestError("lora_path", str(exc)) from exc
 
     def _release_lora(self, seq: Sequence) -> None:
         if seq.lora is not None:

@@ -286,7 +286,25 @@ class LoRAManager:
         self.pack_pairs = kernels is not None and kernels.has_packed_linear()
 
     def register(self, name: str, path: str) -> None:
+        """`name` now means the adapter at `path` (read on first use). The same path again changes
+        nothing; another path replaces the resident copy, refused while a running request uses it."""
+        path = str(path)
+        if self.paths.get(name) == path:
+            return
+        adapter = self.resident.get(name)
+        if adapter is not None:
+            if adapter.num_running:
+                raise InvalidRequestError(
+                    "model", f"adapter {name!r} is being replaced ({self.paths[name]} -> {path}) and "
+                    f"{adapter.num_running} running request(s) still use the old one; retry when they finish")
+            del self.resident[name]
+            self._stacked = None
         self.paths[name] = path
+
+    def check(self, name: str, path: str) -> None:
+        """Read and check the adapter at `path` for this base model without making it resident;
+        a LoRAError names the file and the field."""
+        load_adapter(name, path, self.spec, self.dtype, self.device, adapter_id=0)
 
     def unregister(self, name: str) -> None:
         """Forget `name`; refused while a running request uses it."""

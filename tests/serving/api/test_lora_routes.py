@@ -81,3 +81,119 @@ async def test_an_unknown_adapter_is_a_404_naming_what_is_served(served, model):
     error = response.json()["error"]
     assert (error["code"], error["param"]) == ("model_not_found", "model")
     assert "tiny, sql" in error["message"]
+
+
+# ---- adapters loaded and unloaded at run time (POST /v1/load_lora_adapter, vLLM's) ----------------
+ADMIN, USER = "admin-secret-key", "user-secret-key"
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory, tiny_model_dir):
+    from tests.serving.engine.test_lora import make_adapter
+
+    root = tmp_path_factory.mktemp("runtime-lora")
+    make_adapter(tiny_model_dir, root / "late", 4, 8, ["q_proj", "o_proj", "up_proj"], False, seed=12)
+    lora = {"adapters": {}, "allow_runtime_updates": True}
+    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20,
+                                      num_threads=1, lora=lora))
+    config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL, engine={"lora": lora},
+                         api_keys=[USER], admin_api_keys=[ADMIN])
+    app = OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config).build_app()
+    reference = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20,
+                                       num_threads=1, lora={"adapters": {"late": str(root / "late")}}))
+    yield app, reference, root
+    engine.shutdown()
+
+
+def client(app, key: str | None = ADMIN) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", headers=headers)
+
+
+async def test_an_adapter_loaded_at_run_time_serves_while_other_requests_run_and_unloads(runtime):
+    import asyncio
+
+    app, reference, root = runtime
+    async with client(app) as admin, client(app, USER) as user:
+        long_body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+        running = asyncio.create_task(user.post("/v1/completions", json=long_body))
+        await asyncio.sleep(0.05)
+        body = {"model": "late", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        assert (await user.post("/v1/completions", json=body)).status_code == 404  # not loaded yet
+        loaded = await admin.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(root / "late")})
+        assert (loaded.status_code, loaded.text) == (200, "Success: LoRA adapter 'late' added successfully.")
+        answer = await user.post("/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == expected_text(reference, "late")
+        assert [m["id"] for m in (await user.get("/v1/models")).json()["data"]] == [MODEL, "late"]
+        again = await admin.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(root / "late")})
+        assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+        unloaded = await admin.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
+        assert (unloaded.status_code, unloaded.text) == (200, "Success: LoRA adapter 'late' removed successfully.")
+        assert (await user.post("/v1/completions", json=body)).status_code == 404
+        gone = await admin.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
+        assert (gone.status_code, gone.json()["error"]["code"]) == (404, "lora_adapter_not_found")
+        finished = await running  # the base model's request ran through all of it
+        assert finished.status_code == 200 and finished.json()["usage"]["completion_tokens"] == 300
+        # loaded again under the same name: served again, the same text
+        assert (await admin.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(root / "late")})).status_code == 200
+        assert (await user.post("/v1/completions", json=body)).json()["choices"][0]["text"] == expected_text(reference, "late")
+        assert (await admin.post("/v1/unload_lora_adapter", json={"lora_name": "late"})).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "key, body, status, param, says",
+    [
+        (USER, {"lora_name": "x", "lora_path": "/tmp"}, 403, None, "needs an admin key"),
+        (None, {"lora_name": "x", "lora_path": "/tmp"}, 401, None, "Missing API key"),
+        (ADMIN, {"lora_path": "/tmp"}, 400, "lora_name", "must be a non-empty string"),
+        (ADMIN, {"lora_name": "x", "lora_path": ""}, 400, "lora_path", "must be a non-empty string"),
+        (ADMIN, {"lora_name": "x", "lora_path": 7}, 400, "lora_path", "must be a non-empty string"),
+        (ADMIN, {"lora_name": MODEL, "lora_path": "/tmp"}, 400, "lora_name", "base model's name"),
+        (ADMIN, {"lora_name": "a:b", "lora_path": "/tmp"}, 400, "lora_name", "holds ':'"),
+        (ADMIN, {"lora_name": "x", "lora_path": "/nonexistent/adapter"}, 400, "lora_path",
+         "/nonexistent/adapter/adapter_config.json not found"),
+    ],
+)
+async def test_a_bad_load_is_refused_naming_the_field(runtime, key, body, status, param, says):
+    app, _, _ = runtime
+    async with client(app, key) as c:
+        response = await c.post("/v1/load_lora_adapter", json=body)
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and says in error["message"]
+    async with client(app) as admin:  # nothing was registered
+        assert [m["id"] for m in (await admin.get("/v1/models")).json()["data"]] == [MODEL]
+
+
+async def test_a_malformed_body_is_422_and_an_unsupported_adapter_400(runtime, tmp_path, tiny_model_dir):
+    import json
+
+    app, _, root = runtime
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                         "target_modules": ["q_proj"], "use_dora": True}))
+    async with client(app) as c:
+        malformed = await c.post("/v1/load_lora_adapter", content=b"{not json", headers={"content-type": "application/json"})
+        assert (malformed.status_code, malformed.json()["error"]["code"]) == (422, "invalid_json")  # as every route
+        dora = await c.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(bad)})
+        assert dora.status_code == 400 and "use_dora is true; not supported" in dora.json()["error"]["message"]
+        assert "bad" not in [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
+
+
+async def test_without_allow_runtime_updates_the_endpoints_answer_403_naming_the_setting(served):
+    app, _, path = served
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        for route, body in (("load", {"lora_name": "y", "lora_path": path}), ("unload", {"lora_name": "sql"})):
+            response = await c.post(f"/v1/{route}_lora_adapter", json=body)
+            assert response.status_code == 403
+            assert "engine.lora.allow_runtime_updates" in response.json()["error"]["message"]
+        assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == [MODEL, "sql"]
+
+
+def test_runtime_updates_with_several_ingress_replicas_are_refused_naming_both_fields(tiny_model_dir):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="engine.lora.allow_runtime_updates is true with ingress.num_replicas = 2"):
+        ServeConfig(model=str(tiny_model_dir), engine={"lora": {"allow_runtime_updates": True}}, ingress={"num_replicas": 2})

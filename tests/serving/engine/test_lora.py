@@ -275,3 +275,29 @@ def test_the_segmented_kernel_adds_each_rows_own_adapter(dtype, packed):
     assert torch.equal(alone[9], y[9])
     with pytest.raises(RuntimeError, match="row or slot out of range"):
         segmented(y, torch.tensor([tokens]), torch.tensor([0]))
+
+
+def test_a_request_carrying_an_adapters_path_registers_it_and_a_new_path_waits_for_running_ones(tiny_model_dir, adapters):
+    """What a worker does with an adapter loaded at run time: the first request naming it brings
+    its path; the same name with another path replaces it once no running request uses it."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=8 * 2**20, lora={}))
+    prompt = list(range(40, 60))
+    engine.add_request("a", params=GREEDY, prompt_token_ids=prompt, lora_name="late", lora_path=adapters["attn-qv"][0])
+    assert engine.loras.paths == {"late": adapters["attn-qv"][0]} and engine.loras.resident["late"].num_running == 1
+    with pytest.raises(InvalidRequestError, match="'late' is being replaced .* 1 running request") as info:
+        engine.add_request("b", params=GREEDY, prompt_token_ids=prompt, lora_name="late", lora_path=adapters["mlp-r16"][0])
+    assert info.value.param == "model"
+    got = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got += out.outputs[0].token_ids
+    assert_greedy_agrees(adapters["attn-qv"][1], prompt, got)
+    engine.add_request("c", params=GREEDY, prompt_token_ids=prompt, lora_name="late", lora_path=adapters["mlp-r16"][0])
+    got = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got += out.outputs[0].token_ids
+    assert_greedy_agrees(adapters["mlp-r16"][1], prompt, got)
+    with pytest.raises(InvalidRequestError, match="adapter_config.json not found") as info:
+        engine.check_adapter("x", "/nonexistent")
+    assert info.value.param == "lora_path"
