@@ -301,3 +301,27 @@ def test_a_request_carrying_an_adapters_path_registers_it_and_a_new_path_waits_f
     with pytest.raises(InvalidRequestError, match="adapter_config.json not found") as info:
         engine.check_adapter("x", "/nonexistent")
     assert info.value.param == "lora_path"
+
+
+@pytest.mark.slow
+def test_the_default_model_with_three_adapters_and_the_base_in_one_batch_matches_peft_merged(tmp_path, default_model_dir):
+    """The same check on the real SmolLM2-135M (fp32): 3 PEFT adapters with random weights (fixed
+    seeds) and the base model in one batch, each following its merged model's greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.serving.engine.test_model_parity import PROMPTS, chat_ids
+
+    made = {}
+    for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        merged = make_adapter(default_model_dir, tmp_path / name, rank, alpha, targets, rslora, seed + 100)
+        made[name] = (str(tmp_path / name), merged)
+    engine = LLMEngine(EngineConfig(model=str(default_model_dir), dtype="float32", kv_cache_bytes=64 * 2**20,
+                                    lora={"adapters": {name: path for name, (path, _) in made.items()}}))
+    prompts = [chat_ids(engine.tokenizer, text) for text in PROMPTS[:4]]
+    names = [None, *ADAPTERS]
+    got = run(engine, list(zip(names, prompts)))
+    base = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    assert got[0] == hf_greedy(base, prompts[0], 24)[0]
+    for name, prompt, tokens in zip(names[1:], prompts[1:], got[1:]):
+        assert_greedy_agrees(made[name][1], prompt, tokens)
+        assert tokens != hf_greedy(base, prompt, 24)[0], name  # the adapter changes what the model says
