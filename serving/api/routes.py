@@ -102,7 +102,7 @@ class OpenAIServer:
         self.config = config
         self.model_name = config.model_name
         # LoRA adapters (EngineConfig.lora): a request names one as its `model`, or base:adapter
-        lora = config.engine.lora
+        lora = config.lora  # the pools agree on it (HANDOFF_KEYS)
         self.adapters: dict[str, str] = dict(lora.adapters) if lora is not None else {}
         self._keys = KeyRing(config.keys)
         self._hints = {key.name: key.hint for key in config.keys} | {ANONYMOUS.name: ANONYMOUS.hint}
@@ -321,7 +321,7 @@ class OpenAIServer:
         answers, as vLLM's."""
         try:
             key = self.authenticate(request)
-            lora = self.config.engine.lora
+            lora = self.config.lora
             if lora is None or not lora.allow_runtime_updates:
                 raise APIError(403, "Adapters are not loaded or unloaded at run time here: set "
                                "engine.lora.allow_runtime_updates: true in the serve config.",

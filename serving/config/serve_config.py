@@ -186,7 +186,7 @@ class ServeConfig(StrictModel):
                     f"{getattr(decode, key)!r}: the pools hand KV over, so they must agree; set it in "
                     f"`engine` for both"
                 )
-        lora = self.engine.lora
+        lora = self.lora
         if lora is not None and lora.allow_runtime_updates and self.ingress.num_replicas > 1:
             raise ValueError(
                 f"engine.lora.allow_runtime_updates is true with ingress.num_replicas = {self.ingress.num_replicas}: an "
@@ -226,6 +226,12 @@ class ServeConfig(StrictModel):
     def pools(self) -> dict[str, PoolConfig]:
         return {pool: getattr(self, pool) for pool in POOLS}
 
+    @property
+    def lora(self):
+        """The LoRA settings (EngineConfig.lora) of the pool that answers requests: the worker pool
+        when colocated, else the decode pool (the prefill pool agrees: HANDOFF_KEYS)."""
+        return self.engine_config(self.worker if self.mode == "colocated" else self.decode).lora
+
     def engine_config(self, pool: PoolConfig | str) -> EngineConfig:
         """A pool's engine (the pool, or its name): the app's model and `engine`, then the pool's
         own keys over them. The prefill pool's never speculates (`engine.speculative` is for the
@@ -244,7 +250,7 @@ class ServeConfig(StrictModel):
 
 # Engine keys the prefill and decode pools must share: the KV layout, and the context window the
 # ingress checks a request against.
-HANDOFF_KEYS = ("block_size", "dtype", "max_model_len")
+HANDOFF_KEYS = ("block_size", "dtype", "max_model_len", "lora")  # lora: the decode side continues with the adapter
 
 
 def has_path(data: dict, parts: list[str]) -> bool:

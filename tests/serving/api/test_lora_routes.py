@@ -197,3 +197,11 @@ def test_runtime_updates_with_several_ingress_replicas_are_refused_naming_both_f
 
     with pytest.raises(ValidationError, match="engine.lora.allow_runtime_updates is true with ingress.num_replicas = 2"):
         ServeConfig(model=str(tiny_model_dir), engine={"lora": {"allow_runtime_updates": True}}, ingress={"num_replicas": 2})
+
+
+def test_pools_that_disagree_on_adapters_are_refused_naming_both(tiny_model_dir):
+    """A decode pool must continue a prefill pool's KV with the same adapter."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="prefill.engine.lora = .*but decode.engine.lora = None"):
+        ServeConfig(model=str(tiny_model_dir), prefill={"engine": {"lora": {"adapters": {"a": "/x"}}}})
