@@ -66,8 +66,8 @@ steers cold placements away from the holder. A replica over its share of request
 prefixes, and its requests do spill: the prefix moves. The window is long enough that one cold
 prefill does not push its replica over at once. `max_load_ratio=None` turns the bound off.
 
-Candidates within `tie_tolerance` of the cheapest that hold as much of the prompt as it does are
-ties (a holder is never traded for a non-holder at equal cost), broken by queued tokens, then by
+Candidates within `tie_tolerance` of the cheapest that hold as much of the prompt (and the
+request's LoRA adapter) as it does are ties (a holder is never traded for a non-holder at equal cost), broken by queued tokens, then by
 routed load: equal replicas share the work, and new prefixes spread over the pool.
 
 Imbalance guard: if the chosen replica's queued tokens exceed the least-loaded candidate's by
@@ -77,6 +77,11 @@ taken instead. The cost already weighs queues, so the guard is a backstop for qu
 missed; the relative guard, which fired on every long cold prefill, is off by default (under
 cache pressure it moved held prefixes to replicas that then evicted others).
 
+LoRA adapters: a request for an adapter costs, on a replica that does not hold it resident, the
+replica's measured load time on top (RoutingStats.lora_load_s): the adapter's requests gather where
+it is loaded, unless that replica's queue costs more than a load elsewhere. An adapter this router
+sent to a replica counts as resident there for LORA_SENT_S, before the replica's stats list it.
+
 Session affinity (optional): requests with the same session key (the `user` field) prefer the
 replica rendezvous hashing assigns that key, while its cost stays within `affinity_slack_s` of
 the cheapest.
@@ -85,6 +90,8 @@ the cheapest.
 from __future__ import annotations
 
 import hashlib
+import math
+import time
 from collections.abc import Hashable, Sequence
 
 from router.eviction import BlockReuse
@@ -93,6 +100,14 @@ from router.pool_load import PoolLoad
 from router.route_types import Decision, ReplicaLoad, RouteRequest
 
 __all__ = ["PrefixCostPolicy"]
+
+
+# A replica that must load a request's LoRA adapter before its prefill: the load's cost until it
+# has measured its own (SmolLM2-135M, rank 16 on every projection: ~20 ms on 2 cores), and how long
+# a router takes an adapter it sent there as resident (until the replica's stats list it; an
+# eviction there since is not seen before them).
+DEFAULT_LORA_LOAD_S = 0.02
+LORA_SENT_S = 10.0
 
 
 class PrefixCostPolicy:
@@ -147,6 +162,10 @@ class PrefixCostPolicy:
         self.pool = PoolLoad(load_window_per_replica)  # what the replicas report they computed
         self.routed_tokens: dict[Hashable, float] = {}  # replica -> decayed uncached tokens sent
         self.routed_requests: dict[Hashable, float] = {}  # replica -> decayed requests sent
+        # (replica, LoRA adapter) -> when this router last sent it a request for the adapter: the
+        # replica has it resident from then on, before its stats say so (LORA_SENT_S)
+        self.lora_sent: dict[tuple[Hashable, str], float] = {}
+        self.clock = time.monotonic
 
     def choose(self, request: RouteRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex) -> Decision:
         assert loads, "choose() needs at least one candidate"
@@ -160,8 +179,10 @@ class PrefixCostPolicy:
         measured = [load.prefill_tokens_per_s for load in loads if load.prefill_tokens_per_s > 0]
         pool_rate = sum(measured) / len(measured) if measured else self.default_prefill_tokens_per_s
         rates = {load.replica_id: load.prefill_tokens_per_s or pool_rate for load in loads}
+        loading = self._lora_load_s(request, loads)
         ttfts = {
-            load.replica_id: (uncached[load.replica_id] + load.queued_prefill_tokens) / rates[load.replica_id] + load.queue_wait_s
+            load.replica_id: (uncached[load.replica_id] + load.queued_prefill_tokens) / rates[load.replica_id]
+            + load.queue_wait_s + loading.get(load.replica_id, 0.0)
             for load in loads
         }
         delays = self._delay_s(loads, uncached, rates) if self.price_delay else {}
@@ -177,10 +198,12 @@ class PrefixCostPolicy:
         if costs[best.replica_id] > min(costs.values()):
             reason = "load_bound"
 
-        # Ties share load, among replicas that hold as much of the prompt as the cheapest: a
-        # holder is not traded for a replica that would compute a second copy at equal cost.
+        # Ties share load, among replicas that hold as much of the prompt as the cheapest (and its
+        # LoRA adapter as it does): a holder is not traded for a replica that would compute a
+        # second copy (or load the adapter) at equal cost.
         limit = costs[best.replica_id] * (1 + self.tie_tolerance) + 1e-9
-        ties = [load for load in by_cost if costs[load.replica_id] <= limit and matched[load.replica_id] == matched[best.replica_id]]
+        ties = [load for load in by_cost if costs[load.replica_id] <= limit and matched[load.replica_id] == matched[best.replica_id]
+                and loading.get(load.replica_id, 0.0) == loading.get(best.replica_id, 0.0)]
         if len(ties) > 1:
             num = matched_blocks[best.replica_id]
             key = request.block_hashes[num] if num < len(request.block_hashes) else request.request_id
@@ -207,6 +230,8 @@ class PrefixCostPolicy:
                 reason = "session_affinity"
 
         self._account(best.replica_id, uncached[best.replica_id], len(loads))
+        if request.lora_name is not None:
+            self.lora_sent[best.replica_id, request.lora_name] = self.clock()
         self.reuse.observe(request.block_hashes, new_blocks[best.replica_id])
         retain = not self.admission or self._admit(
             request, loads, index, best.replica_id, matched_blocks[best.replica_id], new_blocks[best.replica_id])
@@ -233,6 +258,22 @@ class PrefixCostPolicy:
         return gained >= lost
 
     # ---- the cost's terms --------------------------------------------------------------------
+    def _lora_load_s(self, request: RouteRequest, loads: Sequence[ReplicaLoad]) -> dict[Hashable, float]:
+        """Per replica, what loading the request's LoRA adapter would add to its first token: 0
+        where the adapter is resident (its stats) or was sent there within LORA_SENT_S; else the
+        replica's measured load time (DEFAULT_LORA_LOAD_S before its first load)."""
+        if request.lora_name is None:
+            return {}
+        now = self.clock()
+        if len(self.lora_sent) > 4096:
+            self.lora_sent = {key: at for key, at in self.lora_sent.items() if now - at < LORA_SENT_S}
+        return {
+            load.replica_id: load.lora_load_s or DEFAULT_LORA_LOAD_S
+            for load in loads
+            if request.lora_name not in load.lora_resident
+            and now - self.lora_sent.get((load.replica_id, request.lora_name), -math.inf) >= LORA_SENT_S
+        }
+
     @staticmethod
     def _delay_s(loads: Sequence[ReplicaLoad], uncached: dict[Hashable, int], rates: dict[Hashable, float]) -> dict[Hashable, float]:
         """delay(r) of the module docstring, where arrivals are known."""

@@ -72,6 +72,7 @@ def route_request_from_args(pending_request: PendingRequest | None) -> RouteRequ
         block_size=request.block_size,
         session=request.session,
         token_ids=request.prompt_token_ids,
+        lora_name=getattr(request, "lora_name", None),
     )
 
 

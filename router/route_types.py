@@ -33,6 +33,9 @@ class ReplicaLoad:
     # their number, for policies that rank on held KV and sequences (least_kv).
     unreported_blocks: int = 0
     unreported_sequences: int = 0
+    # LoRA adapters resident in its engine, and its cost of loading one (RoutingStats)
+    lora_resident: frozenset[str] = frozenset()
+    lora_load_s: float = 0.0
 
 
 @dataclass
@@ -44,6 +47,7 @@ class RouteRequest:
     session: str | None = None
     token_ids: Sequence[int] = ()  # the prompt, for policies that match text (char_prefix_tree)
     text: str | None = None  # the prompt's text if known; else such policies use token_text(token_ids)
+    lora_name: str | None = None  # the LoRA adapter it runs with; None: the base model
 
     @property
     def num_blocks_needed(self) -> int:

@@ -56,6 +56,8 @@ def load_from_stats(replica_id: Hashable, stats: RoutingStats | None) -> Replica
         requests_per_s=stats.requests_per_s,
         num_computed_tokens=stats.num_computed_tokens,
         num_requests=stats.num_requests,
+        lora_resident=frozenset(stats.lora_resident),
+        lora_load_s=stats.lora_load_s,
     )
 
 

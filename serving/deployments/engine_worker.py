@@ -144,6 +144,8 @@ class EngineWorker:
             num_requests=self._num_requests,
             block_reuse=block_reuse,
             block_reuse_weight=self._block_reuse.weight,
+            lora_resident=stats.lora_resident,
+            lora_load_s=stats.lora_load_s,
             spec_method=stats.spec_method,
             spec_proposed_tokens=stats.spec_proposed_tokens,
             spec_accepted_tokens=stats.spec_accepted_tokens,

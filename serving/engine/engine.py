@@ -667,6 +667,8 @@ class LLMEngine:
             kernel_reason=self.kernels.reason,
             linear_path=self.model.linear_choice.summary,
             deterministic=self.model.invariance_reason,
+            lora_resident=tuple(self.loras.resident) if self.loras is not None else (),
+            lora_load_s=self.loras.load_s if self.loras is not None else 0.0,
             **(self.speculator.stats() if self.speculator is not None else {}),
         )
 

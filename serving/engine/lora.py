@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -278,6 +279,7 @@ class LoRAManager:
         self.resident: OrderedDict[str, LoRAAdapter] = OrderedDict()  # LRU first
         self._next_id = 1
         self.num_loads = 0
+        self.load_s = 0.0  # an adapter's load on first use, seconds: the recent ones weigh most (routers price it)
         self.num_evictions = 0
         self._stacked: dict | None = None  # built on demand for the resident set (stacked())
         self.slot_of: dict[str, int] = {}  # adapter name -> its slot in the stacked tensors
@@ -332,7 +334,10 @@ class LoRAManager:
                 del self.resident[idle]
                 self.num_evictions += 1
                 self._stacked = None
+            started = time.perf_counter()
             adapter = load_adapter(name, self.paths[name], self.spec, self.dtype, self.device, self._next_id)
+            took = time.perf_counter() - started
+            self.load_s = took if self.num_loads == 0 else 0.7 * self.load_s + 0.3 * took
             self._next_id += 1
             self.num_loads += 1
             self.resident[name] = adapter

@@ -112,6 +112,8 @@ class EngineStats:
     linear_path: str = ""  # up to how many rows the native linear kernel runs (linear_choice.py)
     deterministic: str = ""  # batch-invariant mode: "on (...)" or "off (...)", and why (model._batch_invariance)
     # Speculative decoding (speculative.py), since the engine started; all 0 and "" when it is off
+    lora_resident: tuple[str, ...] = ()  # LoRA adapters in the engine's slots now (lora.py)
+    lora_load_s: float = 0.0  # an adapter's load on first use, seconds (recent loads weigh most); 0: none yet
     spec_method: str = ""  # the proposer, e.g. "ngram"
     spec_proposed_tokens: int = 0  # proposed tokens a forward pass verified
     spec_accepted_tokens: int = 0  # of those, kept

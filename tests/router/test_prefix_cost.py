@@ -191,3 +191,42 @@ def test_admission_keeps_new_blocks_only_where_they_are_worth_what_they_would_pu
     for _ in range(3):
         p.reuse.observe([14, 15, 16, 17], num_new_blocks=4)
     assert p.choose(cold_prompt, [load("a")], full).retain is True
+
+
+def test_a_lora_request_prices_the_adapter_load_where_it_is_not_resident():
+    """Idle, cold replicas: the one with the adapter resident wins by exactly the others' load
+    time; a holder whose queue costs more than a load elsewhere does not; a base-model request
+    sees no such term."""
+    request = RouteRequest("r", num_prompt_tokens=80, block_hashes=[60, 61, 62, 63, 64], block_size=16, lora_name="sql")
+
+    def with_lora(name: str, resident: bool, queued: int = 0) -> ReplicaLoad:
+        return ReplicaLoad(name, queued_prefill_tokens=queued, prefill_tokens_per_s=1000.0,
+                           lora_resident=frozenset({"sql"} if resident else ()), lora_load_s=0.05)
+
+    decision = policy().choose(request, [with_lora("a", False), with_lora("b", True), with_lora("c", False)], PrefixIndex())
+    assert decision.chosen == "b"
+    assert decision.estimated_ttft_s["a"] - decision.estimated_ttft_s["b"] == pytest.approx(0.05)
+    busy = policy().choose(request, [with_lora("a", False), with_lora("b", True, queued=1000)], PrefixIndex())
+    assert busy.chosen == "a"  # 0.08 + 0.05 s against 0.08 + 1.0 s
+    base = RouteRequest("r", num_prompt_tokens=80, block_hashes=[60, 61, 62, 63, 64], block_size=16)
+    plain = policy().choose(base, [with_lora("a", False), with_lora("b", True)], PrefixIndex())
+    assert plain.estimated_ttft_s["a"] == plain.estimated_ttft_s["b"] == pytest.approx(0.08)
+
+
+def test_an_adapter_sent_to_a_replica_counts_as_resident_there_until_its_stats_catch_up():
+    from router.prefix_cost import DEFAULT_LORA_LOAD_S, LORA_SENT_S
+
+    p = policy(max_load_ratio=None)  # the adapter's term alone (the load bound spreads a hot adapter too)
+    now = [100.0]
+    p.clock = lambda: now[0]
+    idle = [load("a"), load("b"), load("c")]  # no stats of any load yet: the default load time
+    first = p.choose(RouteRequest("1", 80, [70, 71, 72, 73, 74], 16, lora_name="sql"), idle, PrefixIndex())
+    others = [r for r in "abc" if r != first.chosen]
+    assert first.estimated_ttft_s[others[0]] == pytest.approx(0.08 + DEFAULT_LORA_LOAD_S)
+    # another prompt for the same adapter follows it, though routed load would tie-break elsewhere
+    second = p.choose(RouteRequest("2", 80, [80, 81, 82, 83, 84], 16, lora_name="sql"), idle, PrefixIndex())
+    assert second.chosen == first.chosen
+    assert second.estimated_ttft_s[first.chosen] == pytest.approx(0.08)
+    now[0] += LORA_SENT_S  # its stats never listed it: a load again, like anywhere else
+    third = p.choose(RouteRequest("3", 80, [90, 91, 92, 93, 94], 16, lora_name="sql"), idle, PrefixIndex())
+    assert len(set(third.estimated_ttft_s.values())) == 1

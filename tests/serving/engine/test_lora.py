@@ -325,3 +325,12 @@ def test_the_default_model_with_three_adapters_and_the_base_in_one_batch_matches
     for name, prompt, tokens in zip(names[1:], prompts[1:], got[1:]):
         assert_greedy_agrees(made[name][1], prompt, tokens)
         assert tokens != hf_greedy(base, prompt, 24)[0], name  # the adapter changes what the model says
+
+
+def test_the_engine_reports_its_resident_adapters_and_load_time_for_the_routers(tiny_model_dir, adapters):
+    engine = engine_with(tiny_model_dir, adapters, max_loras=2)
+    assert (engine.stats().lora_resident, engine.stats().lora_load_s) == ((), 0.0)
+    run(engine, [("attn-qv", [5, 6, 7]), ("mlp-r16", [8, 9])])
+    run(engine, [("all-rslora", [5, 6, 7])])  # evicts attn-qv, the least recently used
+    stats = engine.stats()
+    assert set(stats.lora_resident) == {"mlp-r16", "all-rslora"} and stats.lora_load_s > 0
