@@ -216,6 +216,14 @@ def values_schema() -> dict:
                              "mountPath": {"type": "string", "pattern": "^/"}}),
                 "cacheSizeLimit": {"type": "string", "description": "emptyDir for converted weights."},
             }, required=["source"]),
+            "loraAdapters": _obj({
+                "pvc": _obj({
+                    "claimName": {"type": "string", "description": "A PVC holding PEFT adapter directories, "
+                                  "mounted read-only in every Ray pod; empty: none."},
+                    "mountPath": {"type": "string", "pattern": "^/", "description": "Where: serve.engine.lora."
+                                  "adapters (and runtime loads) name adapters by paths under it."},
+                }),
+            }),
             "serve": serve,
             "autoscaling": _obj({"enabled": {"type": "boolean"}, "policy": policy}, required=["enabled"]),
             "pricing": pricing,

@@ -501,6 +501,21 @@ def test_model_from_pvc_is_mounted_in_every_pod(rendered):
         assert mounts["kvrelay-model"] == "/models", group
 
 
+def test_lora_adapters_from_a_pvc_are_mounted_in_every_pod_and_named_in_the_serve_config(rendered):
+    (rayservice,) = by_kind(rendered["gpu-example"], "RayService")
+    for group, template in pod_templates(rayservice).items():
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        assert volumes["kvrelay-lora-adapters"]["persistentVolumeClaim"] == {"claimName": "lora-adapters", "readOnly": True}
+        (container,) = template["spec"]["containers"]
+        mounts = {m["name"]: (m["mountPath"], m.get("readOnly")) for m in container["volumeMounts"]}
+        assert mounts["kvrelay-lora-adapters"] == ("/adapters", True), group
+    (app,) = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
+    assert app["args"]["engine"]["lora"] == {"adapters": {"support-tone": "/adapters/llama-3.2-3b-support-tone"}, "max_loras": 8}
+    (default,) = by_kind(rendered["default"], "RayService")
+    for template in pod_templates(default).values():
+        assert "kvrelay-lora-adapters" not in {v["name"] for v in template["spec"]["volumes"]}
+
+
 # ---- bad values fail with a message naming the field -------------------------------------------
 @pytest.mark.parametrize(
     ("values_text", "message"),
@@ -519,6 +534,8 @@ def test_model_from_pvc_is_mounted_in_every_pod(rendered):
         ("decodeGroup: {replicas: 5, minReplicas: 1, maxReplicas: 4}\n",
          "decodeGroup.replicas (5) must be within decodeGroup.minReplicas..maxReplicas (1..4)"),
         ("model: {source: pvc, path: m}\n", "model.pvc.claimName is required with model.source=pvc"),
+        ("loraAdapters: {pvc: {claimName: a, mountPath: adapters}}\n",
+         "loraAdapters.pvc.mountPath: Does not match pattern '^/'"),
         ("autoscaling: {policy: {decode: {min_replicas: 9, max_replicas: 8}}}\n",
          "autoscaling.policy.decode.max_replicas = 8: below min_replicas = 9"),
         ("autoscaling: {policy: {prefill: null, decode: null}}\n", "autoscaling.policy: no pool is configured"),

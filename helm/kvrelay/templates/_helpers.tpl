@@ -131,6 +131,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
     claimName: {{ .Values.model.pvc.claimName }}
     readOnly: true
 {{- end }}
+{{- if .Values.loraAdapters.pvc.claimName }}
+- name: kvrelay-lora-adapters
+  persistentVolumeClaim:
+    claimName: {{ .Values.loraAdapters.pvc.claimName }}
+    readOnly: true
+{{- end }}
 {{- end -}}
 
 {{- define "kvrelay.volumeMounts" -}}
@@ -144,6 +150,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if eq .Values.model.source "pvc" }}
 - name: kvrelay-model
   mountPath: {{ .Values.model.pvc.mountPath }}
+  readOnly: true
+{{- end }}
+{{- if .Values.loraAdapters.pvc.claimName }}
+- name: kvrelay-lora-adapters
+  mountPath: {{ .Values.loraAdapters.pvc.mountPath }}
   readOnly: true
 {{- end }}
 {{- end -}}
