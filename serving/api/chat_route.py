@@ -100,7 +100,7 @@ class ChatEndpoint:
     async def start(self, request: ChatCompletionRequest, call: Call) -> StartedChat:
         """A chat request up to its deltas: checked, rendered and fitted into the context window,
         validated, admitted by its key's limits, generating. /v1/responses runs through here too."""
-        lora = self.server.check_model(request.model, call.key)
+        lora = await self.server.resolve_model(request.model, call.key)
         limits.check_request(request, 1, self.server.config.api)
         params = sampling_params(request)
         tooling = self.server.config.tool_calling

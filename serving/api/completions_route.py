@@ -39,7 +39,7 @@ class CompletionsEndpoint:
     async def __call__(self, body: dict, call: Call) -> Response:
         request = parse_body(CompletionRequest, body)
         call.headers.update(screen(request, COMPLETION_FIELDS))
-        lora = self.server.check_model(request.model, call.key)
+        lora = await self.server.resolve_model(request.model, call.key)
         call.deadline = deadline_for(request.timeout, self.server.config, call.key.tier, call.received_at, self.server.clock)
         prompts = split_prompts(request.prompt)
         limits.check_request(request, len(prompts), self.server.config.api)

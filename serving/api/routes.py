@@ -103,7 +103,11 @@ class OpenAIServer:
         self.model_name = config.model_name
         # LoRA adapters (EngineConfig.lora): a request names one as its `model`, or base:adapter
         lora = config.lora  # the pools agree on it (HANDOFF_KEYS)
-        self.adapters: dict[str, str] = dict(lora.adapters) if lora is not None else {}
+        self.static_adapters: dict[str, str] = dict(lora.adapters) if lora is not None else {}
+        # those loaded at run time (POST /v1/load_lora_adapter); with several ingress replicas, a
+        # copy of the app's AdapterRegistry kept by `adapter_sync` (serving/deployments/adapter_registry.py)
+        self.runtime_adapters: dict[str, str] = {}
+        self.adapter_sync = None
         self._keys = KeyRing(config.keys)
         self._hints = {key.name: key.hint for key in config.keys} | {ANONYMOUS.name: ANONYMOUS.hint}
         self.limiter = RateLimiter(config.tiers)
@@ -156,7 +160,7 @@ class OpenAIServer:
 
         @app.get("/v1/models/{model:path}")
         async def model(model: str, request: Request):
-            lora = self.check_model(model, self.authenticate(request))
+            lora = await self.resolve_model(model, self.authenticate(request))
             return await self._model_card() if lora is None else self._adapter_card(lora)
 
         add_tokenize_routes(app, self)
@@ -297,6 +301,21 @@ class OpenAIServer:
         allowed = self.config.tiers[key.tier].models
         return allowed is None or model in allowed
 
+    @property
+    def adapters(self) -> dict[str, str]:
+        """Every LoRA adapter served: name -> PEFT path (the config's, then those loaded at run time)."""
+        return {**self.runtime_adapters, **self.static_adapters}
+
+    async def resolve_model(self, model: str | None, key: APIKey) -> str | None:
+        """check_model; a name it does not know is looked up once more in the AdapterRegistry
+        where there is one (another ingress replica may have just loaded it)."""
+        try:
+            return self.check_model(model, key)
+        except ModelNotFoundError:
+            if self.adapter_sync is None or not await self.adapter_sync.refresh():
+                raise
+            return self.check_model(model, key)
+
     def check_model(self, model: str | None, key: APIKey) -> str | None:
         """The LoRA adapter a request's `model` names (the adapter, or `base:adapter`), None for the
         base model. A model this app does not serve, or one the key's tier may not use: 404, as
@@ -332,21 +351,35 @@ class OpenAIServer:
             body = await read_json(request, self.config.max_request_body_bytes)
             name = _adapter_field(body, "lora_name")
             if not load:
-                if name not in self.adapters:
+                if name in self.static_adapters:
+                    raise InvalidRequestError("lora_name", f"adapter {name!r} is listed in engine.lora.adapters; "
+                                              "remove it from the serve config instead")
+                if self.adapter_sync is not None:
+                    await self.adapter_sync.refresh()
+                if name not in self.runtime_adapters:
                     raise APIError(404, f"The lora adapter {name!r} cannot be found.", param="lora_name",
                                    code="lora_adapter_not_found")
-                del self.adapters[name]
+                if self.adapter_sync is not None:
+                    await self.adapter_sync.unload(name)
+                self.runtime_adapters.pop(name, None)
                 logger.info("LoRA adapter %r unloaded", name)
                 return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
             path = _adapter_field(body, "lora_path")
             if name == self.model_name or ":" in name:
                 raise InvalidRequestError("lora_name", f"{name!r} cannot name an adapter: it is the base model's "
                                           "name or holds ':' (base:adapter is how requests name adapters)")
+            if self.adapter_sync is not None:
+                await self.adapter_sync.refresh()
             if name in self.adapters:
                 raise InvalidRequestError("lora_name", f"adapter {name!r} is already loaded (from "
                                           f"{self.adapters[name]}); unload it first")
             await self.frontend.backend.check_adapter(name, path)
-            self.adapters[name] = path
+            if self.adapter_sync is not None:
+                taken = await self.adapter_sync.load(name, path)
+                if taken is not None:  # another replica loaded the name meanwhile
+                    raise InvalidRequestError("lora_name", f"adapter {name!r} is already loaded (from {taken}); "
+                                              "unload it first")
+            self.runtime_adapters[name] = path
             logger.info("LoRA adapter %r loaded from %s", name, path)
             return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
         except Exception as exc:  # noqa: BLE001 - every failure is an HTTP answer

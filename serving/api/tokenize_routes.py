@@ -74,7 +74,7 @@ async def _tokenize(server: OpenAIServer, body: dict, key) -> dict:
     frontend, api = server.frontend, server.config.api
     if "messages" in body:
         chat = parse_body(TokenizeChatRequest, body)
-        server.check_model(chat.model, key)
+        await server.resolve_model(chat.model, key)
         kwargs = template_kwargs(chat.chat_template_kwargs, api)
         tooling = server.config.tool_calling
         tools = plan_tools(chat, parser=tooling.parser, max_tools=tooling.max_tools)
@@ -89,7 +89,7 @@ async def _tokenize(server: OpenAIServer, body: dict, key) -> dict:
         want_strs = chat.return_token_strs
     else:
         plain = parse_body(TokenizeCompletionRequest, body)
-        server.check_model(plain.model, key)
+        await server.resolve_model(plain.model, key)
         ids = await render_off_loop(
             lambda: frontend.tokenizer(plain.prompt, add_special_tokens=plain.add_special_tokens).input_ids,
             api.render_timeout_s, param="prompt",
@@ -104,7 +104,7 @@ async def _tokenize(server: OpenAIServer, body: dict, key) -> dict:
 
 async def _detokenize(server: OpenAIServer, body: dict, key) -> dict:
     request = parse_body(DetokenizeRequest, body)
-    server.check_model(request.model, key)
+    await server.resolve_model(request.model, key)
     tokenizer = server.frontend.tokenizer
     vocab_size = len(tokenizer)
     for i, token_id in enumerate(request.tokens):

@@ -157,7 +157,8 @@ class IngressConfig(StrictModel):
         1.0, gt=0, le=60,
         description="With several ingress replicas and tiers with limits, how often each replica trades "
         "its keys' admissions with the others (a key's limit may be exceeded by what the others "
-        "admitted in the last two intervals: serving/api/rate_limits.py).",
+        "admitted in the last two intervals: serving/api/rate_limits.py); also how often each copies "
+        "the LoRA adapters loaded at run time (an unload reaches the others within it).",
     )
     max_merged_tokens: int = Field(
         16, ge=1, le=1024,

@@ -186,13 +186,6 @@ class ServeConfig(StrictModel):
                     f"{getattr(decode, key)!r}: the pools hand KV over, so they must agree; set it in "
                     f"`engine` for both"
                 )
-        lora = self.lora
-        if lora is not None and lora.allow_runtime_updates and self.ingress.num_replicas > 1:
-            raise ValueError(
-                f"engine.lora.allow_runtime_updates is true with ingress.num_replicas = {self.ingress.num_replicas}: an "
-                "adapter loaded at run time is known to the ingress replica that loaded it only; set "
-                "ingress.num_replicas: 1, or list the adapters in engine.lora.adapters"
-            )
         if self.require_api_keys and not self.keys:
             raise ValueError(
                 "require_api_keys is true but no api_keys or admin_api_keys are configured (is "

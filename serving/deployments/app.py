@@ -22,6 +22,7 @@ from serving.api.usage import ModelPrice, load_pricing
 from serving.config import PoolConfig, RoutingConfig, ServeConfig, load_config
 from serving.config.layout import node_cores, omp_wait_policy
 from serving.deployments import faults
+from serving.deployments.adapter_registry import AdapterRegistryDeployment
 from serving.deployments.limits_sync import LimitsExchangeDeployment
 from serving.deployments.replicas import DecodeWorker, OpenAIIngress, PrefillWorker, Worker
 from serving.observability import tracing
@@ -66,11 +67,22 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> Application:
     prefill_router = _router(PrefixAwareRequestRouter, routing.prefill_policy, routing.prefill_params, routing)
     if config.mode == "colocated":
         worker = _pool(Worker, config, config.worker, prefill_router, scaling["worker"]).bind(data)
-        return ingress.bind(data, None, worker, price=_price_data(price), limits=_limits_exchange(config))
+        return ingress.bind(data, None, worker, price=_price_data(price), limits=_limits_exchange(config),
+                           adapters=_adapter_registry(config))
     prefill = _pool(PrefillWorker, config, config.prefill, prefill_router, scaling["prefill"]).bind(data)
     decode_router = _router(KVAwareRequestRouter, routing.decode_policy, routing.decode_params, routing)
     decode = _pool(DecodeWorker, config, config.decode, decode_router, scaling["decode"]).bind(data)
-    return ingress.bind(data, prefill, decode, price=_price_data(price), limits=_limits_exchange(config))
+    return ingress.bind(data, prefill, decode, price=_price_data(price), limits=_limits_exchange(config),
+                           adapters=_adapter_registry(config))
+
+
+def _adapter_registry(config: ServeConfig):
+    """The shared table of LoRA adapters loaded at run time, where several ingress replicas serve
+    them (serving/deployments/adapter_registry.py)."""
+    lora = config.lora
+    if config.ingress.num_replicas < 2 or lora is None or not lora.allow_runtime_updates:
+        return None
+    return AdapterRegistryDeployment.bind()
 
 
 def _limits_exchange(config: ServeConfig):

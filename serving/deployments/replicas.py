@@ -97,7 +97,7 @@ class Worker(_WorkerDeployment):
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress()
 class OpenAIIngress:
-    def __init__(self, config: dict, prefill, decode, price: dict | None = None, limits=None):
+    def __init__(self, config: dict, prefill, decode, price: dict | None = None, limits=None, adapters=None):
         from serving.api.routes import OpenAIServer
         from serving.api.usage import ModelPrice
         from serving.deployments.fallback import FallbackClient
@@ -124,6 +124,11 @@ class OpenAIIngress:
                 str(serve.get_replica_context().replica_id), cfg.ingress.limits_sync_interval_s,
             )
             self.limits_sync.start()
+        if adapters is not None:  # runtime LoRA adapters shared with the other ingress replicas
+            from serving.deployments.adapter_registry import AdapterSync
+
+            self.server.adapter_sync = AdapterSync(adapters, self.server.runtime_adapters, cfg.ingress.limits_sync_interval_s)
+            self.server.adapter_sync.start()
 
     def __serve_build_asgi_app__(self):
         self.asgi_app = self.server.build_app()
@@ -140,4 +145,6 @@ class OpenAIIngress:
             self.pool_view.stop()
         if getattr(self, "limits_sync", None) is not None:
             self.limits_sync.stop()
+        if getattr(getattr(self, "server", None), "adapter_sync", None) is not None:
+            self.server.adapter_sync.stop()
         tracing.flush()  # the last requests' spans

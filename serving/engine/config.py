@@ -31,7 +31,8 @@ class LoRAConfig(StrictModel):
         False,
         description="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) may add and remove "
         "adapters while serving: admin keys only (admin_api_keys), or anyone where no keys are configured. "
-        "An adapter loaded so reads from a path every worker can reach (a shared volume).",
+        "An adapter loaded so reads from a path every worker can reach (a shared volume); several ingress "
+        "replicas share them through the app's AdapterRegistry.",
     )
 
 

@@ -192,11 +192,52 @@ async def test_without_allow_runtime_updates_the_endpoints_answer_403_naming_the
         assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == [MODEL, "sql"]
 
 
-def test_runtime_updates_with_several_ingress_replicas_are_refused_naming_both_fields(tiny_model_dir):
-    from pydantic import ValidationError
+async def test_several_ingress_replicas_share_runtime_adapters_through_the_registry(tiny_model_dir, tmp_path):
+    """Two ingress servers over one engine and one AdapterRegistry (its handle faked): a load
+    answered by one serves on the other from the next request; an unload on one reaches the
+    other at its next refresh; the same name loaded on both at once is taken once."""
+    from serving.deployments.adapter_registry import AdapterRegistry, AdapterSync
+    from tests.serving.engine.test_lora import make_adapter
 
-    with pytest.raises(ValidationError, match="engine.lora.allow_runtime_updates is true with ingress.num_replicas = 2"):
-        ServeConfig(model=str(tiny_model_dir), engine={"lora": {"allow_runtime_updates": True}}, ingress={"num_replicas": 2})
+    make_adapter(tiny_model_dir, tmp_path / "late", 4, 8, ["q_proj", "o_proj"], False, seed=13)
+
+    class Remote:  # a Serve handle's `.remote(...)` over the registry in this process
+        def __init__(self, target):
+            self.target = target
+
+        def __getattr__(self, method):
+            async def call(*args):
+                return getattr(self.target, method)(*args)
+
+            return type("Method", (), {"remote": staticmethod(call)})
+
+    registry = Remote(AdapterRegistry())
+    lora = {"adapters": {}, "allow_runtime_updates": True}
+    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20,
+                                      num_threads=1, lora=lora))
+    config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL, engine={"lora": lora},
+                         ingress={"num_replicas": 2})
+    servers = [OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config) for _ in range(2)]
+    for server in servers:
+        server.adapter_sync = AdapterSync(registry, server.runtime_adapters, interval_s=60.0)
+    apps = [server.build_app() for server in servers]
+    body = {"model": "late", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    try:
+        async with client(apps[0], None) as a, client(apps[1], None) as b:
+            loaded = await a.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(tmp_path / "late")})
+            assert loaded.status_code == 200, loaded.text
+            assert servers[1].runtime_adapters == {}  # not refreshed yet...
+            answer = await b.post("/v1/completions", json=body)  # ...until a request names it
+            assert answer.status_code == 200, answer.text
+            assert [m["id"] for m in (await b.get("/v1/models")).json()["data"]] == [MODEL, "late"]
+            again = await b.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": "/elsewhere"})
+            assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+            assert (await b.post("/v1/unload_lora_adapter", json={"lora_name": "late"})).status_code == 200
+            assert "late" in servers[0].runtime_adapters  # a's copy, until its next refresh
+            assert await servers[0].adapter_sync.refresh()
+            assert (await a.post("/v1/completions", json=body)).status_code == 404
+    finally:
+        engine.shutdown()
 
 
 def test_pools_that_disagree_on_adapters_are_refused_naming_both(tiny_model_dir):
@@ -205,3 +246,20 @@ def test_pools_that_disagree_on_adapters_are_refused_naming_both(tiny_model_dir)
 
     with pytest.raises(ValidationError, match="prefill.engine.lora = .*but decode.engine.lora = None"):
         ServeConfig(model=str(tiny_model_dir), prefill={"engine": {"lora": {"adapters": {"a": "/x"}}}})
+
+
+async def test_an_adapter_of_the_serve_config_is_not_unloaded_at_run_time(served, tiny_model_dir):
+    _, _, path = served
+    lora = {"adapters": {"sql": path}, "allow_runtime_updates": True}
+    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20,
+                                      num_threads=1, lora=lora))
+    config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL, engine={"lora": lora})
+    app = OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config).build_app()
+    try:
+        async with client(app, None) as c:
+            response = await c.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+            assert (response.status_code, response.json()["error"]["param"]) == (400, "lora_name")
+            assert "listed in engine.lora.adapters" in response.json()["error"]["message"]
+            assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == [MODEL, "sql"]
+    finally:
+        engine.shutdown()
