@@ -49,6 +49,10 @@ class _WorkerDeployment:
     def stats(self) -> WorkerStats:
         return self.worker.stats()
 
+    async def check_adapter(self, name: str, path: str) -> WorkerError | None:
+        """Whether a LoRA adapter loads here (POST /v1/load_lora_adapter; EngineWorker.check_adapter)."""
+        return await self.worker.check_adapter(name, path)
+
     def check_health(self) -> None:
         self.worker.check_health()
 
