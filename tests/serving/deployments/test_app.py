@@ -69,7 +69,8 @@ def serve_instance(tmp_path_factory, tiny_model_dir):
     for fault in crash_faults:
         Path(fault["once"]).touch()  # disarmed
     configs = {
-        "disagg": tiny_app_config(tiny_model_dir, "disagg"),
+        "disagg": tiny_app_config(tiny_model_dir, "disagg", engine={
+            "dtype": "float32", "kv_cache_bytes": TINY_KV_BYTES, "num_threads": 1, "lora": {"allow_runtime_updates": True}}),
         "coloc": tiny_app_config(tiny_model_dir, "coloc", mode="colocated"),
         "faults": tiny_app_config(tiny_model_dir, "faults", kv_transfer={"lease_s": 1.0, "timeout_s": 1e-9}),
         "queue": tiny_app_config(
@@ -321,6 +322,38 @@ def test_kv_crosses_through_the_transfer_actor(serve_instance, reference):
     actor_after = kv_actor_stats("disagg")
     assert actor_after.num_claimed == actor_before.num_claimed + 1
     assert actor_after.num_held == 0
+
+
+def test_a_lora_adapter_loaded_at_run_time_crosses_the_kv_hand_off(serve_instance, tiny_model_dir, tmp_path):
+    """Both pools check the adapter before it is served; its request is prefilled with it, handed
+    off and decoded with it: the text of one engine with the adapter, and no fallback."""
+    pytest.importorskip("peft")
+    from tests.serving.engine.test_lora import make_adapter
+
+    path = str(tmp_path / "late")
+    make_adapter(tiny_model_dir, path, 8, 16, ["q_proj", "v_proj", "up_proj"], False, seed=15)
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=TINY_KV_BYTES,
+                                    lora={"adapters": {"late": path}}))
+    prompt = list(range(200, 260))
+    engine.add_request("ref", params=SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                       prompt_token_ids=prompt, lora_name="late")
+    tokens = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.outputs[0].token_ids
+    expected = engine.tokenizer.decode(tokens)
+    before = stats("disagg", "DecodeWorker")
+    with httpx.Client(base_url=serve_instance["url"] + "/disagg", timeout=60) as client:
+        bad = client.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(tmp_path / "nowhere")})
+        assert bad.status_code == 400 and "adapter_config.json not found" in bad.json()["error"]["message"]
+        assert client.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": path}).status_code == 200
+        body = client.post("/v1/completions", json={"model": "late", "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                                    "temperature": 0, "ignore_eos": True}).json()
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
+    assert body["choices"][0]["text"] == expected
+    after = stats("disagg", "DecodeWorker")
+    assert after.counters.num_kv_imports == before.counters.num_kv_imports + 1
+    assert after.counters.num_kv_fallbacks == before.counters.num_kv_fallbacks
 
 
 def test_speculation_on_the_decode_pool_after_a_kv_hand_off(serve_instance):
