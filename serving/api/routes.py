@@ -48,6 +48,7 @@ import asyncio
 import logging
 import time
 import uuid
+from pathlib import PurePosixPath
 
 import prometheus_client
 from fastapi import FastAPI, Request
@@ -364,7 +365,7 @@ class OpenAIServer:
                 self.runtime_adapters.pop(name, None)
                 logger.info("LoRA adapter %r unloaded", name)
                 return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
-            path = _adapter_field(body, "lora_path")
+            path = str(PurePosixPath(_adapter_field(body, "lora_path")))  # as the engines spell it
             if name == self.model_name or ":" in name:
                 raise InvalidRequestError("lora_name", f"{name!r} cannot name an adapter: it is the base model's "
                                           "name or holds ':' (base:adapter is how requests name adapters)")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from serving.engine.strict import StrictModel
 
@@ -27,6 +28,16 @@ class LoRAConfig(StrictModel):
         description="Adapters resident at once; the least recently used one no running request uses is "
         "evicted for a new one.",
     )
+    @field_validator("adapters")
+    @classmethod
+    def _normalized(cls, adapters: dict[str, str]) -> dict[str, str]:
+        """Each path as pathlib writes it ("/a/b/" -> "/a/b"): the ingress and the engines hash an
+        adapter's blocks with its path, so both must spell it alike."""
+        for name in adapters:
+            if not name or ":" in name:
+                raise ValueError(f"adapter name {name!r}: must be non-empty and hold no ':' (base:adapter names one)")
+        return {name: str(Path(path)) for name, path in adapters.items()}
+
     allow_runtime_updates: bool = Field(
         False,
         description="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) may add and remove "

@@ -263,3 +263,14 @@ async def test_an_adapter_of_the_serve_config_is_not_unloaded_at_run_time(served
             assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == [MODEL, "sql"]
     finally:
         engine.shutdown()
+
+
+def test_adapter_paths_are_spelled_alike_everywhere_and_names_are_checked(tiny_model_dir):
+    """The ingress and the engines hash an adapter's blocks with its path: "/a/b/" is "/a/b"."""
+    from pydantic import ValidationError
+
+    config = ServeConfig(model=str(tiny_model_dir), engine={"lora": {"adapters": {"sql": "/adapters//sql/"}}})
+    assert config.lora.adapters == {"sql": "/adapters/sql"}
+    for bad in ("", "base:sql"):
+        with pytest.raises(ValidationError, match="must be non-empty and hold no ':'"):
+            ServeConfig(model=str(tiny_model_dir), engine={"lora": {"adapters": {bad: "/adapters/sql"}}})
