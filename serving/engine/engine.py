@@ -148,6 +148,9 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None  # built on the first structured output
         # Requests waiting for their grammar; its on_ready wakes an AsyncEngine's step loop.
         self.compiling = PendingGrammars()
+        # Requests whose LoRA adapter has no slot yet (every slot held by running requests): they
+        # wait here, first come first served, and queue once one frees (lora.py).
+        self.lora_waiting: dict[str, str] = {}  # request id -> adapter name
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -214,9 +217,10 @@ class LLMEngine:
                                           "(EngineConfig.lora)")
             if lora_path is not None:
                 self.loras.register(lora_name, lora_path)
-            adapters = [self.loras.acquire(lora_name) for _ in range(params.n)]  # one use per choice
+            adapter = self.loras.try_acquire(lora_name, params.n)  # one use per choice; None: no slot now
+            adapters = [adapter] * params.n if adapter is not None else []
         # an adapter's blocks hash apart from the base model's and every other adapter's
-        extra_keys = block_extra_keys(cache_salt, lora_name, str(adapters[0].path) if adapters else None)
+        extra_keys = block_extra_keys(cache_salt, lora_name, self.loras.paths[lora_name] if lora_name is not None else None)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
 
         states: list[_SeqState] = []
@@ -240,12 +244,22 @@ class LLMEngine:
         first.pending_import = kv_payload
         first.export_into = export_into
         first.export_until = export_until
+        if lora_name is not None and not adapters:
+            self._requests[request_id] = request
+            self.lora_waiting[request_id] = lora_name
+            return num_prompt
+        self._admit(request)
+        return num_prompt
+
+    def _admit(self, request: _Request) -> None:
+        """A request with what it needs to run (its adapter's slot): queued, or compiling its grammar."""
+        request_id, states, params = request.request_id, request.seqs, request.seqs[0].seq.params
         if params.guided is not None:
             grammar = self.grammars.submit(params.guided)
             if not grammar.done():
                 self._requests[request_id] = request
                 self.compiling.add(request_id, grammar)
-                return num_prompt
+                return
             try:
                 self._start_grammar(request, grammar.result())  # raises for a spec that did not compile
             except Exception:
@@ -254,7 +268,27 @@ class LLMEngine:
                 raise
         self._queue(request)
         self._requests[request_id] = request
-        return num_prompt
+
+    def _queue_lora_waiting(self) -> None:
+        """Requests whose adapter now has a slot, in arrival order, go on (add_request's wait)."""
+        for request_id, name in list(self.lora_waiting.items()):
+            request = self._requests[request_id]
+            try:
+                adapter = self.loras.try_acquire(name, len(request.seqs))
+            except Exception as exc:  # its files went bad meanwhile: this request alone ends
+                del self.lora_waiting[request_id]
+                self._fail_request(request_id, "lora", exc)
+                continue
+            if adapter is None:
+                continue
+            del self.lora_waiting[request_id]
+            for state in request.seqs:
+                state.seq.lora = adapter
+            try:
+                self._admit(request)
+            except Exception as exc:  # a grammar that did not compile: this request alone ends
+                self._requests[request_id] = request
+                self._fail_request(request_id, "grammar", exc)
 
     def _queue(self, request: _Request) -> None:
         states = request.seqs
@@ -299,6 +333,7 @@ class LLMEngine:
         """End a request before it finished on its own (aborted, or timed out in the queue): its
         unfinished choices end with `status`, their blocks are freed; its final output."""
         self.compiling.discard(request.request_id)
+        self.lora_waiting.pop(request.request_id, None)
         outputs = []
         for state in request.seqs:
             if state.finish_reason is None:
@@ -326,6 +361,7 @@ class LLMEngine:
         if request is None:
             return
         self.compiling.discard(request_id)
+        self.lora_waiting.pop(request_id, None)
         for state in request.seqs:
             seq = state.seq
             if state.finish_reason is None:
@@ -351,6 +387,8 @@ class LLMEngine:
         outputs, self._pending_outputs = self._pending_outputs, []
         if self.compiling:
             self._queue_compiled()
+        if self.lora_waiting:
+            self._queue_lora_waiting()
         sched = self.scheduler.schedule()
         scheduled = sched.scheduled
         for seq in sched.timed_out:  # waited past max_queue_wait_s: refused, nothing generated
@@ -644,7 +682,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self.compiling),
+            num_waiting=len(self.scheduler.waiting) + len(self.compiling) + len(self.lora_waiting),
             num_blocks=bm.num_blocks,
             num_free_blocks=bm.num_free_blocks,
             kv_cache_usage=bm.usage,

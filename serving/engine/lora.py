@@ -318,6 +318,18 @@ class LoRAManager:
             self._stacked = None
         self.paths.pop(name, None)
 
+    def try_acquire(self, name: str, uses: int = 1) -> LoRAAdapter | None:
+        """acquire, `uses` times (a request's choices); None, with nothing taken, while every slot
+        is held by running requests (the request waits for one: LLMEngine.lora_waiting)."""
+        if name not in self.resident and len(self.resident) >= self.max_loras and all(
+                a.num_running for a in self.resident.values()):
+            if name not in self.paths:
+                self.acquire(name)  # raises: unknown adapter
+            return None
+        adapter = self.acquire(name)
+        adapter.num_running += uses - 1
+        return adapter
+
     def acquire(self, name: str) -> LoRAAdapter:
         """The adapter for a new request, loaded if need be; its use count taken."""
         if name not in self.paths:

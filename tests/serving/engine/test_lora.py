@@ -117,23 +117,31 @@ def test_prefix_cache_hits_never_cross_adapters(tiny_model_dir, adapters):
 
 
 def test_slots_evict_the_least_recently_used_idle_adapter_never_a_running_one(tiny_model_dir, adapters):
+    """Two slots held by running requests: a request for a third adapter waits (counted as
+    waiting, nothing loaded), then runs once a slot frees, evicting the idle adapter, with the
+    tokens it gives alone; an abort of a waiting request leaves nothing behind."""
     engine = engine_with(tiny_model_dir, adapters, max_loras=2)
     long = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
     engine.add_request("a", params=long, prompt_token_ids=[5, 6, 7], lora_name="attn-qv")
     engine.add_request("b", params=long, prompt_token_ids=[5, 6, 7], lora_name="all-rslora")
     engine.step()
-    with pytest.raises(InvalidRequestError, match="all 2 adapter slots") as info:
-        engine.add_request("c", params=long, prompt_token_ids=[5, 6, 7], lora_name="mlp-r16")
-    assert info.value.param == "model"
+    engine.add_request("c", params=GREEDY, prompt_token_ids=[5, 6, 7], lora_name="mlp-r16")
+    engine.add_request("w", params=GREEDY, prompt_token_ids=[8, 9], lora_name="mlp-r16")
+    engine.abort_request("w")  # gone from the wait, its use never taken
+    got: dict[str, list[int]] = {}
+    for out in engine.step():
+        got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    assert engine.lora_waiting == {"c": "mlp-r16"} and engine.stats().num_waiting == 1
+    assert list(engine.loras.resident) == ["attn-qv", "all-rslora"] and engine.loras.num_loads == 2
     engine.abort_request("a")
-    engine.step()
-    engine.add_request("c", params=long, prompt_token_ids=[5, 6, 7], lora_name="mlp-r16")  # evicts attn-qv
-    assert list(engine.loras.resident) == ["all-rslora", "mlp-r16"] and engine.loras.num_evictions == 1
     with pytest.raises(InvalidRequestError, match="unknown adapter 'nope'; registered: all-rslora, attn-qv, mlp-r16"):
         engine.add_request("d", params=long, prompt_token_ids=[5], lora_name="nope")
     while engine.has_unfinished_requests():
-        engine.step()
-    assert all(a.num_running == 0 for a in engine.loras.resident.values())
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    assert list(engine.loras.resident) == ["all-rslora", "mlp-r16"] and engine.loras.num_evictions == 1
+    assert got["c"] == run(engine_with(tiny_model_dir, adapters), [("mlp-r16", [5, 6, 7])])[0]
+    assert engine.lora_waiting == {} and all(a.num_running == 0 for a in engine.loras.resident.values())
 
 
 def test_a_base_only_engine_refuses_an_adapter_naming_the_config(tiny_model_dir):
