@@ -39,6 +39,7 @@ import torch
 
 from serving.engine.cpu_kernels import native_kernels
 from serving.engine.errors import InvalidRequestError, ModelLoadError
+from serving.engine.model_loader import permute_qk_rows
 
 __all__ = ["LoRAAdapter", "LoRAManager", "LoRABatch", "StackedLinear", "load_adapter", "LoRAError"]
 
@@ -156,7 +157,8 @@ def load_adapter(name: str, path: str | Path, spec, dtype: torch.dtype, device: 
         if set(pair) != {"A", "B"}:
             raise LoRAError(f"{where}: has lora_{''.join(pair)} without lora_{'B' if 'A' in pair else 'A'}")
         linear, piece = _MODULES[module]
-        if piece not in pieces[linear] or (spec.fused_projections != (module in ("qkv_proj", "gate_up_proj"))):
+        fused_name, split_name = module in ("qkv_proj", "gate_up_proj"), module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+        if piece not in pieces[linear] or (fused_name and not spec.fused_projections) or (split_name and spec.fused_projections):
             raise LoRAError(f"{where}: the base model ({spec.architecture}) has no {module}")
         a, b = pair["A"], pair["B"]
         lo, hi = pieces[linear][piece]
@@ -183,6 +185,8 @@ def load_adapter(name: str, path: str | Path, spec, dtype: torch.dtype, device: 
             lo, hi = pieces[linear][piece]
             b_all[lo:hi, col : col + a.shape[0]] = b
             col += a.shape[0]
+        if linear == "qkv":  # a partial RoPE: q/k outputs in the engine's order (ModelSpec.rope_permutation)
+            b_all = permute_qk_rows(b_all, spec)
         adapter.weights[layer, linear] = (a_all.to(device=device, dtype=dtype).contiguous(),
                                           b_all.to(device=device, dtype=dtype).contiguous())
     return adapter

@@ -38,7 +38,7 @@ from serving.engine.cpu_kernels import native_kernels
 from serving.engine.errors import ModelLoadError
 from serving.engine.linear_choice import LinearChoice, choose_linear
 from serving.engine.lora import LoRABatch
-from serving.engine.model_loader import ModelSpec
+from serving.engine.model_loader import ModelSpec, permute_qk_rows
 
 __all__ = ["LlamaModel"]
 
@@ -184,6 +184,12 @@ class LlamaModel:
                                take(p + "self_attn.v_proj.bias", attn_bias))
                 gate_up_weight = cat(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight"))
                 gate_up_bias = cat(take(p + "mlp.gate_proj.bias", spec.mlp_bias), take(p + "mlp.up_proj.bias", spec.mlp_bias))
+            q_norm = norm(p + "self_attn.q_norm.weight") if spec.qk_norm else None
+            k_norm = norm(p + "self_attn.k_norm.weight") if spec.qk_norm else None
+            perm = spec.rope_permutation
+            if perm is not None:  # a partial RoPE: each q/k head's dims in the order the kernels turn them
+                qkv_weight, qkv_bias = permute_qk_rows(qkv_weight, spec), permute_qk_rows(qkv_bias, spec)
+                q_norm, k_norm = (None if w is None else w[perm].contiguous() for w in (q_norm, k_norm))
             self.layers.append(
                 _Layer(
                     input_norm=norm(p + "input_layernorm.weight"),
@@ -192,8 +198,8 @@ class LlamaModel:
                     post_norm=norm(p + "post_attention_layernorm.weight"),
                     gate_up=_Linear(gate_up_weight, gate_up_bias, pack=pack, invariant=invariant),
                     down=_Linear(take(p + "mlp.down_proj.weight"), take(p + "mlp.down_proj.bias", spec.mlp_bias), pack=pack, invariant=invariant),
-                    q_norm=norm(p + "self_attn.q_norm.weight") if spec.qk_norm else None,
-                    k_norm=norm(p + "self_attn.k_norm.weight") if spec.qk_norm else None,
+                    q_norm=q_norm,
+                    k_norm=k_norm,
                     pre_ff_norm=norm(p + "pre_feedforward_layernorm.weight") if gemma else None,
                     post_ff_norm=norm(p + "post_feedforward_layernorm.weight") if gemma else None,
                 )
@@ -434,18 +440,21 @@ def _rope_tables(spec: ModelSpec, device: torch.device, dtype: torch.dtype, laye
     config = spec.hf_config
     params = config.rope_parameters[layer_type] if layer_type else config.rope_parameters
     rope_type = params.get("rope_type", "default") if layer_type else spec.rope_type
+    rotary = spec.rotary_dim or spec.head_dim
     if rope_type == "default":
         base = params["rope_theta"]
-        inv_freq = 1.0 / (
-            base ** (torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim)
-        )
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary, 2, dtype=torch.int64).float() / rotary))
         attention_scaling = 1.0
     else:
         extra = {"layer_type": layer_type} if layer_type else {}
         inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **extra)
     positions = torch.arange(spec.max_position_embeddings, dtype=torch.float32)
-    freqs = positions[:, None] * inv_freq.float()[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos = (emb.cos() * attention_scaling).to(device=device, dtype=dtype)
-    sin = (emb.sin() * attention_scaling).to(device=device, dtype=dtype)
+    freqs = positions[:, None] * inv_freq.float()[None, :]  # [max_pos, rotary / 2]
+    # A partial RoPE (spec.rope_permutation): the unturned dims sit beside each turned half and
+    # keep cos 1, sin 0.
+    unturned = torch.zeros(freqs.shape[0], (spec.head_dim - rotary) // 2)
+    cos_half = torch.cat((freqs.cos() * attention_scaling, unturned + 1.0), dim=-1)
+    sin_half = torch.cat((freqs.sin() * attention_scaling, unturned), dim=-1)
+    cos = torch.cat((cos_half, cos_half), dim=-1).to(device=device, dtype=dtype)
+    sin = torch.cat((sin_half, sin_half), dim=-1).to(device=device, dtype=dtype)
     return cos, sin

@@ -182,6 +182,21 @@ class ModelSpec:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     layer_rope_types: tuple[str, ...] = ()  # Gemma 3: each layer's key into rope_parameters
+    # Head dims RoPE turns (partial_rotary_factor x head_dim; Phi-3 / Phi-4-mini may set < 1); 0: all
+    rotary_dim: int = 0
+
+    @property
+    def rope_permutation(self) -> list[int] | None:
+        """With a partial RoPE, the order the engine keeps each q/k head's dims in (new position ->
+        the checkpoint's dim): the turned dims' halves at 0 and head_dim / 2, so that rotating
+        halves of the whole head (the kernels' RoPE) pairs them as transformers does, and the
+        unturned dims' halves beside them, where the tables hold cos 1 and sin 0. q and k are
+        permuted alike, so q.k, and so attention, is unchanged. None: the whole head turns."""
+        d, r = self.head_dim, self.rotary_dim
+        if not r or r == d:
+            return None
+        half, rest = r // 2, (d - r) // 2
+        return [*range(half), *range(r, r + rest), *range(half, r), *range(r + rest, d)]
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
@@ -229,11 +244,13 @@ def load_model_spec(model_dir: Path) -> ModelSpec:
     act = getattr(config, act_field, supported_act)
     if act != supported_act:
         raise ModelLoadError(f"unsupported {act_field} {act!r} in {model_dir}/config.json; supported: {supported_act}")
-    partial = params.get("partial_rotary_factor", 1.0)
-    if partial != 1.0:
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rotary_dim = int(head_dim * partial)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2 or (rotary_dim < head_dim and (gemma or per_type)):
         raise ModelLoadError(
-            f"partial_rotary_factor {partial} in {model_dir}/config.json is not supported; supported: 1.0 "
-            "(RoPE over the whole head)"
+            f"partial_rotary_factor {partial} in {model_dir}/config.json gives a RoPE over {rotary_dim} of "
+            f"{head_dim} head dims; supported: an even number of dims in (0, head_dim], and all of them for Gemma"
         )
     eos: list[int] = []
     with _offline():
@@ -267,7 +284,23 @@ def load_model_spec(model_dir: Path) -> ModelSpec:
         final_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
         layer_rope_types=tuple(config.layer_types) if per_type else (),
         fused_projections=arch == "Phi3ForCausalLM",
+        rotary_dim=rotary_dim,
     )
+
+
+def permute_qk_rows(tensor, spec: ModelSpec):
+    """A fused q|k|v weight, bias or LoRA B (rows = outputs) with each q and k head's rows in
+    spec.rope_permutation's order, v as it is; the tensor itself without a partial RoPE (or None)."""
+    import torch
+
+    perm = spec.rope_permutation
+    if tensor is None or perm is None:
+        return tensor
+    d, heads = spec.head_dim, spec.num_heads + spec.num_kv_heads
+    index = torch.arange(tensor.shape[0], device=tensor.device)
+    order = torch.tensor(perm, device=tensor.device)
+    index[: heads * d] = (torch.arange(heads, device=tensor.device)[:, None] * d + order[None, :]).reshape(-1)
+    return tensor.index_select(0, index).contiguous()
 
 
 def _layer_windows(arch: str, config) -> tuple[int, ...]:

@@ -342,3 +342,18 @@ def test_the_engine_reports_its_resident_adapters_and_load_time_for_the_routers(
     run(engine, [("all-rslora", [5, 6, 7])])  # evicts attn-qv, the least recently used
     stats = engine.stats()
     assert set(stats.lora_resident) == {"mlp-r16", "all-rslora"} and stats.lora_load_s > 0
+
+
+def test_an_adapter_on_a_partial_rope_model_follows_peft_merged(tmp_path, tokenizer_dir):
+    """Phi-3 with RoPE over half of each head: the engine keeps q/k head dims in its own order
+    (ModelSpec.rope_permutation), and an adapter's q/k outputs are reordered alike."""
+    from tests.helpers import build_tiny_model
+    from tests.serving.engine.test_model_parity import TINY_VARIANTS
+
+    model_dir = build_tiny_model(tmp_path / "phi3", tokenizer_dir, **TINY_VARIANTS["phi3-partial-rotary"])
+    merged = make_adapter(model_dir, tmp_path / "qkv", 8, 16, ["qkv_proj", "o_proj"], False, seed=16)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_bytes=8 * 2**20,
+                                    lora={"adapters": {"qkv": str(tmp_path / "qkv")}}))
+    prompt = list(range(700, 760))
+    (tokens,) = run(engine, [("qkv", prompt)])
+    assert_greedy_agrees(merged, prompt, tokens)

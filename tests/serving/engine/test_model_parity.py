@@ -99,6 +99,11 @@ TINY_VARIANTS = {
     "qwen3-mqa-tied": dict(architecture="qwen3", num_heads=4, num_kv_heads=1, tie_word_embeddings=True, head_dim=16),
     "phi3-fused": dict(architecture="phi3", num_heads=4, num_kv_heads=2),
     "phi3-mha": dict(architecture="phi3", num_heads=4, num_kv_heads=4),
+    # RoPE over half of each head (Phi-4-mini turns 3/4): the engine reorders q/k head dims
+    "phi3-partial-rotary": dict(architecture="phi3", rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    "phi3-partial-rotary-window-mqa": dict(architecture="phi3", sliding_window=40, num_kv_heads=1, rope_parameters={
+        "rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.75}),
     # sliding windows shorter than the prompts and the 64 tokens generated (300 + 64 positions)
     "mistral-window-24": dict(architecture="mistral", sliding_window=24),
     "mistral-window-100": dict(architecture="mistral", sliding_window=100, num_kv_heads=1),
@@ -194,8 +199,8 @@ def test_default_model_bf16_answers_and_tracks_fp32(default_model_dir):
     ("change", "named"),
     [
         ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'.*supported: silu"),
-        ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}},
-         "partial_rotary_factor 0.75.*supported: 1.0"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.1875}},
+         "partial_rotary_factor 0.1875 .* gives a RoPE over 3 of 16 head dims; supported: an even number"),
     ],
     ids=["hidden_act", "partial_rotary_factor"],
 )
