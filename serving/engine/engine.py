@@ -217,7 +217,10 @@ class LLMEngine:
                                           "(EngineConfig.lora)")
             if lora_path is not None:
                 self.loras.register(lora_name, lora_path)
-            adapter = self.loras.try_acquire(lora_name, params.n)  # one use per choice; None: no slot now
+            try:
+                adapter = self.loras.try_acquire(lora_name, params.n)  # one use per choice; None: no slot now
+            except ModelLoadError as exc:  # LoRAError: its files, named with the field at fault
+                raise InvalidRequestError("model", f"adapter {lora_name!r} cannot be loaded here: {exc}") from exc
             adapters = [adapter] * params.n if adapter is not None else []
         # an adapter's blocks hash apart from the base model's and every other adapter's
         extra_keys = block_extra_keys(cache_salt, lora_name, self.loras.paths[lora_name] if lora_name is not None else None)

@@ -194,9 +194,10 @@ def test_a_bad_adapter_is_refused_at_load_naming_the_file_and_field(tiny_model_d
     path = _broken(adapters, tmp_path, "broken", edit)
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=2**20,
                                     lora={"adapters": {"broken": path}}))
-    with pytest.raises(ModelLoadError, match=message):
+    with pytest.raises(InvalidRequestError, match=message) as info:  # the request's 400, naming model
         engine.add_request("x", params=GREEDY, prompt_token_ids=[5], lora_name="broken")
-    assert engine.loras.resident == {}  # nothing half-loaded
+    assert info.value.param == "model" and isinstance(info.value.__cause__, ModelLoadError)
+    assert engine.loras.resident == {} and not engine.has_unfinished_requests()  # nothing half-loaded
 
 
 def test_an_evicted_adapter_finds_its_cached_prefix_again(tiny_model_dir, adapters):
