@@ -108,6 +108,9 @@ __all__ = ["PrefixCostPolicy"]
 # eviction there since is not seen before them).
 DEFAULT_LORA_LOAD_S = 0.02
 LORA_SENT_S = 10.0
+# ...and where every one of its adapter slots is held by running requests, the wait for one to end:
+# not measured per replica, priced as a generation of a few hundred tokens
+LORA_NO_SLOT_S = 1.0
 
 
 class PrefixCostPolicy:
@@ -203,7 +206,7 @@ class PrefixCostPolicy:
         # second copy (or load the adapter) at equal cost.
         limit = costs[best.replica_id] * (1 + self.tie_tolerance) + 1e-9
         ties = [load for load in by_cost if costs[load.replica_id] <= limit and matched[load.replica_id] == matched[best.replica_id]
-                and loading.get(load.replica_id, 0.0) == loading.get(best.replica_id, 0.0)]
+                and (load.replica_id in loading) == (best.replica_id in loading)]
         if len(ties) > 1:
             num = matched_blocks[best.replica_id]
             key = request.block_hashes[num] if num < len(request.block_hashes) else request.request_id
@@ -261,14 +264,16 @@ class PrefixCostPolicy:
     def _lora_load_s(self, request: RouteRequest, loads: Sequence[ReplicaLoad]) -> dict[Hashable, float]:
         """Per replica, what loading the request's LoRA adapter would add to its first token: 0
         where the adapter is resident (its stats) or was sent there within LORA_SENT_S; else the
-        replica's measured load time (DEFAULT_LORA_LOAD_S before its first load)."""
+        replica's measured load time (DEFAULT_LORA_LOAD_S before its first load), plus
+        LORA_NO_SLOT_S where every adapter slot is held by running requests (the request waits
+        for one of them to end)."""
         if request.lora_name is None:
             return {}
         now = self.clock()
         if len(self.lora_sent) > 4096:
             self.lora_sent = {key: at for key, at in self.lora_sent.items() if now - at < LORA_SENT_S}
         return {
-            load.replica_id: load.lora_load_s or DEFAULT_LORA_LOAD_S
+            load.replica_id: (load.lora_load_s or DEFAULT_LORA_LOAD_S) + (LORA_NO_SLOT_S if load.lora_slots_free == 0 else 0.0)
             for load in loads
             if request.lora_name not in load.lora_resident
             and now - self.lora_sent.get((load.replica_id, request.lora_name), -math.inf) >= LORA_SENT_S

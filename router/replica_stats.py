@@ -68,6 +68,7 @@ class RoutingStats:
     # first is that much slower to its first token (router/prefix_cost.py).
     lora_resident: tuple[str, ...] = ()
     lora_load_s: float = 0.0
+    lora_slots_free: int = -1  # slots a new adapter may take now (none: it waits for a running request); -1: unknown
     spec_method: str = ""
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0

@@ -36,6 +36,7 @@ class ReplicaLoad:
     # LoRA adapters resident in its engine, and its cost of loading one (RoutingStats)
     lora_resident: frozenset[str] = frozenset()
     lora_load_s: float = 0.0
+    lora_slots_free: int = -1  # -1: unknown
 
 
 @dataclass

@@ -58,6 +58,7 @@ def load_from_stats(replica_id: Hashable, stats: RoutingStats | None) -> Replica
         num_requests=stats.num_requests,
         lora_resident=frozenset(stats.lora_resident),
         lora_load_s=stats.lora_load_s,
+        lora_slots_free=stats.lora_slots_free,
     )
 
 

@@ -375,6 +375,9 @@ class OpenAIServer:
                 raise InvalidRequestError("lora_name", f"adapter {name!r} is already loaded (from "
                                           f"{self.adapters[name]}); unload it first")
             await self.frontend.backend.check_adapter(name, path)
+            if name in self.adapters:  # another load of the name finished while this one was checked
+                raise InvalidRequestError("lora_name", f"adapter {name!r} is already loaded (from "
+                                          f"{self.adapters[name]}); unload it first")
             if self.adapter_sync is not None:
                 taken = await self.adapter_sync.load(name, path)
                 if taken is not None:  # another replica loaded the name meanwhile

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 from ray import serve
 
@@ -34,23 +35,24 @@ class AdapterRegistry:
 
     def __init__(self) -> None:
         self.adapters: dict[str, str] = {}
-        self.version = 0
+        # (this start, changes since): a restarted registry never repeats a version a replica holds
+        self.version = (uuid.uuid4().hex, 0)
 
     def load(self, name: str, path: str) -> str | None:
         """Registers `name`; None, or the path another replica registered it with first."""
         if name in self.adapters:
             return self.adapters[name]
         self.adapters[name] = path
-        self.version += 1
+        self.version = (self.version[0], self.version[1] + 1)
         return None
 
     def unload(self, name: str) -> bool:
         if self.adapters.pop(name, None) is None:
             return False
-        self.version += 1
+        self.version = (self.version[0], self.version[1] + 1)
         return True
 
-    def table(self, since: int) -> tuple[int, dict[str, str]] | None:
+    def table(self, since: tuple[str, int] | None) -> tuple[tuple[str, int], dict[str, str]] | None:
         """The table and its version, or None when it has not changed since `since`."""
         return None if since == self.version else (self.version, dict(self.adapters))
 
@@ -63,7 +65,7 @@ class AdapterSync:
         self.registry = registry
         self.adapters = adapters
         self.interval_s = interval_s
-        self.version = -1
+        self.version: tuple[str, int] | None = None
         self._task: asyncio.Task | None = None
         self._warned_at = -_WARN_EVERY_S
 

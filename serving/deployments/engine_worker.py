@@ -146,6 +146,7 @@ class EngineWorker:
             block_reuse_weight=self._block_reuse.weight,
             lora_resident=stats.lora_resident,
             lora_load_s=stats.lora_load_s,
+            lora_slots_free=stats.lora_slots_free,
             spec_method=stats.spec_method,
             spec_proposed_tokens=stats.spec_proposed_tokens,
             spec_accepted_tokens=stats.spec_accepted_tokens,

@@ -163,8 +163,9 @@ class AsyncEngine:
         self._thread.join(timeout_s)
 
     async def check_adapter(self, name: str, path: str) -> None:
-        """LLMEngine.check_adapter, on the step thread."""
-        await self._call(lambda engine: engine.check_adapter(name, path))
+        """LLMEngine.check_adapter, in a thread of its own: reading an adapter (from a network
+        volume, say) must not pause the step loop."""
+        await asyncio.to_thread(self.engine.check_adapter, name, path)
 
     # ---- internals ---------------------------------------------------------------------------
     async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:

@@ -149,8 +149,10 @@ class LLMEngine:
         # Requests waiting for their grammar; its on_ready wakes an AsyncEngine's step loop.
         self.compiling = PendingGrammars()
         # Requests whose LoRA adapter has no slot yet (every slot held by running requests): they
-        # wait here, first come first served, and queue once one frees (lora.py).
-        self.lora_waiting: dict[str, str] = {}  # request id -> adapter name
+        # wait here, strictly first come first served (a LoRA request arriving while any waits
+        # goes behind it, so slots drain to it), and queue once one frees; or leave after
+        # max_queue_wait_s, as the scheduler's queue does (lora.py).
+        self.lora_waiting: dict[str, tuple[str, str]] = {}  # request id -> (adapter name, its path then)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -218,7 +220,10 @@ class LLMEngine:
             if lora_path is not None:
                 self.loras.register(lora_name, lora_path)
             try:
-                adapter = self.loras.try_acquire(lora_name, params.n)  # one use per choice; None: no slot now
+                # one use per choice; None: no slot now (or others wait for one first)
+                adapter = None if self.lora_waiting else self.loras.try_acquire(lora_name, params.n)
+                if self.lora_waiting:
+                    self.loras.check_known(lora_name)
             except ModelLoadError as exc:  # LoRAError: its files, named with the field at fault
                 raise InvalidRequestError("model", f"adapter {lora_name!r} cannot be loaded here: {exc}") from exc
             adapters = [adapter] * params.n if adapter is not None else []
@@ -249,7 +254,7 @@ class LLMEngine:
         first.export_until = export_until
         if lora_name is not None and not adapters:
             self._requests[request_id] = request
-            self.lora_waiting[request_id] = lora_name
+            self.lora_waiting[request_id] = (lora_name, self.loras.paths[lora_name])
             return num_prompt
         self._admit(request)
         return num_prompt
@@ -272,18 +277,28 @@ class LLMEngine:
         self._queue(request)
         self._requests[request_id] = request
 
-    def _queue_lora_waiting(self) -> None:
-        """Requests whose adapter now has a slot, in arrival order, go on (add_request's wait)."""
-        for request_id, name in list(self.lora_waiting.items()):
+    def _queue_lora_waiting(self) -> list[RequestOutput]:
+        """Requests whose adapter now has a slot go on, in arrival order, up to the first that has
+        none; those that waited past max_queue_wait_s end (their outputs returned)."""
+        ended = []
+        limit = self.config.max_queue_wait_s
+        for request_id, (name, path) in list(self.lora_waiting.items()):
             request = self._requests[request_id]
+            if limit is not None and time.monotonic() - request.arrival_time > limit:
+                ended.append(self._end(request, RequestStatus.FINISHED_QUEUE_TIMEOUT))
+                self.scheduler.num_queue_timeouts += 1
+                continue
             try:
+                if self.loras.paths.get(name) != path:
+                    raise InvalidRequestError("model", f"adapter {name!r} was unloaded or replaced (now "
+                                              f"{self.loras.paths.get(name)}, was {path}) while the request waited")
                 adapter = self.loras.try_acquire(name, len(request.seqs))
             except Exception as exc:  # its files went bad meanwhile: this request alone ends
                 del self.lora_waiting[request_id]
                 self._fail_request(request_id, "lora", exc)
                 continue
             if adapter is None:
-                continue
+                break
             del self.lora_waiting[request_id]
             for state in request.seqs:
                 state.seq.lora = adapter
@@ -292,6 +307,7 @@ class LLMEngine:
             except Exception as exc:  # a grammar that did not compile: this request alone ends
                 self._requests[request_id] = request
                 self._fail_request(request_id, "grammar", exc)
+        return ended
 
     def _queue(self, request: _Request) -> None:
         states = request.seqs
@@ -391,7 +407,7 @@ class LLMEngine:
         if self.compiling:
             self._queue_compiled()
         if self.lora_waiting:
-            self._queue_lora_waiting()
+            outputs += self._queue_lora_waiting()
         sched = self.scheduler.schedule()
         scheduled = sched.scheduled
         for seq in sched.timed_out:  # waited past max_queue_wait_s: refused, nothing generated
@@ -700,7 +716,7 @@ class LLMEngine:
             num_queued_prefill_tokens=sum(
                 max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
                 for seq in (*self.scheduler.waiting, *self.scheduler.running)
-            ),
+            ) + sum(self._requests[r].num_prompt_tokens for r in self.lora_waiting),
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             dtype=self.dtype_choice.dtype,
             dtype_reason=self.dtype_choice.reason,
@@ -710,6 +726,7 @@ class LLMEngine:
             deterministic=self.model.invariance_reason,
             lora_resident=tuple(self.loras.resident) if self.loras is not None else (),
             lora_load_s=self.loras.load_s if self.loras is not None else 0.0,
+            lora_slots_free=self.loras.slots_free if self.loras is not None else -1,
             **(self.speculator.stats() if self.speculator is not None else {}),
         )
 

@@ -308,9 +308,10 @@ class LoRAManager:
         self.paths[name] = path
 
     def check(self, name: str, path: str) -> None:
-        """Read and check the adapter at `path` for this base model without making it resident;
-        a LoRAError names the file and the field."""
-        load_adapter(name, path, self.spec, self.dtype, self.device, adapter_id=0)
+        """Read and check the adapter at `path` for this base model without making it resident
+        (on the CPU, whatever the engine's device: it reads only the spec, so any thread may
+        call it); a LoRAError names the file and the field."""
+        load_adapter(name, path, self.spec, torch.float32, torch.device("cpu"), adapter_id=0)
 
     def unregister(self, name: str) -> None:
         """Forget `name`; refused while a running request uses it."""
@@ -322,13 +323,22 @@ class LoRAManager:
             self._stacked = None
         self.paths.pop(name, None)
 
+    @property
+    def slots_free(self) -> int:
+        """Slots a new adapter may take now: empty ones and those of idle resident adapters."""
+        return self.max_loras - sum(1 for a in self.resident.values() if a.num_running)
+
+    def check_known(self, name: str) -> None:
+        if name not in self.paths:
+            raise InvalidRequestError(
+                "model", f"unknown adapter {name!r}; registered: {', '.join(sorted(self.paths)) or 'none'}")
+
     def try_acquire(self, name: str, uses: int = 1) -> LoRAAdapter | None:
         """acquire, `uses` times (a request's choices); None, with nothing taken, while every slot
         is held by running requests (the request waits for one: LLMEngine.lora_waiting)."""
+        self.check_known(name)
         if name not in self.resident and len(self.resident) >= self.max_loras and all(
                 a.num_running for a in self.resident.values()):
-            if name not in self.paths:
-                self.acquire(name)  # raises: unknown adapter
             return None
         adapter = self.acquire(name)
         adapter.num_running += uses - 1

@@ -448,6 +448,9 @@ def _rope_tables(spec: ModelSpec, device: torch.device, dtype: torch.dtype, laye
     else:
         extra = {"layer_type": layer_type} if layer_type else {}
         inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **extra)
+    if inv_freq.numel() != rotary // 2:  # a rope init function that ignored partial_rotary_factor
+        raise ModelLoadError(f"RoPE ({rope_type}) gave {inv_freq.numel()} frequencies for {rotary} turned head dims "
+                             f"in {spec.path}; expected {rotary // 2}")
     positions = torch.arange(spec.max_position_embeddings, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq.float()[None, :]  # [max_pos, rotary / 2]
     # A partial RoPE (spec.rope_permutation): the unturned dims sit beside each turned half and

@@ -114,6 +114,7 @@ class EngineStats:
     # Speculative decoding (speculative.py), since the engine started; all 0 and "" when it is off
     lora_resident: tuple[str, ...] = ()  # LoRA adapters in the engine's slots now (lora.py)
     lora_load_s: float = 0.0  # an adapter's load on first use, seconds (recent loads weigh most); 0: none yet
+    lora_slots_free: int = -1  # adapter slots no running request holds (a new adapter may take one); -1: no LoRA
     spec_method: str = ""  # the proposer, e.g. "ngram"
     spec_proposed_tokens: int = 0  # proposed tokens a forward pass verified
     spec_accepted_tokens: int = 0  # of those, kept

@@ -230,3 +230,22 @@ def test_an_adapter_sent_to_a_replica_counts_as_resident_there_until_its_stats_c
     now[0] += LORA_SENT_S  # its stats never listed it: a load again, like anywhere else
     third = p.choose(RouteRequest("3", 80, [90, 91, 92, 93, 94], 16, lora_name="sql"), idle, PrefixIndex())
     assert len(set(third.estimated_ttft_s.values())) == 1
+
+
+def test_a_replica_whose_adapter_slots_are_all_busy_costs_a_wait_and_cold_loaders_still_tie():
+    from router.prefix_cost import LORA_NO_SLOT_S
+
+    request = RouteRequest("r", num_prompt_tokens=80, block_hashes=[60, 61, 62, 63, 64], block_size=16, lora_name="sql")
+    full = ReplicaLoad("a", prefill_tokens_per_s=1000.0, lora_load_s=0.02, lora_slots_free=0)
+    free = ReplicaLoad("b", prefill_tokens_per_s=1000.0, lora_load_s=0.03, lora_slots_free=2)
+    decision = policy().choose(request, [full, free], PrefixIndex())
+    assert decision.chosen == "b"
+    assert decision.estimated_ttft_s["a"] == pytest.approx(0.08 + 0.02 + LORA_NO_SLOT_S)
+    # two replicas that must both load it, at different measured costs, are still ties: the
+    # routed load breaks them (the load bound aside)
+    p = policy(max_load_ratio=None)
+    p.routed_tokens = {"a": 500.0, "b": 0.0}
+    loaders = [ReplicaLoad("a", prefill_tokens_per_s=1000.0, lora_load_s=0.02),
+               ReplicaLoad("b", prefill_tokens_per_s=1000.0, lora_load_s=0.03)]
+    tied = p.choose(request, loaders, PrefixIndex())
+    assert (tied.chosen, tied.reason) == ("b", "tie_break")

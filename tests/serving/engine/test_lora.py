@@ -5,6 +5,7 @@ Slots and eviction, prefix-cache isolation, and adapters refused at load naming 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -131,7 +132,7 @@ def test_slots_evict_the_least_recently_used_idle_adapter_never_a_running_one(ti
     got: dict[str, list[int]] = {}
     for out in engine.step():
         got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
-    assert engine.lora_waiting == {"c": "mlp-r16"} and engine.stats().num_waiting == 1
+    assert list(engine.lora_waiting) == ["c"] and engine.stats().num_waiting == 1
     assert list(engine.loras.resident) == ["attn-qv", "all-rslora"] and engine.loras.num_loads == 2
     engine.abort_request("a")
     with pytest.raises(InvalidRequestError, match="unknown adapter 'nope'; registered: all-rslora, attn-qv, mlp-r16"):
@@ -358,3 +359,26 @@ def test_an_adapter_on_a_partial_rope_model_follows_peft_merged(tmp_path, tokeni
     prompt = list(range(700, 760))
     (tokens,) = run(engine, [("qkv", prompt)])
     assert_greedy_agrees(merged, prompt, tokens)
+
+
+def test_waiting_for_a_slot_is_first_come_first_served_and_ends_after_max_queue_wait(tiny_model_dir, adapters):
+    """While a request waits for a slot, a later one for a resident adapter goes behind it (so
+    the slots drain to it); a wait past max_queue_wait_s ends the request as the queue's does."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=8 * 2**20,
+                                    max_queue_wait_s=0.5,
+                                    lora={"adapters": {n: p for n, (p, _) in adapters.items()}, "max_loras": 1}))
+    long = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+    engine.add_request("a", params=long, prompt_token_ids=[5, 6, 7], lora_name="attn-qv")
+    engine.step()
+    engine.add_request("c", params=GREEDY, prompt_token_ids=[5, 6, 7], lora_name="mlp-r16")
+    engine.add_request("a2", params=GREEDY, prompt_token_ids=[8, 9], lora_name="attn-qv")  # resident, but behind c
+    engine.step()
+    assert list(engine.lora_waiting) == ["c", "a2"] and engine.stats().lora_slots_free == 0
+    assert engine.stats().num_queued_prefill_tokens >= 5  # the waiting prompts count for the routers
+    time.sleep(0.6)
+    finished = {out.request_id: out.outputs[0].finish_reason for out in engine.step() if out.finished}
+    assert finished == {"c": "queue_timeout", "a2": "queue_timeout"} and engine.lora_waiting == {}
+    assert engine.loras.resident["attn-qv"].num_running == 1  # a runs on
+    engine.abort_request("a")
+    engine.step()
+    assert engine.stats().lora_slots_free == 1
