@@ -250,7 +250,7 @@ class StackedLinear:
     """Every resident adapter's factors for one (layer, linear), side by side along the rank."""
 
     a: torch.Tensor  # [R, in]
-    bt: torch.Tensor  # [R, out]: the B factors transposed
+    bt: torch.Tensor | None  # [R, out]: the B factors transposed (None where bp replaces them)
     col_slot: torch.Tensor  # [R] int64: which slot owns each rank row
     ranges: torch.Tensor  # [slots, 2] int64 on the CPU: each slot's rank rows [lo, hi) (empty: none)
     # bf16 on AVX512-BF16 (lora_segmented_packed): each slot's B^T by pairs of rank rows,
@@ -400,7 +400,7 @@ class LoRAManager:
                     bp, pair_starts = _pack_pairs([by_slot.get(slot, empty) for slot in range(len(self.slot_of))])
                 self._stacked[key] = StackedLinear(
                     a=torch.cat([a for _, a, _ in group]).contiguous(),
-                    bt=torch.cat([b.T for _, _, b in group]).contiguous(),
+                    bt=None if bp is not None else torch.cat([b.T for _, _, b in group]).contiguous(),
                     col_slot=torch.cat([torch.full((a.shape[0],), slot, dtype=torch.long, device=a.device)
                                         for slot, a, _ in group]),
                     ranges=ranges, bp=bp, pair_starts=pair_starts,

@@ -711,27 +711,33 @@ inline vfloat load_lanes(const c10::BFloat16* p) {
   return v;
 }
 
-constexpr int kLoraTile = 8;  // tokens of one adapter that share each load of its A and B
+constexpr int kLoraTile = 8;
+
+// Runs of up to kLoraTile listed rows of one slot (rows come sorted by slot), without the slots
+// whose range is empty (their adapter leaves this linear alone).
+struct LoraTile {
+  int64_t first, count;
+};
+inline std::vector<LoraTile> lora_tiles(const int64_t* slots, const int64_t* ranges, int64_t n) {
+  std::vector<LoraTile> tiles;
+  for (int64_t i = 0; i < n;) {
+    int64_t j = i;
+    while (j < n && j - i < kLoraTile && slots[j] == slots[i]) ++j;
+    if (ranges[2 * slots[i] + 1] > ranges[2 * slots[i]]) tiles.push_back({i, j - i});
+    i = j;
+  }
+  return tiles;
+}  // tokens of one adapter that share each load of its A and B
 
 template <typename T>
 void lora_segmented_impl(T* y, const T* x, const T* a, const T* bt, const int64_t* rows, const int64_t* slots,
                          const int64_t* ranges, int64_t n, int64_t in, int64_t out) {
-  // Tiles: runs of up to kLoraTile listed rows of one slot (rows come sorted by slot).
-  std::vector<int64_t> tiles;
-  for (int64_t i = 0; i < n;) {
-    int64_t j = i;
-    while (j < n && j - i < kLoraTile && slots[j] == slots[i]) ++j;
-    if (ranges[2 * slots[i] + 1] > ranges[2 * slots[i]]) tiles.push_back(i);  // else: the adapter leaves it alone
-    i = j;
-  }
-  tiles.push_back(n);
-  const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
+  const std::vector<LoraTile> tiles = lora_tiles(slots, ranges, n);
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> xs(kLoraTile * in), as, hs;
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t first = tiles[t];
-      int64_t count = 1;
-      while (first + count < n && count < kLoraTile && slots[first + count] == slots[first]) ++count;
+      const int64_t first = tiles[t].first, count = tiles[t].count;
       const int64_t lo = ranges[2 * slots[first]], rank = ranges[2 * slots[first] + 1] - lo;
       // fp32 copies of the tile's x rows (zero past `count`) and its adapter's A
       std::fill(xs.begin(), xs.end(), 0.f);
@@ -784,21 +790,12 @@ void lora_segmented_impl(T* y, const T* x, const T* a, const T* bt, const int64_
 void lora_segmented_packed_bf16(uint16_t* y, const uint16_t* x, const uint16_t* a, const uint16_t* bp,
                                 const int64_t* rows, const int64_t* slots, const int64_t* ranges,
                                 const int64_t* pair_starts, int64_t n, int64_t in, int64_t out) {
-  std::vector<int64_t> tiles;
-  for (int64_t i = 0; i < n;) {
-    int64_t j = i;
-    while (j < n && j - i < kLoraTile && slots[j] == slots[i]) ++j;
-    if (ranges[2 * slots[i] + 1] > ranges[2 * slots[i]]) tiles.push_back(i);
-    i = j;
-  }
-  tiles.push_back(n);
-  const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
+  const std::vector<LoraTile> tiles = lora_tiles(slots, ranges, n);
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> hp;  // [pairs][kLoraTile]: each row's (h_2p, h_2p+1) as two bf16
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t first = tiles[t];
-      int64_t count = 1;
-      while (first + count < n && count < kLoraTile && slots[first + count] == slots[first]) ++count;
+      const int64_t first = tiles[t].first, count = tiles[t].count;
       const int64_t slot = slots[first], lo = ranges[2 * slot], rank = ranges[2 * slot + 1] - lo;
       const int64_t pairs = (rank + 1) / 2;
       const uint16_t* xr[kLoraTile];
@@ -865,26 +862,36 @@ void lora_segmented_packed_bf16(uint16_t* y, const uint16_t* x, const uint16_t* 
 // y [T, out] (added to in place), x [T, in], a [R, in], bt [R, out], all of one dtype (bf16 or
 // fp32); rows, slots [n] int64 (the rows that have an adapter, and its slot); ranges [S, 2] int64
 // (each slot's rank range in a and bt; empty: the adapter leaves this linear alone).
-void lora_segmented(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor bt, torch::Tensor rows,
-                    torch::Tensor slots, torch::Tensor ranges) {
-  TORCH_CHECK(x.scalar_type() == y.scalar_type() && a.scalar_type() == y.scalar_type() &&
-                  bt.scalar_type() == y.scalar_type(), "y, x, a and bt must have one dtype");
-  TORCH_CHECK(y.scalar_type() == at::kBFloat16 || y.scalar_type() == at::kFloat, "bf16 or fp32 only");
-  TORCH_CHECK(y.is_contiguous() && x.is_contiguous() && a.is_contiguous() && bt.is_contiguous() &&
-                  rows.is_contiguous() && slots.is_contiguous() && ranges.is_contiguous(), "contiguous tensors only");
-  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0) && a.size(1) == x.size(1) &&
-                  bt.size(1) == y.size(1) && a.size(0) == bt.size(0), "y [T, out], x [T, in], a [R, in], bt [R, out]");
+// What both forms check of their rows: y [T, out], x [T, in], a [R, in]; rows, slots [n] int64
+// within T and the slots; ranges [S, 2] int64 within a.
+void check_lora_rows(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& rows,
+                     const torch::Tensor& slots, const torch::Tensor& ranges) {
+  TORCH_CHECK(y.is_contiguous() && x.is_contiguous() && a.is_contiguous() && rows.is_contiguous() && slots.is_contiguous() &&
+                  ranges.is_contiguous(), "contiguous tensors only");
+  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0) && a.size(1) == x.size(1), "y [T, out], x [T, in], a [R, in]");
   TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && ranges.scalar_type() == at::kLong &&
                   rows.numel() == slots.numel() && ranges.dim() == 2 && ranges.size(1) == 2, "rows, slots [n], ranges [S, 2] int64");
-  const int64_t n = rows.numel(), num_slots = ranges.size(0), total = y.size(0), rank_rows = a.size(0);
+  const int64_t n = rows.numel(), num_slots = ranges.size(0), total = y.size(0);
   const int64_t* r = rows.data_ptr<int64_t>();
   const int64_t* s = slots.data_ptr<int64_t>();
   const int64_t* g = ranges.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(r[i] >= 0 && r[i] < total && s[i] >= 0 && s[i] < num_slots, "row or slot out of range");
   for (int64_t i = 0; i < num_slots; ++i)
-    TORCH_CHECK(g[2 * i] >= 0 && g[2 * i] <= g[2 * i + 1] && g[2 * i + 1] <= rank_rows,
-                "a slot's rank range is outside a");
+    TORCH_CHECK(g[2 * i] >= 0 && g[2 * i] <= g[2 * i + 1] && g[2 * i + 1] <= a.size(0), "a slot's rank range is outside a");
+}
+
+void lora_segmented(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor bt, torch::Tensor rows,
+                    torch::Tensor slots, torch::Tensor ranges) {
+  TORCH_CHECK(x.scalar_type() == y.scalar_type() && a.scalar_type() == y.scalar_type() &&
+                  bt.scalar_type() == y.scalar_type(), "y, x, a and bt must have one dtype");
+  TORCH_CHECK(y.scalar_type() == at::kBFloat16 || y.scalar_type() == at::kFloat, "bf16 or fp32 only");
+  check_lora_rows(y, x, a, rows, slots, ranges);
+  TORCH_CHECK(bt.is_contiguous() && bt.dim() == 2 && bt.size(1) == y.size(1) && a.size(0) == bt.size(0), "bt [R, out]");
+  const int64_t n = rows.numel();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t* g = ranges.data_ptr<int64_t>();
   if (y.scalar_type() == at::kFloat) {
     lora_segmented_impl<float>(y.data_ptr<float>(), x.data_ptr<float>(), a.data_ptr<float>(), bt.data_ptr<float>(), r, s, g,
                                n, x.size(1), y.size(1));
@@ -901,22 +908,16 @@ void lora_segmented_packed(torch::Tensor y, torch::Tensor x, torch::Tensor a, to
 #if defined(__AVX512BF16__)
   TORCH_CHECK(y.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 && a.scalar_type() == at::kBFloat16 &&
                   bp.scalar_type() == at::kBFloat16, "bf16 only");
-  TORCH_CHECK(y.is_contiguous() && x.is_contiguous() && a.is_contiguous() && bp.is_contiguous() && rows.is_contiguous() &&
-                  slots.is_contiguous() && ranges.is_contiguous() && pair_starts.is_contiguous(), "contiguous tensors only");
-  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0) && a.size(1) == x.size(1), "y [T, out], x [T, in], a [R, in]");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && ranges.scalar_type() == at::kLong &&
-                  pair_starts.scalar_type() == at::kLong && rows.numel() == slots.numel() && ranges.dim() == 2 &&
-                  ranges.size(1) == 2 && pair_starts.numel() == ranges.size(0), "rows, slots [n], ranges [S, 2], pair_starts [S] int64");
-  const int64_t n = rows.numel(), num_slots = ranges.size(0), total = y.size(0), out = y.size(1);
+  check_lora_rows(y, x, a, rows, slots, ranges);
+  TORCH_CHECK(bp.is_contiguous() && pair_starts.is_contiguous() && pair_starts.scalar_type() == at::kLong &&
+                  pair_starts.numel() == ranges.size(0), "bp contiguous, pair_starts [S] int64");
+  const int64_t n = rows.numel(), num_slots = ranges.size(0), out = y.size(1);
   const int64_t* r = rows.data_ptr<int64_t>();
   const int64_t* s = slots.data_ptr<int64_t>();
   const int64_t* g = ranges.data_ptr<int64_t>();
   const int64_t* ps = pair_starts.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(r[i] >= 0 && r[i] < total && s[i] >= 0 && s[i] < num_slots, "row or slot out of range");
   for (int64_t i = 0; i < num_slots; ++i)
-    TORCH_CHECK(g[2 * i] >= 0 && g[2 * i] <= g[2 * i + 1] && g[2 * i + 1] <= a.size(0) && ps[i] >= 0 &&
-                    (ps[i] + (g[2 * i + 1] - g[2 * i] + 1) / 2) * out * 2 <= bp.numel(), "a slot's rank range is outside a or bp");
+    TORCH_CHECK(ps[i] >= 0 && (ps[i] + (g[2 * i + 1] - g[2 * i] + 1) / 2) * out * 2 <= bp.numel(), "a slot's pairs are outside bp");
   lora_segmented_packed_bf16(reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
                              reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
                              reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()),

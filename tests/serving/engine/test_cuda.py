@@ -12,8 +12,14 @@ import torch
 
 from serving.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.helpers import build_tiny_model
-from tests.serving.engine.test_lora import ADAPTERS, assert_greedy_agrees, make_adapter
-from tests.serving.engine.test_model_parity import TINY_VARIANTS, engine_first_logits, engine_greedy, hf_greedy
+from tests.serving.engine.test_lora import ADAPTERS, assert_greedy_agrees, hand_off, make_adapter
+from tests.serving.engine.test_model_parity import (
+    TINY_VARIANTS,
+    engine_first_logits,
+    engine_greedy,
+    hf_greedy,
+    windowed_run,
+)
 from tests.serving.engine.test_speculative import SPEC, OracleProposer, workload
 
 pytestmark = pytest.mark.gpu
@@ -98,16 +104,7 @@ def test_mixed_lora_batch_on_cuda_matches_peft_merged(tiny_model_dir, tmp_path):
                 [("all-rslora", prompt)])[0]
     prefill, decode = (cuda_engine(tiny_model_dir, lora={"adapters": {n: str(p) for n, (p, _) in made.items()}})
                        for _ in range(2))
-    prefill.add_request("x", params=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-                        prompt_token_ids=prompt, hold_kv=True, lora_name="all-rslora")
-    (first,) = [o for o in prefill.step() if o.finished]
-    payload = prefill.export_kv("x")
-    decode.add_request("x", params=GREEDY, prompt_token_ids=prompt, kv_payload=payload,
-                       prior_output_token_ids=first.outputs[0].token_ids, lora_name="all-rslora")
-    tokens = list(first.outputs[0].token_ids)
-    while decode.has_unfinished_requests():
-        for out in decode.step():
-            tokens += out.outputs[0].token_ids
+    tokens, _, _ = hand_off(prefill, decode, prompt, "all-rslora")
     assert tokens == alone
 
 
@@ -132,13 +129,7 @@ def test_a_windowed_model_on_cuda_keeps_only_its_window(tmp_path, tokenizer_dir)
     engine = cuda_engine(model_dir, kv_cache_bytes=8 * 16 * 512, max_num_batched_tokens=32)
     assert engine.stats().num_blocks == 8
     prompt = torch.randint(3, 49152, (300,), generator=torch.Generator().manual_seed(9)).tolist()
-    engine.add_request("w", params=SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), prompt_token_ids=prompt)
-    got, most_used = [], 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            got += out.outputs[0].token_ids
-        stats = engine.stats()
-        most_used = max(most_used, stats.num_blocks - stats.num_free_blocks)
+    got, most_used = windowed_run(engine, prompt)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     assert got == hf_greedy(hf, prompt, 64)[0]
     assert most_used <= 5 and engine.stats().num_free_blocks == 8

@@ -68,6 +68,22 @@ def adapters(tmp_path_factory, tiny_model_dir):
     return made
 
 
+def hand_off(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], lora: str):
+    """P/D with an adapter: `prefill` computes the prompt and its first token and exports its KV;
+    `decode` imports it and continues greedily. The tokens, the payload and the first output."""
+    prefill.add_request("x", params=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                        prompt_token_ids=prompt, hold_kv=True, lora_name=lora)
+    (first,) = [o for o in prefill.step() if o.finished]
+    payload = prefill.export_kv("x")
+    decode.add_request("x", params=GREEDY, prompt_token_ids=prompt, kv_payload=payload,
+                       prior_output_token_ids=first.outputs[0].token_ids, lora_name=lora)
+    tokens = list(first.outputs[0].token_ids)
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            tokens += out.outputs[0].token_ids
+    return tokens, payload, first
+
+
 def engine_with(model_dir, adapters, **lora) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=str(model_dir), dtype="float32", kv_cache_bytes=8 * 2**20,
@@ -220,17 +236,8 @@ def test_a_kv_hand_off_with_an_adapter_continues_as_one_engine_would(tiny_model_
     decode engine that cannot load the adapter refuses the request, naming `model`."""
     prompt = list(range(300, 340))
     alone = run(engine_with(tiny_model_dir, adapters), [("all-rslora", prompt)])[0]
-    prefill, decode = engine_with(tiny_model_dir, adapters), engine_with(tiny_model_dir, adapters)
-    prefill.add_request("x", params=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-                        prompt_token_ids=prompt, hold_kv=True, lora_name="all-rslora")
-    (first,) = [o for o in prefill.step() if o.finished]
-    payload = prefill.export_kv("x")
-    decode.add_request("x", params=GREEDY, prompt_token_ids=prompt, kv_payload=payload,
-                       prior_output_token_ids=first.outputs[0].token_ids, lora_name="all-rslora")
-    tokens = list(first.outputs[0].token_ids)
-    while decode.has_unfinished_requests():
-        for out in decode.step():
-            tokens += out.outputs[0].token_ids
+    tokens, payload, first = hand_off(engine_with(tiny_model_dir, adapters), engine_with(tiny_model_dir, adapters),
+                                      prompt, "all-rslora")
     assert tokens == alone
     base_only = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=8 * 2**20))
     with pytest.raises(InvalidRequestError, match="serves no LoRA adapters") as info:

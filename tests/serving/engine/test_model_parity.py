@@ -244,6 +244,18 @@ def test_sliding_window_holds_across_chunks_and_the_prefix_cache(tmp_path, defau
     assert engine_greedy(engine, [prompt], 32)[0] == expected
 
 
+def windowed_run(engine: LLMEngine, prompt: list[int]) -> tuple[list[int], int]:
+    """64 greedy tokens after `prompt`, and the most blocks in use at the end of any step."""
+    engine.add_request("w", params=SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), prompt_token_ids=prompt)
+    got, most_used = [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got += out.outputs[0].token_ids
+        stats = engine.stats()
+        most_used = max(most_used, stats.num_blocks - stats.num_free_blocks)
+    return got, most_used
+
+
 def test_a_windowed_model_keeps_only_its_window_of_blocks(tmp_path, default_model_dir):
     """Every layer windowed (Mistral, 24 tokens): a sequence gives back the blocks its window has
     passed, so a 300-token prompt and 64 generated tokens run in a KV cache of 8 blocks (128
@@ -259,13 +271,7 @@ def test_a_windowed_model_keeps_only_its_window_of_blocks(tmp_path, default_mode
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_bytes=8 * 16 * 512,
                                     max_num_batched_tokens=32))
     assert engine.stats().num_blocks == 8 and engine.max_model_len == 2048
-    engine.add_request("w", params=SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), prompt_token_ids=prompt)
-    got, most_used = [], 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            got += out.outputs[0].token_ids
-        stats = engine.stats()
-        most_used = max(most_used, stats.num_blocks - stats.num_free_blocks)
+    got, most_used = windowed_run(engine, prompt)
     assert got == expected
     assert engine.stats().num_preemptions == 0
     assert most_used <= 5  # (24 + 32) / 16 rounded up, plus the block a window starts in
