@@ -40,6 +40,13 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [B, max_blocks] int64, padded with block 0
     decode_context_lens: torch.Tensor | None  # [B] int64
     prefills: list[PrefillChunk]
+    # The same rows over the sliding layers' pool (kv_cache.py), which their attention reads;
+    # None: one pool
+    sliding: AttentionMetadata | None = None
+
+    def for_layer(self, window: int) -> AttentionMetadata:
+        """The metadata a layer with this window (0: none) reads and writes its KV by."""
+        return self.sliding if window and self.sliding is not None else self
 
 
 def paged_attention(

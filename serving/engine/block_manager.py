@@ -27,7 +27,10 @@ from serving.engine.block_hash import ROOT_HASH, hash_blocks
 from serving.engine.kv_events import BlockRemoved, BlockStored, KVEvent
 from serving.engine.request import Sequence
 
-__all__ = ["Block", "BlockManager"]
+__all__ = ["NULL_BLOCK", "Block", "BlockManager", "HybridBlockManager"]
+
+# A table entry a sequence never reads (before its sliding window); any valid id does.
+NULL_BLOCK = 0
 
 logger = logging.getLogger(__name__)
 
@@ -95,17 +98,21 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         self.update_hashes(seq)
-        max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        for i, block_hash in enumerate(seq.block_hashes[:max_blocks]):
-            block_id = self._cached.get(block_hash)
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block_id = self.cached_block(seq, i)
             if block_id is None:
-                break
-            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            if self.blocks[block_id].token_ids != tokens:  # a hash collision: treat as a miss
                 break
             hits.append(block_id)
         return hits
+
+    def cached_block(self, seq: Sequence, index: int) -> int | None:
+        """The cached block holding `seq`'s block `index` (hashes updated), verified; None: none."""
+        block_id = self._cached.get(seq.block_hashes[index])
+        if block_id is None:
+            return None
+        tokens = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
+        return block_id if self.blocks[block_id].token_ids == tokens else None  # a collision is a miss
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted lookup (failed admissions retry and are not counted twice)."""
@@ -113,26 +120,33 @@ class BlockManager:
         self.num_prefix_hit_tokens += num_hit_tokens
 
     # ---- allocation ---------------------------------------------------------------------------
-    def allocate(self, seq: Sequence, num_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+    def blocks_needed(self, seq: Sequence, num_tokens: int, cached_block_ids: list[int] = (), skip: int = 0) -> int:
+        """Free blocks `allocate` would take (new ones and free cached ones)."""
+        num_new = max(0, -(-num_tokens // self.block_size) - len(seq.block_ids) - skip - len(cached_block_ids))
+        return num_new + sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
+
+    def allocate(self, seq: Sequence, num_tokens: int, cached_block_ids: list[int] = (), skip: int = 0) -> bool:
         """Give `seq` blocks for `num_tokens` tokens in total, first taking `cached_block_ids`
-        (from lookup_prefix, only when seq has no blocks yet). False, with nothing changed,
-        when too few blocks are free.
+        (from lookup_prefix, only when seq has no blocks yet), after `skip` leading blocks it will
+        never read (a sliding window's: NULL_BLOCK entries, released). False, with nothing
+        changed, when too few blocks are free.
         """
-        if cached_block_ids:
+        if cached_block_ids or skip:
             assert not seq.block_ids, f"{seq}: cached blocks only for a sequence with none"
-        num_new = max(0, -(-num_tokens // self.block_size) - len(seq.block_ids) - len(cached_block_ids))
-        num_cached_free = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
-        if num_new + num_cached_free > len(self._free):
+        if self.blocks_needed(seq, num_tokens, cached_block_ids, skip) > len(self._free):
             return False
+        num_new = max(0, -(-num_tokens // self.block_size) - len(seq.block_ids) - skip - len(cached_block_ids))
+        seq.block_ids += [NULL_BLOCK] * skip
+        seq.num_released_blocks = max(seq.num_released_blocks, skip)
         for block_id in cached_block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
             block.ref_count += 1
             seq.block_ids.append(block_id)
-        if cached_block_ids:
-            seq.num_committed_blocks = len(cached_block_ids)
-            seq.num_computed_tokens = len(cached_block_ids) * self.block_size
+        if cached_block_ids or skip:
+            seq.num_committed_blocks = skip + len(cached_block_ids)
+            seq.num_computed_tokens = (skip + len(cached_block_ids)) * self.block_size
         for _ in range(num_new):
             seq.block_ids.append(self._take_free_block())
         return True
@@ -220,10 +234,13 @@ class BlockManager:
         return released
 
     def fork(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
-        """Share `parent`'s first `num_blocks` (fully computed) blocks with `child`."""
+        """Share `parent`'s first `num_blocks` (fully computed) blocks with `child` (those its
+        window released stay released: NULL_BLOCK entries)."""
         assert not child.block_ids and num_blocks <= parent.num_computed_tokens // self.block_size
-        assert parent.num_released_blocks == 0, f"{parent}: forking after its window released blocks"
-        for block_id in parent.block_ids[:num_blocks]:
+        released = min(parent.num_released_blocks, num_blocks)
+        child.block_ids += [NULL_BLOCK] * released
+        child.num_released_blocks = released
+        for block_id in parent.block_ids[released:num_blocks]:
             self.blocks[block_id].ref_count += 1
             child.block_ids.append(block_id)
         child.num_computed_tokens = num_blocks * self.block_size
@@ -254,3 +271,151 @@ class BlockManager:
         seq.num_committed_blocks = 0
         seq.num_released_blocks = 0
 
+
+    def kv_tables(self, seq: Sequence, num_blocks: int) -> tuple[list[int], list[int] | None]:
+        """`seq`'s first `num_blocks` block ids in each pool of the KV cache (one pool: None)."""
+        return seq.block_ids[:num_blocks], None
+
+
+class SlidingTable:
+    """A sequence's blocks in the sliding layers' pool: its own table and counts of committed and
+    released blocks; its tokens, hashes and computed count are the sequence's."""
+
+    def __init__(self, seq: Sequence):
+        self.seq = seq
+        self.block_ids: list[int] = []
+        self.num_committed_blocks = 0
+        self.num_released_blocks = 0
+
+    def __getattr__(self, name: str):  # token_ids, extra_keys, keep_cached, num_cached_tokens, ...
+        return getattr(self.seq, name)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        self.seq.num_computed_tokens = value
+
+    @property
+    def block_hashes(self) -> list[int]:
+        return self.seq.block_hashes
+
+    @block_hashes.setter
+    def block_hashes(self, value: list[int]) -> None:
+        self.seq.block_hashes = value
+
+
+class PrefixHits(list):
+    """lookup_prefix's answer for two pools: the full layers' cached block ids (the list), and the
+    sliding layers': `skip` leading blocks outside the window, then `sliding_ids`."""
+
+    def __init__(self, full_ids: list[int], skip: int, sliding_ids: list[int]):
+        super().__init__(full_ids)
+        self.skip = skip
+        self.sliding_ids = sliding_ids
+
+
+class HybridBlockManager:
+    """Blocks for a model whose sliding-window layers are interleaved with full-attention ones
+    (Gemma 2/3, Qwen's layer_types): two pools (kv_cache.py), each a BlockManager with its own
+    ids, free queue and prefix cache, and a table per pool for each sequence.
+
+        full layers     [b3 b8 b1 b6 b2 b9]        every block, to the end
+        sliding layers  [ -  -  - b4 b7 b5]        the window's: blocks it passed are given back
+
+    A prefix hit of n blocks needs the full pool's first n and the sliding pool's blocks that the
+    n * block_size-th position's window reaches; the rest of the sliding table is NULL_BLOCK. A
+    sequence held for export (hold_kv) keeps every block of both, and hits only where the sliding
+    pool holds all of them. The router's index follows the full pool (its events); a hit the
+    sliding pool cannot complete is shorter than the index predicts, which the predicted-vs-seen
+    metric shows.
+    """
+
+    def __init__(self, full: BlockManager, sliding: BlockManager, window: int):
+        assert full.block_size == sliding.block_size and window > 0
+        self.full, self.sliding, self.window = full, sliding, window
+        self.block_size = full.block_size
+        self.enable_prefix_caching = full.enable_prefix_caching
+
+    @staticmethod
+    def table(seq: Sequence) -> SlidingTable:
+        if seq.sliding_table is None:
+            seq.sliding_table = SlidingTable(seq)
+        return seq.sliding_table
+
+    # ---- state (the full pool's, which holds every token; usage the fuller pool's) ------------
+    @property
+    def num_blocks(self) -> int:
+        return self.full.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.full.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return max(self.full.usage, self.sliding.usage)
+
+    @property
+    def num_prefix_query_tokens(self) -> int:
+        return self.full.num_prefix_query_tokens
+
+    @property
+    def num_prefix_hit_tokens(self) -> int:
+        return self.full.num_prefix_hit_tokens
+
+    def take_events(self) -> list[KVEvent]:
+        self.sliding.take_events()
+        return self.full.take_events()
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.full.record_prefix_query(num_tokens, num_hit_tokens)
+
+    def update_hashes(self, seq: Sequence) -> None:
+        self.full.update_hashes(seq)
+
+    # ---- both pools ---------------------------------------------------------------------------
+    def lookup_prefix(self, seq: Sequence) -> list[int]:
+        hits = self.full.lookup_prefix(seq)
+        present = [self.sliding.cached_block(seq, i) is not None for i in range(len(hits))]
+        for n in range(len(hits), 0, -1):
+            # the first position computed, n * block_size, sees back to n * block_size - window + 1
+            skip = 0 if seq.hold_kv else max(0, n * self.block_size - self.window + 1) // self.block_size
+            if all(present[skip:n]):
+                return PrefixHits(hits[:n], skip, [self.sliding.cached_block(seq, i) for i in range(skip, n)])
+        return []
+
+    def allocate(self, seq: Sequence, num_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+        table = self.table(seq)
+        skip, sliding_ids = (cached_block_ids.skip, cached_block_ids.sliding_ids) if cached_block_ids else (0, [])
+        if (self.full.blocks_needed(seq, num_tokens, cached_block_ids) > self.full.num_free_blocks
+                or self.sliding.blocks_needed(table, num_tokens, sliding_ids, skip) > self.sliding.num_free_blocks):
+            return False
+        self.full.allocate(seq, num_tokens, list(cached_block_ids))
+        self.sliding.allocate(table, num_tokens, sliding_ids, skip)
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        self.full.commit(seq)
+        self.sliding.commit(self.table(seq))
+
+    def trim(self, seq: Sequence) -> int:
+        self.sliding.trim(self.table(seq))
+        return self.full.trim(seq)
+
+    def release_before(self, seq: Sequence, position: int) -> int:
+        """The sliding pool's blocks before `position` (the full pool keeps every block)."""
+        return self.sliding.release_before(self.table(seq), position)
+
+    def fork(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
+        self.full.fork(parent, child, num_blocks)
+        self.sliding.fork(self.table(parent), self.table(child), num_blocks)
+
+    def free(self, seq: Sequence) -> None:
+        self.full.free(seq)
+        self.sliding.free(self.table(seq))
+
+    def kv_tables(self, seq: Sequence, num_blocks: int) -> tuple[list[int], list[int] | None]:
+        return seq.block_ids[:num_blocks], self.table(seq).block_ids[:num_blocks]

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from serving.engine.block_hash import block_extra_keys
-from serving.engine.block_manager import BlockManager
+from serving.engine.block_manager import BlockManager, HybridBlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.errors import InvalidRequestError, ModelLoadError, RequestFailedError
@@ -110,6 +110,10 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
+        if self.kv_cache.sliding_layers:  # interleaved sliding layers: their KV in a pool of its own
+            self.block_manager = HybridBlockManager(self.block_manager, BlockManager(
+                self.kv_cache.num_sliding_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+            ), spec.hybrid_window)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -118,7 +122,8 @@ class LLMEngine:
             max_long_partial_prefills=config.max_long_partial_prefills,
             max_queue_wait_s=config.max_queue_wait_s,
             priority_aging_s=config.priority_aging_s,
-            sliding_window=spec.every_layer_window,  # blocks leave a sequence as its window moves
+            # blocks leave a sequence as its window moves (the sliding pool's only, with full layers too)
+            sliding_window=spec.every_layer_window or spec.hybrid_window,
         )
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.loras = LoRAManager(config.lora.adapters, config.lora.max_loras, spec, self.model.dtype,
@@ -690,7 +695,8 @@ class LLMEngine:
     def _write_import(self, seq: Sequence) -> None:
         payload = seq.pending_import
         seq.pending_import = None
-        self.kv_cache.write_blocks(seq.block_ids[: payload.num_blocks], payload.kv)
+        full_ids, sliding_ids = self.block_manager.kv_tables(seq, payload.num_blocks)
+        self.kv_cache.write_blocks(full_ids, payload.kv, sliding_ids)
         self.block_manager.commit(seq)
 
     # ---- observability -----------------------------------------------------------------------

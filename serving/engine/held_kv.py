@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from serving.engine.block_manager import BlockManager
+from serving.engine.block_manager import BlockManager, HybridBlockManager
 from serving.engine.kv_cache import KVCache
 from serving.engine.kv_payload import KVLayout, KVPayload
 from serving.engine.request import Sequence
@@ -20,7 +20,7 @@ __all__ = ["HeldKV"]
 
 
 class HeldKV:
-    def __init__(self, block_manager: BlockManager, kv_cache: KVCache, layout: KVLayout):
+    def __init__(self, block_manager: BlockManager | HybridBlockManager, kv_cache: KVCache, layout: KVLayout):
         self._block_manager = block_manager
         self._kv_cache = kv_cache
         self._layout = layout
@@ -74,5 +74,6 @@ class HeldKV:
             if out is not None and seq.export_until is not None and time.monotonic() >= seq.export_until:
                 out = None  # the arena range's lease ran out: it may be another request's now
             seq.export_into = None  # read out once
-        kv = self._kv_cache.read_blocks(seq.block_ids[:num_blocks], out=out)
+        full_ids, sliding_ids = self._block_manager.kv_tables(seq, num_blocks)
+        kv = self._kv_cache.read_blocks(full_ids, out=out, sliding_block_ids=sliding_ids)
         return KVPayload(request_id=seq.request_id, token_ids=seq.token_ids[:num_tokens], layout=self._layout, kv=kv)

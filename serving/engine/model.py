@@ -295,9 +295,10 @@ class LlamaModel:
             qkv = self._lin(i, "qkv", layer.qkv, x, kernels, rows)
             if layer.q_norm is not None:
                 self._qk_norm(qkv, layer)
-            kernels.rope_cache_write(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, spec.num_heads)
+            m = meta.for_layer(spec.window(i))
+            kernels.rope_cache_write(qkv, cos, sin, k_cache, v_cache, m.slot_mapping, spec.num_heads)
             q = qkv[:, : self.q_size].view(num_tokens, spec.num_heads, spec.head_dim)
-            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, spec.window(i))
+            attn = paged_attention(q, k_cache, v_cache, m, self.scale, spec.window(i))
             delta = self._lin(i, "o", layer.o, attn, kernels, rows)
             x = kernels.add_rms_norm(h, delta, layer.post_norm, eps)
             act = kernels.silu_mul(self._lin(i, "gate_up", layer.gate_up, x, kernels, rows))
@@ -312,9 +313,7 @@ class LlamaModel:
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, d]
         sin = self.sin[positions].unsqueeze(1)
         qk_heads = spec.num_heads + spec.num_kv_heads
-        block_size = kv_caches[0][0].shape[2]
-        write_blocks = meta.slot_mapping // block_size
-        write_offsets = meta.slot_mapping % block_size
+        writes = _write_slots(meta, kv_caches[0][0].shape[2])
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x = self._rms_norm(h, layer.input_norm)
             qkv = self._lin(i, "qkv", layer.qkv, x)
@@ -325,9 +324,11 @@ class LlamaModel:
             q = qk[:, : spec.num_heads]
             k = qk[:, spec.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, spec.num_kv_heads, spec.head_dim)
+            m = meta.for_layer(spec.window(i))
+            write_blocks, write_offsets = writes[m is not meta]
             k_cache[write_blocks, :, write_offsets] = k
             v_cache[write_blocks, :, write_offsets] = v
-            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, spec.window(i))
+            attn = paged_attention(q, k_cache, v_cache, m, self.scale, spec.window(i))
             h = h + self._lin(i, "o", layer.o, attn)
             x = self._rms_norm(h, layer.post_norm)
             gate, up = self._lin(i, "gate_up", layer.gate_up, x).chunk(2, dim=-1)
@@ -349,9 +350,7 @@ class LlamaModel:
         num_tokens = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed) * torch.tensor(spec.hidden_size**0.5, dtype=self.dtype)
         qk_heads = spec.num_heads + spec.num_kv_heads
-        block_size = kv_caches[0][0].shape[2]
-        write_blocks = meta.slot_mapping // block_size
-        write_offsets = meta.slot_mapping % block_size
+        writes = _write_slots(meta, kv_caches[0][0].shape[2])
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             cos_table, sin_table = self.layer_rope[i]
             cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
@@ -364,9 +363,11 @@ class LlamaModel:
             qk = _apply_rope(qk, cos, sin)
             q, k = qk[:, : spec.num_heads], qk[:, spec.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, spec.num_kv_heads, spec.head_dim)
+            m = meta.for_layer(spec.window(i))
+            write_blocks, write_offsets = writes[m is not meta]
             k_cache[write_blocks, :, write_offsets] = k
             v_cache[write_blocks, :, write_offsets] = v
-            attn = paged_attention(q.contiguous(), k_cache, v_cache, meta, self.scale, spec.window(i),
+            attn = paged_attention(q.contiguous(), k_cache, v_cache, m, self.scale, spec.window(i),
                                    softcap=spec.attn_softcap or 0.0)
             h = h + self._gemma_norm(self._lin(i, "o", layer.o, attn), layer.post_norm)
             x = self._gemma_norm(h, layer.pre_ff_norm)
@@ -383,6 +384,12 @@ class LlamaModel:
         if cap:  # Gemma 2: logits soft-capped to (-cap, cap), in the model dtype as transformers does
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+
+def _write_slots(meta: AttentionMetadata, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(block, offset) of each new token's K/V: in the full layers' pool, then the sliding layers'."""
+    metas = [meta] + ([meta.sliding] if meta.sliding is not None else [])
+    return [(m.slot_mapping // block_size, m.slot_mapping % block_size) for m in metas]
 
 
 def _batch_invariance(deterministic: bool | str, device: torch.device, dtype: torch.dtype, *,

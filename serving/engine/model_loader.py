@@ -208,6 +208,19 @@ class ModelSpec:
         return min(self.layer_windows) if self.layer_windows and all(self.layer_windows) else 0
 
     @property
+    def hybrid_window(self) -> int:
+        """The window of the windowed layers when full-attention layers are interleaved with them
+        (Gemma 2/3, Qwen's layer_types) and they share one window; 0 otherwise. Their KV then
+        lives in a pool of its own, given back as the window moves (HybridBlockManager)."""
+        windows = {w for w in self.layer_windows if w}
+        return windows.pop() if len(windows) == 1 and not self.every_layer_window else 0
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        """The layers whose KV is in the sliding pool (hybrid_window)."""
+        return tuple(i for i, w in enumerate(self.layer_windows) if w) if self.hybrid_window else ()
+
+    @property
     def rope_type(self) -> str:
         params = getattr(self.hf_config, "rope_parameters", None) or {}
         return params.get("rope_type", "default")

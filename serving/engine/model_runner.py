@@ -27,6 +27,7 @@ step, and whatever chunk it fell in:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -127,25 +128,34 @@ class ModelRunner:
             num_sample_rows=[s.num_computed_tokens + n - s.num_tokens + 1 for s, n in sampling],
         )
 
+    def _padded(self, tables: list[list[int]]) -> torch.Tensor | None:
+        """[B, max_blocks] int64, padded with block 0; None for no rows."""
+        if not tables:
+            return None
+        width = max(len(t) for t in tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
+
     def execute(self, step: StepInput) -> torch.Tensor:
         """Run one forward pass; returns float32 logits, [len(step.sampling_seqs) + the prompt
         spans' rows, vocab]: the sampling rows first."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
         sample_rows: list[int] = []
         prefills: list[PrefillChunk] = []
         span_of = {span.seq: span for span in step.prompt_spans}
         prompt_rows: list[int] = []
 
-        decode_tables: list[list[int]] = []
+        num_pools = 2 if self.kv_cache.sliding_layers else 1  # the sliding layers' blocks: a pool of their own
+        slot_mapping = [[] for _ in range(num_pools)]
+        decode_tables: list[list[list[int]]] = [[] for _ in range(num_pools)]
+        prefill_blocks: list[list[torch.Tensor]] = [[] for _ in range(num_pools)]
         decode_lens: list[int] = []
         per_token_attention = self.model.is_batch_invariant
         for seq, n in zip(step.seqs, step.num_new_tokens):
             start = seq.num_computed_tokens
             end = start + n
-            table = seq.block_ids
+            tables = [seq.block_ids] if num_pools == 1 else [seq.block_ids, seq.sliding_table.block_ids]
             q_start = len(input_ids)
             known = seq.num_tokens
             if end <= known:
@@ -153,43 +163,44 @@ class ModelRunner:
             else:  # the last known token and proposed ones after it
                 input_ids += seq.token_ids[start:] + seq.spec_token_ids[: end - known]
             positions += range(start, end)
-            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            for slots, table in zip(slot_mapping, tables):
+                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             if end >= known and seq.max_tokens > 0:
                 sample_rows += range(q_start + known - 1 - start, q_start + n)
             span = span_of.get(seq) if span_of else None
             if span is not None:  # in step.prompt_spans order: spans follow the token layout
                 prompt_rows += range(q_start + span.start - start, q_start + span.end - start)
             if n == 1:
-                decode_tables.append(table)
+                for pool, table in zip(decode_tables, tables):
+                    pool.append(table)
                 decode_lens.append(end)
             elif per_token_attention:
-                context = table[: -(-end // bs)]
-                decode_tables += [context] * n
+                for pool, table in zip(decode_tables, tables):
+                    pool += [table[: -(-end // bs)]] * n
                 decode_lens += range(start + 1, end + 1)
             else:
                 num_blocks = -(-end // bs)
-                block_ids = torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device)
+                for pool, table in zip(prefill_blocks, tables):
+                    pool.append(torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device))
                 mask = None
                 if start > 0:
                     # query i (position start + i) sees keys 0 .. start + i
                     mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start).to(self.device)
-                prefills.append(PrefillChunk(q_start, n, end, block_ids, mask))
+                prefills.append(PrefillChunk(q_start, n, end, prefill_blocks[0][-1], mask))
 
-        decode_tables_t = decode_lens_t = None
-        if decode_tables:
-            max_blocks = max(len(t) for t in decode_tables)
-            decode_tables_t = torch.tensor(
-                [t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long, device=self.device
+        decode_lens_t = torch.tensor(decode_lens, dtype=torch.long, device=self.device) if decode_lens else None
+        metas = [
+            AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+                num_decode_tokens=len(decode_lens),
+                decode_block_tables=self._padded(tables),
+                decode_context_lens=decode_lens_t,
+                prefills=[dataclasses.replace(chunk, block_ids=ids) for chunk, ids in zip(prefills, blocks)],
             )
-            decode_lens_t = torch.tensor(decode_lens, dtype=torch.long, device=self.device)
-
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
-            num_decode_tokens=len(decode_tables),
-            decode_block_tables=decode_tables_t,
-            decode_context_lens=decode_lens_t,
-            prefills=prefills,
-        )
+            for slots, tables, blocks in zip(slot_mapping, decode_tables, prefill_blocks)
+        ]
+        meta = metas[0]
+        meta.sliding = metas[1] if num_pools == 2 else None
         hidden = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),

@@ -77,6 +77,8 @@ class Sequence:
     num_committed_blocks: int = 0  # leading blocks whose KV is computed and registered by hash
     # leading blocks given back as a sliding window moved past them (their table entries stay, unread)
     num_released_blocks: int = 0
+    # its blocks in the sliding layers' pool (block_manager.HybridBlockManager); None: one pool
+    sliding_table: object | None = None
     num_preemptions: int = 0
     pending_import: KVPayload | None = None
     # hold_kv: where its payload is read out when it finishes (a shared-memory arena range,

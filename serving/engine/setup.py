@@ -68,30 +68,60 @@ def build_parts(config: EngineConfig) -> EngineParts:
 
     bytes_per_token = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)
     budget = config.kv_cache_bytes or int(available_memory_bytes(device) * config.kv_cache_memory_fraction)
-    num_blocks = budget // (bytes_per_token * config.block_size)
+    bs, chunk = config.block_size, config.max_num_batched_tokens
+    num_blocks = budget // (bytes_per_token * bs)
+    sliding_layers, num_sliding_blocks = spec.sliding_layers, 0
+    if sliding_layers and num_blocks >= 1:
+        num_blocks, num_sliding_blocks = _split_pools(spec, config, budget, bytes_per_token, num_blocks)
     if num_blocks < 1:
         raise ValueError(
-            f"kv_cache_bytes={budget} holds no block: one block of {config.block_size} tokens "
-            f"needs {bytes_per_token * config.block_size} bytes"
+            f"kv_cache_bytes={budget} holds no block: one block of {bs} tokens "
+            f"needs {bytes_per_token * bs} bytes"
         )
     kv_cache = KVCache(
-        num_layers=spec.num_layers, num_blocks=num_blocks, block_size=config.block_size,
+        num_layers=spec.num_layers, num_blocks=num_blocks, block_size=bs,
         num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype, device=device,
+        sliding_layers=sliding_layers, num_sliding_blocks=num_sliding_blocks,
     )
-    capacity = num_blocks * config.block_size
+    capacity = num_blocks * bs
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens, %d bytes/token, %.1f MiB",
-        num_blocks, config.block_size, capacity, bytes_per_token, kv_cache.num_bytes / 2**20,
+        num_blocks, bs, capacity, bytes_per_token, kv_cache.num_bytes / 2**20,
     )
     max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-    window = spec.every_layer_window
-    # With every layer windowed a sequence holds at most its window, one step's chunk and a block
-    # at each end (the rest go back as the window moves: BlockManager.release_before).
-    held = window + config.max_num_batched_tokens + 2 * config.block_size if window else max_model_len
-    if window:
+    window = spec.every_layer_window or spec.hybrid_window
+    # A windowed layer holds at most its window, one step's chunk and a block at each end of a
+    # sequence (the rest go back as the window moves: BlockManager.release_before).
+    held = min(window + chunk + 2 * bs, max_model_len) if window else max_model_len
+    if spec.every_layer_window:
         logger.info("sliding window of %d tokens in every layer: a sequence holds at most %d tokens of KV "
-                    "(window + one step's %d + 2 blocks)", window, min(held, max_model_len), config.max_num_batched_tokens)
-    if capacity < min(held, max_model_len):
+                    "(window + one step's %d + 2 blocks)", window, held, chunk)
+    elif sliding_layers:
+        logger.info("sliding window of %d tokens in %d of %d layers, in a pool of their own: %d blocks (%d tokens, "
+                    "%.1f MiB); a sequence holds at most %d tokens of it (window + one step's %d + 2 blocks), "
+                    "the full layers' pool every token", window, len(sliding_layers), spec.num_layers,
+                    num_sliding_blocks, num_sliding_blocks * bs,
+                    kv_cache.sliding_data.numel() * kv_cache.sliding_data.element_size() / 2**20, held, chunk)
+        if num_sliding_blocks * bs < held:
+            logger.warning("the sliding pool holds %d tokens, less than one sequence's window and step: capping "
+                           "the context window to it", num_sliding_blocks * bs)
+            max_model_len = min(max_model_len, num_sliding_blocks * bs)
+    if capacity < (held if spec.every_layer_window else max_model_len):
         logger.warning("KV cache holds %d tokens, less than the context window %d: capping it", capacity, max_model_len)
-        max_model_len = capacity
+        max_model_len = min(max_model_len, capacity)
     return EngineParts(config, device, spec, tokenizer, dtype_choice, kernels, model, kv_cache, bytes_per_token, max_model_len)
+
+
+def _split_pools(spec: ModelSpec, config: EngineConfig, budget: int, bytes_per_token: int,
+                 num_blocks: int) -> tuple[int, int]:
+    """(full pool blocks, sliding pool blocks) for a model with interleaved sliding layers: the
+    sliding pool holds every running sequence's window, a block at each end and one step's
+    chunk (what is left over caches windows for prefix hits), never more blocks than one pool
+    would have (then nothing is saved); the full pool gets the rest of the budget."""
+    bs, window = config.block_size, spec.hybrid_window
+    per_layer_token = bytes_per_token // spec.num_layers
+    num_sliding, num_full = len(spec.sliding_layers), spec.num_layers - len(spec.sliding_layers)
+    need = config.max_num_seqs * (-(-window // bs) + 2) + -(-config.max_num_batched_tokens // bs)
+    num_sliding_blocks = min(need, num_blocks)
+    rest = budget - num_sliding_blocks * bs * num_sliding * per_layer_token
+    return rest // (bs * num_full * per_layer_token), num_sliding_blocks

@@ -101,7 +101,7 @@ def step_costs_from(
 
 def _decode_step_s(model: LlamaModel, kv_cache: KVCache, num_rows: int, repeats: int) -> float:
     device, bs = model.device, kv_cache.block_size
-    num_ctx_blocks = max(1, min(-(-SHORT_CONTEXT_TOKENS // bs), kv_cache.num_blocks))
+    num_ctx_blocks = max(1, min(-(-SHORT_CONTEXT_TOKENS // bs), kv_cache.fewest_blocks))
     ctx = num_ctx_blocks * bs
     # Every row reads the same context blocks and writes a slot in them (garbage: nothing is cached yet).
     meta = AttentionMetadata(
@@ -132,7 +132,7 @@ def _verify_step_s(model: LlamaModel, kv_cache: KVCache, num_seqs: int, num_rows
     """`num_seqs` sequences each verifying: a chunk of `num_rows` query rows over its context, as
     the engine lays a verify out (model_runner.py)."""
     device, bs = model.device, kv_cache.block_size
-    num_ctx_blocks = max(1, min(-(-SHORT_CONTEXT_TOKENS // bs), kv_cache.num_blocks))
+    num_ctx_blocks = max(1, min(-(-SHORT_CONTEXT_TOKENS // bs), kv_cache.fewest_blocks))
     ctx = num_ctx_blocks * bs
     assert num_rows <= ctx, (num_rows, ctx)
     block_ids = torch.arange(num_ctx_blocks, device=device)
