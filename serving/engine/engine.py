@@ -145,7 +145,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self.held_kv = HeldKV(self.block_manager, self.kv_cache, self.kv_layout)  # hold_kv requests' KV
         self._pending_outputs: list[RequestOutput] = []
-        self._failures: list[RequestFailedError] = []  # requests a step ended on their own error
+        self._failures: list[RequestFailedError | InvalidRequestError] = []  # requests a step ended on their own error
         self.num_computed_tokens = 0
         self.num_generated_tokens = 0
         self.is_stalled = False  # the last step could schedule nothing (see step)
@@ -258,6 +258,8 @@ class LLMEngine:
         first.export_into = export_into
         first.export_until = export_until
         if lora_name is not None and not adapters:
+            if params.guided is not None:
+                self.grammars.submit(params.guided)  # compiles while it waits (cached for _admit)
             self._requests[request_id] = request
             self.lora_waiting[request_id] = (lora_name, self.loras.paths[lora_name])
             return num_prompt
@@ -300,6 +302,8 @@ class LLMEngine:
                 adapter = self.loras.try_acquire(name, len(request.seqs))
             except Exception as exc:  # its files went bad meanwhile: this request alone ends
                 del self.lora_waiting[request_id]
+                if isinstance(exc, ModelLoadError):  # LoRAError, naming the file and field: a 400 as at once
+                    exc = InvalidRequestError("model", f"adapter {name!r} cannot be loaded here: {exc}")
                 self._fail_request(request_id, "lora", exc)
                 continue
             if adapter is None:
@@ -374,9 +378,10 @@ class LLMEngine:
         del self._requests[request.request_id]
         return self._request_output(request, outputs)
 
-    def take_failures(self) -> list[RequestFailedError]:
+    def take_failures(self) -> list[RequestFailedError | InvalidRequestError]:
         """The requests that failed on their own since the last call (each is gone, its blocks
-        freed): the caller tells each one's client."""
+        freed): the caller tells each one's client. An InvalidRequestError (its `request_id` set)
+        is the client's to fix: its adapter was replaced or its files went bad while it waited."""
         failures, self._failures = self._failures, []
         return failures
 
@@ -399,6 +404,11 @@ class LLMEngine:
                 self.block_manager.free(seq)
         request.waiting_children.clear()
         self.release_kv(request_id)
+        if isinstance(cause, InvalidRequestError):  # the client's to change (a 400 naming the field)
+            cause.request_id = request_id
+            logger.warning("request %s ended in the engine's %s: %s", request_id, stage, cause)
+            self._failures.append(cause)
+            return
         error = RequestFailedError.caused_by(request_id, stage, cause)
         logger.error("%s", error, exc_info=cause)
         self._failures.append(error)

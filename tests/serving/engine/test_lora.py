@@ -389,3 +389,30 @@ def test_waiting_for_a_slot_is_first_come_first_served_and_ends_after_max_queue_
     engine.abort_request("a")
     engine.step()
     assert engine.stats().lora_slots_free == 1
+
+
+def test_an_adapter_whose_files_went_bad_while_its_request_waited_ends_it_with_a_400_naming_the_file(
+        tiny_model_dir, adapters, tmp_path):
+    """The request waits for a slot; its adapter's weights vanish meanwhile: when a slot frees it
+    ends alone with the InvalidRequestError (field `model`, the file named) a request arriving
+    then would have had, not as an engine failure; the running request is untouched."""
+    import shutil
+
+    late = tmp_path / "late"
+    shutil.copytree(adapters["mlp-r16"][0], late)
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=8 * 2**20,
+                                    lora={"adapters": {"attn-qv": adapters["attn-qv"][0], "late": str(late)},
+                                          "max_loras": 1}))
+    engine.add_request("a", params=SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                       prompt_token_ids=[5, 6, 7], lora_name="attn-qv")
+    engine.step()
+    engine.add_request("c", params=GREEDY, prompt_token_ids=[5, 6, 7], lora_name="late")
+    assert list(engine.lora_waiting) == ["c"]
+    (late / "adapter_model.safetensors").unlink()
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o.outputs[0].finish_reason for o in engine.step() if o.finished})
+    (failure,) = engine.take_failures()
+    assert isinstance(failure, InvalidRequestError) and failure.param == "model" and failure.request_id == "c"
+    assert "adapter 'late' cannot be loaded here" in failure.message and "adapter_model.safetensors" in failure.message
+    assert finished == {"a": "length"} and engine.lora_waiting == {}
