@@ -19,7 +19,8 @@ Callers come and go at any moment; the step thread never depends on one still be
   and its result is dropped if the caller has gone;
 - a cancelled `generate` queues an abort behind its own add, so the request never runs unread;
 - delivering to an event loop that has closed drops the delivery.
-A request that fails on its own in a step (LLMEngine.take_failures) gets its RequestFailedError;
+A request that fails on its own in a step (LLMEngine.take_failures) gets its RequestFailedError
+(or InvalidRequestError: its grammar did not compile, its adapter went bad while it waited);
 any other exception ends the loop: every open stream and every queued or later call gets
 EngineDeadError, and `is_alive` turns False so the replica's health check fails.
 """

@@ -49,6 +49,10 @@ class Block:
 
 
 class BlockManager:
+    # Whether a sequence held for export gives back blocks its window passed (the scheduler asks):
+    # not in one pool, where a payload holds every layer's blocks.
+    releases_held = False
+
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
         assert num_blocks > 0 and block_size > 0, (num_blocks, block_size)
         self.num_blocks = num_blocks
@@ -234,13 +238,11 @@ class BlockManager:
         return released
 
     def fork(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
-        """Share `parent`'s first `num_blocks` (fully computed) blocks with `child` (those its
-        window released stay released: NULL_BLOCK entries)."""
+        """Share `parent`'s first `num_blocks` (fully computed) blocks with `child`. A parent with
+        forks pending gives no block back before (Sequence.forks_pending)."""
         assert not child.block_ids and num_blocks <= parent.num_computed_tokens // self.block_size
-        released = min(parent.num_released_blocks, num_blocks)
-        child.block_ids += [NULL_BLOCK] * released
-        child.num_released_blocks = released
-        for block_id in parent.block_ids[released:num_blocks]:
+        assert parent.num_released_blocks == 0, f"{parent}: forking after its window released blocks"
+        for block_id in parent.block_ids[:num_blocks]:
             self.blocks[block_id].ref_count += 1
             child.block_ids.append(block_id)
         child.num_computed_tokens = num_blocks * self.block_size
@@ -272,7 +274,11 @@ class BlockManager:
         seq.num_released_blocks = 0
 
 
-    def kv_tables(self, seq: Sequence, num_blocks: int) -> tuple[list[int], list[int] | None]:
+    def allocate_import(self, seq: Sequence, num_tokens: int, num_imported: int) -> bool:
+        """Blocks for `num_tokens`, the first `num_imported` of them a KV payload's."""
+        return self.allocate(seq, num_tokens)
+
+    def kv_tables(self, seq: Sequence, num_blocks: int) -> tuple[list[int], list[int | None] | None]:
         """`seq`'s first `num_blocks` block ids in each pool of the KV cache (one pool: None)."""
         return seq.block_ids[:num_blocks], None
 
@@ -327,11 +333,14 @@ class HybridBlockManager:
 
     A prefix hit of n blocks needs the full pool's first n and the sliding pool's blocks that the
     n * block_size-th position's window reaches; the rest of the sliding table is NULL_BLOCK. A
-    sequence held for export (hold_kv) keeps every block of both, and hits only where the sliding
-    pool holds all of them. The router's index follows the full pool (its events); a hit the
-    sliding pool cannot complete is shorter than the index predicts, which the predicted-vs-seen
-    metric shows.
+    sequence held for export (hold_kv) gives back what its window passed too: its payload's
+    sliding blocks before the window are not read (kv_tables: None), and the importer allocates
+    and writes only the window's (allocate_import). The router's index follows the full pool (its
+    events); a hit the sliding pool cannot complete is shorter than the index predicts, which the
+    predicted-vs-seen metric shows.
     """
+
+    releases_held = True
 
     def __init__(self, full: BlockManager, sliding: BlockManager, window: int):
         assert full.block_size == sliding.block_size and window > 0
@@ -381,11 +390,14 @@ class HybridBlockManager:
         hits = self.full.lookup_prefix(seq)
         present = [self.sliding.cached_block(seq, i) is not None for i in range(len(hits))]
         for n in range(len(hits), 0, -1):
-            # the first position computed, n * block_size, sees back to n * block_size - window + 1
-            skip = 0 if seq.hold_kv else max(0, n * self.block_size - self.window + 1) // self.block_size
+            skip = self._window_start(n * self.block_size)
             if all(present[skip:n]):
                 return PrefixHits(hits[:n], skip, [self.sliding.cached_block(seq, i) for i in range(skip, n)])
         return []
+
+    def _window_start(self, position: int) -> int:
+        """The first block the window of `position` reaches (it sees back to position - window + 1)."""
+        return max(0, position - self.window + 1) // self.block_size
 
     def allocate(self, seq: Sequence, num_tokens: int, cached_block_ids: list[int] = ()) -> bool:
         table = self.table(seq)
@@ -395,6 +407,18 @@ class HybridBlockManager:
             return False
         self.full.allocate(seq, num_tokens, list(cached_block_ids))
         self.sliding.allocate(table, num_tokens, sliding_ids, skip)
+        return True
+
+    def allocate_import(self, seq: Sequence, num_tokens: int, num_imported: int) -> bool:
+        """The full pool's blocks for every token, the sliding pool's from the window of the first
+        position computed here (num_imported) on."""
+        table = self.table(seq)
+        skip = self._window_start(num_imported)
+        if (self.full.blocks_needed(seq, num_tokens) > self.full.num_free_blocks
+                or self.sliding.blocks_needed(table, num_tokens, [], skip) > self.sliding.num_free_blocks):
+            return False
+        self.full.allocate(seq, num_tokens)
+        self.sliding.allocate(table, num_tokens, [], skip)
         return True
 
     def commit(self, seq: Sequence) -> None:
@@ -417,5 +441,8 @@ class HybridBlockManager:
         self.full.free(seq)
         self.sliding.free(self.table(seq))
 
-    def kv_tables(self, seq: Sequence, num_blocks: int) -> tuple[list[int], list[int] | None]:
-        return seq.block_ids[:num_blocks], self.table(seq).block_ids[:num_blocks]
+    def kv_tables(self, seq: Sequence, num_blocks: int) -> tuple[list[int], list[int | None]]:
+        """The sliding pool's entries its window passed are None: not read, not written."""
+        table = self.table(seq)
+        released = table.num_released_blocks
+        return seq.block_ids[:num_blocks], [None if i < released else b for i, b in enumerate(table.block_ids[:num_blocks])]

@@ -24,8 +24,9 @@ the compiler's threads work and the batch goes on; when the grammar is ready it 
 request (its queue wait counts from its arrival). Each choice has its own matcher, which first
 replays the tokens generated elsewhere (`prior_output_token_ids`: the prefill worker's first
 token, or a resumed stream's), so a request continues in its grammar across the prefill→decode
-hand-off. A spec that fails to compile here ends its request (RequestFailedError); the ingress
-compiles every spec before it sends it, so over HTTP that is a 400 naming the field.
+hand-off. A spec that fails to compile here ends its request with the InvalidRequestError naming
+`guided` (take_failures); the ingress compiles every spec before it sends it, so over HTTP that is
+a 400 naming the request's field.
 
 With `config.speculative` (speculative.py), a sequence gets proposed
 tokens after each of its steps, and its next step verifies them: its 1 + k sampling rows are
@@ -140,7 +141,8 @@ class LLMEngine:
         ) if config.speculative else None
         self.eos_token_ids = spec.eos_token_ids
         self.kv_layout = KVLayout(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, config.dtype
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, config.dtype,
+            self.kv_cache.sliding_layers,
         )
         self._requests: dict[str, _Request] = {}
         self.held_kv = HeldKV(self.block_manager, self.kv_cache, self.kv_layout)  # hold_kv requests' KV
@@ -320,6 +322,7 @@ class LLMEngine:
 
     def _queue(self, request: _Request) -> None:
         states = request.seqs
+        states[0].seq.forks_pending = len(states) > 1
         self.scheduler.add(states[0].seq)
         for state in states[1:]:
             state.seq.status = RequestStatus.WAITING_FOR_PARENT
@@ -405,9 +408,10 @@ class LLMEngine:
         request.waiting_children.clear()
         self.release_kv(request_id)
         if isinstance(cause, InvalidRequestError):  # the client's to change (a 400 naming the field)
-            cause.request_id = request_id
+            error = InvalidRequestError(cause.param, cause.message)  # its own: a cached compile error is shared
+            error.request_id = request_id
             logger.warning("request %s ended in the engine's %s: %s", request_id, stage, cause)
-            self._failures.append(cause)
+            self._failures.append(error)
             return
         error = RequestFailedError.caused_by(request_id, stage, cause)
         logger.error("%s", error, exc_info=cause)
@@ -633,6 +637,7 @@ class LLMEngine:
 
     def _fork_children(self, parent: Sequence, request: _Request) -> None:
         num_blocks = (request.num_prompt_tokens - 1) // self.block_manager.block_size
+        parent.forks_pending = False
         for child in request.waiting_children:
             self.block_manager.fork(parent, child, num_blocks)
             child.num_cached_tokens = parent.num_cached_tokens

@@ -80,11 +80,14 @@ class KVCache:
         return min(self.num_blocks, self.num_sliding_blocks) if self.sliding_layers else self.num_blocks
 
     def read_blocks(self, block_ids: list[int], out: torch.Tensor | None = None,
-                    sliding_block_ids: list[int] | None = None) -> torch.Tensor:
+                    sliding_block_ids: list[int | None] | None = None) -> torch.Tensor:
         """[layers, 2, len(block_ids), kv_heads, block_size, head_dim], contiguous (a copy), in
         `out` when given: bytes (uint8) or the cache's dtype, exactly the payload's size, e.g.
         a range of a shared-memory arena. Two pools: the full layers' blocks then the sliding
-        layers', these read at `sliding_block_ids` (as many)."""
+        layers', these read at `sliding_block_ids` (as many; None: a block the window passed,
+        whatever is read there is never used)."""
+        if sliding_block_ids is not None:
+            sliding_block_ids = [0 if b is None else b for b in sliding_block_ids]
         pools = self._pools(block_ids, sliding_block_ids)
         layers = sum(data.shape[0] for data, _ in pools)
         _, two, _, heads, size, dim = self.data.shape
@@ -106,13 +109,24 @@ class KVCache:
         return target.view(shape)
 
     def write_blocks(self, block_ids: list[int], payload: torch.Tensor,
-                     sliding_block_ids: list[int] | None = None) -> None:
-        offset = 0
+                     sliding_block_ids: list[int | None] | None = None) -> None:
+        """A payload as read_blocks lays it out into these blocks (sliding ones that are None:
+        before the window, skipped)."""
+        pools = self._pools(block_ids, sliding_block_ids)
+        sizes = [data[:, :, :1].numel() * len(ids) for data, ids in pools]
+        if payload.numel() != sum(sizes):
+            raise ValueError(f"the payload holds {payload.numel()} values, {len(block_ids)} blocks take {sum(sizes)}")
         flat_payload = payload.reshape(-1)
-        for data, ids in self._pools(block_ids, sliding_block_ids):
-            n = data[:, :, :1].numel() * len(ids)
-            _scatter(data, ids, flat_payload[offset : offset + n])
+        offset = 0
+        for (data, ids), n in zip(pools, sizes):
+            part = flat_payload[offset : offset + n]
             offset += n
+            keep = [i for i, b in enumerate(ids) if b is not None]
+            if len(keep) < len(ids):
+                part = part.view(data.shape[0] * 2, len(ids), -1)[:, keep]
+                ids = [ids[i] for i in keep]
+            if ids:
+                _scatter(data, ids, part)
 
     def _pools(self, block_ids: list[int], sliding_block_ids: list[int] | None) -> list[tuple[torch.Tensor, list[int]]]:
         if self.sliding_data is None:

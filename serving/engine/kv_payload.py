@@ -29,6 +29,8 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: str  # torch dtype name, e.g. "bfloat16"
+    # layers in a sliding pool of their own (kv_cache.py): their blocks follow the others'
+    sliding_layers: tuple[int, ...] = ()
 
 
 @dataclass

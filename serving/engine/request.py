@@ -79,6 +79,9 @@ class Sequence:
     num_released_blocks: int = 0
     # its blocks in the sliding layers' pool (block_manager.HybridBlockManager); None: one pool
     sliding_table: object | None = None
+    # choice 0 of n > 1 before its first token: its children will share its prompt's blocks, so
+    # a sliding window gives none back until they are forked (LLMEngine._fork_children)
+    forks_pending: bool = False
     num_preemptions: int = 0
     pending_import: KVPayload | None = None
     # hold_kv: where its payload is read out when it finishes (a shared-memory arena range,

@@ -106,16 +106,22 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         bm = self.block_manager
 
+        if self.sliding_window:
+            # Their next queries (from num_computed_tokens on) see keys from here: the blocks
+            # before go back to the pool, every running sequence's before any allocates. An
+            # exported sequence keeps its whole prompt in one pool (the payload is every layer's
+            # block), its window in two (the importer takes only that: HybridBlockManager); a
+            # parent keeps its prompt until its children share it.
+            for seq in self.running:
+                if not seq.forks_pending and (bm.releases_held or not seq.hold_kv):
+                    bm.release_before(seq, seq.num_computed_tokens - self.sliding_window + 1)
+
         num_long = 0  # long prefills running this step
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             left = seq.num_tokens - seq.num_computed_tokens
             assert left > 0, f"{seq} is running with nothing to compute"
-            if self.sliding_window and not seq.hold_kv:
-                # Its next queries (from num_computed_tokens on) see keys from here: the blocks
-                # before go back to the pool (an exported sequence keeps its whole prompt).
-                bm.release_before(seq, seq.num_computed_tokens - self.sliding_window + 1)
             if seq.spec_token_ids:
                 assert left == 1, f"{seq} has proposed tokens but is not decoding"
                 num_new = min(1 + len(seq.spec_token_ids), budget)
@@ -216,7 +222,7 @@ class Scheduler:
             if self._is_long(left) and not allow_long:
                 return None, left
             num_new = self._chunk(left, budget)
-            if not bm.allocate(seq, payload.num_tokens + num_new):
+            if not bm.allocate_import(seq, payload.num_tokens + num_new, payload.num_tokens):
                 return False, left
             out.kv_imports.append(seq)
             seq.num_computed_tokens = payload.num_tokens

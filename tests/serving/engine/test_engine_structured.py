@@ -187,7 +187,7 @@ def test_a_spec_that_does_not_compile_fails_its_request(tiny_model_dir):
     engine.compiling.wait()
     assert engine.step() == []
     (failure,) = engine.take_failures()
-    assert failure.request_id == "compiling" and failure.stage == "grammar"
+    assert isinstance(failure, InvalidRequestError) and failure.request_id == "compiling" and failure.param == "guided"
     assert "cannot be compiled: Regex parsing error at position 3" in str(failure)
     # Now cached with its error: refused as it is added.
     with pytest.raises(InvalidRequestError) as info:

@@ -25,7 +25,7 @@ def hybrid(full_blocks: int = 16, sliding_blocks: int = 8) -> HybridBlockManager
 def compute(bm: HybridBlockManager, seq, num_tokens: int) -> None:
     """What the scheduler and the engine do for one chunk: release what the window passed,
     allocate, compute, commit."""
-    if not seq.hold_kv:
+    if not seq.forks_pending:  # a held sequence too: its importer takes only the window (allocate_import)
         bm.release_before(seq, seq.num_computed_tokens - WINDOW + 1)
     assert bm.allocate(seq, seq.num_computed_tokens + num_tokens)
     seq.num_computed_tokens += num_tokens
@@ -82,21 +82,21 @@ def test_a_hit_is_cut_where_the_sliding_pool_lost_a_window_block():
     assert list(hits) == [0, 1, 2, 3] and (hits.skip, hits.sliding_ids) == (2, [2, 3])
 
 
-def test_a_held_sequence_hits_only_where_every_sliding_block_is_cached():
+def test_a_held_sequence_exports_only_its_window_and_an_import_allocates_only_that():
     bm = hybrid()
-    first = make_seq(range(100, 125))
-    compute(bm, first, 4)
-    for _ in range(5):
-        compute(bm, first, 4)  # blocks 0-2 of the sliding pool released as it went
-    bm.free(first)
-    second = make_seq(range(100, 125))
-    assert list(bm.lookup_prefix(second)) == [0, 1, 2, 3, 4, 5]  # released blocks stay cached
     held = make_seq(range(100, 125))
     held.hold_kv = True
-    hits = bm.lookup_prefix(held)
-    assert hits.skip == 0 and hits.sliding_ids == [0, 1, 2, 3, 4, 5]
-    assert bm.allocate(held, 25, hits)
-    assert bm.kv_tables(held, 6) == ([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5])
+    for n in (8, 8, 8):
+        compute(bm, held, n)
+    # before the third chunk (computed 16) positions from 11 on are seen: blocks 0 and 1 went back
+    assert held.sliding_table.num_released_blocks == 2
+    assert bm.kv_tables(held, 6) == ([0, 1, 2, 3, 4, 5], [None, None, 2, 3, 4, 5])
+    importer = make_seq(range(100, 126))
+    assert bm.allocate_import(importer, 25, 24)  # position 24 sees back to 19: sliding blocks 4 on
+    # three new blocks: the two never used, then block 0, the first the held one gave back
+    assert importer.sliding_table.block_ids == [NULL_BLOCK] * 4 + [6, 7, 0]
+    assert bm.kv_tables(importer, 6)[1] == [None, None, None, None, 6, 7]
+    assert bm.sliding.num_free_blocks == 1 and importer.sliding_table.num_released_blocks == 4
 
 
 def test_an_allocation_the_sliding_pool_cannot_hold_changes_nothing():
@@ -107,17 +107,21 @@ def test_an_allocation_the_sliding_pool_cannot_hold_changes_nothing():
     assert (bm.full.num_free_blocks, bm.sliding.num_free_blocks) == (16, 2)
 
 
-def test_a_fork_shares_both_pools_and_leaves_released_blocks_released():
+def test_a_parent_with_forks_pending_keeps_its_window_and_shares_both_pools():
     bm = hybrid()
     parent = make_seq(range(100, 121))  # 21 tokens
+    parent.forks_pending = True
     for n in (8, 8, 5):
         compute(bm, parent, n)
-    assert parent.sliding_table.num_released_blocks == 2  # at 16 computed: positions from 11 on
+    assert parent.sliding_table.num_released_blocks == 0
     child = make_seq(range(100, 121))
     bm.fork(parent, child, 5)
     assert child.block_ids == parent.block_ids[:5] and child.num_computed_tokens == 20
-    assert child.sliding_table.block_ids == [NULL_BLOCK, NULL_BLOCK, *parent.sliding_table.block_ids[2:5]]
-    assert [bm.sliding.blocks[b].ref_count for b in parent.sliding_table.block_ids[2:5]] == [2, 2, 2]
+    assert child.sliding_table.block_ids == parent.sliding_table.block_ids[:5]
+    assert [bm.sliding.blocks[b].ref_count for b in parent.sliding_table.block_ids[:5]] == [2] * 5
+    parent.forks_pending = False
+    bm.release_before(parent, 21 - WINDOW + 1)  # blocks 0-3 leave the parent, stay the child's
+    assert [bm.sliding.blocks[b].ref_count for b in parent.sliding_table.block_ids[:5]] == [1, 1, 1, 1, 2]
     bm.free(child)
     bm.free(parent)
     assert (bm.full.num_free_blocks, bm.sliding.num_free_blocks) == (16, 8)
@@ -141,6 +145,12 @@ def test_a_payload_holds_the_full_layers_blocks_then_the_sliding_layers():
                     device=torch.device("cpu"), sliding_layers=(0, 1), num_sliding_blocks=3)
     other.write_blocks([0, 2], payload, sliding_block_ids=[1, 0])
     assert torch.equal(other.read_blocks([0, 2], sliding_block_ids=[1, 0]), payload)
+    before = other.sliding_data.clone()
+    other.write_blocks([1, 3], payload * 2, sliding_block_ids=[None, 2])  # a block the window passed: not written
+    assert torch.equal(other.sliding_data[:, :, [0, 1]], before[:, :, [0, 1]])
+    assert torch.equal(other.sliding_data[:, :, 2], payload[1:, :, 1] * 2) and torch.equal(other.data[0][:, [1, 3]], payload[0] * 2)
+    with pytest.raises(ValueError, match="the payload holds 32 values, 2 blocks take 48"):
+        other.write_blocks([0, 1], payload[1:], sliding_block_ids=[0, 1])
     assert cache.num_bytes == (32 + 48) * 4 and cache.fewest_blocks == 3
 
 
@@ -195,7 +205,9 @@ def test_gemma_prefix_hits_hand_offs_and_parallel_samples_give_transformers_toke
     assert engine_greedy(engine, [prompt], 64)[0] == expected
     assert engine.stats().prefix_cache_hit_tokens - hits == 288  # 18 blocks: the window's 2 sliding ones cached
 
-    # n = 2 forks the prompt's blocks after its window released the sliding pool's first ones
+    # n = 2: chunks of 299 and 1, so the last starts past the window of the children's first
+    # position (288): the parent keeps its blocks until they are forked
+    engine = LLMEngine(EngineConfig(**{**config, "max_num_batched_tokens": 299}))
     engine.add_request("n", params=SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, n=2),
                        prompt_token_ids=[5, *prompt[1:]])
     outputs = {}
