@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import queue
 import random
 import threading
+import time
 
 import pytest
 
@@ -352,8 +354,37 @@ async def collect_import(engine: AsyncEngine, request_id: str, payload) -> list[
     return tokens
 
 
+class _TwoAtOnce:
+    """The inbox, handing the idle step loop its first command only once a second is queued, so
+    two requests' adds are handled before the first step (one row failing alone is its own
+    request's fault: Sampler.sample_each)."""
+
+    def __init__(self, real):
+        self.real = real
+        self.held = True
+
+    def get(self, timeout=None):
+        while self.held and self.real.qsize() < 2:
+            time.sleep(0.005)
+        self.held = False
+        return self.real.get(timeout=timeout)
+
+    def get_nowait(self):
+        if self.held:  # not even between the commands of one wake-up
+            raise queue.Empty
+        return self.real.get_nowait()
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
 def test_a_failure_of_every_row_has_no_culprit_and_stops_the_engine(async_engine):
     async_engine.engine.sampler = _FailingSampler(async_engine.engine.sampler, lambda row: True)  # NaN logits, say
+    real = async_engine._inbox
+    async_engine._inbox = _TwoAtOnce(real)
+    real.put(("wake",))  # the idle loop leaves its wait on the real inbox and comes back to this one
+    while real.qsize():
+        time.sleep(0.005)
 
     async def main():
         return await asyncio.gather(collect(async_engine, "a", [1, 2, 3]), collect(async_engine, "b", [4, 5, 6]), return_exceptions=True)
