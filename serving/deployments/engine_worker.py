@@ -79,7 +79,12 @@ class EngineWorker:
         self.role = role
         self.app_name = app_name
         self.replica = replica  # Serve's replica unique id: the routers' name for this replica
-        self.engine = AsyncEngine(engine_config)
+        if engine_config.backend == "vllm":  # vLLM's AsyncLLM behind the same surface
+            from serving.engine.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(engine_config)
+        else:
+            self.engine = AsyncEngine(engine_config)
         # Metrics, counters and latency windows (serving/observability/worker_metrics.py); the
         # engine is sampled in routing_stats.
         self.recorder = recorder or WorkerRecorder(engine_config.model, role, "")

@@ -12,7 +12,7 @@ from serving.engine.strict import StrictModel
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EngineConfig", "LoRAConfig", "SpeculativeConfig"]
+__all__ = ["EngineConfig", "LoRAConfig", "SpeculativeConfig", "VLLMOptions"]
 
 
 class LoRAConfig(StrictModel):
@@ -167,6 +167,24 @@ class SpeculativeConfig(StrictModel):
         return self
 
 
+class VLLMOptions(StrictModel):
+    """vLLM's own options where `backend: vllm` (serving/engine/vllm_engine.py); the rest of
+    EngineConfig maps onto vLLM's (model, dtype, block_size, max_model_len, max_num_seqs,
+    max_num_batched_tokens, enable_prefix_caching, seed, lora, kv_cache_bytes)."""
+
+    enforce_eager: bool = Field(
+        True, description="Run eagerly: no torch.compile or CUDA graphs (about 70 s less start-up on a CPU; "
+        "false on GPUs for speed).",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs one replica's model is split over (CUDA).")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="CUDA: the share of the GPU's memory vLLM may take (weights, activations, KV).",
+    )
+    quantization: str | None = Field(None, description="vLLM's `quantization` (e.g. awq, gptq, fp8); null: none.")
+    max_loras: int = Field(4, ge=1, le=256, description="With `lora`: adapters resident at once in vLLM's slots.")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="With `lora`: the highest adapter rank vLLM sizes its slots for.")
+
+
 class EngineConfig(StrictModel):
     model: str = Field(
         "smollm2-135m-instruct",
@@ -233,6 +251,11 @@ class EngineConfig(StrictModel):
     lora: LoRAConfig | None = Field(
         None, description="Multi-LoRA serving: adapters over this base model, mixed in one batch. null: off.",
     )
+    backend: Literal["kvrelay", "vllm"] = Field(
+        "kvrelay", description="The engine behind the workers: kvrelay's own, or vLLM's AsyncLLM (the optional "
+        "`kvrelay[vllm]` install) with its kernels and model coverage, behind the same workers.",
+    )
+    vllm: VLLMOptions | None = Field(None, description="vLLM's own options (backend: vllm); null: their defaults.")
     speculative: SpeculativeConfig | None = Field(
         None,
         description="Speculative decoding, lossless: greedy and seeded requests give the same tokens as "

@@ -50,6 +50,7 @@ VALUES = {
     "default": [MINIMAL],
     # not "gpu": tests/conftest.py skips items with that keyword on machines without CUDA
     "gpu-example": [CHART / "values-gpu.yaml"],
+    "vllm-example": [CHART / "values-gpu.yaml", CHART / "values-gpu-vllm.yaml"],
     "custom": [HERE / "values-custom.yaml"],
 }
 
@@ -307,6 +308,16 @@ def test_serve_config_loads_with_project_models(rendered, name, tmp_path, monkey
     build_app(config)  # the same builder Serve calls: policy, pricing, pools and routers
 
 
+def test_the_vllm_example_runs_the_worker_pool_on_vllm(rendered):
+    (rayservice,) = by_kind(rendered["vllm-example"], "RayService")
+    (app,) = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
+    config = config_from_args(dict(app["args"]))
+    worker = config.engine_config("worker")
+    assert config.mode == "colocated" and worker.backend == "vllm" and worker.device == "cuda"
+    assert (worker.vllm.enforce_eager, worker.vllm.tensor_parallel_size, worker.vllm.max_loras) == (False, 1, 8)
+    assert config.worker.num_gpus == 1 and worker.lora.adapters == {"support-tone": "/adapters/llama-3.2-3b-support-tone"}
+
+
 def test_values_map_onto_serve_args(rendered):
     (rayservice,) = by_kind(rendered["custom"], "RayService")
     (app,) = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
@@ -394,7 +405,8 @@ def test_pod_annotations_reveal_nothing_about_the_keys(helm):
 
 
 # ---- Ray token authentication -------------------------------------------------------------------
-RAY_TOKEN_SECRETS = {"default": "kvrelay-ray-token", "gpu-example": "kvrelay-ray-token", "custom": "my-ray-token"}
+RAY_TOKEN_SECRETS = {"default": "kvrelay-ray-token", "gpu-example": "kvrelay-ray-token", "vllm-example": "kvrelay-ray-token",
+                     "custom": "my-ray-token"}
 
 
 @pytest.mark.parametrize("name", VALUES)

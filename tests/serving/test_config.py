@@ -266,3 +266,18 @@ def test_speculation_is_for_the_pools_that_decode():
     assert ("prefill.engine.speculative is set, but a prefill worker computes a prompt and its first token and "
             "never decodes, so it has nothing to speculate on; set `decode.engine.speculative` (disaggregated) or "
             "`worker.engine.speculative` (colocated), or `engine.speculative` for both") in str(info.value)
+
+
+def test_a_pool_runs_vllm_with_typed_options_and_what_it_cannot_do_yet_is_refused():
+    config = ServeConfig.model_validate({"model": "m", "mode": "colocated", "worker": {"engine": {
+        "backend": "vllm", "vllm": {"enforce_eager": False, "tensor_parallel_size": 2}}}})
+    worker = config.engine_config("worker")
+    assert worker.backend == "vllm" and (worker.vllm.enforce_eager, worker.vllm.tensor_parallel_size) == (False, 2)
+    assert config.engine_config("prefill").backend == "kvrelay" and config.engine_config("worker").vllm.max_loras == 4
+    with pytest.raises(ValueError, match=r"worker.engine.vllm.max_num_sequences\n  Extra inputs are not permitted"):
+        ServeConfig.model_validate({"model": "m", "mode": "colocated", "worker": {"engine": {
+            "backend": "vllm", "vllm": {"max_num_sequences": 4}}}})
+    with pytest.raises(ValueError, match="engine.backend: vllm runs colocated only for now"):
+        ServeConfig.model_validate({"model": "m", "mode": "disaggregated", "decode": {"engine": {"backend": "vllm"}}})
+    with pytest.raises(ValueError, match="Input should be 'kvrelay' or 'vllm'"):
+        ServeConfig.model_validate({"model": "m", "engine": {"backend": "sglang"}})

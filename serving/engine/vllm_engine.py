@@ -1,0 +1,428 @@
+"""vLLM as a second engine behind the same workers (`backend: vllm`): VLLMEngine runs vLLM's
+AsyncLLM in the worker's replica with AsyncEngine's surface, so the ingress, the routers, the
+autoscaler, metrics and tracing do not know which engine they talk to.
+
+    EngineWorker ─┬─ AsyncEngine  (kvrelay's engine, a step thread)        same calls: generate,
+                  └─ VLLMEngine   (vllm.v1 AsyncLLM, its EngineCore process)  abort, stats, ...
+
+What maps onto what:
+
+    EngineConfig            model (a GGUF goes through kvrelay's safetensors conversion: vLLM on a
+                            CPU cannot read one), dtype, block_size (rounded up to vLLM's CPU
+                            attention's multiple of 32), max_model_len, max_num_seqs,
+                            max_num_batched_tokens, enable_prefix_caching, seed, kv_cache_bytes
+                            (kv_cache_memory_bytes), lora (enable_lora); `vllm:` vLLM's own
+    SamplingParams          vllm.SamplingParams with deltas out (output_kind DELTA); `guided` ->
+                            StructuredOutputsParams; top_k 0 -> vLLM's 0 (off)
+    RequestOutput           vLLM's deltas: text, token ids, logprobs (the sampled token and the
+                            top alternatives), finish and stop reasons, cached prompt tokens
+    EngineStats             a stat logger of ours on vLLM's SchedulerStats and IterationStats: running
+                            and waiting requests, KV usage, prefix-cache queries and hits, tokens
+
+    KV events               vLLM publishes BlockStored / BlockRemoved over ZMQ (an ipc socket per
+                            engine); _KVEventRelay re-derives each stored block's hash from its
+                            tokens with kvrelay's hash (block_hash.py: the parent's, the tokens, the
+                            cache salt and adapter), keeps vLLM's hash -> ours, and hands the
+                            subscribers kvrelay's events: the router's index and the ingress's prompt
+                            hashes stay in one hash space, whichever engine a pool runs
+
+Not here yet: the P/D hand-off (`hold_kv`, `kv_payload`: a request asking for them is refused,
+naming the field).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+from serving.engine.config import EngineConfig, VLLMOptions
+from serving.engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
+from serving.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob
+from serving.engine.params import SamplingParams
+
+__all__ = ["VLLMEngine", "vllm_sampling_params"]
+
+logger = logging.getLogger(__name__)
+
+
+def vllm_sampling_params(params: SamplingParams):
+    """kvrelay's SamplingParams as vLLM's, deltas out. Greedy with n > 1 (which vLLM refuses) is
+    asked of vLLM once: its choices are all the same (VLLMEngine.generate copies it)."""
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+    from vllm.sampling_params import SamplingParams as VSamplingParams
+
+    structured = None
+    guided = params.guided
+    if guided is not None:
+        structured = {
+            # compact JSON, as kvrelay's grammars give (params.GuidedSpec)
+            "json_schema": lambda v: StructuredOutputsParams(json=v, disable_any_whitespace=True),
+            "json_object": lambda v: StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+            "regex": lambda v: StructuredOutputsParams(regex=v),
+            "choice": lambda v: StructuredOutputsParams(choice=json.loads(v)),
+            "grammar": lambda v: StructuredOutputsParams(grammar=v),
+        }[guided.kind](guided.value)
+    return VSamplingParams(
+        n=1 if params.temperature == 0 else params.n, max_tokens=params.max_tokens, min_tokens=params.min_tokens, temperature=params.temperature,
+        top_p=params.top_p, top_k=max(params.top_k, 0), min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, logit_bias=dict(params.logit_bias) if params.logit_bias else None,
+        seed=params.seed, logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
+        stop=list(params.stop) or None, stop_token_ids=list(params.stop_token_ids) or None,
+        include_stop_str_in_output=params.include_stop_str_in_output, ignore_eos=params.ignore_eos,
+        skip_special_tokens=params.skip_special_tokens, detokenize=params.detokenize,
+        structured_outputs=structured, output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _logprobs(token_ids, entries, k: int) -> list[TokenLogprob] | None:
+    """vLLM's per-token {token id: Logprob} as kvrelay's TokenLogprob: the sampled token's, and
+    the `k` most likely by rank (the sampled one is in vLLM's dict whatever its rank)."""
+    if entries is None:
+        return None
+    out = []
+    for token_id, entry in zip(token_ids, entries):
+        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and 0 < lp.rank <= k), key=lambda x: x[1].rank)
+        chosen = entry.get(token_id)
+        out.append(TokenLogprob(token_id, chosen.logprob if chosen is not None else float("-inf"),
+                                [(t, lp.logprob) for t, lp in top]))
+    return out
+
+
+class _Stats:
+    """The figures EngineStats needs, kept up to date by vLLM's stat logger callback."""
+
+    def __init__(self) -> None:
+        self.num_running = self.num_waiting = 0
+        self.kv_cache_usage = 0.0
+        self.prefix_queries = self.prefix_hits = 0
+        self.num_preemptions = 0
+        self.num_generated = self.num_prompt = 0
+
+    def logger_factory(self) -> Callable:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        stats = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+                if scheduler_stats is not None:
+                    stats.num_running = scheduler_stats.num_running_reqs
+                    stats.num_waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+                    stats.kv_cache_usage = scheduler_stats.kv_cache_usage
+                    prefix = scheduler_stats.prefix_cache_stats
+                    stats.prefix_queries += prefix.queries
+                    stats.prefix_hits += prefix.hits
+                if iteration_stats is not None:
+                    stats.num_generated += iteration_stats.num_generation_tokens
+                    stats.num_prompt += iteration_stats.num_prompt_tokens
+                    stats.num_preemptions += iteration_stats.num_preempted_reqs
+
+            def log_engine_initialized(self):
+                pass
+
+        return _Logger
+
+
+class _KVEventRelay:
+    """vLLM's KV events as kvrelay's (module docstring), read on a thread of their own."""
+
+    def __init__(self, endpoint: str, block_size: int, lora_paths: dict[str, str], deliver: Callable[[list], None]):
+        self.endpoint, self.block_size, self._lora_paths, self._deliver = endpoint, block_size, lora_paths, deliver
+        self._ours: dict[int, tuple[int, tuple]] = {}  # vLLM's block hash -> (ours, the extra keys it hashed with)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vllm-kv-events", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        socket = zmq.Context.instance().socket(zmq.SUB)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.connect(self.endpoint)
+        try:
+            while not self._stop.is_set():
+                if not socket.poll(100):
+                    continue
+                _topic, _seq, payload = socket.recv_multipart()
+                events = self.translate(decoder.decode(payload).events)
+                if events:
+                    self._deliver(events)
+        except Exception:  # noqa: BLE001 - the index then stops following; requests are unaffected
+            logger.exception("relaying vLLM's KV events stopped")
+        finally:
+            socket.close(linger=0)
+
+    def translate(self, events) -> list:
+        from serving.engine.block_hash import ROOT_HASH, block_extra_keys, hash_blocks
+        from serving.engine.kv_events import BlockRemoved, BlockStored
+
+        out = []
+        for event in events:
+            kind = type(event).__name__
+            if getattr(event, "group_idx", None) not in (None, 0):  # another KV cache group's copy
+                continue
+            if kind == "BlockStored":
+                if event.parent_block_hash is None:
+                    parent, first = ROOT_HASH, event.extra_keys[0] if event.extra_keys else None
+                    salt = _cache_salt(first)
+                    lora = event.lora_name
+                    extra = block_extra_keys(salt, lora, self._lora_paths.get(lora) if lora else None)
+                elif event.parent_block_hash in self._ours:
+                    parent, extra = self._ours[event.parent_block_hash]
+                else:  # its parent was never seen (stored before we listened): cannot be chained
+                    continue
+                tokens = list(event.token_ids)
+                ours = hash_blocks(tokens, self.block_size, extra, parent_hash=parent)
+                for theirs, mine in zip(event.block_hashes, ours):
+                    self._ours[theirs] = (mine, extra)
+                out.append(BlockStored(tuple(ours), parent, tuple(tokens[: len(ours) * self.block_size]), self.block_size))
+            elif kind == "BlockRemoved":
+                gone = [self._ours.pop(h)[0] for h in event.block_hashes if h in self._ours]
+                if gone:
+                    out.append(BlockRemoved(tuple(gone)))
+            elif kind == "AllBlocksCleared" and self._ours:
+                out.append(BlockRemoved(tuple(mine for mine, _ in self._ours.values())))
+                self._ours.clear()
+        return out
+
+
+def _cache_salt(extra_keys) -> str | None:
+    """The cache salt among the extra keys vLLM reports for a sequence's first block: the salt
+    itself (vLLM 0.32's events), or a ("cache_salt", salt) pair; ("lora", name, path) is not one."""
+    for key in extra_keys or ():
+        if isinstance(key, str):
+            return key
+        if isinstance(key, (tuple, list)) and len(key) == 2 and key[0] == "cache_salt":
+            return key[1]
+    return None
+
+
+class _EngineView:
+    """What the worker and the ingress read off `engine.engine` (ModelInfo.of, the block size)."""
+
+    def __init__(self, config: EngineConfig, vocab_size: int, max_model_len: int, eos_token_ids: tuple[int, ...]):
+        self.config = config
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.kv_cache = None  # no kvrelay KV cache: a prefill worker's arena path never starts
+
+    def kv_payload_bytes(self, num_tokens: int) -> int:
+        raise InvalidRequestError("hold_kv", "the vLLM engine does not hand off KV yet (engine.backend: vllm)")
+
+
+class VLLMEngine:
+    """AsyncEngine's surface over vLLM's AsyncLLM (module docstring). Built in the replica; the
+    first generate starts vLLM's output loop on the caller's event loop."""
+
+    def __init__(self, config: EngineConfig):
+        import torch
+
+        from serving.engine.kv_cache import available_memory_bytes
+        from serving.engine.model_loader import load_model_spec, load_tokenizer, resolve_model_dir
+
+        try:
+            from vllm import AsyncEngineArgs
+            from vllm.config import KVEventsConfig
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as exc:
+            raise ModelLoadError(f"engine.backend: vllm needs vLLM installed (pip install 'kvrelay[vllm]'): {exc}") from exc
+        self.config = config
+        model_dir = resolve_model_dir(config.model)
+        spec = load_model_spec(Path(model_dir))
+        self._tokenizer = load_tokenizer(Path(model_dir))
+        self._stats = _Stats()
+        options = config.vllm or VLLMOptions()
+        lora = {}
+        if config.lora is not None:
+            lora = dict(enable_lora=True, max_loras=options.max_loras, max_lora_rank=options.max_lora_rank)
+        # KV events on an ipc socket of this engine's own (no port to collide with another replica)
+        self._events_dir = tempfile.mkdtemp(prefix="kvrelay-vllm-")
+        self._events_endpoint = f"ipc://{self._events_dir}/kv-events"
+        events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=self._events_endpoint)
+        # vLLM's CPU attention takes blocks of a multiple of 32 tokens: the next one up. The block
+        # size it runs is the one the engine reports (ModelInfo.block_size), so the ingress hashes
+        # prompts in its blocks and the router's predictions stay exact.
+        block_size = config.block_size if config.device != "cpu" else -(-config.block_size // 32) * 32
+        # The KV budget as kvrelay's engine reads it on a CPU (kv_cache_bytes, else a share of the
+        # memory available); on a GPU vLLM's gpu_memory_utilization decides
+        kv_bytes = config.kv_cache_bytes
+        if kv_bytes is None and config.device == "cpu":
+            kv_bytes = int(available_memory_bytes(torch.device("cpu")) * config.kv_cache_memory_fraction)
+        args = AsyncEngineArgs(
+            model=str(model_dir), tokenizer=str(model_dir), dtype="auto" if config.dtype == "auto" else config.dtype,
+            block_size=block_size, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, enable_prefix_caching=config.enable_prefix_caching,
+            seed=config.seed, enforce_eager=options.enforce_eager, tensor_parallel_size=options.tensor_parallel_size,
+            gpu_memory_utilization=options.gpu_memory_utilization, quantization=options.quantization,
+            kv_events_config=events if config.enable_prefix_caching else None,
+            kv_cache_memory_bytes=kv_bytes, **lora,
+        )
+        started = time.monotonic()
+        try:
+            self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.logger_factory()])
+        except Exception as exc:  # vLLM refuses the model or the options: say which, at load
+            raise ModelLoadError(f"vLLM could not start {model_dir}: {type(exc).__name__}: {exc}") from exc
+        max_model_len = self._llm.vllm_config.model_config.max_model_len
+        block_size = self._llm.vllm_config.cache_config.block_size
+        if block_size != config.block_size:
+            logger.info("vLLM runs blocks of %d tokens (block_size %d asked): the engine reports %d", block_size,
+                        config.block_size, block_size)
+        config = self.config = config.model_copy(update={"block_size": block_size})
+        self.engine = _EngineView(config, spec.vocab_size, max_model_len, tuple(spec.eos_token_ids))
+        self._lora_ids: dict[str, int] = {}
+        self._lora_next = itertools.count(1)
+        self._kv_callbacks: list[Callable] = []
+        self._lora_paths: dict[str, str] = dict(config.lora.adapters) if config.lora is not None else {}
+        self._events = _KVEventRelay(self._events_endpoint, config.block_size, self._lora_paths,
+                                     self._notify) if config.enable_prefix_caching else None
+        self._dead: BaseException | None = None
+        logger.info("vLLM %s started in %.1fs: %s, max_model_len %d", self.version, time.monotonic() - started,
+                    model_dir, max_model_len)
+
+    @property
+    def version(self) -> str:
+        import vllm
+
+        return vllm.__version__
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and not self._llm.errored
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting, num_blocks=0, num_free_blocks=0,
+            kv_cache_usage=s.kv_cache_usage, num_preemptions=s.num_preemptions,
+            prefix_cache_query_tokens=s.prefix_queries, prefix_cache_hit_tokens=s.prefix_hits,
+            num_computed_tokens=s.num_prompt + s.num_generated, num_generated_tokens=s.num_generated,
+            num_held_exports=0, kernel_path="vllm", kernel_reason=f"vLLM {self.version}",
+        )
+
+    async def generate(
+        self, request_id: str, *, params: SamplingParams, prompt_token_ids: list[int], priority: int = 0,
+        cache_salt: str | None = None, hold_kv: bool = False, kv_payload=None, lora_name: str | None = None,
+        lora_path: str | None = None, prior_output_token_ids: list[int] | None = None, keep_cached: bool = True,
+        export_into=None, export_until: float | None = None, arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import TokensPrompt
+
+        if hold_kv or kv_payload is not None or export_into is not None:
+            raise InvalidRequestError("hold_kv", "the vLLM engine does not hand off KV yet (engine.backend: vllm)")
+        if prior_output_token_ids:
+            raise InvalidRequestError("prior_output_token_ids", "the vLLM engine does not continue hand-offs yet")
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
+        if cache_salt:
+            prompt["cache_salt"] = cache_salt
+        metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
+        copies = params.n if params.temperature == 0 else 1  # greedy: every choice is the first
+        finished = False
+        try:
+            stream = self._llm.generate(prompt, vllm_sampling_params(params), request_id,
+                                        lora_request=self._lora(lora_name, lora_path))
+            async for out in stream:
+                finished = out.finished
+                now = time.monotonic()
+                if metrics.first_token_time is None and any(c.token_ids for c in out.outputs):
+                    metrics.first_scheduled_time = metrics.first_scheduled_time or now
+                    metrics.first_token_time = now
+                if out.finished:
+                    metrics.finished_time = now
+                yield RequestOutput(
+                    request_id, [
+                        CompletionOutput(c.index + copy, c.text, list(c.token_ids),
+                                         _logprobs(c.token_ids, c.logprobs, params.logprobs or 0), c.finish_reason,
+                                         c.stop_reason)
+                        for c in out.outputs for copy in range(copies)
+                    ],
+                    out.finished, len(prompt_token_ids), out.num_cached_tokens or 0, metrics,
+                )
+        except (ValueError, VLLMClientError) as exc:  # vLLM's checks of the request (lengths, values)
+            raise InvalidRequestError(getattr(exc, "parameter", None) or "request", str(exc)) from exc
+        except Exception as exc:
+            if self._llm.errored:
+                self._dead = exc
+                raise EngineDeadError(f"the vLLM engine stopped: {type(exc).__name__}: {exc}") from exc
+            raise
+        finally:
+            if not finished and not self._llm.errored:  # its caller went (cancelled, or closed this stream)
+                try:
+                    await self._llm.abort(request_id)  # vLLM stops it now (a request it never took: nothing)
+                except Exception:  # noqa: BLE001 - the request is gone either way
+                    logger.warning("aborting %s in vLLM failed", request_id, exc_info=True)
+
+    def _lora(self, name: str | None, path: str | None):
+        if name is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        if self.config.lora is None:
+            raise InvalidRequestError("model", f"adapter {name!r}: this engine serves no LoRA adapters (EngineConfig.lora)")
+        path = path or self.config.lora.adapters.get(name)
+        if path is None:
+            raise InvalidRequestError("model", f"unknown adapter {name!r}")
+        if name not in self._lora_ids:
+            self._lora_ids[name] = next(self._lora_next)
+        self._lora_paths[name] = path  # the relay hashes this adapter's blocks with its path
+        return LoRARequest(name, self._lora_ids[name], path)
+
+    async def abort(self, request_id: str) -> bool:
+        await self._llm.abort(request_id)
+        return True
+
+    async def export_kv(self, request_id: str, *, release: bool = True):
+        raise KeyError(f"no held KV for request {request_id!r}: the vLLM engine does not hand off KV yet")
+
+    async def release_kv(self, request_id: str) -> bool:
+        return False
+
+    def release_kv_soon(self, request_id: str) -> None:
+        """Nothing is held (no hand-off yet)."""
+
+    def subscribe_kv_events(self, callback: Callable) -> None:
+        """`callback(events)` with kvrelay's KV events, on the relay's thread (as AsyncEngine's
+        on its step thread)."""
+        self._kv_callbacks.append(callback)
+
+    def _notify(self, events: list) -> None:
+        for callback in self._kv_callbacks:
+            callback(events)
+
+    async def check_adapter(self, name: str, path: str) -> None:
+        if self.config.lora is None:
+            raise InvalidRequestError("model", f"adapter {name!r}: this engine serves no LoRA adapters (EngineConfig.lora)")
+        config = Path(path) / "adapter_config.json"
+        if not config.is_file():
+            raise InvalidRequestError("lora_path", f"{config}: no adapter_config.json")
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._llm.shutdown()
+        if self._events is not None:
+            self._events.close()
+        shutil.rmtree(self._events_dir, ignore_errors=True)

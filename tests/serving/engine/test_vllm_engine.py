@@ -1,0 +1,193 @@
+"""`backend: vllm` (serving/engine/vllm_engine.py): vLLM's AsyncLLM behind AsyncEngine's surface,
+on the default model, fp32, against transformers; sampling values and structured outputs mapped,
+aborts, stats. Runs in the environment `make test` builds for it (.venv-vllm); anywhere vLLM
+cannot be imported it skips, and CI (CI set) fails instead."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+
+from serving.engine import EngineConfig, SamplingParams
+from serving.engine.errors import InvalidRequestError
+from serving.engine.params import GuidedSpec
+from serving.engine.vllm_engine import VLLMEngine, vllm_sampling_params
+from tests.serving.engine.test_model_parity import hf_greedy
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_vllm():
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs the vLLM engine's tests, but vLLM cannot be imported here: {exc}")
+        pytest.skip(f"vLLM is not installed here ({exc}); `make test` runs these in .venv-vllm")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def served(default_model_dir):
+    """One vLLM engine (fp32, 1 GiB of KV) and the event loop its output handler runs on."""
+    loop = asyncio.new_event_loop()
+    engine = VLLMEngine(EngineConfig(model=str(default_model_dir), dtype="float32", kv_cache_bytes=2**30,
+                                     max_model_len=1024, max_num_seqs=16, backend="vllm"))
+    yield engine, loop
+    engine.shutdown()
+    pending = asyncio.all_tasks(loop)  # vLLM's output handler
+    for task in pending:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()
+
+
+def collect(served, request_id: str, prompt: list[int], params: SamplingParams = GREEDY):
+    """Every output of one request, run to its end on the engine's loop."""
+    engine, loop = served
+
+    async def run():
+        return [out async for out in engine.generate(request_id, params=params, prompt_token_ids=prompt)]
+
+    return loop.run_until_complete(run())
+
+
+def test_the_sampling_values_map_onto_vllms():
+    params = SamplingParams(n=2, max_tokens=7, min_tokens=2, temperature=0.5, top_p=0.9, top_k=0, min_p=0.1,
+                            repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.3,
+                            logit_bias={5: 2.0}, seed=3, logprobs=2, stop=["x"], stop_token_ids=[9],
+                            include_stop_str_in_output=True, ignore_eos=True, skip_special_tokens=False)
+    v = vllm_sampling_params(params)
+    assert (v.n, v.max_tokens, v.min_tokens, v.temperature, v.top_p, v.top_k, v.min_p) == (2, 7, 2, 0.5, 0.9, 0, 0.1)
+    assert (v.repetition_penalty, v.presence_penalty, v.frequency_penalty, v.seed, v.logprobs) == (1.1, 0.2, 0.3, 3, 2)
+    assert v.logit_bias == {5: 2.0} and v.stop == ["x"] and v.stop_token_ids == [9]
+    assert v.include_stop_str_in_output and v.ignore_eos and not v.skip_special_tokens
+    assert v.structured_outputs is None and v.output_kind.name == "DELTA"
+    assert vllm_sampling_params(SamplingParams(guided=GuidedSpec.choice(["yes", "no"]))).structured_outputs.choice == ["yes", "no"]
+    assert vllm_sampling_params(SamplingParams(guided=GuidedSpec("json_object"))).structured_outputs.json_object
+
+
+def test_greedy_tokens_equal_transformers_and_arrive_as_deltas(served, default_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    for i, prompt in enumerate(([1, 504, 3458, 282, 4649, 314], list(range(100, 160)))):
+        outputs = collect(served, f"greedy-{i}", prompt)
+        tokens = [t for out in outputs for t in out.outputs[0].token_ids]
+        assert tokens == hf_greedy(hf, prompt, 16)[0]
+        assert [out.finished for out in outputs] == [False] * (len(outputs) - 1) + [True]
+        assert outputs[-1].outputs[0].finish_reason == "length" and outputs[-1].num_prompt_tokens == len(prompt)
+        if i == 0:  # words (random byte tokens decode differently after their prompt's bytes)
+            text = "".join(out.outputs[0].text for out in outputs)
+            assert text == served[0].tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_logprobs_choices_and_a_structured_output(served):
+    prompt = list(range(200, 232))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3, n=2)
+    outputs = collect(served, "logprobs", prompt, params)
+    by_choice = {}
+    for out in outputs:
+        for c in out.outputs:
+            by_choice.setdefault(c.index, []).extend(c.logprobs)
+    assert sorted(by_choice) == [0, 1]
+    for entries in by_choice.values():
+        assert len(entries) == 4
+        for entry in entries:
+            assert len(entry.top) == 3 and entry.top[0][0] == entry.token_id  # greedy: the top token was taken
+            assert entry.logprob == entry.top[0][1]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    guided = SamplingParams(temperature=0.0, max_tokens=32, guided=GuidedSpec.json_schema(schema))
+    words = served[0].tokenizer("Is the sky blue? Answer in JSON.").input_ids
+    outputs = collect(served, "guided", words, guided)
+    text = "".join(out.outputs[0].text for out in outputs)
+    assert set(json.loads(text)) == {"ok"} and outputs[-1].outputs[0].finish_reason == "stop"
+
+
+def test_an_abandoned_stream_is_aborted_and_the_engine_serves_on(served):
+    engine, loop = served
+
+    async def abandon():
+        stream = engine.generate("gone", params=SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True),
+                                 prompt_token_ids=list(range(300, 340)))
+        first = await stream.__anext__()
+        await stream.aclose()  # what a vanished client's cancelled handler does
+        return first
+
+    assert loop.run_until_complete(abandon()).outputs[0].token_ids
+    for _ in range(50):
+        loop.run_until_complete(asyncio.sleep(0.05))
+        if engine.stats().num_running == 0:
+            break
+    assert engine.stats().num_running == 0
+    assert collect(served, "after", [1, 2, 3])[-1].finished
+
+
+def test_stats_count_tokens_and_prefix_hits_as_vllm_saw_them(served):
+    engine, loop = served
+    before = engine.stats()
+    prompt = list(range(1000, 1128))
+    collect(served, "p1", prompt)
+    collect(served, "p2", prompt)
+    loop.run_until_complete(asyncio.sleep(1.5))  # vLLM's stat loggers run on its output loop
+    after = engine.stats()
+    assert after.num_generated_tokens - before.num_generated_tokens == 32
+    # the second request reads the first's 3 full blocks of 32 (the last token is always computed)
+    assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens == 96
+    assert after.prefix_cache_query_tokens - before.prefix_cache_query_tokens == 256
+    assert after.kernel_path == "vllm"
+
+
+def test_what_it_cannot_do_yet_is_refused_naming_the_field(served):
+    engine, loop = served
+
+    async def ask(**kwargs):
+        return [o async for o in engine.generate("no", params=GREEDY, prompt_token_ids=[1, 2], **kwargs)]
+
+    with pytest.raises(InvalidRequestError, match="hold_kv: the vLLM engine does not hand off KV yet"):
+        loop.run_until_complete(ask(hold_kv=True))
+    with pytest.raises(InvalidRequestError, match="model: adapter 'a': this engine serves no LoRA adapters"):
+        loop.run_until_complete(ask(lora_name="a"))
+
+
+def test_vllms_kv_events_fill_the_routers_index_in_kvrelays_hashes_and_predict_its_hits(served):
+    """A replay: before each request, the hit the router's index (fed only by the relayed events)
+    predicts from the ingress's prompt hashes (block_hash.py, the cache salt included) equals the
+    hit vLLM then reports (num_cached_tokens)."""
+    import threading
+
+    from router.index import CachedBlockSet
+    from serving.engine.block_hash import block_extra_keys, hash_blocks
+
+    engine, loop = served
+    index, lock = CachedBlockSet(), threading.Lock()
+
+    def apply(events):
+        with lock:
+            index.apply(events)
+
+    engine.subscribe_kv_events(apply)
+    assert engine.engine.config.block_size == 32  # vLLM's CPU attention: the 16 asked, rounded up
+    base = list(range(2000, 2128))  # 4 blocks of 32
+    replay = [("a", base, None), ("b", base, None), ("c", base[:80] + list(range(5000, 5060)), None),
+              ("d", base + list(range(6000, 6040)), None), ("e", base, "salt"), ("f", base, "salt")]
+    predicted, seen = [], []
+    for request_id, prompt, salt in replay:
+        hashes = hash_blocks(prompt, 32, block_extra_keys(salt))
+        with lock:
+            held, _ = index.num_leading(hashes, (len(prompt) - 1) // 32)
+        predicted.append(held * 32)
+
+        async def run(prompt=prompt, request_id=request_id, salt=salt):
+            return [o async for o in engine.generate(request_id, params=GREEDY, prompt_token_ids=prompt, cache_salt=salt)]
+
+        seen.append(loop.run_until_complete(run())[-1].num_cached_tokens)
+        loop.run_until_complete(asyncio.sleep(0.5))  # the events cross a socket
+    assert seen == [0, 96, 64, 128, 0, 96]  # vLLM's own hits: a salt keeps its blocks apart
+    assert predicted == seen
