@@ -82,8 +82,9 @@ lint: install
 
 test: install lint vllm-env
 	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
+	@# exit 5: PYTEST_ARGS (-k ...) left none of them to run
 	@if [ -f $(VLLM_STAMP) ]; then $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS) $(VLLM_TESTS); \
-	else $(PY) -m pytest -m vllm $(PYTEST_ARGS) $(VLLM_TESTS); fi
+	else $(PY) -m pytest -m vllm $(PYTEST_ARGS) $(VLLM_TESTS); fi; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 
 test-fast: install lint
 	$(PY) -m pytest -m "not slow and not integration and not vllm" $(PYTEST_ARGS)

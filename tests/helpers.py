@@ -165,7 +165,7 @@ def build_tiny_model(
 # builder sets its inductor cache dir): not ours to restore.
 _ENV_SET_BY_LIBRARIES = {"PYTEST_CURRENT_TEST", "PYTHONBREAKPOINT", "RAY_CLIENT_MODE", "TORCHINDUCTOR_CACHE_DIR"}
 # What `import vllm` sets in its process (vllm/__init__.py, its CPU platform and env defaults): not
-# ours to restore, and only in .venv-vllm's runs (tests marked vllm).
+# ours to restore (left out of both snapshots, whether vLLM was imported yet or not).
 _ENV_SET_BY_VLLM_IMPORT = {
     "AITER_SITUV2_A4W4", "LD_LIBRARY_PATH", "LD_PRELOAD", "LOCAL_WORLD_SIZE", "NUMEXPR_MAX_THREADS",
     "PYTORCH_NVML_BASED_CUDA_CHECK", "TILELANG_CLEANUP_TEMP_FILES", "TORCHINDUCTOR_COMPILE_THREADS",
@@ -178,8 +178,8 @@ def process_state() -> dict:
     """What a test or fixture must leave as it found it."""
     ray = sys.modules.get("ray")
     return {
-        "environment": {k: v for k, v in os.environ.items() if k not in _ENV_SET_BY_LIBRARIES
-                        and not ("vllm" in sys.modules and k in _ENV_SET_BY_VLLM_IMPORT)},
+        "environment": {k: v for k, v in os.environ.items()
+                        if k not in _ENV_SET_BY_LIBRARIES and k not in _ENV_SET_BY_VLLM_IMPORT},
         "working directory": os.getcwd(),
         "Ray connected": bool(ray is not None and ray.is_initialized()),
     }

@@ -264,6 +264,13 @@ class EngineConfig(StrictModel):
     )
 
     @model_validator(mode="after")
+    def _check_backend(self) -> EngineConfig:
+        if self.backend == "vllm" and self.speculative is not None:
+            raise ValueError("speculative is kvrelay's engine's (backend: kvrelay); with backend: vllm leave it "
+                             "null (vLLM's own speculative decoding is not wired in yet)")
+        return self
+
+    @model_validator(mode="after")
     def _check_device(self) -> EngineConfig:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -32,6 +32,7 @@ naming the field).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -43,7 +44,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from serving.engine.config import EngineConfig, VLLMOptions
-from serving.engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
+from serving.engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestFailedError
 from serving.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob
 from serving.engine.params import SamplingParams
 
@@ -70,7 +71,7 @@ def vllm_sampling_params(params: SamplingParams):
             "grammar": lambda v: StructuredOutputsParams(grammar=v),
         }[guided.kind](guided.value)
     return VSamplingParams(
-        n=1 if params.temperature == 0 else params.n, max_tokens=params.max_tokens, min_tokens=params.min_tokens, temperature=params.temperature,
+        n=1 if _is_greedy(params) else params.n, max_tokens=params.max_tokens, min_tokens=params.min_tokens, temperature=params.temperature,
         top_p=params.top_p, top_k=max(params.top_k, 0), min_p=params.min_p,
         repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, logit_bias=dict(params.logit_bias) if params.logit_bias else None,
@@ -80,6 +81,28 @@ def vllm_sampling_params(params: SamplingParams):
         skip_special_tokens=params.skip_special_tokens, detokenize=params.detokenize,
         structured_outputs=structured, output_kind=RequestOutputKind.DELTA,
     )
+
+
+# vLLM samples greedily below this temperature (and refuses n > 1 there)
+_GREEDY_TEMPERATURE = 1e-5
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < _GREEDY_TEMPERATURE
+
+
+def _prompt_logprobs(prompt: list[int], entries, k: int | None) -> list[TokenLogprob] | None:
+    """vLLM's prompt logprobs (None for the first token, then {token id: Logprob} each) as
+    kvrelay's: the logprob of prompt token i + 1 at index i, with its rank and the top `k`."""
+    if entries is None or k is None:
+        return None
+    out = []
+    for token_id, entry in zip(prompt[1:], entries[1:]):
+        chosen = entry.get(token_id)
+        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and 0 < lp.rank <= k), key=lambda x: x[1].rank)
+        out.append(TokenLogprob(token_id, chosen.logprob if chosen is not None else float("-inf"),
+                                [(t, lp.logprob) for t, lp in top], chosen.rank if chosen is not None else None))
+    return out
 
 
 def _logprobs(token_ids, entries, k: int) -> list[TokenLogprob] | None:
@@ -125,7 +148,8 @@ class _Stats:
                     stats.prefix_hits += prefix.hits
                 if iteration_stats is not None:
                     stats.num_generated += iteration_stats.num_generation_tokens
-                    stats.num_prompt += iteration_stats.num_prompt_tokens
+                    prompt = iteration_stats.prompt_token_stats  # computed here, not read from the cache
+                    stats.num_prompt += getattr(prompt, "computed", iteration_stats.num_prompt_tokens)
                     stats.num_preemptions += iteration_stats.num_preempted_reqs
 
             def log_engine_initialized(self):
@@ -139,7 +163,9 @@ class _KVEventRelay:
 
     def __init__(self, endpoint: str, block_size: int, lora_paths: dict[str, str], deliver: Callable[[list], None]):
         self.endpoint, self.block_size, self._lora_paths, self._deliver = endpoint, block_size, lora_paths, deliver
-        self._ours: dict[int, tuple[int, tuple]] = {}  # vLLM's block hash -> (ours, the extra keys it hashed with)
+        # vLLM's block hash -> [ours, the extra keys it hashed with, how many of vLLM's blocks hold it]
+        # (two requests missing the cache at once each store a block of the same hash)
+        self._ours: dict[int, list] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vllm-kv-events", daemon=True)
         self._thread.start()
@@ -157,16 +183,23 @@ class _KVEventRelay:
         socket = zmq.Context.instance().socket(zmq.SUB)
         socket.setsockopt(zmq.SUBSCRIBE, b"")
         socket.connect(self.endpoint)
+        last_seq = None
         try:
             while not self._stop.is_set():
                 if not socket.poll(100):
                     continue
-                _topic, _seq, payload = socket.recv_multipart()
-                events = self.translate(decoder.decode(payload).events)
-                if events:
-                    self._deliver(events)
-        except Exception:  # noqa: BLE001 - the index then stops following; requests are unaffected
-            logger.exception("relaying vLLM's KV events stopped")
+                _topic, seq, payload = socket.recv_multipart()
+                seq = int.from_bytes(seq, "big")
+                if last_seq is not None and seq != last_seq + 1:
+                    logger.warning("vLLM's KV events %d..%d were lost: the router's index of this replica "
+                                   "misses what they said", last_seq + 1, seq - 1)
+                last_seq = seq
+                try:
+                    events = self.translate(decoder.decode(payload).events)
+                    if events:
+                        self._deliver(events)
+                except Exception:  # noqa: BLE001 - one bad batch, not the relay
+                    logger.exception("relaying a batch of vLLM's KV events failed; relaying goes on")
         finally:
             socket.close(linger=0)
 
@@ -182,37 +215,48 @@ class _KVEventRelay:
             if kind == "BlockStored":
                 if event.parent_block_hash is None:
                     parent, first = ROOT_HASH, event.extra_keys[0] if event.extra_keys else None
-                    salt = _cache_salt(first)
                     lora = event.lora_name
+                    salt = _cache_salt(first, lora)
                     extra = block_extra_keys(salt, lora, self._lora_paths.get(lora) if lora else None)
                 elif event.parent_block_hash in self._ours:
-                    parent, extra = self._ours[event.parent_block_hash]
+                    parent, extra, _ = self._ours[event.parent_block_hash]
                 else:  # its parent was never seen (stored before we listened): cannot be chained
                     continue
                 tokens = list(event.token_ids)
                 ours = hash_blocks(tokens, self.block_size, extra, parent_hash=parent)
                 for theirs, mine in zip(event.block_hashes, ours):
-                    self._ours[theirs] = (mine, extra)
+                    entry = self._ours.setdefault(theirs, [mine, extra, 0])
+                    entry[2] += 1
                 out.append(BlockStored(tuple(ours), parent, tuple(tokens[: len(ours) * self.block_size]), self.block_size))
             elif kind == "BlockRemoved":
-                gone = [self._ours.pop(h)[0] for h in event.block_hashes if h in self._ours]
+                gone = []
+                for theirs in event.block_hashes:
+                    entry = self._ours.get(theirs)
+                    if entry is not None:
+                        entry[2] -= 1
+                        if entry[2] <= 0:  # vLLM's last block of that hash
+                            gone.append(self._ours.pop(theirs)[0])
                 if gone:
                     out.append(BlockRemoved(tuple(gone)))
             elif kind == "AllBlocksCleared" and self._ours:
-                out.append(BlockRemoved(tuple(mine for mine, _ in self._ours.values())))
+                out.append(BlockRemoved(tuple(entry[0] for entry in self._ours.values())))
                 self._ours.clear()
         return out
 
 
-def _cache_salt(extra_keys) -> str | None:
-    """The cache salt among the extra keys vLLM reports for a sequence's first block: the salt
-    itself (vLLM 0.32's events), or a ("cache_salt", salt) pair; ("lora", name, path) is not one."""
+def _cache_salt(extra_keys, lora_name: str | None) -> str | None:
+    """The cache salt among the extra keys vLLM reports for a sequence's first block. vLLM 0.32's
+    events hold them untagged, the adapter's name first (when the request has one), the salt
+    last; a tagged ("cache_salt", salt) pair is read too."""
+    plain = []
     for key in extra_keys or ():
-        if isinstance(key, str):
-            return key
         if isinstance(key, (tuple, list)) and len(key) == 2 and key[0] == "cache_salt":
             return key[1]
-    return None
+        if isinstance(key, str):
+            plain.append(key)
+    if lora_name is not None and plain and plain[0] == lora_name:
+        plain = plain[1:]
+    return plain[-1] if plain else None
 
 
 class _EngineView:
@@ -274,7 +318,7 @@ class VLLMEngine:
             seed=config.seed, enforce_eager=options.enforce_eager, tensor_parallel_size=options.tensor_parallel_size,
             gpu_memory_utilization=options.gpu_memory_utilization, quantization=options.quantization,
             kv_events_config=events if config.enable_prefix_caching else None,
-            kv_cache_memory_bytes=kv_bytes, **lora,
+            kv_cache_memory_bytes=kv_bytes, scheduling_policy="priority", **lora,  # tiers' priorities, lower first
         )
         started = time.monotonic()
         try:
@@ -287,8 +331,9 @@ class VLLMEngine:
             logger.info("vLLM runs blocks of %d tokens (block_size %d asked): the engine reports %d", block_size,
                         config.block_size, block_size)
         config = self.config = config.model_copy(update={"block_size": block_size})
+        self._num_blocks = self._llm.vllm_config.cache_config.num_gpu_blocks or 0  # vLLM's KV blocks
         self.engine = _EngineView(config, spec.vocab_size, max_model_len, tuple(spec.eos_token_ids))
-        self._lora_ids: dict[str, int] = {}
+        self._lora_ids: dict[tuple[str, str], int] = {}
         self._lora_next = itertools.count(1)
         self._kv_callbacks: list[Callable] = []
         self._lora_paths: dict[str, str] = dict(config.lora.adapters) if config.lora is not None else {}
@@ -315,7 +360,8 @@ class VLLMEngine:
     def stats(self) -> EngineStats:
         s = self._stats
         return EngineStats(
-            num_running=s.num_running, num_waiting=s.num_waiting, num_blocks=0, num_free_blocks=0,
+            num_running=s.num_running, num_waiting=s.num_waiting, num_blocks=self._num_blocks,
+            num_free_blocks=round((1.0 - s.kv_cache_usage) * self._num_blocks),
             kv_cache_usage=s.kv_cache_usage, num_preemptions=s.num_preemptions,
             prefix_cache_query_tokens=s.prefix_queries, prefix_cache_hit_tokens=s.prefix_hits,
             num_computed_tokens=s.num_prompt + s.num_generated, num_generated_tokens=s.num_generated,
@@ -328,48 +374,74 @@ class VLLMEngine:
         lora_path: str | None = None, prior_output_token_ids: list[int] | None = None, keep_cached: bool = True,
         export_into=None, export_until: float | None = None, arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """As AsyncEngine.generate. Tokens generated elsewhere (`prior_output_token_ids`: a stream
+        resumed on this replica after another died) continue as part of the prompt, counted
+        against max_tokens (a structured output cannot resume here). A prompt only scored
+        (max_tokens 0, which vLLM refuses) asks vLLM for one token and returns none."""
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
         if hold_kv or kv_payload is not None or export_into is not None:
             raise InvalidRequestError("hold_kv", "the vLLM engine does not hand off KV yet (engine.backend: vllm)")
-        if prior_output_token_ids:
-            raise InvalidRequestError("prior_output_token_ids", "the vLLM engine does not continue hand-offs yet")
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
-        prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
+        prior = list(prior_output_token_ids or [])
+        if prior and params.guided is not None:
+            raise InvalidRequestError("prior_output_token_ids", "a structured output cannot resume on the vLLM engine")
+        scores_only = params.max_tokens == 0
+        asked = params
+        if prior or scores_only:
+            max_tokens = None if params.max_tokens is None else max(params.max_tokens - len(prior), 0)
+            asked = dataclasses.replace(params, max_tokens=1 if scores_only else max_tokens,
+                                        min_tokens=max(params.min_tokens - len(prior), 0),
+                                        prompt_logprobs=None if prior else params.prompt_logprobs)
+        metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
+        if asked.max_tokens == 0:  # the tokens before used it all
+            yield RequestOutput(request_id, [CompletionOutput(i, "", [], None, "length") for i in range(params.n)],
+                                True, len(prompt_token_ids), 0, metrics)
+            return
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids) + prior)
         if cache_salt:
             prompt["cache_salt"] = cache_salt
-        metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
-        copies = params.n if params.temperature == 0 else 1  # greedy: every choice is the first
-        finished = False
+        copies = params.n if _is_greedy(params) else 1  # greedy: every choice is the first
+        finished = yielded = False
         try:
-            stream = self._llm.generate(prompt, vllm_sampling_params(params), request_id,
+            stream = self._llm.generate(prompt, vllm_sampling_params(asked), request_id, priority=priority,
                                         lora_request=self._lora(lora_name, lora_path))
             async for out in stream:
                 finished = out.finished
                 now = time.monotonic()
                 if metrics.first_token_time is None and any(c.token_ids for c in out.outputs):
-                    metrics.first_scheduled_time = metrics.first_scheduled_time or now
                     metrics.first_token_time = now
                 if out.finished:
                     metrics.finished_time = now
-                yield RequestOutput(
-                    request_id, [
-                        CompletionOutput(c.index + copy, c.text, list(c.token_ids),
-                                         _logprobs(c.token_ids, c.logprobs, params.logprobs or 0), c.finish_reason,
-                                         c.stop_reason)
-                        for c in out.outputs for copy in range(copies)
-                    ],
-                    out.finished, len(prompt_token_ids), out.num_cached_tokens or 0, metrics,
-                )
-        except (ValueError, VLLMClientError) as exc:  # vLLM's checks of the request (lengths, values)
-            raise InvalidRequestError(getattr(exc, "parameter", None) or "request", str(exc)) from exc
+                if any(c.finish_reason == "error" for c in out.outputs):
+                    raise RequestFailedError(f"request {request_id} failed in vLLM (finish_reason error); no other "
+                                             "request was affected", request_id=request_id, stage="vllm")
+                if scores_only and not out.finished:
+                    continue  # its one token is not wanted: the final output says length, with none
+                choices = [
+                    CompletionOutput(c.index + copy, "" if scores_only else c.text, [] if scores_only else list(c.token_ids),
+                                     None if scores_only else _logprobs(c.token_ids, c.logprobs, params.logprobs or 0),
+                                     "length" if scores_only else c.finish_reason, None if scores_only else c.stop_reason)
+                    for c in out.outputs for copy in range(copies)
+                ]
+                yielded = True
+                yield RequestOutput(request_id, choices, out.finished, len(prompt_token_ids), out.num_cached_tokens or 0,
+                                    metrics, _prompt_logprobs(prompt_token_ids, out.prompt_logprobs, params.prompt_logprobs))
+        except InvalidRequestError:
+            raise
+        except (ValueError, VLLMClientError) as exc:
+            if yielded:  # mid-stream: vLLM's own failure, not the request's fields
+                raise RequestFailedError.caused_by(request_id, "vllm", exc) from exc
+            raise InvalidRequestError(getattr(exc, "parameter", None) or "request", str(exc)) from exc  # its checks
+        except RequestFailedError:
+            raise
         except Exception as exc:
             if self._llm.errored:
                 self._dead = exc
                 raise EngineDeadError(f"the vLLM engine stopped: {type(exc).__name__}: {exc}") from exc
-            raise
+            raise RequestFailedError.caused_by(request_id, "vllm", exc) from exc  # EngineGenerateError, ...
         finally:
             if not finished and not self._llm.errored:  # its caller went (cancelled, or closed this stream)
                 try:
@@ -387,10 +459,11 @@ class VLLMEngine:
         path = path or self.config.lora.adapters.get(name)
         if path is None:
             raise InvalidRequestError("model", f"unknown adapter {name!r}")
-        if name not in self._lora_ids:
-            self._lora_ids[name] = next(self._lora_next)
+        key = (name, str(path))  # a name loaded again from another path is another adapter to vLLM
+        if key not in self._lora_ids:
+            self._lora_ids[key] = next(self._lora_next)
         self._lora_paths[name] = path  # the relay hashes this adapter's blocks with its path
-        return LoRARequest(name, self._lora_ids[name], path)
+        return LoRARequest(name, self._lora_ids[key], path)
 
     async def abort(self, request_id: str) -> bool:
         await self._llm.abort(request_id)
@@ -412,7 +485,10 @@ class VLLMEngine:
 
     def _notify(self, events: list) -> None:
         for callback in self._kv_callbacks:
-            callback(events)
+            try:
+                callback(events)
+            except Exception:  # noqa: BLE001 - a subscriber's failure is its own
+                logger.exception("a KV event subscriber failed")
 
     async def check_adapter(self, name: str, path: str) -> None:
         if self.config.lora is None:

@@ -279,5 +279,8 @@ def test_a_pool_runs_vllm_with_typed_options_and_what_it_cannot_do_yet_is_refuse
             "backend": "vllm", "vllm": {"max_num_sequences": 4}}}})
     with pytest.raises(ValueError, match="engine.backend: vllm runs colocated only for now"):
         ServeConfig.model_validate({"model": "m", "mode": "disaggregated", "decode": {"engine": {"backend": "vllm"}}})
+    with pytest.raises(ValueError, match="worker.engine: speculative is kvrelay's engine's"):
+        ServeConfig.model_validate({"model": "m", "mode": "colocated", "worker": {"engine": {
+            "backend": "vllm", "speculative": {"method": "ngram"}}}})
     with pytest.raises(ValueError, match="Input should be 'kvrelay' or 'vllm'"):
         ServeConfig.model_validate({"model": "m", "engine": {"backend": "sglang"}})

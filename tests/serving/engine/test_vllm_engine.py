@@ -191,3 +191,73 @@ def test_vllms_kv_events_fill_the_routers_index_in_kvrelays_hashes_and_predict_i
         loop.run_until_complete(asyncio.sleep(0.5))  # the events cross a socket
     assert seen == [0, 96, 64, 128, 0, 96]  # vLLM's own hits: a salt keeps its blocks apart
     assert predicted == seen
+
+
+def test_a_prompt_only_scored_gets_kvrelays_prompt_logprobs_and_a_resumed_stream_continues(served, default_model_dir):
+    """max_tokens 0 (which vLLM refuses) scores the prompt: no token, finish length, the logprob of
+    each prompt token after the first with its rank and top alternatives, as kvrelay's engine
+    gives them (fp32 both). A stream resumed with the tokens generated before continues with
+    exactly the greedy tokens it would have had."""
+    from serving.engine import LLMEngine
+
+    engine, loop = served
+    prompt = served[0].tokenizer("The quick brown fox jumps over the lazy dog.").input_ids
+    outputs = collect(served, "score", prompt, SamplingParams(max_tokens=0, prompt_logprobs=2))
+    (out,) = outputs
+    assert out.finished and out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
+    ours = LLMEngine(EngineConfig(model=str(default_model_dir), dtype="float32", kv_cache_bytes=2**26)).generate(
+        [prompt], SamplingParams(max_tokens=0, prompt_logprobs=2))[0].prompt_logprobs
+    assert [e.token_id for e in out.prompt_logprobs] == prompt[1:] == [e.token_id for e in ours]
+    assert [e.rank for e in out.prompt_logprobs] == [e.rank for e in ours]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(out.prompt_logprobs, ours)) < 2e-3
+    assert all(len(e.top) == 2 for e in out.prompt_logprobs)
+
+    whole = [t for o in collect(served, "whole", prompt) for t in o.outputs[0].token_ids]
+
+    async def resume():
+        return [o async for o in engine.generate("resumed", params=GREEDY, prompt_token_ids=prompt,
+                                                 prior_output_token_ids=whole[:5])]
+
+    resumed = loop.run_until_complete(resume())
+    assert [t for o in resumed for t in o.outputs[0].token_ids] == whole[5:]
+    assert resumed[-1].num_prompt_tokens == len(prompt) and resumed[-1].outputs[0].finish_reason == "length"
+
+
+class _Stored:  # the shape of vLLM's BlockStored (the relay reads its fields by name)
+    def __init__(self, block_hashes, parent_block_hash, token_ids, extra_keys=None, lora_name=None):
+        self.block_hashes, self.parent_block_hash, self.token_ids = block_hashes, parent_block_hash, token_ids
+        self.extra_keys, self.lora_name, self.group_idx = extra_keys, lora_name, None
+
+
+_Stored.__name__ = "BlockStored"
+
+
+class _Removed:
+    def __init__(self, block_hashes):
+        self.block_hashes, self.group_idx = block_hashes, None
+
+
+_Removed.__name__ = "BlockRemoved"
+
+
+def test_the_relay_hashes_adapters_and_salts_as_the_ingress_does_and_counts_duplicate_blocks():
+    """No vLLM needed: vLLM's events as it sends them (extra keys untagged, the adapter's name
+    before the salt) become blocks with the ingress's hashes; a hash vLLM holds twice goes only
+    when its last block does."""
+    from serving.engine.block_hash import block_extra_keys, hash_blocks
+    from serving.engine.kv_events import BlockRemoved, BlockStored
+    from serving.engine.vllm_engine import _KVEventRelay
+
+    relay = _KVEventRelay.__new__(_KVEventRelay)  # its translation alone, no socket
+    relay.block_size, relay._lora_paths, relay._ours = 4, {"tone": "/adapters/tone"}, {}
+    tokens = list(range(8))
+    (stored,) = relay.translate([_Stored([11, 12], None, tokens, [("tone", "s1"), None], lora_name="tone")])
+    expected = hash_blocks(tokens, 4, block_extra_keys("s1", "tone", "/adapters/tone"))
+    assert stored == BlockStored(tuple(expected), stored.parent_hash, tuple(tokens), 4)
+    (more,) = relay.translate([_Stored([13], 12, list(range(8, 12)))])  # chained from its parent's keys
+    assert more.block_hashes == tuple(hash_blocks(list(range(12)), 4, block_extra_keys("s1", "tone", "/adapters/tone"))[2:])
+    relay.translate([_Stored([11], None, tokens[:4], [("tone", "s1")], lora_name="tone")])  # block 11 twice
+    assert relay.translate([_Removed([11])]) == []  # one copy left
+    assert relay.translate([_Removed([11, 99])]) == [BlockRemoved((expected[0],))]
+    salted = relay.translate([_Stored([21], None, tokens[:4], [("s2",)])])[0]
+    assert salted.block_hashes == tuple(hash_blocks(tokens[:4], 4, block_extra_keys("s2")))
