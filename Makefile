@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kvrelay-installed
-VLLM_TESTS := tests/serving/engine/test_vllm_engine.py tests/serving/deployments/test_vllm_app.py
+VLLM_TESTS := tests/serving/engine/test_vllm_engine.py tests/serving/engine/test_vllm_handoff.py tests/serving/deployments/test_vllm_app.py tests/serving/deployments/test_vllm_pd_app.py
 
 .PHONY: install test-tools lint test test-fast serve bench peers gemma3 clean chart vllm-env
 

@@ -37,6 +37,18 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def needs_vllm() -> None:
+    """vLLM importable (`make test` runs its tests in .venv-vllm); elsewhere the test skips,
+    saying why, and under CI (which must run them) it fails."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs the vLLM engine's tests, but vLLM cannot be imported here: {exc}")
+        pytest.skip(f"vLLM is not installed here ({exc}); `make test` runs these in .venv-vllm")
+
+
+@pytest.fixture(scope="session")
 def tokenizer_dir(request) -> Path:
     """Where tiny models take their tokenizer: `$KVRELAY_TEST_TOKENIZER_DIR` when set (a GPU machine
     that has the default model's tokenizer files but not its weights: load_tests/gpu_check.sh),

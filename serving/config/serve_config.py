@@ -179,11 +179,19 @@ class ServeConfig(StrictModel):
                 "(disaggregated) or `worker.engine.speculative` (colocated), or `engine.speculative` for both"
             )
         prefill, decode = self.engine_config(self.prefill), self.engine_config(self.decode)
-        if self.mode == "disaggregated" and "vllm" in (prefill.backend, decode.backend):
-            raise ValueError(
-                "engine.backend: vllm runs colocated only for now (the KV hand-off from a vLLM prefill pool is "
-                "not built yet); set mode: colocated, or backend: kvrelay for the prefill and decode pools"
-            )
+        if self.mode == "disaggregated":
+            if prefill.backend != decode.backend:
+                raise ValueError(
+                    f"prefill.engine.backend = {prefill.backend!r} but decode.engine.backend = {decode.backend!r}: "
+                    "a KV hand-off stays within one engine's block layout; set `engine.backend` for both pools"
+                )
+            for name, pool in (("prefill", prefill), ("decode", decode)):
+                if pool.vllm is not None and pool.vllm.tensor_parallel_size > 1:
+                    raise ValueError(
+                        f"{name}.engine.vllm.tensor_parallel_size = {pool.vllm.tensor_parallel_size}: a KV hand-off "
+                        "through kvrelay moves whole blocks from one rank; set it to 1 for the P/D pools, or "
+                        "mode: colocated"
+                    )
         for key in HANDOFF_KEYS:  # the prefill pool's KV goes into the decode pool's cache
             if getattr(prefill, key) != getattr(decode, key):
                 raise ValueError(

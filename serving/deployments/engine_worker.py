@@ -55,7 +55,7 @@ from serving.deployments.messages import (
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.config import EngineConfig
 from serving.engine.errors import EngineError
-from serving.engine.kv_payload import KVPayload
+from serving.engine.kv_payload import KVPayload, ShmRange
 from serving.engine.outputs import EngineStats, RequestOutput
 from serving.engine.request import RequestStatus
 from serving.engine.validation import ModelInfo
@@ -82,7 +82,8 @@ class EngineWorker:
         if engine_config.backend == "vllm":  # vLLM's AsyncLLM behind the same surface
             from serving.engine.vllm_engine import VLLMEngine
 
-            self.engine = VLLMEngine(engine_config)
+            # vLLM's cache is in another process: its KV moves by shared-memory ranges
+            self.engine = VLLMEngine(engine_config, kv_handoff=role in ("prefill", "decode"))
         else:
             self.engine = AsyncEngine(engine_config)
         # Metrics, counters and latency windows (serving/observability/worker_metrics.py); the
@@ -214,11 +215,11 @@ class EngineWorker:
         with self._callers.watch(request.caller, request.request_id):
             try:
                 # A decode worker will need the KV: where it goes. The arena is host memory: a CUDA
-                # engine's KV goes through Ray's object store.
-                if params.max_tokens not in (0, 1) and self.engine.engine.kv_cache.data.device.type == "cpu":
+                # engine of kvrelay's goes through Ray's object store.
+                if params.max_tokens not in (0, 1) and self.engine.engine.kv_exports_to_host:
                     num_bytes = self.engine.engine.kv_payload_bytes(len(request.prompt_token_ids))
                     slot = await self.kv.reserve(self._this_node(), request.request_id, num_bytes)
-                    export_into = self._arena_view(slot)
+                    export_into = self._arena_target(slot)
                     if export_into is None:
                         slot = None
                 async for out in self.engine.generate(
@@ -272,7 +273,7 @@ class EngineWorker:
         try:
             payload = await self.engine.export_kv(request_id)
             if slot is not None:
-                if payload.kv.data_ptr() == export_into.data_ptr() and await self.kv.offer_slot(node_id, slot.described(payload)):
+                if _written_into(payload, export_into) and await self.kv.offer_slot(node_id, slot.described(payload)):
                     self._exported(payload.num_bytes, trace, start_ns, "arena")
                     return
                 # Not in the range (its lease ran out first: the engine never wrote it) or refused:
@@ -301,11 +302,17 @@ class EngineWorker:
             trace.record("kv_transfer", start_ns, time.time_ns(),
                          {"kvrelay.kv.side": "export", "kvrelay.kv.bytes": num_bytes, "kvrelay.kv.path": path})
 
-    def _arena_view(self, slot: KVSlot | None):
-        """The reserved range's bytes, or None (no range; or the arena is gone: the actor was
-        restarted since, so the range is given back and the KV goes through Ray)."""
+    def _arena_target(self, slot: KVSlot | None):
+        """Where the engine exports into the reserved range: its bytes (kvrelay's engine), or the
+        range's name (vLLM's, whose cache is in another process); None: no range, or the arena is
+        gone (the actor was restarted since: the range is given back, the KV goes through Ray)."""
         if slot is None:
             return None
+        if getattr(self.engine, "exports_to_ranges", False):
+            return self.kv.shm_range(slot)
+        return self._arena_view(slot)
+
+    def _arena_view(self, slot: KVSlot):
         try:
             return self.kv.arena(slot)
         except (OSError, ValueError) as exc:
@@ -388,6 +395,13 @@ class EngineWorker:
     def shutdown(self) -> None:
         self.engine.shutdown()
         tracing.flush()
+
+
+def _written_into(payload: KVPayload, export_into) -> bool:
+    """Whether the engine's export is the range it was given (else its lease ran out first)."""
+    if isinstance(export_into, ShmRange):
+        return payload.shm == export_into
+    return payload.kv.data_ptr() == export_into.data_ptr()
 
 
 def replica_signals(stats: EngineStats, latencies: RequestLatencies) -> ReplicaSignals:

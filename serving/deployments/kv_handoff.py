@@ -32,7 +32,7 @@ from serving.config import KVTransferConfig
 from serving.deployments.kv_arena import ArenaFile
 from serving.deployments.kv_transfer import ACTOR_ERRORS, get_or_create
 from serving.deployments.messages import ClaimMiss, KVCopy, KVHandle, KVSlot
-from serving.engine.kv_payload import KVPayload
+from serving.engine.kv_payload import KVPayload, ShmRange
 
 __all__ = ["KVHandoff"]
 
@@ -87,6 +87,11 @@ class KVHandoff:
                     pass
             self._arenas[slot.arena_id] = arena
         return torch.frombuffer(arena.view(slot.lease), dtype=torch.uint8)
+
+    @staticmethod
+    def shm_range(slot: KVSlot) -> ShmRange:
+        """The slot's range, named for another process of the node (an engine's own, as vLLM's)."""
+        return ShmRange(slot.path, ArenaFile.HEADER + slot.lease.offset, slot.lease.num_bytes, slot.arena_id)
 
     # ---- prefill side ------------------------------------------------------------------------
     async def reserve(self, node_id: str, request_id: str, num_bytes: int) -> KVSlot | None:
@@ -170,7 +175,8 @@ class KVHandoff:
                 if time.monotonic() - start > self.config.timeout_s:  # as a get past the timeout
                     raise TimeoutError
                 kv_view = self.arena(slot).view(getattr(torch, slot.layout.dtype)).view(slot.shape)
-                payload = KVPayload(kv.request_id, list(slot.token_ids), slot.layout, kv_view, readable_until=slot.deadline)
+                payload = KVPayload(kv.request_id, list(slot.token_ids), slot.layout, kv_view, readable_until=slot.deadline,
+                                    shm=self.shm_range(slot))
                 return payload, slot
             remaining = max(0.0, self.config.timeout_s - (time.monotonic() - start))
             if isinstance(answer, KVCopy):

@@ -703,6 +703,11 @@ class LLMEngine:
     def release_kv(self, request_id: str) -> bool:
         return self.held_kv.release(request_id)
 
+    @property
+    def kv_exports_to_host(self) -> bool:
+        """Whether an export can be read out into host memory (the node's shared-memory arena)."""
+        return self.kv_cache.data.device.type == "cpu"
+
     def kv_payload_bytes(self, num_tokens: int) -> int:
         """The size of the KV payload of `num_tokens` tokens (whole blocks), as export_kv makes it."""
         return -(-num_tokens // self.config.block_size) * self.config.block_size * self.bytes_per_token

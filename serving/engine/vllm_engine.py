@@ -19,15 +19,16 @@ What maps onto what:
     EngineStats             a stat logger of ours on vLLM's SchedulerStats and IterationStats: running
                             and waiting requests, KV usage, prefix-cache queries and hits, tokens
 
-    KV events               vLLM publishes BlockStored / BlockRemoved over ZMQ (an ipc socket per
-                            engine); _KVEventRelay re-derives each stored block's hash from its
-                            tokens with kvrelay's hash (block_hash.py: the parent's, the tokens, the
-                            cache salt and adapter), keeps vLLM's hash -> ours, and hands the
-                            subscribers kvrelay's events: the router's index and the ingress's prompt
-                            hashes stay in one hash space, whichever engine a pool runs
+    KV events               relayed into kvrelay's hashes (vllm_events.py): the router's index and
+                            the ingress's prompt hashes stay in one hash space, whichever engine a
+                            pool runs
 
-Not here yet: the P/D hand-off (`hold_kv`, `kv_payload`: a request asking for them is refused,
-naming the field).
+    P/D hand-off            with `kv_handoff` (a prefill or decode pool's replica), vLLM runs
+                            kvrelay's KV connector (vllm_connector.py, the EngineCore's side;
+                            vllm_handoff.py, this replica's): a prefill request (hold_kv) saves its
+                            prompt's blocks into the range the worker reserved in the node's KV
+                            arena (export_into, a ShmRange), export_kv hands it on; a decode request
+                            (kv_payload) loads it before its first step, or vLLM recomputes it
 """
 
 from __future__ import annotations
@@ -38,24 +39,27 @@ import json
 import logging
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from serving.engine.config import EngineConfig, VLLMOptions
 from serving.engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestFailedError
+from serving.engine.kv_payload import KVLayout, KVPayload, ShmRange
 from serving.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob
 from serving.engine.params import SamplingParams
+from serving.engine.vllm_events import KVEventRelay
+from serving.engine.vllm_handoff import Handoffs, payload_bytes
 
 __all__ = ["VLLMEngine", "vllm_sampling_params"]
 
 logger = logging.getLogger(__name__)
 
 
-def vllm_sampling_params(params: SamplingParams):
+def vllm_sampling_params(params: SamplingParams, kv_transfer_params: dict | None = None):
     """kvrelay's SamplingParams as vLLM's, deltas out. Greedy with n > 1 (which vLLM refuses) is
-    asked of vLLM once: its choices are all the same (VLLMEngine.generate copies it)."""
+    asked of vLLM once: its choices are all the same (VLLMEngine.generate copies it). A hand-off
+    rides in `kv_transfer_params` (vllm_connector.HandoffSpec)."""
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
     from vllm.sampling_params import SamplingParams as VSamplingParams
 
@@ -80,43 +84,43 @@ def vllm_sampling_params(params: SamplingParams):
         include_stop_str_in_output=params.include_stop_str_in_output, ignore_eos=params.ignore_eos,
         skip_special_tokens=params.skip_special_tokens, detokenize=params.detokenize,
         structured_outputs=structured, output_kind=RequestOutputKind.DELTA,
+        extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
     )
 
 
 # vLLM samples greedily below this temperature (and refuses n > 1 there)
 _GREEDY_TEMPERATURE = 1e-5
+# A prefill computing fewer tokens than this says more about overhead than rate (as engine.py)
+_MIN_RATE_TOKENS = 32
 
 
 def _is_greedy(params: SamplingParams) -> bool:
     return params.temperature < _GREEDY_TEMPERATURE
 
 
+def _token_logprob(token_id: int, entry, k: int, *, with_rank: bool = False) -> TokenLogprob:
+    """One of vLLM's {token id: Logprob} as kvrelay's TokenLogprob: the token's logprob (its rank
+    too, when asked) and the `k` most likely by rank (the token is in vLLM's dict whatever its rank)."""
+    chosen = entry.get(token_id)
+    top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and 0 < lp.rank <= k), key=lambda x: x[1].rank)
+    logprob = chosen.logprob if chosen is not None else float("-inf")
+    rank = chosen.rank if with_rank and chosen is not None else None
+    return TokenLogprob(token_id, logprob, [(t, lp.logprob) for t, lp in top], rank)
+
+
 def _prompt_logprobs(prompt: list[int], entries, k: int | None) -> list[TokenLogprob] | None:
-    """vLLM's prompt logprobs (None for the first token, then {token id: Logprob} each) as
-    kvrelay's: the logprob of prompt token i + 1 at index i, with its rank and the top `k`."""
+    """vLLM's prompt logprobs (None for the first token, then one entry each) as kvrelay's: the
+    logprob of prompt token i + 1 at index i, with its rank and the top `k`."""
     if entries is None or k is None:
         return None
-    out = []
-    for token_id, entry in zip(prompt[1:], entries[1:]):
-        chosen = entry.get(token_id)
-        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and 0 < lp.rank <= k), key=lambda x: x[1].rank)
-        out.append(TokenLogprob(token_id, chosen.logprob if chosen is not None else float("-inf"),
-                                [(t, lp.logprob) for t, lp in top], chosen.rank if chosen is not None else None))
-    return out
+    return [_token_logprob(t, entry, k, with_rank=True) for t, entry in zip(prompt[1:], entries[1:])]
 
 
 def _logprobs(token_ids, entries, k: int) -> list[TokenLogprob] | None:
-    """vLLM's per-token {token id: Logprob} as kvrelay's TokenLogprob: the sampled token's, and
-    the `k` most likely by rank (the sampled one is in vLLM's dict whatever its rank)."""
+    """vLLM's per-token logprobs as kvrelay's: each sampled token's, and the top `k`."""
     if entries is None:
         return None
-    out = []
-    for token_id, entry in zip(token_ids, entries):
-        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and 0 < lp.rank <= k), key=lambda x: x[1].rank)
-        chosen = entry.get(token_id)
-        out.append(TokenLogprob(token_id, chosen.logprob if chosen is not None else float("-inf"),
-                                [(t, lp.logprob) for t, lp in top]))
-    return out
+    return [_token_logprob(t, entry, k) for t, entry in zip(token_ids, entries)]
 
 
 class _Stats:
@@ -158,126 +162,33 @@ class _Stats:
         return _Logger
 
 
-class _KVEventRelay:
-    """vLLM's KV events as kvrelay's (module docstring), read on a thread of their own."""
-
-    def __init__(self, endpoint: str, block_size: int, lora_paths: dict[str, str], deliver: Callable[[list], None]):
-        self.endpoint, self.block_size, self._lora_paths, self._deliver = endpoint, block_size, lora_paths, deliver
-        # vLLM's block hash -> [ours, the extra keys it hashed with, how many of vLLM's blocks hold it]
-        # (two requests missing the cache at once each store a block of the same hash)
-        self._ours: dict[int, list] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="vllm-kv-events", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        import msgspec
-        import zmq
-        from vllm.distributed.kv_events import KVEventBatch
-
-        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        socket = zmq.Context.instance().socket(zmq.SUB)
-        socket.setsockopt(zmq.SUBSCRIBE, b"")
-        socket.connect(self.endpoint)
-        last_seq = None
-        try:
-            while not self._stop.is_set():
-                if not socket.poll(100):
-                    continue
-                _topic, seq, payload = socket.recv_multipart()
-                seq = int.from_bytes(seq, "big")
-                if last_seq is not None and seq != last_seq + 1:
-                    logger.warning("vLLM's KV events %d..%d were lost: the router's index of this replica "
-                                   "misses what they said", last_seq + 1, seq - 1)
-                last_seq = seq
-                try:
-                    events = self.translate(decoder.decode(payload).events)
-                    if events:
-                        self._deliver(events)
-                except Exception:  # noqa: BLE001 - one bad batch, not the relay
-                    logger.exception("relaying a batch of vLLM's KV events failed; relaying goes on")
-        finally:
-            socket.close(linger=0)
-
-    def translate(self, events) -> list:
-        from serving.engine.block_hash import ROOT_HASH, block_extra_keys, hash_blocks
-        from serving.engine.kv_events import BlockRemoved, BlockStored
-
-        out = []
-        for event in events:
-            kind = type(event).__name__
-            if getattr(event, "group_idx", None) not in (None, 0):  # another KV cache group's copy
-                continue
-            if kind == "BlockStored":
-                if event.parent_block_hash is None:
-                    parent, first = ROOT_HASH, event.extra_keys[0] if event.extra_keys else None
-                    lora = event.lora_name
-                    salt = _cache_salt(first, lora)
-                    extra = block_extra_keys(salt, lora, self._lora_paths.get(lora) if lora else None)
-                elif event.parent_block_hash in self._ours:
-                    parent, extra, _ = self._ours[event.parent_block_hash]
-                else:  # its parent was never seen (stored before we listened): cannot be chained
-                    continue
-                tokens = list(event.token_ids)
-                ours = hash_blocks(tokens, self.block_size, extra, parent_hash=parent)
-                for theirs, mine in zip(event.block_hashes, ours):
-                    entry = self._ours.setdefault(theirs, [mine, extra, 0])
-                    entry[2] += 1
-                out.append(BlockStored(tuple(ours), parent, tuple(tokens[: len(ours) * self.block_size]), self.block_size))
-            elif kind == "BlockRemoved":
-                gone = []
-                for theirs in event.block_hashes:
-                    entry = self._ours.get(theirs)
-                    if entry is not None:
-                        entry[2] -= 1
-                        if entry[2] <= 0:  # vLLM's last block of that hash
-                            gone.append(self._ours.pop(theirs)[0])
-                if gone:
-                    out.append(BlockRemoved(tuple(gone)))
-            elif kind == "AllBlocksCleared" and self._ours:
-                out.append(BlockRemoved(tuple(entry[0] for entry in self._ours.values())))
-                self._ours.clear()
-        return out
-
-
-def _cache_salt(extra_keys, lora_name: str | None) -> str | None:
-    """The cache salt among the extra keys vLLM reports for a sequence's first block. vLLM 0.32's
-    events hold them untagged, the adapter's name first (when the request has one), the salt
-    last; a tagged ("cache_salt", salt) pair is read too."""
-    plain = []
-    for key in extra_keys or ():
-        if isinstance(key, (tuple, list)) and len(key) == 2 and key[0] == "cache_salt":
-            return key[1]
-        if isinstance(key, str):
-            plain.append(key)
-    if lora_name is not None and plain and plain[0] == lora_name:
-        plain = plain[1:]
-    return plain[-1] if plain else None
-
-
 class _EngineView:
-    """What the worker and the ingress read off `engine.engine` (ModelInfo.of, the block size)."""
+    """What the worker and the ingress read off `engine.engine` (ModelInfo.of, the block size, the
+    hand-off's sizes)."""
 
-    def __init__(self, config: EngineConfig, vocab_size: int, max_model_len: int, eos_token_ids: tuple[int, ...]):
+    # vLLM's connector copies between its cache (CPU or GPU) and host shared memory itself: a
+    # prefill worker may always reserve a range of the node's arena
+    kv_exports_to_host = True
+
+    def __init__(self, config: EngineConfig, vocab_size: int, max_model_len: int, eos_token_ids: tuple[int, ...],
+                 kv_layout: KVLayout):
         self.config = config
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.kv_cache = None  # no kvrelay KV cache: a prefill worker's arena path never starts
+        self.kv_layout = kv_layout
 
     def kv_payload_bytes(self, num_tokens: int) -> int:
-        raise InvalidRequestError("hold_kv", "the vLLM engine does not hand off KV yet (engine.backend: vllm)")
+        return payload_bytes(self.kv_layout, num_tokens)
 
 
 class VLLMEngine:
     """AsyncEngine's surface over vLLM's AsyncLLM (module docstring). Built in the replica; the
     first generate starts vLLM's output loop on the caller's event loop."""
 
-    def __init__(self, config: EngineConfig):
+    exports_to_ranges = True  # export_into is a ShmRange: vLLM's cache is in its EngineCore process
+
+    def __init__(self, config: EngineConfig, *, kv_handoff: bool = False):
         import torch
 
         from serving.engine.kv_cache import available_memory_bytes
@@ -285,7 +196,7 @@ class VLLMEngine:
 
         try:
             from vllm import AsyncEngineArgs
-            from vllm.config import KVEventsConfig
+            from vllm.config import KVEventsConfig, KVTransferConfig
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as exc:
             raise ModelLoadError(f"engine.backend: vllm needs vLLM installed (pip install 'kvrelay[vllm]'): {exc}") from exc
@@ -311,6 +222,13 @@ class VLLMEngine:
         kv_bytes = config.kv_cache_bytes
         if kv_bytes is None and config.device == "cpu":
             kv_bytes = int(available_memory_bytes(torch.device("cpu")) * config.kv_cache_memory_fraction)
+        transfer = None
+        if kv_handoff:  # a pool that hands KV over: kvrelay's connector, a failed load recomputed
+            if options.tensor_parallel_size > 1:
+                raise ModelLoadError("vllm.tensor_parallel_size > 1 cannot hand KV off through kvrelay yet (each "
+                                     "rank holds a slice of every block); run the P/D pools with 1, or mode: colocated")
+            transfer = KVTransferConfig(kv_connector="KVRelayConnector", kv_connector_module_path="serving.engine.vllm_connector",
+                                        kv_role="kv_both", kv_load_failure_policy="recompute")
         args = AsyncEngineArgs(
             model=str(model_dir), tokenizer=str(model_dir), dtype="auto" if config.dtype == "auto" else config.dtype,
             block_size=block_size, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
@@ -318,7 +236,8 @@ class VLLMEngine:
             seed=config.seed, enforce_eager=options.enforce_eager, tensor_parallel_size=options.tensor_parallel_size,
             gpu_memory_utilization=options.gpu_memory_utilization, quantization=options.quantization,
             kv_events_config=events if config.enable_prefix_caching else None,
-            kv_cache_memory_bytes=kv_bytes, scheduling_policy="priority", **lora,  # tiers' priorities, lower first
+            kv_cache_memory_bytes=kv_bytes, scheduling_policy="priority", kv_transfer_config=transfer,
+            **lora,  # priority: the tiers', lower first
         )
         started = time.monotonic()
         try:
@@ -332,12 +251,17 @@ class VLLMEngine:
                         config.block_size, block_size)
         config = self.config = config.model_copy(update={"block_size": block_size})
         self._num_blocks = self._llm.vllm_config.cache_config.num_gpu_blocks or 0  # vLLM's KV blocks
-        self.engine = _EngineView(config, spec.vocab_size, max_model_len, tuple(spec.eos_token_ids))
+        dtype = str(self._llm.vllm_config.model_config.dtype).removeprefix("torch.")
+        layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size, dtype, format="vllm")
+        self.engine = _EngineView(config, spec.vocab_size, max_model_len, tuple(spec.eos_token_ids), layout)
+        self._handoffs = Handoffs(layout, self._events_dir) if kv_handoff else None
+        self._prefilling: dict[str, int] = {}  # requests before their first output -> prompt tokens
+        self._prefill_rate = 0.0  # prompt tokens/s of recent prefills (vLLM's timestamps), smoothed
         self._lora_ids: dict[tuple[str, str], int] = {}
         self._lora_next = itertools.count(1)
         self._kv_callbacks: list[Callable] = []
         self._lora_paths: dict[str, str] = dict(config.lora.adapters) if config.lora is not None else {}
-        self._events = _KVEventRelay(self._events_endpoint, config.block_size, self._lora_paths,
+        self._events = KVEventRelay(self._events_endpoint, config.block_size, self._lora_paths,
                                      self._notify) if config.enable_prefix_caching else None
         self._dead: BaseException | None = None
         logger.info("vLLM %s started in %.1fs: %s, max_model_len %d", self.version, time.monotonic() - started,
@@ -365,24 +289,44 @@ class VLLMEngine:
             kv_cache_usage=s.kv_cache_usage, num_preemptions=s.num_preemptions,
             prefix_cache_query_tokens=s.prefix_queries, prefix_cache_hit_tokens=s.prefix_hits,
             num_computed_tokens=s.num_prompt + s.num_generated, num_generated_tokens=s.num_generated,
-            num_held_exports=0, kernel_path="vllm", kernel_reason=f"vLLM {self.version}",
+            num_held_exports=self._handoffs.num_held if self._handoffs else 0,
+            num_expired_imports=self._handoffs.num_expired_imports if self._handoffs else 0,
+            num_queued_prefill_tokens=sum(self._prefilling.values()), prefill_tokens_per_s=self._prefill_rate,
+            kernel_path="vllm", kernel_reason=f"vLLM {self.version}",
         )
+
+    def _first_output(self, request_id: str, out, metrics: RequestMetrics, num_prompt_tokens: int) -> None:
+        """A request's first output: its prompt is no longer queued for prefill; when vLLM's own
+        timestamps came with it (its EngineCore's monotonic clock, the node's), the TTFT's queue
+        and prefill parts, and the prefill rate, as kvrelay's engine measures them."""
+        self._prefilling.pop(request_id, None)
+        stamps = getattr(out, "metrics", None)
+        if stamps is None or not stamps.scheduled_ts:
+            return
+        metrics.first_scheduled_time = stamps.scheduled_ts
+        computed = num_prompt_tokens - (out.num_cached_tokens or 0)
+        seconds = stamps.first_token_ts - stamps.scheduled_ts
+        if computed >= _MIN_RATE_TOKENS and seconds > 0:
+            rate = computed / seconds
+            self._prefill_rate = 0.8 * self._prefill_rate + 0.2 * rate if self._prefill_rate else rate
 
     async def generate(
         self, request_id: str, *, params: SamplingParams, prompt_token_ids: list[int], priority: int = 0,
-        cache_salt: str | None = None, hold_kv: bool = False, kv_payload=None, lora_name: str | None = None,
-        lora_path: str | None = None, prior_output_token_ids: list[int] | None = None, keep_cached: bool = True,
-        export_into=None, export_until: float | None = None, arrival_time: float | None = None,
+        cache_salt: str | None = None, hold_kv: bool = False, kv_payload: KVPayload | None = None,
+        lora_name: str | None = None, lora_path: str | None = None, prior_output_token_ids: list[int] | None = None,
+        keep_cached: bool = True, export_into: ShmRange | None = None, export_until: float | None = None,
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """As AsyncEngine.generate. Tokens generated elsewhere (`prior_output_token_ids`: a stream
-        resumed on this replica after another died) continue as part of the prompt, counted
-        against max_tokens (a structured output cannot resume here). A prompt only scored
-        (max_tokens 0, which vLLM refuses) asks vLLM for one token and returns none."""
+        resumed on this replica after another died, or a hand-off's first token) continue as part
+        of the prompt, counted against max_tokens (a structured output cannot resume here). A
+        prompt only scored (max_tokens 0, which vLLM refuses) asks vLLM for one token and returns
+        none. A hand-off (module docstring): `hold_kv` saves the prompt's KV into `export_into`
+        (a range of the node's arena, written only before `export_until`) or a staging range of
+        this replica's, for export_kv; `kv_payload` is loaded before the first step."""
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
-        if hold_kv or kv_payload is not None or export_into is not None:
-            raise InvalidRequestError("hold_kv", "the vLLM engine does not hand off KV yet (engine.backend: vllm)")
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
         prior = list(prior_output_token_ids or [])
@@ -400,15 +344,29 @@ class VLLMEngine:
             yield RequestOutput(request_id, [CompletionOutput(i, "", [], None, "length") for i in range(params.n)],
                                 True, len(prompt_token_ids), 0, metrics)
             return
+        handoff = None
+        if hold_kv or kv_payload is not None:
+            if self._handoffs is None:
+                raise InvalidRequestError("hold_kv" if hold_kv else "kv_payload", "this vLLM engine hands no KV over: "
+                                          "only a prefill or decode pool's (mode: disaggregated) does")
+            handoff = self._handoffs.begin(prompt_token_ids, prior, hold_kv, kv_payload, export_into, export_until)
+        elif export_into is not None:
+            raise InvalidRequestError("export_into", "needs hold_kv")
         prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids) + prior)
         if cache_salt:
             prompt["cache_salt"] = cache_salt
         copies = params.n if _is_greedy(params) else 1  # greedy: every choice is the first
-        finished = yielded = False
+        finished = yielded = seen = False
+        # queued until its first output: the prefill tokens this replica owes (cached ones counted:
+        # vLLM says what it found cached only with that output)
+        self._prefilling[request_id] = len(prompt_token_ids) + len(prior)
         try:
-            stream = self._llm.generate(prompt, vllm_sampling_params(asked), request_id, priority=priority,
-                                        lora_request=self._lora(lora_name, lora_path))
+            stream = self._llm.generate(prompt, vllm_sampling_params(asked, handoff.params() if handoff else None),
+                                        request_id, priority=priority, lora_request=self._lora(lora_name, lora_path))
             async for out in stream:
+                if not seen:
+                    seen = True
+                    self._first_output(request_id, out, metrics, len(prompt_token_ids) + len(prior))
                 finished = out.finished
                 now = time.monotonic()
                 if metrics.first_token_time is None and any(c.token_ids for c in out.outputs):
@@ -418,6 +376,9 @@ class VLLMEngine:
                 if any(c.finish_reason == "error" for c in out.outputs):
                     raise RequestFailedError(f"request {request_id} failed in vLLM (finish_reason error); no other "
                                              "request was affected", request_id=request_id, stage="vllm")
+                if handoff is not None and (handoff.spec.op == "load" or out.finished):
+                    self._handoffs.done(request_id, handoff, prompt_token_ids, finished=out.finished)
+                    handoff = None
                 if scores_only and not out.finished:
                     continue  # its one token is not wanted: the final output says length, with none
                 choices = [
@@ -448,14 +409,16 @@ class VLLMEngine:
                     await self._llm.abort(request_id)  # vLLM stops it now (a request it never took: nothing)
                 except Exception:  # noqa: BLE001 - the request is gone either way
                     logger.warning("aborting %s in vLLM failed", request_id, exc_info=True)
+            self._prefilling.pop(request_id, None)
+            if handoff is not None:  # ended early (its caller went, or a failure): nothing is held
+                self._handoffs.done(request_id, handoff, prompt_token_ids, finished=False)
 
     def _lora(self, name: str | None, path: str | None):
         if name is None:
             return None
         from vllm.lora.request import LoRARequest
 
-        if self.config.lora is None:
-            raise InvalidRequestError("model", f"adapter {name!r}: this engine serves no LoRA adapters (EngineConfig.lora)")
+        self._check_lora(name)
         path = path or self.config.lora.adapters.get(name)
         if path is None:
             raise InvalidRequestError("model", f"unknown adapter {name!r}")
@@ -465,18 +428,23 @@ class VLLMEngine:
         self._lora_paths[name] = path  # the relay hashes this adapter's blocks with its path
         return LoRARequest(name, self._lora_ids[key], path)
 
+    # ---- the P/D hand-off (vllm_handoff.py) --------------------------------------------------
+    async def export_kv(self, request_id: str, *, release: bool = True) -> KVPayload:
+        """A finished `hold_kv` request's saved KV (KeyError: nothing was saved)."""
+        if self._handoffs is None:
+            raise KeyError(f"no held KV for request {request_id!r}: this engine hands no KV over")
+        return self._handoffs.export(request_id, release=release)
+
+    async def release_kv(self, request_id: str) -> bool:
+        return self._handoffs is not None and self._handoffs.release(request_id)
+
+    def release_kv_soon(self, request_id: str) -> None:
+        if self._handoffs is not None:
+            self._handoffs.release(request_id)
+
     async def abort(self, request_id: str) -> bool:
         await self._llm.abort(request_id)
         return True
-
-    async def export_kv(self, request_id: str, *, release: bool = True):
-        raise KeyError(f"no held KV for request {request_id!r}: the vLLM engine does not hand off KV yet")
-
-    async def release_kv(self, request_id: str) -> bool:
-        return False
-
-    def release_kv_soon(self, request_id: str) -> None:
-        """Nothing is held (no hand-off yet)."""
 
     def subscribe_kv_events(self, callback: Callable) -> None:
         """`callback(events)` with kvrelay's KV events, on the relay's thread (as AsyncEngine's
@@ -490,9 +458,12 @@ class VLLMEngine:
             except Exception:  # noqa: BLE001 - a subscriber's failure is its own
                 logger.exception("a KV event subscriber failed")
 
-    async def check_adapter(self, name: str, path: str) -> None:
+    def _check_lora(self, name: str) -> None:
         if self.config.lora is None:
             raise InvalidRequestError("model", f"adapter {name!r}: this engine serves no LoRA adapters (EngineConfig.lora)")
+
+    async def check_adapter(self, name: str, path: str) -> None:
+        self._check_lora(name)
         config = Path(path) / "adapter_config.json"
         if not config.is_file():
             raise InvalidRequestError("lora_path", f"{config}: no adapter_config.json")

@@ -268,7 +268,7 @@ def test_speculation_is_for_the_pools_that_decode():
             "`worker.engine.speculative` (colocated), or `engine.speculative` for both") in str(info.value)
 
 
-def test_a_pool_runs_vllm_with_typed_options_and_what_it_cannot_do_yet_is_refused():
+def test_a_pool_runs_vllm_with_typed_options_and_what_it_cannot_do_is_refused():
     config = ServeConfig.model_validate({"model": "m", "mode": "colocated", "worker": {"engine": {
         "backend": "vllm", "vllm": {"enforce_eager": False, "tensor_parallel_size": 2}}}})
     worker = config.engine_config("worker")
@@ -277,8 +277,19 @@ def test_a_pool_runs_vllm_with_typed_options_and_what_it_cannot_do_yet_is_refuse
     with pytest.raises(ValueError, match=r"worker.engine.vllm.max_num_sequences\n  Extra inputs are not permitted"):
         ServeConfig.model_validate({"model": "m", "mode": "colocated", "worker": {"engine": {
             "backend": "vllm", "vllm": {"max_num_sequences": 4}}}})
-    with pytest.raises(ValueError, match="engine.backend: vllm runs colocated only for now"):
+    both = ServeConfig.model_validate({"model": "m", "mode": "disaggregated", "engine": {"backend": "vllm"}})
+    assert both.engine_config("prefill").backend == both.engine_config("decode").backend == "vllm"
+    with pytest.raises(ValueError) as info:
         ServeConfig.model_validate({"model": "m", "mode": "disaggregated", "decode": {"engine": {"backend": "vllm"}}})
+    assert ("prefill.engine.backend = 'kvrelay' but decode.engine.backend = 'vllm': a KV hand-off stays within one "
+            "engine's block layout; set `engine.backend` for both pools") in str(info.value)
+    with pytest.raises(ValueError) as info:
+        ServeConfig.model_validate({"model": "m", "mode": "disaggregated", "engine": {
+            "backend": "vllm", "vllm": {"tensor_parallel_size": 2}}})
+    assert ("prefill.engine.vllm.tensor_parallel_size = 2: a KV hand-off through kvrelay moves whole blocks from one "
+            "rank; set it to 1 for the P/D pools, or mode: colocated") in str(info.value)
+    # one pool of vLLM in colocated mode leaves the (unused) P/D pools alone
+    ServeConfig.model_validate({"model": "m", "mode": "colocated", "decode": {"engine": {"backend": "vllm"}}})
     with pytest.raises(ValueError, match="worker.engine: speculative is kvrelay's engine's"):
         ServeConfig.model_validate({"model": "m", "mode": "colocated", "worker": {"engine": {
             "backend": "vllm", "speculative": {"method": "ngram"}}}})

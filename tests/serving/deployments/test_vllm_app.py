@@ -5,8 +5,6 @@ come from vLLM's stats."""
 
 from __future__ import annotations
 
-import os
-
 import httpx
 import openai
 import pytest
@@ -21,13 +19,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory, default_model_dir):
-    try:
-        import vllm  # noqa: F401
-    except ImportError as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI runs the vLLM engine's tests, but vLLM cannot be imported here: {exc}")
-        pytest.skip(f"vLLM is not installed here ({exc}); `make test` runs these in .venv-vllm")
+def app(tmp_path_factory, default_model_dir, needs_vllm):
     import ray
     from ray import serve
 

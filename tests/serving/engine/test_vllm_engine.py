@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 
 import pytest
 
@@ -21,13 +20,8 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module", autouse=True)
-def needs_vllm():
-    try:
-        import vllm  # noqa: F401
-    except ImportError as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI runs the vLLM engine's tests, but vLLM cannot be imported here: {exc}")
-        pytest.skip(f"vLLM is not installed here ({exc}); `make test` runs these in .venv-vllm")
+def _vllm(needs_vllm):
+    """Every test here needs vLLM (tests/conftest.py's needs_vllm)."""
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -144,13 +138,36 @@ def test_stats_count_tokens_and_prefix_hits_as_vllm_saw_them(served):
     assert after.kernel_path == "vllm"
 
 
-def test_what_it_cannot_do_yet_is_refused_naming_the_field(served):
+def test_queued_prefill_tokens_the_prefill_rate_and_the_ttft_split_come_from_the_replica(served):
+    """What vLLM's stats lack, the replica measures: a prompt counts as queued prefill until its
+    first output; vLLM's own timestamps (its EngineCore's monotonic clock) give the TTFT's queue
+    and prefill parts and the prefill rate."""
+    engine, loop = served
+    prompt = list(range(3000, 3150))
+
+    async def first_then_rest():
+        stream = engine.generate("queued", params=GREEDY, prompt_token_ids=prompt)
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)  # the request is in vLLM's hands, its first output not back
+        queued = engine.stats().num_queued_prefill_tokens
+        outputs = [await first] + [out async for out in stream]
+        return queued, outputs
+
+    queued, outputs = loop.run_until_complete(first_then_rest())
+    assert queued == 150 and engine.stats().num_queued_prefill_tokens == 0
+    m = outputs[-1].metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert engine.stats().prefill_tokens_per_s > 0
+
+
+def test_what_it_cannot_do_is_refused_naming_the_field(served):
     engine, loop = served
 
     async def ask(**kwargs):
         return [o async for o in engine.generate("no", params=GREEDY, prompt_token_ids=[1, 2], **kwargs)]
 
-    with pytest.raises(InvalidRequestError, match="hold_kv: the vLLM engine does not hand off KV yet"):
+    with pytest.raises(InvalidRequestError, match=r"hold_kv: this vLLM engine hands no KV over: only a prefill or "
+                                                  r"decode pool's \(mode: disaggregated\) does"):
         loop.run_until_complete(ask(hold_kv=True))
     with pytest.raises(InvalidRequestError, match="model: adapter 'a': this engine serves no LoRA adapters"):
         loop.run_until_complete(ask(lora_name="a"))
@@ -246,9 +263,9 @@ def test_the_relay_hashes_adapters_and_salts_as_the_ingress_does_and_counts_dupl
     when its last block does."""
     from serving.engine.block_hash import block_extra_keys, hash_blocks
     from serving.engine.kv_events import BlockRemoved, BlockStored
-    from serving.engine.vllm_engine import _KVEventRelay
+    from serving.engine.vllm_events import KVEventRelay
 
-    relay = _KVEventRelay.__new__(_KVEventRelay)  # its translation alone, no socket
+    relay = KVEventRelay.__new__(KVEventRelay)  # its translation alone, no socket
     relay.block_size, relay._lora_paths, relay._ours = 4, {"tone": "/adapters/tone"}, {}
     tokens = list(range(8))
     (stored,) = relay.translate([_Stored([11, 12], None, tokens, [("tone", "s1"), None], lora_name="tone")])
