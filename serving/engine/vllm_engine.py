@@ -37,6 +37,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -229,6 +230,11 @@ class VLLMEngine:
                                      "rank holds a slice of every block); run the P/D pools with 1, or mode: colocated")
             transfer = KVTransferConfig(kv_connector="KVRelayConnector", kv_connector_module_path="serving.engine.vllm_connector",
                                         kv_role="kv_both", kv_load_failure_policy="recompute")
+            if config.device == "cpu":
+                # vLLM keeps a core more for a network connector's thread when one is set; this one
+                # copies inside the step, so the cores are bound as without it (unless the operator
+                # says otherwise). Read by the EngineCore process this replica starts.
+                os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(options.tensor_parallel_size))
         args = AsyncEngineArgs(
             model=str(model_dir), tokenizer=str(model_dir), dtype="auto" if config.dtype == "auto" else config.dtype,
             block_size=block_size, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,

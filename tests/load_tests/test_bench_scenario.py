@@ -146,7 +146,8 @@ def test_peers_are_compared_in_their_best_configuration_against_the_default_mode
     assert s["ours"]["system"] == "kvrelay-disaggregated"
     assert (s["vllm_best_config"], s["ray_serve_llm_best_config"], s["ray_serve_llm_pd_best_config"]) == (
         "all-cores", "all-cores", "default")
-    assert s["compared_as"] == {"transformers": None, "vllm": "vllm[all-cores]",
+    assert s["compared_as"] == {"transformers": None, "kvrelay-vllm-colocated": None, "kvrelay-vllm-disaggregated": None,
+                                "vllm": "vllm[all-cores]",
                                 "ray-serve-llm": "ray-serve-llm[all-cores]",
                                 "ray-serve-llm-pd": "ray-serve-llm-pd[default]"}
     assert s["output_tok_s_ratio_vs_vllm"] == pytest.approx(4.4 / 4.0)
@@ -162,13 +163,38 @@ def test_peers_are_compared_in_their_best_configuration_against_the_default_mode
                                   "ray-serve-llm-pd[all-cores]"]
     assert s["targets"]["output_tok_s_ratio_vs_vllm"] == {"target": ">= 1.5", "met": False}
     text = format_summary({"summary": {"scenario": "peers", "smoke": False, **s}})
-    assert "  transformers as - (none ran), vllm as vllm[all-cores], ray-serve-llm as ray-serve-llm[all-cores], " \
+    assert "  transformers as - (none ran), kvrelay-vllm-colocated as - (none ran), kvrelay-vllm-disaggregated as - " \
+           "(none ran), vllm as vllm[all-cores], ray-serve-llm as ray-serve-llm[all-cores], " \
            "ray-serve-llm-pd as ray-serve-llm-pd[default]" in text.splitlines()
     assert "ray-serve-llm[default]          FAILED: not ready after 600 s" in text.splitlines()
     # the other mode as ours: the prefixes swap
     s = summarize_peers(runs, info, ours_mode="colocated")
     assert s["output_tok_s_ratio_vs_vllm"] == pytest.approx(2.2 / 4.0)
     assert s["output_tok_s_ratio_disagg_vs_vllm"] == pytest.approx(4.4 / 4.0)
+
+
+def test_kvrelay_on_vllm_is_compared_with_vllms_own_server_each_in_its_best_configuration():
+    def run(ttft_s: float, duration_s: float) -> RateRun:  # 4 requests x 11 tokens
+        return run_of([record(i, "random", ttft_s, 0.01) for i in range(4)], duration_s)
+
+    runs = {
+        "kvrelay-vllm-colocated[default]": run(0.3, 22.0),  # 2.0 tok/s
+        "kvrelay-vllm-colocated[all-cores]": run(0.5, 11.5),  # 44 / 11.5 tok/s: its best
+        "kvrelay-vllm-disaggregated[all-cores]": run(0.2, 20.0),  # 2.2 tok/s, the only one that ran
+        "vllm[default]": run(0.1, 22.0),
+        "vllm[all-cores]": run(0.4, 11.0),  # 4.0 tok/s: best
+    }
+    info = {"kvrelay-vllm-disaggregated[default]": {"skipped": "no kvrelay venv with vLLM at .venv-vllm (make vllm-env)",
+                                                    "peer_config": "default"}}
+    s = summarize_peers(runs, info, ours_mode="colocated")
+    assert (s["kvrelay_vllm_colocated_best_config"], s["kvrelay_vllm_disaggregated_best_config"]) == ("all-cores", "all-cores")
+    assert s["output_tok_s_ratio_vllm_coloc_vs_vllm"] == pytest.approx((44 / 11.5) / 4.0)
+    assert s["ttft_p95_ratio_vllm_coloc_vs_vllm"] == pytest.approx(0.5 / 0.4)
+    assert s["output_tok_s_ratio_vllm_disagg_vs_vllm"] == pytest.approx(2.2 / 4.0)
+    assert s["output_tok_s_ratio_vllm_coloc_vs_ray_serve_llm"] is None  # it did not run
+    assert s["targets"]["output_tok_s_ratio_vllm_coloc_vs_vllm"] == {"target": ">= 0.95", "met": True}
+    assert s["systems"]["kvrelay-vllm-disaggregated[default]"] == {
+        "skipped": "no kvrelay venv with vLLM at .venv-vllm (make vllm-env)"}
 
 
 def test_default_mode_is_what_make_serve_runs(monkeypatch):
