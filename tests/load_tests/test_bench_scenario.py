@@ -273,13 +273,18 @@ def test_prefix_routing_smoke(tiny_model_dir, tmp_path):
 
 @pytest.mark.integration
 def test_peers_smoke_without_the_peers_venv(tiny_model_dir, tmp_path):
-    report = _scenario("peers", tiny_model_dir, tmp_path, "--peers-venv", str(tmp_path / "no-venv"))
+    report = _scenario("peers", tiny_model_dir, tmp_path, "--peers-venv", str(tmp_path / "no-venv"),
+                       "--vllm-venv", str(tmp_path / "no-vllm-venv"))
     systems = report["summary"]["systems"]
     for ran in ("kvrelay-colocated", "kvrelay-disaggregated", "transformers"):
         assert systems[ran]["num_completed"] == 4 and systems[ran]["num_failed"] == 0, ran
     for skipped in ("vllm", "ray-serve-llm", "ray-serve-llm-pd"):
         for config in ("default", "all-cores"):
             assert systems[f"{skipped}[{config}]"] == {"skipped": f"no peers venv at {tmp_path / 'no-venv'} (make peers)"}
+    for skipped in ("kvrelay-vllm-colocated", "kvrelay-vllm-disaggregated"):
+        for config in ("default", "all-cores"):
+            assert systems[f"{skipped}[{config}]"] == {
+                "skipped": f"no kvrelay venv with vLLM at {tmp_path / 'no-vllm-venv'} (make vllm-env)"}
     assert report["summary"]["ours"]["system"] == f"kvrelay-{default_mode()}"  # make serve's mode on this machine
     assert report["summary"]["output_tok_s_ratio_vs_transformers"] > 0
     other = "disagg" if default_mode() == "colocated" else "coloc"  # the mode that is not ours

@@ -133,11 +133,17 @@ def test_a_controller_that_does_not_answer_makes_health_unknown():
 
     b = ServeBackend(ServeConfig(), prefill=StubHandle("PrefillWorker"), decode=StubHandle("DecodeWorker"), status_fn=hung,
                      status_timeout_s=0.05)
+    # a loop of its own: asyncio.run would wait for the hung read's thread before it returns
+    loop = asyncio.new_event_loop()
     try:
         with pytest.raises(HealthUnknownError, match=r"could not be read \(no answer in 0.05 s\)"):
-            asyncio.run(b.health())
+            loop.run_until_complete(b.health())
     finally:
-        answer.set()
+        answer.set()  # the read's thread returns now; its task ends, then the loop
+        pending = asyncio.all_tasks(loop)
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.close()
 
 
 def test_a_deployment_the_controller_does_not_list_is_unhealthy():
