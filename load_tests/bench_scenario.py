@@ -407,7 +407,7 @@ def _run_peers(p: ScenarioParams, model_dir: Path, port: int, log_dir: Path) -> 
     result = ScenarioResult()
     name = served_name(p)
     wanted = [s for s in SYSTEMS if s in p.systems]
-    kvrelay = [s for s in wanted if s.startswith("kvrelay-")]
+    kvrelay = [s for s in wanted if s in ("kvrelay-colocated", "kvrelay-disaggregated")]  # on its own engine
     if kvrelay:
         with local_ray.local_ray("bench scenario peers", _progress):
             for system in kvrelay:

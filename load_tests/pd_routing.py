@@ -9,7 +9,7 @@ router/policies.py), fed the routing stats each simulated replica would report.
 
 A replica's stats are what its engine reports (serving/engine/engine.py `stats`, sent by the
 worker every stats period): the prompt tokens it has still to compute, its measured prefill rate
-(an average over its prefill steps, kept as the engine keeps it: `measured_rate`), its running
+(the median of its recent prefill steps, kept as the engine keeps it: `measure_step`), its running
 and waiting sequences, the KV blocks it holds, the requests it took lately (RequestRate). The
 simulator has no prefix reuse (each scenario run has its own cache salt), so no block hashes.
 """
@@ -22,19 +22,18 @@ from router.policies import LeastKVPolicy, PrefixCostPolicy
 from router.replica_stats import RoutingStats
 from router.route_types import RouteRequest
 from router.routing_state import RouterState
+from serving.engine.prefill_rate import PrefillRate
 
-__all__ = ["BLOCK_SIZE", "MIN_RATE_TOKENS", "KvrelayRouters", "measured_rate", "routing_stats"]
+__all__ = ["BLOCK_SIZE", "MIN_RATE_TOKENS", "KvrelayRouters", "measure_step", "routing_stats"]
 
 BLOCK_SIZE = 16  # tokens per KV block, the engine's default
 MIN_RATE_TOKENS = 32  # serving/engine/engine.py: steps with fewer prefill tokens do not update the measured rate
 
 
-def measured_rate(rate: float, prefill_tokens: int, seconds: float) -> float:
-    """The engine's measured prefill rate after a step of `prefill_tokens` prompt tokens."""
-    if prefill_tokens < MIN_RATE_TOKENS or seconds <= 0:
-        return rate
-    step_rate = prefill_tokens / seconds
-    return step_rate if not rate else 0.8 * rate + 0.2 * step_rate
+def measure_step(rate: PrefillRate, prefill_tokens: int, seconds: float) -> None:
+    """A step of `prefill_tokens` prompt tokens, measured as the engine measures its steps."""
+    if prefill_tokens >= MIN_RATE_TOKENS:
+        rate.add(prefill_tokens, seconds)
 
 
 def routing_stats(now: float, *, queued_prompt: int, prefill_rate: float, num_running: int, num_waiting: int,

@@ -56,9 +56,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from load_tests.pd_costs import CostFit, chunk_pairs
-from load_tests.pd_routing import KvrelayRouters, measured_rate, routing_stats
+from load_tests.pd_routing import KvrelayRouters, measure_step, routing_stats
 from load_tests.serve_metrics import percentile
 from router.replica_stats import RequestRate, RoutingStats
+from serving.engine.prefill_rate import PrefillRate
 
 __all__ = ["SimRequest", "RequestResult", "SimRun", "simulate", "summarize", "attainment", "MODES", "ROUTERS", "STATS_PERIOD_S"]
 
@@ -149,7 +150,7 @@ class _Replica:
         self.busy_s = 0.0
         self.kv_held = 0  # KV tokens its running sequences hold now (computed ones)
         self.stats: RoutingStats | None = None  # its last routing stats
-        self.prefill_rate = 0.0  # prompt tokens per second of its prefill steps, as the engine measures it
+        self.prefill_rate = PrefillRate()  # prompt tokens per second of its prefill steps, as the engine measures it
         self.requests = RequestRate()  # requests it took lately
 
     def add(self, seq: _Seq) -> None:
@@ -222,7 +223,7 @@ class _Replica:
 
     def report(self, now: float) -> None:
         """Its routing stats now, as its worker would send them."""
-        self.stats = routing_stats(now, queued_prompt=self.queued_prompt, prefill_rate=self.prefill_rate,
+        self.stats = routing_stats(now, queued_prompt=self.queued_prompt, prefill_rate=self.prefill_rate.tokens_per_s,
                                    num_running=len(self.running), num_waiting=len(self.waiting), kv_held=self.kv_held,
                                    kv_capacity_tokens=self.fit.kv_capacity_tokens, requests_per_s=self.requests.per_s(now))
 
@@ -292,8 +293,7 @@ class _Sim:
         replica.busy = True
         self.num_busy += 1
         seconds /= 1.0 - self.stolen_share(now)
-        replica.prefill_rate = measured_rate(replica.prefill_rate, sum(n for seq, n in scheduled if seq.num_computed < seq.num_prompt),
-                                             seconds)
+        measure_step(replica.prefill_rate, sum(n for seq, n in scheduled if seq.num_computed < seq.num_prompt), seconds)
         replica.busy_s += seconds
         self.num_steps += 1
         self.push(now + seconds, _STEP_DONE, (replica, scheduled))

@@ -54,6 +54,7 @@ from router.index import eviction_order
 from router.policies import POLICIES, Decision, RouteRequest, build_policy
 from router.replica_stats import RequestRate, RoutingStats
 from router.routing_state import RouterState
+from serving.engine.prefill_rate import PrefillRate
 
 __all__ = [
     "CostModel", "SimConfig", "BlockCache", "SimReplica", "simulate", "oracle_hit_tokens", "oracle_placement",
@@ -165,7 +166,7 @@ class SimReplica:
         self.cache = BlockCache(config.num_blocks, config.block_size)
         self.queue: deque[_Job] = deque()
         self.running: _Job | None = None
-        self.prefill_tokens_per_s = 0.0  # EMA like the engine's; 0 before any prefill
+        self.prefill_rate = PrefillRate()  # as the engine measures it (serving/engine/prefill_rate.py)
         self.requests = RequestRate()  # as the worker measures it
         self._num_taken = 0  # submits and finishes: with the cache's version, the snapshot's
         self.num_requests = 0  # taken, cumulative (RoutingStats.num_requests)
@@ -191,8 +192,7 @@ class SimReplica:
         num_uncached = job.request.num_prompt_tokens - job.num_cached_tokens
         self._num_computed_tokens += num_uncached
         if num_uncached >= _MIN_RATE_TOKENS:
-            rate = num_uncached / (job.finish_s - job.start_s)
-            self.prefill_tokens_per_s = 0.8 * self.prefill_tokens_per_s + 0.2 * rate if self.prefill_tokens_per_s else rate
+            self.prefill_rate.add(num_uncached, job.finish_s - job.start_s)
         self.running = None
         return job, self._start_next(now)
 
@@ -242,7 +242,7 @@ class SimReplica:
             num_blocks=self.cache.num_blocks,
             time=now,
             num_queued_prefill_tokens=self.queued_prefill_tokens(now),
-            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
             num_running=int(self.running is not None),
             num_waiting=len(self.queue),
             requests_per_s=self.requests.per_s(now),
@@ -281,6 +281,7 @@ def simulate(
         heapq.heappush(events, (rng.uniform(0, config.stats_period_s), _STATS, order, replica.name))
         order += 1
     records: list[RoutedRequest] = []
+    routed_by: dict = {}  # request id -> the router that sent it
     requests = workload.requests
     next_arrival = 0
 
@@ -298,6 +299,7 @@ def simulate(
             if kind == _FINISH:
                 job, next_job = replica.finish(now)
                 request = job.request
+                routed_by.pop(request.request_id).completed(request.request_id, now)  # Serve's on_request_completed
                 records.append(RoutedRequest(name, request.num_prompt_tokens, job.num_cached_tokens, now - request.arrival_s))
                 started(next_job, name)
             elif next_arrival < len(requests):  # stats matter only while requests still arrive
@@ -313,6 +315,7 @@ def simulate(
             text=request.text,
         )
         decision = router.route(route_request, [(name, latest[name]) for name in by_name], arrival_s)
+        routed_by[request.request_id] = router
         started(by_name[decision.chosen].submit(request, arrival_s, decision.retain), decision.chosen)
 
     decisions: Counter[str] = Counter()

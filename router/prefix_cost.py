@@ -309,10 +309,12 @@ class PrefixCostPolicy:
     # ---- the load bound ----------------------------------------------------------------------
     def _recent_load(self, loads: Sequence[ReplicaLoad]) -> dict[Hashable, float]:
         """Each replica's recent load in tokens: what it reports it computed (router/pool_load.py)
-        plus what it has still to compute (queued, and routed since its stats); else, where the
-        replicas report no counters, what this router sent it."""
+        plus what it has still to compute (queued, and routed since its stats) and what it
+        computed for this router since its counters; else, where the replicas report no
+        counters, what this router sent it."""
         if self.pool.reported:
-            return {load.replica_id: self.pool.tokens(load.replica_id) + load.queued_prefill_tokens for load in loads}
+            return {load.replica_id: self.pool.tokens(load.replica_id) + load.queued_prefill_tokens
+                    + load.unreported_done_tokens for load in loads}
         return {load.replica_id: self.routed_tokens.get(load.replica_id, 0.0) for load in loads}
 
     def _within_load_bound(

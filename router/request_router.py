@@ -127,6 +127,7 @@ class _PolicyRouter(FIFOMixin, RequestRouter):
             request, [(replica.replica_id, RoutingStats.from_wire(replica.routing_stats)) for replica in candidate_replicas],
             time.time(),
             known_replicas=self._all_replica_ids(),
+            key=pending_request.metadata.internal_request_id,
         )
         apply_admission(pending_request, decision)
         record_routing_decision(self.pool, self.state.policy.name, decision.reason)
@@ -145,6 +146,10 @@ class _PolicyRouter(FIFOMixin, RequestRouter):
             candidates = [current.get(replica.replica_id, replica) for replica in candidates]
         self._seen_stats = True
         return candidates
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        self.state.completed(internal_request_id, time.time())
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)

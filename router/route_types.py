@@ -28,11 +28,15 @@ class ReplicaLoad:
     # Cumulative counters from its stats (RoutingStats; router/pool_load.py); 0: not reported.
     num_computed_tokens: int = 0
     num_requests: int = 0
-    # What this router sent the replica after its stats were taken (router/routing_state.py):
-    # queued_prefill_tokens already includes their prompt tokens; these are their KV blocks and
-    # their number, for policies that rank on held KV and sequences (least_kv).
+    # What this router sent the replica after its stats were taken, net of what it saw complete
+    # that the stats still count (router/routing_state.py): queued_prefill_tokens already includes
+    # their prompt tokens; these are their KV blocks and their number, for policies that rank on
+    # held KV and sequences (least_kv); negative where the stats overcount.
     unreported_blocks: int = 0
     unreported_sequences: int = 0
+    # Prompt tokens it computed for this router's requests that its counters (num_computed_tokens)
+    # do not show yet, completed requests left out of its queue: part of its recent load
+    unreported_done_tokens: int = 0
     # LoRA adapters resident in its engine, and its cost of loading one (RoutingStats)
     lora_resident: frozenset[str] = frozenset()
     lora_load_s: float = 0.0

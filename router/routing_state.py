@@ -17,6 +17,15 @@ the KV blocks and sequences (a decode pool's burst is the requests of one stats 
 Entries older than the stats they are covered by are dropped; entries older than
 INFLIGHT_HORIZON_S are dropped even if no stats arrive (a replica whose stats stopped).
 
+Stats lag the other way too: a snapshot taken while a request ran counts it as queued (its
+prefill tokens) or running (its sequence and blocks) until the next one, though it completed in
+between. So the router also counts what it saw complete (`completed`: Serve's
+on_request_completed, when a prefill's first token or a stream's end reaches it): a request still
+unreported leaves the sent count, one the stats already cover is taken off them until stats taken
+after its completion arrive. Without this, with requests shorter than a stats period, the replica
+that has just answered a prefix looks busy with that answer, and the next request of the prefix
+goes to compute it on another (seen live: a third of the hits lost on two vLLM prefill replicas).
+
 The same holds for the blocks a routed prompt will leave cached: a snapshot shows them only once
 the engine has computed them, which for a prompt queued behind a long prefill is several
 snapshots later. Until then each new snapshot would erase them from the index, and the next
@@ -63,33 +72,75 @@ def load_from_stats(replica_id: Hashable, stats: RoutingStats | None) -> Replica
 
 
 class InflightTokens:
-    """Requests sent to each replica, by send time, until its stats cover them: their prefill
-    tokens, their KV blocks and their number."""
+    """What this router sent each replica lately: each request's prefill tokens and KV blocks,
+    when it was sent and, once the router saw it, when it completed. Against a replica's stats
+    (taken at some time) that is what the stats lack (sent after them, not completed) less what
+    they still count (sent before them, completed since)."""
 
     def __init__(self, horizon_s: float = INFLIGHT_HORIZON_S) -> None:
         self.horizon_s = horizon_s
-        self._sent: dict[Hashable, deque[tuple[float, int, int]]] = {}  # (sent at, tokens, blocks)
+        # per replica: [sent at, tokens, blocks, key, completed at or None], by send time
+        self._sent: dict[Hashable, deque[list]] = {}
+        self._by_key: dict[Hashable, list] = {}  # key -> its entry, until it completes
 
-    def add(self, replica_id: Hashable, now: float, num_tokens: int, num_blocks: int = 0) -> None:
-        self._sent.setdefault(replica_id, deque()).append((now, num_tokens, num_blocks))
+    def add(self, replica_id: Hashable, now: float, num_tokens: int, num_blocks: int = 0, key: Hashable = None) -> None:
+        entry = [now, num_tokens, num_blocks, key, None]
+        self._sent.setdefault(replica_id, deque()).append(entry)
+        if key is not None:
+            self._by_key[key] = entry
+
+    def done(self, key: Hashable, now: float) -> None:
+        """The request sent as `key` completed at `now` (nothing for a key never sent, done, or
+        past the horizon)."""
+        entry = self._by_key.pop(key, None)
+        if entry is not None:
+            entry[4] = now
 
     def unreported(self, replica_id: Hashable, stats_time: float, now: float) -> int:
-        """Tokens sent after the replica's stats (taken at `stats_time`) and within the horizon."""
+        """Tokens the replica's stats (taken at `stats_time`) lack, net (class docstring)."""
         return self.unreported_load(replica_id, stats_time, now)[0]
 
-    def unreported_load(self, replica_id: Hashable, stats_time: float, now: float) -> tuple[int, int, int]:
-        """(tokens, blocks, requests) sent after the replica's stats (taken at `stats_time`) and
-        within the horizon."""
+    def unreported_load(self, replica_id: Hashable, stats_time: float, now: float) -> tuple[int, int, int, int]:
+        """What the replica's stats (taken at `stats_time`) lack of this router's requests:
+        (tokens, blocks, requests) still to run, net: sent after the stats and not completed, less
+        those the stats count that completed since (negative: the stats overcount); and the
+        tokens of completed requests the stats' counters of computed tokens do not show. Entries
+        older than the horizon, or that no stats can count any more, are forgotten.
+
+            sent after the stats, running      queue +          load: in the queue
+            sent after the stats, completed    -                load +
+            sent before, completed since       queue -          load + (its stats' queue lost it)
+            sent before, running               -                in the stats' queue
+        """
         sent = self._sent.get(replica_id)
         if not sent:
-            return 0, 0, 0
-        cutoff = max(stats_time, now - self.horizon_s)
-        while sent and sent[0][0] <= cutoff:
-            sent.popleft()
-        return sum(entry[1] for entry in sent), sum(entry[2] for entry in sent), len(sent)
+            return 0, 0, 0, 0
+        horizon = now - self.horizon_s
+        kept: deque[list] = deque()
+        tokens = blocks = requests = done_tokens = 0
+        for entry in sent:
+            sent_at, num_tokens, num_blocks, key, done_at = entry
+            if sent_at <= horizon or (done_at is not None and done_at <= stats_time):
+                self._by_key.pop(key, None)
+                continue
+            kept.append(entry)
+            if done_at is not None:
+                done_tokens += num_tokens
+            if sent_at > stats_time and done_at is None:  # the stats lack it
+                sign = 1
+            elif sent_at <= stats_time and done_at is not None:  # the stats count it, gone since
+                sign = -1
+            else:  # counted and running, or sent and done since: the stats' queue is right about it
+                continue
+            tokens += sign * num_tokens
+            blocks += sign * num_blocks
+            requests += sign
+        self._sent[replica_id] = kept
+        return tokens, blocks, requests, done_tokens
 
     def remove(self, replica_id: Hashable) -> None:
-        self._sent.pop(replica_id, None)
+        for entry in self._sent.pop(replica_id, ()):
+            self._by_key.pop(entry[3], None)
 
 
 class PendingBlocks:
@@ -134,9 +185,11 @@ class RouterState:
         now: float,
         *,
         known_replicas: Iterable[Hashable] = (),
+        key: Hashable = None,
     ) -> Decision:
         """Choose among `candidates` (replica id, its newest routing stats or None) at wall time
-        `now`. Index entries of replicas neither known nor candidates are dropped."""
+        `now`. Index entries of replicas neither known nor candidates are dropped. `key` names the
+        request for `completed` (its id by default)."""
         assert candidates, "route() needs at least one candidate"
         present = {*known_replicas, *(replica_id for replica_id, _ in candidates)}
         self.index.retain(present)
@@ -148,12 +201,18 @@ class RouterState:
         decision.num_predicted_tokens = self.predicted_tokens(decision.chosen, request)
         self.decisions[decision.reason] += 1
         self.inflight.add(decision.chosen, now, max(0, request.num_prompt_tokens - decision.num_matched_tokens),
-                          request.num_blocks_needed)
+                          request.num_blocks_needed, key=request.request_id if key is None else key)
         if request.block_hashes:
             self.index.note_routed(decision.chosen, request.block_hashes)
             ttft_s = decision.estimated_ttft_s.get(decision.chosen, 0.0)
             self.pending.add(decision.chosen, now + 2 * ttft_s, request.block_hashes)
         return decision
+
+    def completed(self, key: Hashable, now: float) -> None:
+        """A request this router sent (as `key`) has completed at wall time `now`: its prefill is
+        done, or its stream is over (module docstring). Its blocks stay laid over the snapshots
+        until one shows them."""
+        self.inflight.done(key, now)
 
     def load(self, replica_id: Hashable, stats: RoutingStats | None, now: float) -> ReplicaLoad:
         """Feed the index from the stats' snapshot; the load figures plus what this router sent
@@ -168,9 +227,12 @@ class RouterState:
                 reuse.absorb(replica_id, stats.block_reuse, stats.block_reuse_weight)
             self._reuse_seen[replica_id] = (stats.epoch, stats.time)
         load = load_from_stats(replica_id, stats)
-        tokens, blocks, sequences = self.inflight.unreported_load(replica_id, stats.time if stats is not None else 0.0, now)
-        load.queued_prefill_tokens += tokens
-        load.unreported_blocks, load.unreported_sequences = blocks, sequences
+        tokens, blocks, sequences, done = self.inflight.unreported_load(replica_id, stats.time if stats is not None else 0.0, now)
+        load.queued_prefill_tokens = max(0, load.queued_prefill_tokens + tokens)
+        # (what completed since is taken off, down to nothing: never below what the stats hold)
+        load.unreported_blocks = max(blocks, load.num_free_blocks - load.num_blocks)
+        load.unreported_sequences = max(sequences, -(load.num_running + load.num_waiting))
+        load.unreported_done_tokens = done
         return load
 
     def predicted_tokens(self, replica_id: Hashable, request: RouteRequest) -> int:

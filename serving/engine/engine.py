@@ -59,6 +59,7 @@ from serving.engine.lora import LoRAManager
 from serving.engine.model_runner import ModelRunner
 from serving.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob, merge_outputs
 from serving.engine.params import SamplingParams
+from serving.engine.prefill_rate import PrefillRate
 from serving.engine.prompt_logprobs import score_span
 from serving.engine.request import RequestStatus, Sequence
 from serving.engine.sampler import LogitBias, Sampler, SamplingRow
@@ -151,7 +152,7 @@ class LLMEngine:
         self.num_computed_tokens = 0
         self.num_generated_tokens = 0
         self.is_stalled = False  # the last step could schedule nothing (see step)
-        self.prefill_tokens_per_s = 0.0
+        self.prefill_rate = PrefillRate()  # steps' prefill tokens/s, for the routers (prefill_rate.py)
         self._grammars: GrammarCompiler | None = None  # built on the first structured output
         # Requests waiting for their grammar; its on_ready wakes an AsyncEngine's step loop.
         self.compiling = PendingGrammars()
@@ -451,10 +452,7 @@ class LLMEngine:
         step = self.runner.prepare(scheduled)
         logits = self.runner.execute(step)
         if num_prefill_tokens >= _MIN_RATE_TOKENS:
-            rate = num_prefill_tokens / max(time.perf_counter() - started, 1e-6)
-            self.prefill_tokens_per_s = rate if not self.prefill_tokens_per_s else (
-                0.8 * self.prefill_tokens_per_s + 0.2 * rate
-            )
+            self.prefill_rate.add(num_prefill_tokens, max(time.perf_counter() - started, 1e-6))
         for seq, n in scheduled:
             # Proposed tokens' KV counts once they are accepted (_append_verified).
             seq.num_computed_tokens += min(n, seq.num_tokens - seq.num_computed_tokens)
@@ -743,7 +741,7 @@ class LLMEngine:
                 max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
                 for seq in (*self.scheduler.waiting, *self.scheduler.running)
             ) + sum(self._requests[r].num_prompt_tokens for r in self.lora_waiting),
-            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
             dtype=self.dtype_choice.dtype,
             dtype_reason=self.dtype_choice.reason,
             kernel_path=self.kernels.path.value,

@@ -33,6 +33,7 @@ What maps onto what:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -49,6 +50,7 @@ from serving.engine.errors import EngineDeadError, InvalidRequestError, ModelLoa
 from serving.engine.kv_payload import KVLayout, KVPayload, ShmRange
 from serving.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob
 from serving.engine.params import SamplingParams
+from serving.engine.prefill_rate import PrefillRate
 from serving.engine.vllm_events import KVEventRelay
 from serving.engine.vllm_handoff import Handoffs, payload_bytes
 
@@ -183,6 +185,62 @@ class _EngineView:
         return payload_bytes(self.kv_layout, num_tokens)
 
 
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]):
+    """`variables` set in this process's environment for the block, then as they were."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _engine_args(config: EngineConfig, model_dir, events_endpoint: str, kv_handoff: bool):
+    """vLLM's AsyncEngineArgs for `config` (the module docstring's table)."""
+    import torch
+    from vllm import AsyncEngineArgs
+    from vllm.config import KVEventsConfig, KVTransferConfig
+
+    from serving.engine.kv_cache import available_memory_bytes
+
+    options = config.vllm or VLLMOptions()
+    lora = {}
+    if config.lora is not None:
+        lora = dict(enable_lora=True, max_loras=options.max_loras, max_lora_rank=options.max_lora_rank)
+    events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=events_endpoint)
+    # vLLM's CPU attention takes blocks of a multiple of 32 tokens: the next one up. The block
+    # size it runs is the one the engine reports (ModelInfo.block_size), so the ingress hashes
+    # prompts in its blocks and the router's predictions stay exact.
+    block_size = config.block_size if config.device != "cpu" else -(-config.block_size // 32) * 32
+    # The KV budget as kvrelay's engine reads it on a CPU (kv_cache_bytes, else a share of the
+    # memory available); on a GPU vLLM's gpu_memory_utilization decides
+    kv_bytes = config.kv_cache_bytes
+    if kv_bytes is None and config.device == "cpu":
+        kv_bytes = int(available_memory_bytes(torch.device("cpu")) * config.kv_cache_memory_fraction)
+    transfer = None
+    if kv_handoff:  # a pool that hands KV over: kvrelay's connector, a failed load recomputed
+        if options.tensor_parallel_size > 1:
+            raise ModelLoadError("vllm.tensor_parallel_size > 1 cannot hand KV off through kvrelay yet (each "
+                                 "rank holds a slice of every block); run the P/D pools with 1, or mode: colocated")
+        transfer = KVTransferConfig(kv_connector="KVRelayConnector", kv_connector_module_path="serving.engine.vllm_connector",
+                                    kv_role="kv_both", kv_load_failure_policy="recompute")
+    return AsyncEngineArgs(
+        model=str(model_dir), tokenizer=str(model_dir), dtype="auto" if config.dtype == "auto" else config.dtype,
+        block_size=block_size, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, enable_prefix_caching=config.enable_prefix_caching,
+        seed=config.seed, enforce_eager=options.enforce_eager, tensor_parallel_size=options.tensor_parallel_size,
+        gpu_memory_utilization=options.gpu_memory_utilization, quantization=options.quantization,
+        kv_events_config=events if config.enable_prefix_caching else None,
+        kv_cache_memory_bytes=kv_bytes, scheduling_policy="priority", kv_transfer_config=transfer,
+        **lora,  # priority: the tiers', lower first
+    )
+
+
 class VLLMEngine:
     """AsyncEngine's surface over vLLM's AsyncLLM (module docstring). Built in the replica; the
     first generate starts vLLM's output loop on the caller's event loop."""
@@ -190,14 +248,9 @@ class VLLMEngine:
     exports_to_ranges = True  # export_into is a ShmRange: vLLM's cache is in its EngineCore process
 
     def __init__(self, config: EngineConfig, *, kv_handoff: bool = False):
-        import torch
-
-        from serving.engine.kv_cache import available_memory_bytes
         from serving.engine.model_loader import load_model_spec, load_tokenizer, resolve_model_dir
 
         try:
-            from vllm import AsyncEngineArgs
-            from vllm.config import KVEventsConfig, KVTransferConfig
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as exc:
             raise ModelLoadError(f"engine.backend: vllm needs vLLM installed (pip install 'kvrelay[vllm]'): {exc}") from exc
@@ -206,48 +259,20 @@ class VLLMEngine:
         spec = load_model_spec(Path(model_dir))
         self._tokenizer = load_tokenizer(Path(model_dir))
         self._stats = _Stats()
-        options = config.vllm or VLLMOptions()
-        lora = {}
-        if config.lora is not None:
-            lora = dict(enable_lora=True, max_loras=options.max_loras, max_lora_rank=options.max_lora_rank)
         # KV events on an ipc socket of this engine's own (no port to collide with another replica)
         self._events_dir = tempfile.mkdtemp(prefix="kvrelay-vllm-")
         self._events_endpoint = f"ipc://{self._events_dir}/kv-events"
-        events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=self._events_endpoint)
-        # vLLM's CPU attention takes blocks of a multiple of 32 tokens: the next one up. The block
-        # size it runs is the one the engine reports (ModelInfo.block_size), so the ingress hashes
-        # prompts in its blocks and the router's predictions stay exact.
-        block_size = config.block_size if config.device != "cpu" else -(-config.block_size // 32) * 32
-        # The KV budget as kvrelay's engine reads it on a CPU (kv_cache_bytes, else a share of the
-        # memory available); on a GPU vLLM's gpu_memory_utilization decides
-        kv_bytes = config.kv_cache_bytes
-        if kv_bytes is None and config.device == "cpu":
-            kv_bytes = int(available_memory_bytes(torch.device("cpu")) * config.kv_cache_memory_fraction)
-        transfer = None
-        if kv_handoff:  # a pool that hands KV over: kvrelay's connector, a failed load recomputed
-            if options.tensor_parallel_size > 1:
-                raise ModelLoadError("vllm.tensor_parallel_size > 1 cannot hand KV off through kvrelay yet (each "
-                                     "rank holds a slice of every block); run the P/D pools with 1, or mode: colocated")
-            transfer = KVTransferConfig(kv_connector="KVRelayConnector", kv_connector_module_path="serving.engine.vllm_connector",
-                                        kv_role="kv_both", kv_load_failure_policy="recompute")
-            if config.device == "cpu":
-                # vLLM keeps a core more for a network connector's thread when one is set; this one
-                # copies inside the step, so the cores are bound as without it (unless the operator
-                # says otherwise). Read by the EngineCore process this replica starts.
-                os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(options.tensor_parallel_size))
-        args = AsyncEngineArgs(
-            model=str(model_dir), tokenizer=str(model_dir), dtype="auto" if config.dtype == "auto" else config.dtype,
-            block_size=block_size, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens, enable_prefix_caching=config.enable_prefix_caching,
-            seed=config.seed, enforce_eager=options.enforce_eager, tensor_parallel_size=options.tensor_parallel_size,
-            gpu_memory_utilization=options.gpu_memory_utilization, quantization=options.quantization,
-            kv_events_config=events if config.enable_prefix_caching else None,
-            kv_cache_memory_bytes=kv_bytes, scheduling_policy="priority", kv_transfer_config=transfer,
-            **lora,  # priority: the tiers', lower first
-        )
+        args = _engine_args(config, model_dir, self._events_endpoint, kv_handoff)
+        # vLLM keeps a core more for a network connector's thread when one is set; kvrelay's copies
+        # inside the step, so the cores are bound as without it, unless the operator says otherwise.
+        # The EngineCore process vLLM starts now reads it (this process's environment is restored).
+        reserved = {}
+        if kv_handoff and config.device == "cpu" and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
+            reserved = {"VLLM_CPU_NUM_OF_RESERVED_CPU": str((config.vllm or VLLMOptions()).tensor_parallel_size)}
         started = time.monotonic()
         try:
-            self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.logger_factory()])
+            with _environment(reserved):
+                self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.logger_factory()])
         except Exception as exc:  # vLLM refuses the model or the options: say which, at load
             raise ModelLoadError(f"vLLM could not start {model_dir}: {type(exc).__name__}: {exc}") from exc
         max_model_len = self._llm.vllm_config.model_config.max_model_len
@@ -262,7 +287,7 @@ class VLLMEngine:
         self.engine = _EngineView(config, spec.vocab_size, max_model_len, tuple(spec.eos_token_ids), layout)
         self._handoffs = Handoffs(layout, self._events_dir) if kv_handoff else None
         self._prefilling: dict[str, int] = {}  # requests before their first output -> prompt tokens
-        self._prefill_rate = 0.0  # prompt tokens/s of recent prefills (vLLM's timestamps), smoothed
+        self._prefill_rate = PrefillRate()  # recent prefills' prompt tokens/s (vLLM's timestamps)
         self._lora_ids: dict[tuple[str, str], int] = {}
         self._lora_next = itertools.count(1)
         self._kv_callbacks: list[Callable] = []
@@ -297,7 +322,7 @@ class VLLMEngine:
             num_computed_tokens=s.num_prompt + s.num_generated, num_generated_tokens=s.num_generated,
             num_held_exports=self._handoffs.num_held if self._handoffs else 0,
             num_expired_imports=self._handoffs.num_expired_imports if self._handoffs else 0,
-            num_queued_prefill_tokens=sum(self._prefilling.values()), prefill_tokens_per_s=self._prefill_rate,
+            num_queued_prefill_tokens=sum(self._prefilling.values()), prefill_tokens_per_s=self._prefill_rate.tokens_per_s,
             kernel_path="vllm", kernel_reason=f"vLLM {self.version}",
         )
 
@@ -312,9 +337,8 @@ class VLLMEngine:
         metrics.first_scheduled_time = stamps.scheduled_ts
         computed = num_prompt_tokens - (out.num_cached_tokens or 0)
         seconds = stamps.first_token_ts - stamps.scheduled_ts
-        if computed >= _MIN_RATE_TOKENS and seconds > 0:
-            rate = computed / seconds
-            self._prefill_rate = 0.8 * self._prefill_rate + 0.2 * rate if self._prefill_rate else rate
+        if computed >= _MIN_RATE_TOKENS:
+            self._prefill_rate.add(computed, seconds)
 
     async def generate(
         self, request_id: str, *, params: SamplingParams, prompt_token_ids: list[int], priority: int = 0,

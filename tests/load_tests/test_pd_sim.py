@@ -8,8 +8,9 @@ import math
 import pytest
 
 from load_tests.pd_costs import CostFit, CostLine, HandoffCost, LayoutOverhead, ServeOverhead, StepCost, chunk_pairs
-from load_tests.pd_routing import KvrelayRouters, measured_rate, routing_stats
+from load_tests.pd_routing import KvrelayRouters, measure_step, routing_stats
 from load_tests.pd_sim import SimRequest, simulate, summarize
+from serving.engine.prefill_rate import PrefillRate
 
 BASE, TOKEN, ROW, PAIR, CONTEXT = 2**-6, 2**-10, 2**-9, 2**-20, 2**-16
 STEP = StepCost((CostLine(BASE, TOKEN, ROW),), pair_s=PAIR, context_s=CONTEXT)
@@ -186,10 +187,13 @@ def test_a_simulated_replicas_stats_are_what_its_worker_reports():
     # 33 tokens hold 3 blocks of 16, of 100
     assert (stats.time, stats.num_blocks, stats.num_free_blocks, stats.kv_cache_usage) == (2.0, 100, 97, 0.03)
     assert (stats.num_queued_prefill_tokens, stats.prefill_tokens_per_s, stats.num_running, stats.num_waiting) == (300, 500.0, 3, 1)
-    # the engine's measured rate: the first step's, then 0.8 old + 0.2 new; small steps say nothing
-    assert measured_rate(0.0, 512, 1.0) == 512.0
-    assert measured_rate(512.0, 256, 1.0) == 0.8 * 512 + 0.2 * 256
-    assert measured_rate(512.0, 31, 0.01) == 512.0
+    # the engine's measured rate (serving/engine/prefill_rate.py): the median of its steps, from the third
+    rate = PrefillRate()
+    for tokens, seconds in ((512, 1.0), (256, 1.0), (31, 0.01)):  # the last: too short to say anything
+        measure_step(rate, tokens, seconds)
+    assert rate.tokens_per_s == 0.0  # two measured steps: not measured yet
+    measure_step(rate, 1024, 1.0)
+    assert rate.tokens_per_s == 512.0  # the median of 512, 256 and 1024
 
 
 def test_the_colocated_workers_route_by_prefix_cost_and_the_decode_pool_by_least_kv():

@@ -34,8 +34,49 @@ def test_inflight_tokens_until_stats_cover_them_or_the_horizon():
     assert inflight.unreported("b", stats_time=0.0, now=0.0) == 0
     inflight.add("a", 13.0, 20, 2)
     inflight.add("a", 14.0, 30, 3)
-    assert inflight.unreported_load("a", stats_time=10.0, now=14.0) == (50, 5, 2)
-    assert inflight.unreported_load("a", stats_time=13.0, now=14.0) == (30, 3, 1)
+    assert inflight.unreported_load("a", stats_time=10.0, now=14.0) == (50, 5, 2, 0)
+    assert inflight.unreported_load("a", stats_time=13.0, now=14.0) == (30, 3, 1, 0)
+
+
+def test_a_completed_request_leaves_the_sent_count_or_the_stats_that_still_count_it():
+    """Serve says when a request completed (on_request_completed): the replica that answered it
+    no longer looks busy with it, whether the router still counted it as sent or its stats, taken
+    while it ran, count it as queued."""
+    state = RouterState(PrefixCostPolicy(max_load_ratio=None))  # two requests on one replica of two: no spill
+    holder = stats(0.0, hashes=PREFIX)
+
+    def send(i: int, at: float, holder_stats: RoutingStats) -> str:
+        request = RouteRequest(f"r{i}", num_prompt_tokens=80, block_hashes=PREFIX + [20 + i], block_size=16)
+        return state.route(request, [("a", stats(0.0)), ("b", holder_stats)], now=at, key=f"serve-{i}").chosen
+
+    assert send(0, 1.0, holder) == "b" and state.load("b", holder, now=1.01).queued_prefill_tokens == 16
+    state.completed("serve-0", 1.05)  # before any stats covered it: out of the sent count
+    load = state.load("b", holder, now=1.06)
+    assert (load.queued_prefill_tokens, load.unreported_done_tokens) == (0, 16)  # computed: load its counters lack
+    assert state.index.num_matched_blocks("b", PREFIX + [20]) == 5  # its blocks stay until a snapshot should show them
+    assert send(1, 1.1, holder) == "b"
+    running = stats(1.15, queued=16, hashes=PREFIX, version=2)  # taken while r1 ran: it counts it
+    assert state.load("b", running, now=1.2).queued_prefill_tokens == 16
+    state.completed("serve-1", 1.3)
+    load = state.load("b", running, now=1.35)
+    assert (load.queued_prefill_tokens, load.unreported_done_tokens) == (0, 16)  # the stale stats' 16 taken off
+    assert state.load("b", stats(1.15, queued=5, hashes=PREFIX, version=2), now=1.35).queued_prefill_tokens == 0  # never below 0
+    later = stats(1.4, queued=3, hashes=PREFIX, version=3)  # taken after they completed: as they are
+    load = state.load("b", later, now=1.45)
+    assert (load.queued_prefill_tokens, load.unreported_done_tokens) == (3, 0)
+    state.completed("serve-1", 1.5)  # again, and a key never sent: nothing
+    state.completed("nobody", 1.5)
+    assert state.load("b", later, now=1.55).queued_prefill_tokens == 3
+
+
+def test_a_sequence_that_completed_leaves_the_decode_pools_counts():
+    state = RouterState(LeastKVPolicy())
+    request = RouteRequest("r", num_prompt_tokens=100, block_size=16)  # 7 blocks
+    assert state.route(request, [("a", decode_stats(0.0, 0, 0))], now=0.1, key="s").chosen == "a"
+    busy = decode_stats(0.2, 7, 1)  # its stats hold the sequence
+    state.completed("s", 0.3)
+    load = state.load("a", busy, now=0.35)
+    assert (load.unreported_blocks, load.unreported_sequences) == (-7, -1)  # least_kv sees it free again
 
 
 def decode_stats(time_s: float, used_blocks: int, running: int) -> RoutingStats:

@@ -27,18 +27,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def served(default_model_dir):
-    """One vLLM engine (fp32, 1 GiB of KV) and the event loop its output handler runs on."""
-    loop = asyncio.new_event_loop()
-    engine = VLLMEngine(EngineConfig(model=str(default_model_dir), dtype="float32", kv_cache_bytes=2**30,
-                                     max_model_len=1024, max_num_seqs=16, backend="vllm"))
-    yield engine, loop
-    engine.shutdown()
-    pending = asyncio.all_tasks(loop)  # vLLM's output handler
-    for task in pending:
-        task.cancel()
-    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-    loop.close()
+def served(vllm_engines):
+    """A vLLM engine (the package's decode engine: conftest.py) and the loop it runs on."""
+    return vllm_engines[1], vllm_engines[2]
 
 
 def collect(served, request_id: str, prompt: list[int], params: SamplingParams = GREEDY):
@@ -157,18 +148,24 @@ def test_queued_prefill_tokens_the_prefill_rate_and_the_ttft_split_come_from_the
     assert queued == 150 and engine.stats().num_queued_prefill_tokens == 0
     m = outputs[-1].metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    for i in range(3):  # the rate is the median of a few prefills (prefill_rate.py)
+        collect(served, f"rate-{i}", list(range(4000 + 200 * i, 4150 + 200 * i)))
     assert engine.stats().prefill_tokens_per_s > 0
 
 
 def test_what_it_cannot_do_is_refused_naming_the_field(served):
     engine, loop = served
 
-    async def ask(**kwargs):
+    async def ask(engine=engine, **kwargs):
         return [o async for o in engine.generate("no", params=GREEDY, prompt_token_ids=[1, 2], **kwargs)]
 
+    colocated = VLLMEngine.__new__(VLLMEngine)  # a colocated pool's engine: its checks come before vLLM's
+    colocated._handoffs = None
     with pytest.raises(InvalidRequestError, match=r"hold_kv: this vLLM engine hands no KV over: only a prefill or "
                                                   r"decode pool's \(mode: disaggregated\) does"):
-        loop.run_until_complete(ask(hold_kv=True))
+        loop.run_until_complete(ask(colocated, hold_kv=True))
+    with pytest.raises(InvalidRequestError, match="export_into: needs hold_kv"):
+        loop.run_until_complete(ask(colocated, export_into=object()))
     with pytest.raises(InvalidRequestError, match="model: adapter 'a': this engine serves no LoRA adapters"):
         loop.run_until_complete(ask(lora_name="a"))
 

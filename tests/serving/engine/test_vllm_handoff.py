@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from serving.engine import EngineConfig, SamplingParams
+from serving.engine import SamplingParams
 from serving.engine.errors import InvalidRequestError
 from serving.engine.kv_payload import ShmRange
 from serving.engine.vllm_engine import VLLMEngine
@@ -27,21 +27,9 @@ PROMPT_TEXT = ("A paged KV cache keeps each sequence's keys and values in fixed-
 
 
 @pytest.fixture(scope="module")
-def engines(default_model_dir, needs_vllm):
-    """A prefill and a decode engine (both take part in hand-offs), and the loop they run on."""
-    loop = asyncio.new_event_loop()
-    config = EngineConfig(model=str(default_model_dir), dtype="float32", kv_cache_bytes=2**29, max_model_len=1024,
-                          max_num_seqs=8, backend="vllm")
-    prefill, decode = VLLMEngine(config, kv_handoff=True), VLLMEngine(config, kv_handoff=True)
-    yield prefill, decode, loop
-    prefill.shutdown()
-    decode.shutdown()
-    pending = asyncio.all_tasks(loop)
-    for task in pending:
-        task.cancel()
-    if pending:
-        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-    loop.close()
+def engines(vllm_engines):
+    """A prefill and a decode engine that take part in hand-offs, and their loop (conftest.py)."""
+    return vllm_engines
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,15 @@
-"""A disaggregated app whose prefill and decode pools run vLLM (`engine.backend: vllm`) on a local
-Ray: every request's KV crosses kvrelay's hand-off (vLLM's cache -> the node's KV arena -> the
-other vLLM's cache, serving/engine/vllm_connector.py) with no fallback and one engine's greedy
-text; a hand-off lost before its claim is recomputed with the same tokens; and the prefix router
-follows each prefix across two vLLM prefill replicas from vLLM's own KV events."""
+"""Apps whose pools run vLLM (`engine.backend: vllm`) on one local Ray: the OpenAI API in front
+answers as it does for kvrelay's engine, and the pools' signals come from vLLM's stats.
+
+    /vllm     colocated: one Worker on vLLM (a chat completion equal to transformers' greedy
+              tokens, streaming, /v1/models, a bad request's 400, vLLM's figures at /metrics)
+    /vllmpd   disaggregated: two prefill replicas and one decode replica on vLLM; every request's
+              KV crosses kvrelay's hand-off (vLLM's cache -> the node's KV arena -> the other
+              vLLM's cache, serving/engine/vllm_connector.py) with no fallback and one engine's
+              greedy text, a hand-off lost before its claim is recomputed with the same tokens,
+              and the prefix router follows each prefix across the two prefill replicas from
+              vLLM's own KV events
+"""
 
 from __future__ import annotations
 
@@ -13,35 +20,102 @@ import httpx
 import openai
 import pytest
 
+from load_tests.local_ray import free_port
 from serving.api.pipeline import Frontend
 from serving.api.protocol import ChatMessage
 from serving.deployments.messages import WorkerRequest, WorkerStats
 from serving.engine import SamplingParams
 from serving.engine.model_loader import load_tokenizer
-from tests.helpers import served_app, wait_until
+from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 APP = "vllmpd"
 PREFIX_TOKENS = 64  # two of vLLM's blocks of 32
+ENGINE = {"backend": "vllm", "dtype": "float32", "kv_cache_bytes": 2**28, "max_model_len": 1024, "max_num_seqs": 8}
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory, default_model_dir, needs_vllm):
+def served(tmp_path_factory, default_model_dir, needs_vllm):
+    """Both apps on one Ray, behind Serve's proxy: {"coloc": url, "pd": url}."""
+    import ray
+    from ray import serve
+
     from serving.config import ServeConfig
+    from serving.deployments import kv_transfer
+    from serving.deployments.app import build_app
 
     small = {"num_cpus": 0.1}
-    config = ServeConfig.model_validate({
-        "model": str(default_model_dir), "served_model_name": "smol", "app_name": APP, "mode": "disaggregated",
-        "engine": {"backend": "vllm", "dtype": "float32", "kv_cache_bytes": 2**28, "max_model_len": 1024, "max_num_seqs": 8},
-        "prefill": {**small, "num_replicas": 2}, "decode": small, "ingress": {"num_cpus": 0.05},
-        # the load bound off: with four prefixes on two replicas it may move one on purpose
-        "routing": {"stats_period_s": 0.2, "prefill_params": {"max_load_ratio": None}},
-    })
-    with served_app(config, tmp_path_factory.mktemp("ray")) as url:
-        yield url
+    configs = {
+        "vllm": {"mode": "colocated", "worker": {"num_cpus": 1}},
+        APP: {"mode": "disaggregated", "prefill": {**small, "num_replicas": 2}, "decode": small,
+              # the load bound off: with four prefixes on two replicas it may move one on purpose
+              "routing": {"stats_period_s": 0.2, "prefill_params": {"max_load_ratio": None}}},
+    }
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for name, layout in configs.items():
+            config = ServeConfig.model_validate({"model": str(default_model_dir), "served_model_name": "smol",
+                                                 "app_name": name, "engine": ENGINE, "ingress": {"num_cpus": 0.05},
+                                                 **layout})
+            serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+        yield {"coloc": f"http://127.0.0.1:{port}/vllm", "pd": f"http://127.0.0.1:{port}/{APP}"}
+        kv_transfer.kill_all(APP)
+        serve.shutdown()
+    finally:
+        ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def coloc(served) -> str:
+    return served["coloc"]
+
+
+@pytest.fixture(scope="module")
+def pd(served) -> str:
+    return served["pd"]
+
+
+# ---- colocated ---------------------------------------------------------------------------------
+def test_a_chat_completion_through_vllm_gives_transformers_greedy_text(coloc, default_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    frontend = Frontend(load_tokenizer(default_model_dir), backend=None, model_name="smol")
+    prompt = frontend.encode_chat([ChatMessage(role="user", content="What is the capital of France?")])
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    client = openai.OpenAI(base_url=f"{coloc}/v1", api_key="none")
+    reply = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                           max_tokens=12, temperature=0)
+    eos = hf.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    kept = expected[: next((i for i, t in enumerate(expected) if t in eos), len(expected))]
+    assert reply.choices[0].message.content == frontend.tokenizer.decode(kept, skip_special_tokens=True)
+    assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == len(kept) + (len(kept) < 12)
+
+    stream = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                            max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.choices[0].message.content
+    assert [m.id for m in client.models.list().data] == ["smol"]
+
+
+def test_a_bad_request_is_a_400_naming_the_field_and_the_pool_reports_vllms_figures(coloc):
+    bad = httpx.post(f"{coloc}/v1/chat/completions", json={"model": "smol", "messages": [{"role": "user", "content": "hi"}],
+                                                         "temperature": -1}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+
+    def engine_info():  # the worker's sampled engine figures reach the ingress's /metrics
+        text = httpx.get(f"{coloc}/metrics", timeout=30).text
+        return [line for line in text.splitlines() if line.startswith("kvrelay_engine_kernel_info") and 'kernel_path="vllm"' in line]
+
+    assert wait_until(engine_info, timeout_s=60)
+
+
+# ---- disaggregated: the hand-off through kvrelay -------------------------------------------------
 @pytest.fixture(scope="module")
 def greedy(default_model_dir):
     """transformers' greedy tokens (fp32) for a chat message through the ingress's template."""
@@ -86,11 +160,11 @@ def prompt_tokens_computed(s: WorkerStats) -> int:
     return s.engine.num_computed_tokens - s.engine.num_generated_tokens
 
 
-def test_a_chat_crosses_the_hand_off_with_no_fallback_and_one_engines_text(app, greedy):
+def test_a_chat_crosses_the_hand_off_with_no_fallback_and_one_engines_text(pd, greedy):
     content = "What is the capital of France?"
     prompt, expected = greedy(content, 12)
     before = stats("DecodeWorker")
-    client = openai.OpenAI(base_url=f"{app}/v1", api_key="none")
+    client = openai.OpenAI(base_url=f"{pd}/v1", api_key="none")
     reply = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": content}],
                                            max_tokens=12, temperature=0)
     assert reply.choices[0].message.content == greedy.tokenizer.decode(expected, skip_special_tokens=True)
@@ -113,7 +187,7 @@ def test_a_chat_crosses_the_hand_off_with_no_fallback_and_one_engines_text(app, 
     assert stats("PrefillWorker").engine.num_held_exports == 0
 
 
-def test_a_hand_off_lost_before_its_claim_is_recomputed_with_the_same_tokens(app, greedy):
+def test_a_hand_off_lost_before_its_claim_is_recomputed_with_the_same_tokens(pd, greedy):
     import ray
 
     from serving.deployments import kv_transfer
@@ -134,7 +208,7 @@ def test_a_hand_off_lost_before_its_claim_is_recomputed_with_the_same_tokens(app
     assert after.counters.fallback_reasons.get("released", 0) == before.counters.fallback_reasons.get("released", 0) + 1
 
 
-def test_the_router_follows_each_prefix_across_two_vllm_prefill_replicas(app):
+def test_the_router_follows_each_prefix_across_two_vllm_prefill_replicas(pd):
     from ray import serve
 
     assert serve.status().applications[APP].deployments["PrefillWorker"].replica_states.get("RUNNING") == 2
@@ -143,7 +217,7 @@ def test_the_router_follows_each_prefix_across_two_vllm_prefill_replicas(app):
 
     def cached(client: httpx.Client, prompt: list[int]) -> int:
         body = {"model": "smol", "prompt": prompt, "max_tokens": 1, "temperature": 0}  # the prefill pool alone
-        answer = client.post(f"{app}/v1/completions", json=body)
+        answer = client.post(f"{pd}/v1/completions", json=body)
         assert answer.status_code == 200, answer.text
         return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
