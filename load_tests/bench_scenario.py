@@ -160,7 +160,7 @@ async def _warm_up(base_url: str, w: BenchParams) -> None:
         for spec in warmup_specs(w):
             record = await client.send(spec, scheduled_s=0.0, t0=client.clock.now())
             if not record.is_success:
-                raise RuntimeError(f"warm-up request to {base_url} failed: {record.error}")
+                raise ScenarioError(f"warm-up request to {base_url} failed: {record.error}")
 
 
 def measure(base_url: str, w: BenchParams, label: str) -> RateRun:
@@ -437,7 +437,8 @@ def _run_peers(p: ScenarioParams, model_dir: Path, port: int, log_dir: Path) -> 
             config_path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_unset=True), sort_keys=False))
             argv = [vllm_python, "-m", "serving.cli", "serve", "--config", config_path]
             try:  # `kvrelay serve` in .venv-vllm: a Ray of its own, stopped with it
-                with servers.subprocess_server(run_label, argv, base_url=config_url(config),
+                # ready when every pool has a live replica: its ingress lists models before vLLM has started
+                with servers.subprocess_server(run_label, argv, base_url=config_url(config), ready_path="/health",
                                                log_path=log_dir / f"{log_name}.log", env=env_overrides(c),
                                                progress=_progress) as info:
                     result.info[run_label] = {**info, **recorded}

@@ -43,15 +43,15 @@ def peer_python(venv: Path) -> Path | None:
 
 
 def wait_ready(base_url: str, *, timeout_s: float, is_alive: Callable[[], bool] = lambda: True,
-               describe: Callable[[], str] = lambda: "") -> float:
-    """Poll GET {base_url}/v1/models until it answers 200; returns the seconds it took."""
+               describe: Callable[[], str] = lambda: "", path: str = "/v1/models") -> float:
+    """Poll GET {base_url}{path} until it answers 200; returns the seconds it took."""
     started = time.monotonic()
     with httpx.Client(timeout=5.0) as client:
         while True:
             if not is_alive():
                 raise ScenarioError(f"the server at {base_url} exited before it was ready{describe()}")
             try:
-                if client.get(f"{base_url}/v1/models").status_code == 200:
+                if client.get(f"{base_url}{path}").status_code == 200:
                     return time.monotonic() - started
             except httpx.HTTPError:
                 pass
@@ -70,7 +70,8 @@ def _tail(path: Path, num_lines: int = 30) -> str:
 
 @contextmanager
 def subprocess_server(name: str, argv: list[str], *, base_url: str, log_path: Path, env: dict | None = None,
-                      ready_timeout_s: float = READY_TIMEOUT_S, progress: Callable[[str], None]) -> Iterator[dict]:
+                      ready_timeout_s: float = READY_TIMEOUT_S, ready_path: str = "/v1/models",
+                      progress: Callable[[str], None]) -> Iterator[dict]:
     """Start `argv`, wait until it serves, yield {"startup_s", "log"}, stop it.
 
     `env` is set over this process's environment; a variable given as None is removed.
@@ -83,7 +84,7 @@ def subprocess_server(name: str, argv: list[str], *, base_url: str, log_path: Pa
                                 env={k: v for k, v in env.items() if v is not None}, cwd=REPO, start_new_session=True)
     try:
         startup_s = wait_ready(base_url, timeout_s=ready_timeout_s, is_alive=lambda: proc.poll() is None,
-                               describe=lambda: _tail(log_path))
+                               describe=lambda: _tail(log_path), path=ready_path)
         progress(f"{name}: ready in {startup_s:.0f} s")
         yield {"startup_s": startup_s, "log": str(log_path)}
     finally:

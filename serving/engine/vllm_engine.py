@@ -33,6 +33,7 @@ What maps onto what:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import itertools
@@ -135,6 +136,7 @@ class _Stats:
         self.prefix_queries = self.prefix_hits = 0
         self.num_preemptions = 0
         self.num_generated = self.num_prompt = 0
+        self.num_updates = 0  # scheduler stats received: one per engine step
 
     def logger_factory(self) -> Callable:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -147,6 +149,7 @@ class _Stats:
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
                 if scheduler_stats is not None:
+                    stats.num_updates += 1
                     stats.num_running = scheduler_stats.num_running_reqs
                     stats.num_waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
                     stats.kv_cache_usage = scheduler_stats.kv_cache_usage
@@ -287,6 +290,11 @@ class VLLMEngine:
         self.engine = _EngineView(config, spec.vocab_size, max_model_len, tuple(spec.eos_token_ids), layout)
         self._handoffs = Handoffs(layout, self._events_dir) if kv_handoff else None
         self._prefilling: dict[str, int] = {}  # requests before their first output -> prompt tokens
+        # the same requests -> (priority, arrival number, scheduler stats seen when added): vLLM's
+        # waiting queue is in that order, so its length says which have not started (_still_waiting)
+        self._queue_order: dict[str, tuple[int, int, int]] = {}
+        self._arrivals = itertools.count()
+        self._num_queue_timeouts = 0
         self._prefill_rate = PrefillRate()  # recent prefills' prompt tokens/s (vLLM's timestamps)
         self._lora_ids: dict[tuple[str, str], int] = {}
         self._lora_next = itertools.count(1)
@@ -323,7 +331,7 @@ class VLLMEngine:
             num_held_exports=self._handoffs.num_held if self._handoffs else 0,
             num_expired_imports=self._handoffs.num_expired_imports if self._handoffs else 0,
             num_queued_prefill_tokens=sum(self._prefilling.values()), prefill_tokens_per_s=self._prefill_rate.tokens_per_s,
-            kernel_path="vllm", kernel_reason=f"vLLM {self.version}",
+            kernel_path="vllm", kernel_reason=f"vLLM {self.version}", num_queue_timeouts=self._num_queue_timeouts,
         )
 
     def _first_output(self, request_id: str, out, metrics: RequestMetrics, num_prompt_tokens: int) -> None:
@@ -331,6 +339,7 @@ class VLLMEngine:
         timestamps came with it (its EngineCore's monotonic clock, the node's), the TTFT's queue
         and prefill parts, and the prefill rate, as kvrelay's engine measures them."""
         self._prefilling.pop(request_id, None)
+        self._queue_order.pop(request_id, None)
         stamps = getattr(out, "metrics", None)
         if stamps is None or not stamps.scheduled_ts:
             return
@@ -390,10 +399,22 @@ class VLLMEngine:
         # queued until its first output: the prefill tokens this replica owes (cached ones counted:
         # vLLM says what it found cached only with that output)
         self._prefilling[request_id] = len(prompt_token_ids) + len(prior)
+        self._queue_order[request_id] = (priority, next(self._arrivals), self._stats.num_updates)
+        # max_queue_wait_s, as kvrelay's scheduler has it: a request still waiting for its first
+        # step then ends with queue_timeout; one continued from tokens generated elsewhere waits on
+        limit = self.config.max_queue_wait_s
+        deadline = None if limit is None or prior or kv_payload is not None else metrics.arrival_time + limit
         try:
             stream = self._llm.generate(prompt, vllm_sampling_params(asked, handoff.params() if handoff else None),
                                         request_id, priority=priority, lora_request=self._lora(lora_name, lora_path))
-            async for out in stream:
+            async for out in self._until_started(stream, request_id, deadline):
+                if out is None:  # waited past max_queue_wait_s without starting: vLLM dropped it
+                    finished = True
+                    self._num_queue_timeouts += 1
+                    metrics.finished_time = time.monotonic()
+                    yield RequestOutput(request_id, [CompletionOutput(i, "", [], None, "queue_timeout") for i in range(params.n)],
+                                        True, len(prompt_token_ids), 0, metrics)
+                    return
                 if not seen:
                     seen = True
                     self._first_output(request_id, out, metrics, len(prompt_token_ids) + len(prior))
@@ -440,8 +461,56 @@ class VLLMEngine:
                 except Exception:  # noqa: BLE001 - the request is gone either way
                     logger.warning("aborting %s in vLLM failed", request_id, exc_info=True)
             self._prefilling.pop(request_id, None)
+            self._queue_order.pop(request_id, None)
             if handoff is not None:  # ended early (its caller went, or a failure): nothing is held
                 self._handoffs.done(request_id, handoff, prompt_token_ids, finished=False)
+
+    async def _until_started(self, stream, request_id: str, deadline: float | None):
+        """vLLM's outputs of `request_id`; with a `deadline` (monotonic), a None instead of them
+        when it passes with the request still in vLLM's waiting queue (it is aborted there first).
+        A request that has started is never dropped: only the first output is waited for so."""
+        outputs = aiter(stream)
+        if deadline is not None:
+            first = asyncio.ensure_future(anext(outputs))
+            try:
+                while True:
+                    done, _ = await asyncio.wait({first}, timeout=max(deadline - time.monotonic(), 0.0))
+                    if done:
+                        break
+                    waiting = self._still_waiting(request_id)
+                    if waiting is False:
+                        await first
+                        break
+                    if waiting:
+                        await self._llm.abort(request_id)
+                        first.cancel()
+                        await asyncio.gather(first, return_exceptions=True)
+                        yield None
+                        return
+                    deadline = time.monotonic() + 0.05  # no engine step since it arrived: look again
+            except BaseException:
+                first.cancel()
+                raise
+            try:
+                out = first.result()
+            except StopAsyncIteration:
+                return
+            yield out
+        async for out in outputs:
+            yield out
+
+    def _still_waiting(self, request_id: str) -> bool | None:
+        """Whether a request without output is still in vLLM's waiting queue (None: no scheduler
+        stats since it arrived to say). vLLM's queue takes requests by (priority, arrival), so of
+        those without output the last `num_waiting` in that order are the ones waiting; requests
+        preempted back into the queue count there too, which can only make one look waiting."""
+        mine = self._queue_order.get(request_id)
+        if mine is None:
+            return False
+        if self._stats.num_updates <= mine[2]:
+            return None
+        order = sorted(self._queue_order.values())
+        return order.index(mine) >= len(order) - self._stats.num_waiting
 
     def _lora(self, name: str | None, path: str | None):
         if name is None:
