@@ -136,7 +136,6 @@ class _Stats:
         self.prefix_queries = self.prefix_hits = 0
         self.num_preemptions = 0
         self.num_generated = self.num_prompt = 0
-        self.num_updates = 0  # scheduler stats received: one per engine step
 
     def logger_factory(self) -> Callable:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -149,7 +148,6 @@ class _Stats:
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
                 if scheduler_stats is not None:
-                    stats.num_updates += 1
                     stats.num_running = scheduler_stats.num_running_reqs
                     stats.num_waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
                     stats.kv_cache_usage = scheduler_stats.kv_cache_usage
@@ -290,9 +288,10 @@ class VLLMEngine:
         self.engine = _EngineView(config, spec.vocab_size, max_model_len, tuple(spec.eos_token_ids), layout)
         self._handoffs = Handoffs(layout, self._events_dir) if kv_handoff else None
         self._prefilling: dict[str, int] = {}  # requests before their first output -> prompt tokens
-        # the same requests -> (priority, arrival number, scheduler stats seen when added): vLLM's
-        # waiting queue is in that order, so its length says which have not started (_still_waiting)
-        self._queue_order: dict[str, tuple[int, int, int]] = {}
+        # the same requests -> (priority, arrival number): vLLM's waiting queue is in that order, so
+        # its length says which have not started (_still_waiting)
+        self._queue_order: dict[str, tuple[int, int]] = {}
+        self._num_in_vllm = 0  # requests handed to vLLM and not ended here
         self._arrivals = itertools.count()
         self._num_queue_timeouts = 0
         self._prefill_rate = PrefillRate()  # recent prefills' prompt tokens/s (vLLM's timestamps)
@@ -399,7 +398,8 @@ class VLLMEngine:
         # queued until its first output: the prefill tokens this replica owes (cached ones counted:
         # vLLM says what it found cached only with that output)
         self._prefilling[request_id] = len(prompt_token_ids) + len(prior)
-        self._queue_order[request_id] = (priority, next(self._arrivals), self._stats.num_updates)
+        self._queue_order[request_id] = (priority, next(self._arrivals))
+        self._num_in_vllm += 1
         # max_queue_wait_s, as kvrelay's scheduler has it: a request still waiting for its first
         # step then ends with queue_timeout; one continued from tokens generated elsewhere waits on
         limit = self.config.max_queue_wait_s
@@ -462,6 +462,7 @@ class VLLMEngine:
                     logger.warning("aborting %s in vLLM failed", request_id, exc_info=True)
             self._prefilling.pop(request_id, None)
             self._queue_order.pop(request_id, None)
+            self._num_in_vllm -= 1
             if handoff is not None:  # ended early (its caller went, or a failure): nothing is held
                 self._handoffs.done(request_id, handoff, prompt_token_ids, finished=False)
 
@@ -487,7 +488,7 @@ class VLLMEngine:
                         await asyncio.gather(first, return_exceptions=True)
                         yield None
                         return
-                    deadline = time.monotonic() + 0.05  # no engine step since it arrived: look again
+                    deadline = time.monotonic() + 0.1  # the stats do not count it yet: look again
             except BaseException:
                 first.cancel()
                 raise
@@ -500,14 +501,15 @@ class VLLMEngine:
             yield out
 
     def _still_waiting(self, request_id: str) -> bool | None:
-        """Whether a request without output is still in vLLM's waiting queue (None: no scheduler
-        stats since it arrived to say). vLLM's queue takes requests by (priority, arrival), so of
-        those without output the last `num_waiting` in that order are the ones waiting; requests
-        preempted back into the queue count there too, which can only make one look waiting."""
+        """Whether a request without output is still in vLLM's waiting queue (None: the latest
+        scheduler stats do not count every request handed to vLLM yet, so they cannot say). vLLM's
+        queue takes requests by (priority, arrival), so of those without output the last
+        `num_waiting` in that order are the ones waiting; requests preempted back into the queue
+        count there too, which can only make one look waiting."""
         mine = self._queue_order.get(request_id)
         if mine is None:
             return False
-        if self._stats.num_updates <= mine[2]:
+        if self._stats.num_running + self._stats.num_waiting < self._num_in_vllm:
             return None
         order = sorted(self._queue_order.values())
         return order.index(mine) >= len(order) - self._stats.num_waiting

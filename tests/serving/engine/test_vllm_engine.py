@@ -115,27 +115,36 @@ def test_an_abandoned_stream_is_aborted_and_the_engine_serves_on(served):
 
 
 def test_requests_still_waiting_past_max_queue_wait_s_end_with_queue_timeout_and_the_rest_run_on(served):
-    """max_queue_wait_s as kvrelay's scheduler has it: 24 requests on an engine of 16 sequences,
-    the 8 vLLM keeps waiting end with queue_timeout and no tokens once the limit passes (the API's
-    503), the 16 it started are never dropped, and the engine serves on."""
+    """max_queue_wait_s as kvrelay's scheduler has it: with vLLM's 16 sequences all running, 8
+    more requests wait, and end with queue_timeout and no tokens once the limit passes (the API's
+    503); the 16 that started are never dropped, and the engine serves on."""
     engine, loop = served
     before = engine.stats().num_queue_timeouts
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+
+    def prompt(i: int) -> list[int]:
+        return list(range(5000 + 50 * i, 5040 + 50 * i))
+
+    async def rest(stream, first):
+        return [first] + [out async for out in stream]
 
     async def one(i: int):
-        return [out async for out in engine.generate(f"q-{i}", params=params, prompt_token_ids=list(range(5000 + 50 * i, 5040 + 50 * i)))]
-
-    async def crowd():
-        return await asyncio.gather(*(one(i) for i in range(24)))
+        return [out async for out in engine.generate(f"q-{i}", params=params, prompt_token_ids=prompt(i))]
 
     config = engine.config
-    engine.config = config.model_copy(update={"max_queue_wait_s": 0.3})
+
+    async def crowd():
+        running = [engine.generate(f"r-{i}", params=params, prompt_token_ids=prompt(i)) for i in range(16)]
+        firsts = await asyncio.gather(*(stream.__anext__() for stream in running))  # all 16 started
+        engine.config = config.model_copy(update={"max_queue_wait_s": 0.5})  # read as each request arrives
+        return await asyncio.gather(*(rest(s, f) for s, f in zip(running, firsts)), *(one(i) for i in range(16, 24)))
+
     try:
         results = loop.run_until_complete(crowd())
     finally:
         engine.config = config
     ends = [(outputs[-1].outputs[0].finish_reason, sum(len(o.outputs[0].token_ids) for o in outputs)) for outputs in results]
-    assert sorted(ends) == [("length", 64)] * 16 + [("queue_timeout", 0)] * 8
+    assert ends == [("length", 120)] * 16 + [("queue_timeout", 0)] * 8
     assert all(outputs[-1].finished for outputs in results)
     assert engine.stats().num_queue_timeouts - before == 8
     assert collect(served, "after-timeouts", [1, 2, 3])[-1].outputs[0].finish_reason == "length"
