@@ -201,7 +201,25 @@ def _environment(variables: dict[str, str]):
                 os.environ[name] = value
 
 
-def _engine_args(config: EngineConfig, model_dir, events_endpoint: str, kv_handoff: bool):
+def _capped_max_model_len(config: EngineConfig, spec, kv_bytes: int | None) -> int | None:
+    """The context window to ask vLLM for: as kvrelay's engine does, capped (with a warning) at
+    what a KV budget of `kv_bytes` holds, in whole blocks of `config.block_size`, where vLLM would
+    refuse to start instead; None: vLLM's own (a GPU's budget is vLLM's to work out)."""
+    if kv_bytes is None:
+        return config.max_model_len
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * (4 if config.dtype == "float32" else 2)
+    capacity = kv_bytes // (per_token * config.block_size) * config.block_size
+    if capacity == 0:
+        raise ModelLoadError(f"kv_cache_bytes {kv_bytes} holds no block of {config.block_size} tokens "
+                             f"({per_token} bytes each): give the engine more KV cache")
+    window = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+    if capacity < window:
+        logger.warning("the KV cache holds %d tokens, less than the context window %d: capping it", capacity, window)
+        return capacity
+    return config.max_model_len
+
+
+def _engine_args(config: EngineConfig, model_dir, events_endpoint: str, kv_handoff: bool, spec=None):
     """vLLM's AsyncEngineArgs for `config` (the module docstring's table)."""
     import torch
     from vllm import AsyncEngineArgs
@@ -223,6 +241,8 @@ def _engine_args(config: EngineConfig, model_dir, events_endpoint: str, kv_hando
     kv_bytes = config.kv_cache_bytes
     if kv_bytes is None and config.device == "cpu":
         kv_bytes = int(available_memory_bytes(torch.device("cpu")) * config.kv_cache_memory_fraction)
+    max_model_len = config.max_model_len if spec is None else _capped_max_model_len(
+        config.model_copy(update={"block_size": block_size}), spec, kv_bytes)
     transfer = None
     if kv_handoff:  # a pool that hands KV over: kvrelay's connector, a failed load recomputed
         if options.tensor_parallel_size > 1:
@@ -232,7 +252,7 @@ def _engine_args(config: EngineConfig, model_dir, events_endpoint: str, kv_hando
                                     kv_role="kv_both", kv_load_failure_policy="recompute")
     return AsyncEngineArgs(
         model=str(model_dir), tokenizer=str(model_dir), dtype="auto" if config.dtype == "auto" else config.dtype,
-        block_size=block_size, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+        block_size=block_size, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, enable_prefix_caching=config.enable_prefix_caching,
         seed=config.seed, enforce_eager=options.enforce_eager, tensor_parallel_size=options.tensor_parallel_size,
         gpu_memory_utilization=options.gpu_memory_utilization, quantization=options.quantization,
@@ -263,7 +283,7 @@ class VLLMEngine:
         # KV events on an ipc socket of this engine's own (no port to collide with another replica)
         self._events_dir = tempfile.mkdtemp(prefix="kvrelay-vllm-")
         self._events_endpoint = f"ipc://{self._events_dir}/kv-events"
-        args = _engine_args(config, model_dir, self._events_endpoint, kv_handoff)
+        args = _engine_args(config, model_dir, self._events_endpoint, kv_handoff, spec)
         # vLLM keeps a core more for a network connector's thread when one is set; kvrelay's copies
         # inside the step, so the cores are bound as without it, unless the operator says otherwise.
         # The EngineCore process vLLM starts now reads it (this process's environment is restored).
