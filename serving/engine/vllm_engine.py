@@ -203,14 +203,14 @@ def _environment(variables: dict[str, str]):
 
 def _capped_max_model_len(config: EngineConfig, spec, kv_bytes: int | None) -> int | None:
     """The context window to ask vLLM for: as kvrelay's engine does, capped (with a warning) at
-    what a KV budget of `kv_bytes` holds, in whole blocks of `config.block_size`, where vLLM would
-    refuse to start instead; None: vLLM's own (a GPU's budget is vLLM's to work out)."""
+    what a KV budget of `kv_bytes` holds, in whole blocks of `config.block_size` less the null block
+    vLLM keeps, where vLLM would refuse to start instead; None: vLLM's own (a GPU's budget is vLLM's to work out)."""
     if kv_bytes is None:
         return config.max_model_len
     per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * (4 if config.dtype == "float32" else 2)
-    capacity = kv_bytes // (per_token * config.block_size) * config.block_size
-    if capacity == 0:
-        raise ModelLoadError(f"kv_cache_bytes {kv_bytes} holds no block of {config.block_size} tokens "
+    capacity = (kv_bytes // (per_token * config.block_size) - 1) * config.block_size  # vLLM keeps a null block
+    if capacity <= 0:
+        raise ModelLoadError(f"kv_cache_bytes {kv_bytes} holds no block of {config.block_size} tokens beside vLLM's null block "
                              f"({per_token} bytes each): give the engine more KV cache")
     window = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     if capacity < window:

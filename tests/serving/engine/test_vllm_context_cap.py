@@ -21,10 +21,10 @@ def config(**kwargs) -> EngineConfig:
 
 
 def test_a_budget_below_the_window_caps_it_in_whole_blocks():
-    kv_bytes = 100 * 32 * PER_TOKEN_BF16 + 5  # 100 blocks and a little
-    assert _capped_max_model_len(config(), SPEC, kv_bytes) == 3200
-    assert _capped_max_model_len(config(max_model_len=4096), SPEC, kv_bytes) == 3200
-    assert _capped_max_model_len(config(dtype="float32"), SPEC, kv_bytes) == 1600  # fp32: half the tokens
+    kv_bytes = 100 * 32 * PER_TOKEN_BF16 + 5  # 100 blocks and a little, one of them vLLM's null block
+    assert _capped_max_model_len(config(), SPEC, kv_bytes) == 99 * 32
+    assert _capped_max_model_len(config(max_model_len=4096), SPEC, kv_bytes) == 99 * 32
+    assert _capped_max_model_len(config(dtype="float32"), SPEC, kv_bytes) == 49 * 32  # fp32: half the blocks
 
 
 def test_a_budget_that_holds_the_window_leaves_it_as_asked():
@@ -35,5 +35,5 @@ def test_a_budget_that_holds_the_window_leaves_it_as_asked():
 
 
 def test_a_budget_without_one_block_is_refused_naming_it():
-    with pytest.raises(ModelLoadError, match="kv_cache_bytes 1000 holds no block of 32 tokens"):
-        _capped_max_model_len(config(), SPEC, 1000)
+    with pytest.raises(ModelLoadError, match="kv_cache_bytes 1000000 holds no block of 32 tokens beside"):
+        _capped_max_model_len(config(), SPEC, 1_000_000)  # one block of 737,280 bytes: the null block
