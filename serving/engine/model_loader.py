@@ -62,18 +62,23 @@ def cache_dir() -> Path:
 
 
 @contextlib.contextmanager
-def _offline():
-    saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+def environment(variables: dict[str, str]):
+    """`variables` set in this process's environment for the block, then as they were."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
     try:
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
             else:
-                os.environ[k] = v
+                os.environ[name] = value
+
+
+def _offline():
+    """Hugging Face libraries kept off the network for the block: nothing downloads at run time."""
+    return environment({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
 
 
 def _builtin_gguf(name: str) -> Path:

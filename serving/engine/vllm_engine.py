@@ -34,7 +34,6 @@ What maps onto what:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import json
@@ -186,21 +185,6 @@ class _EngineView:
         return payload_bytes(self.kv_layout, num_tokens)
 
 
-@contextlib.contextmanager
-def _environment(variables: dict[str, str]):
-    """`variables` set in this process's environment for the block, then as they were."""
-    before = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def _capped_max_model_len(config: EngineConfig, spec, kv_bytes: int | None) -> int | None:
     """The context window to ask vLLM for: as kvrelay's engine does, capped (with a warning) at
     what a KV budget of `kv_bytes` holds, in whole blocks of `config.block_size` less the null block
@@ -269,7 +253,7 @@ class VLLMEngine:
     exports_to_ranges = True  # export_into is a ShmRange: vLLM's cache is in its EngineCore process
 
     def __init__(self, config: EngineConfig, *, kv_handoff: bool = False):
-        from serving.engine.model_loader import load_model_spec, load_tokenizer, resolve_model_dir
+        from serving.engine.model_loader import environment, load_model_spec, load_tokenizer, resolve_model_dir
 
         try:
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -292,7 +276,7 @@ class VLLMEngine:
             reserved = {"VLLM_CPU_NUM_OF_RESERVED_CPU": str((config.vllm or VLLMOptions()).tensor_parallel_size)}
         started = time.monotonic()
         try:
-            with _environment(reserved):
+            with environment(reserved):
                 self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.logger_factory()])
         except Exception as exc:  # vLLM refuses the model or the options: say which, at load
             raise ModelLoadError(f"vLLM could not start {model_dir}: {type(exc).__name__}: {exc}") from exc
