@@ -10,8 +10,15 @@ replica r, the cost of placing the request there, in seconds somebody waits:
     uncached(r)  prompt tokens not covered by r's cached prefix (exact index, router/index.py)
     queued(r)    prefill tokens r still has to compute (its last stats plus what this router
                  sent it since)
-    rate(r)      r's measured prefill tokens/s; until measured, the mean of the candidates that
-                 are (replicas of a pool are alike), or default_prefill_tokens_per_s if none is
+    rate(r)      the pool's prefill tokens/s: the median of the candidates' measured rates
+                 (default_prefill_tokens_per_s while none is measured); r's own measured rate
+                 only where it is more than `rate_spread` times off that median (a slower node,
+                 a throttled device). Replicas of a pool run one engine on one kind of hardware,
+                 and their measured rates differ by noise: the median of a replica's recent
+                 prefills mixes 32-token hits with 288-token misses, which run at 2-3x different
+                 rates, and two identical replicas measured 17k and 24k tokens/s in one run.
+                 Taken as they are, the faster-looking one took 2 requests in 3 of a prefix both
+                 held. `rate_spread=None` takes every measured rate as it is
     wait(r)      extra queueing delay r reports (0 unless known)
     service(r)   uncached(r) / rate(r): how long r is busy with this prompt
     arrivals(r)  requests per second r takes (its stats), at least the pool's mean per replica:
@@ -91,6 +98,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import statistics
 import time
 from collections.abc import Hashable, Sequence
 
@@ -132,6 +140,7 @@ class PrefixCostPolicy:
         price_delay: bool = True,
         reuse_window_requests: int = 2048,
         admission: bool = True,
+        rate_spread: float | None = 2.0,
     ):
         if default_prefill_tokens_per_s <= 0:
             raise ValueError(f"default_prefill_tokens_per_s must be > 0, got {default_prefill_tokens_per_s}")
@@ -147,6 +156,8 @@ class PrefixCostPolicy:
             raise ValueError(f"max_load_ratio must be >= 1 (or None: no bound), got {max_load_ratio}")
         if load_window_per_replica < 1:
             raise ValueError(f"load_window_per_replica must be >= 1, got {load_window_per_replica}")
+        if rate_spread is not None and rate_spread < 1:
+            raise ValueError(f"rate_spread must be >= 1 (or None: every replica's own rate), got {rate_spread}")
         if reuse_window_requests < 1:
             raise ValueError(f"reuse_window_requests must be >= 1, got {reuse_window_requests}")
         self.default_prefill_tokens_per_s = default_prefill_tokens_per_s
@@ -162,6 +173,7 @@ class PrefixCostPolicy:
         self.price_delay = price_delay
         self.reuse = BlockReuse(reuse_window_requests)
         self.admission = admission
+        self.rate_spread = rate_spread
         self.pool = PoolLoad(load_window_per_replica)  # what the replicas report they computed
         self.routed_tokens: dict[Hashable, float] = {}  # replica -> decayed uncached tokens sent
         self.routed_requests: dict[Hashable, float] = {}  # replica -> decayed requests sent
@@ -179,9 +191,7 @@ class PrefixCostPolicy:
         matched_blocks = {load.replica_id: index.num_matched_blocks(load.replica_id, request.block_hashes) for load in loads}
         matched = {replica_id: num * bs for replica_id, num in matched_blocks.items()}
         uncached = {replica_id: max(1, request.num_prompt_tokens - num) for replica_id, num in matched.items()}
-        measured = [load.prefill_tokens_per_s for load in loads if load.prefill_tokens_per_s > 0]
-        pool_rate = sum(measured) / len(measured) if measured else self.default_prefill_tokens_per_s
-        rates = {load.replica_id: load.prefill_tokens_per_s or pool_rate for load in loads}
+        rates = self._rates(loads)
         loading = self._lora_load_s(request, loads)
         ttfts = {
             load.replica_id: (uncached[load.replica_id] + load.queued_prefill_tokens) / rates[load.replica_id]
@@ -194,7 +204,8 @@ class PrefixCostPolicy:
         evictions = self._eviction_s(request, loads, index, new_blocks, rates) if self.price_evictions else {}
         costs = {r: ttft + delays.get(r, 0.0) + evictions.get(r, 0.0) for r, ttft in ttfts.items()}
 
-        eligible = self._within_load_bound(loads, recent, uncached, self._exempt(request, loads, index, matched_blocks))
+        eligible = self._within_load_bound(loads, recent, uncached, self._exempt(request, loads, index, matched_blocks),
+                                           request.num_prompt_tokens)
         by_cost = sorted(eligible, key=lambda load: (costs[load.replica_id], load.queued_prefill_tokens))
         best = by_cost[0]
         reason = "prefix_hit" if matched[best.replica_id] > 0 else "least_cost"
@@ -279,6 +290,17 @@ class PrefixCostPolicy:
             and now - self.lora_sent.get((load.replica_id, request.lora_name), -math.inf) >= LORA_SENT_S
         }
 
+    def _rates(self, loads: Sequence[ReplicaLoad]) -> dict[Hashable, float]:
+        """rate(r) of the module docstring."""
+        measured = [load.prefill_tokens_per_s for load in loads if load.prefill_tokens_per_s > 0]
+        pool_rate = statistics.median(measured) if measured else self.default_prefill_tokens_per_s
+        out = {}
+        for load in loads:
+            own = load.prefill_tokens_per_s
+            alike = self.rate_spread is not None and pool_rate / self.rate_spread <= own <= pool_rate * self.rate_spread
+            out[load.replica_id] = pool_rate if own <= 0 or alike else own
+        return out
+
     @staticmethod
     def _delay_s(loads: Sequence[ReplicaLoad], uncached: dict[Hashable, int], rates: dict[Hashable, float]) -> dict[Hashable, float]:
         """delay(r) of the module docstring, where arrivals are known."""
@@ -319,15 +341,21 @@ class PrefixCostPolicy:
 
     def _within_load_bound(
         self, loads: Sequence[ReplicaLoad], routed: dict[Hashable, float], uncached: dict[Hashable, int],
-        exempt: set[Hashable] = frozenset(),
+        exempt: set[Hashable] = frozenset(), slack: int = 0,
     ) -> list[ReplicaLoad]:
         """The candidates whose recent load plus this request stays within the bound, and the
         `exempt` ones (all of them while none is: early on, when one cold prompt outweighs the
-        pool's mean)."""
-        if self.max_load_ratio is None:
-            return list(loads)
-        bound = self.max_load_ratio * (sum(routed.values()) + min(uncached.values())) / len(loads)
-        within = [load for load in loads if routed[load.replica_id] + uncached[load.replica_id] <= bound]
+        pool's mean). The bound is in whole requests, as Mirrokni's is in whole balls (a bin under
+        ceil((1 + eps) x mean) takes one more): a replica may pass it by less than `slack`, the
+        request's prompt, or the pool's mean if that is less (a long prompt does not lift the
+        bound off a replica with several times the mean). Without it, at a cold start a prefix's
+        second request was sent to compute it again elsewhere because its first was the whole
+        pool's load; in steady state one prompt is a few percent of a replica's window."""
+        if self.max_load_ratio is None or not any(routed.values()):
+            return list(loads)  # no load yet: nothing to bound (the cost spreads the first prompts)
+        mean = (sum(routed.values()) + min(uncached.values())) / len(loads)
+        bound = self.max_load_ratio * mean + min(slack, mean)
+        within = [load for load in loads if routed[load.replica_id] + uncached[load.replica_id] < bound]
         if not within:  # one prompt outweighs the pool's mean: those at or under the mean
             mean = sum(routed.values()) / len(loads)
             within = [load for load in loads if routed[load.replica_id] <= mean]

@@ -50,9 +50,10 @@ class RoutingStats:
     requests_per_s: float = 0.0
     # Cumulative counters since the engine started: the tokens it ran through the model and the
     # requests it took. Every router turns them into the same recent load per replica
-    # (router/pool_load.py), which the prefill policy bounds; 0: not reported.
-    num_computed_tokens: int = 0
-    num_requests: int = 0
+    # (router/pool_load.py), which the prefill policy bounds. -1: not reported; a worker reports
+    # 0 before its first request, which is a router's baseline of nothing computed.
+    num_computed_tokens: int = -1
+    num_requests: int = -1
     # How many of the replica's recent requests used each block of its snapshot (decayed, the
     # frequent ones only: router/eviction.py BlockReuse.counts), and the decayed count of its
     # requests. Every router pools them: its own counts see only the requests it sent. None: not

@@ -25,9 +25,9 @@ class ReplicaLoad:
     num_blocks: int = 0
     kv_usage: float = 0.0
     requests_per_s: float = 0.0  # requests the replica took lately (RoutingStats.requests_per_s); 0: unknown
-    # Cumulative counters from its stats (RoutingStats; router/pool_load.py); 0: not reported.
-    num_computed_tokens: int = 0
-    num_requests: int = 0
+    # Cumulative counters from its stats (RoutingStats; router/pool_load.py); -1: not reported.
+    num_computed_tokens: int = -1
+    num_requests: int = -1
     # What this router sent the replica after its stats were taken, net of what it saw complete
     # that the stats still count (router/routing_state.py): queued_prefill_tokens already includes
     # their prompt tokens; these are their KV blocks and their number, for policies that rank on

@@ -323,8 +323,16 @@ class LLMEngine:
 
     def _queue(self, request: _Request) -> None:
         states = request.seqs
-        states[0].seq.forks_pending = len(states) > 1
-        self.scheduler.add(states[0].seq)
+        first = states[0].seq
+        first.forks_pending = len(states) > 1
+        # What its prompt will find cached, for the queued prefill tokens the routers read: a
+        # prefix hit queued behind a step is its uncached tail, as the router counted it. With
+        # the whole prompt, a stats snapshot taken between its arrival and its step showed the
+        # cached part as queued work, which the router kept on the replica until the next
+        # snapshot (on a loaded machine, 256 phantom tokens on a prefix's holder sent the next
+        # request of the prefix to compute it elsewhere).
+        first.expected_cached_tokens = len(self.block_manager.lookup_prefix(first)) * self.block_manager.block_size
+        self.scheduler.add(first)
         for state in states[1:]:
             state.seq.status = RequestStatus.WAITING_FOR_PARENT
             request.waiting_children.append(state.seq)
@@ -738,7 +746,7 @@ class LLMEngine:
             num_generated_tokens=self.num_generated_tokens,
             num_held_exports=len(self.held_kv),
             num_queued_prefill_tokens=sum(
-                max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+                max(0, seq.num_prompt_tokens - max(seq.num_computed_tokens, seq.expected_cached_tokens))
                 for seq in (*self.scheduler.waiting, *self.scheduler.running)
             ) + sum(self._requests[r].num_prompt_tokens for r in self.lora_waiting),
             prefill_tokens_per_s=self.prefill_rate.tokens_per_s,

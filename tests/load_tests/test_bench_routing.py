@@ -119,22 +119,26 @@ def test_simulated_replica_reports_counters_and_the_prompts_it_took_like_a_worke
 
 
 def test_routers_see_stats_and_their_own_routing():
-    # Two replicas; group 0 three times in a row, 0.25 s apart: ours keeps it where its prefix is.
+    # Two replicas; group 0 ten times in a row, 0.25 s apart, then group 1: ours keeps group 0
+    # where its prefix is.
     cost = CostModel(overhead_s=0.0, tokens_per_s=128.0)
-    workload = tiny_workload([(0.0, 0), (0.25, 0), (0.5, 0), (0.75, 1)])
+    workload = tiny_workload([(0.25 * i, 0) for i in range(10)] + [(2.5, 1)])
     config = SimConfig(num_replicas=2, num_blocks=16, block_size=BS, stats_period_s=0.125)
     unbounded = simulate(workload, "prefix_cost", config, cost, {"max_load_ratio": None})
-    assert [r.num_cached_tokens for r in unbounded.records] == [0, 8, 8, 0]
-    assert len({r.replica for r in unbounded.records[:3]}) == 1
-    # With the load bound, r2 would put 20 of 20 routed tokens on one of two replicas (bound:
-    # 1.25 x 20 / 2 = 12.5): it goes to the other (a miss), and r3 follows the lighter one.
+    assert [r.num_cached_tokens for r in unbounded.records] == [0] + [8] * 9 + [0]
+    assert len({r.replica for r in unbounded.records[:10]}) == 1
+    # With the load bound, the holder takes 6 (12 + 5 x 4 = 32 tokens, less their decay) before
+    # the 7th would put it past 1.25 x the pool's mean plus one prompt (about 1.25 x 36 / 2 + 12 =
+    # 34.5 tokens, against its 36): that one computes
+    # the prefix on the other replica (a miss), which has the lighter load and takes the rest
+    # of group 0 as hits, and group 1.
     ours = simulate(workload, "prefix_cost", config, cost)
-    assert [r.num_cached_tokens for r in ours.records] == [0, 8, 0, 0]
+    assert [r.num_cached_tokens for r in ours.records] == [0, 8, 8, 8, 8, 8, 0, 8, 8, 8, 0]
     replicas = [r.replica for r in ours.records]
-    assert replicas[0] == replicas[1] != replicas[2] == replicas[3]
-    assert ours.decisions == {"tie_break": 1, "prefix_hit": 1, "load_bound": 1, "least_cost": 1}
+    assert len(set(replicas[:6])) == 1 and len(set(replicas[6:])) == 1 and replicas[0] != replicas[6]
+    assert ours.decisions == {"tie_break": 2, "prefix_hit": 8, "load_bound": 1}
     rr = simulate(workload, "round_robin", config, cost)
-    assert [r.num_cached_tokens for r in rr.records] == [0, 0, 8, 0]  # alternates: r1 misses
+    assert [r.num_cached_tokens for r in rr.records] == [0, 0] + [8] * 8 + [0]  # alternates: r1 misses
 
 
 def test_oracle_pins_the_most_requested_groups_that_fit():

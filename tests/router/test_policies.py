@@ -47,18 +47,33 @@ def test_queued_work_outweighs_a_small_hit():
 
 
 def test_measured_rate_counts():
-    # b holds the prefix but prefills 10x slower: 16 tokens at 100/s = 0.16 s > 80 at 1000/s.
+    # b holds the prefix but prefills 10x slower, beyond the rate spread: it keeps its own rate.
+    # a, within 2x of the median 550, is taken at it: 16 tokens at 100/s = 0.16 s > 80 at 550/s.
     state = [ReplicaLoad("a", prefill_tokens_per_s=1000.0), ReplicaLoad("b", prefill_tokens_per_s=100.0)]
-    assert PrefixCostPolicy().choose(REQUEST, state, index_with(b=PREFIX)).chosen == "a"
+    decision = PrefixCostPolicy().choose(REQUEST, state, index_with(b=PREFIX))
+    assert decision.chosen == "a" and decision.estimated_ttft_s == {"a": 80 / 550, "b": 16 / 100}
 
 
-def test_unmeasured_rate_uses_the_pool_mean_then_the_default():
+def test_unmeasured_rate_uses_the_pool_median_then_the_default():
     state = [ReplicaLoad("a"), ReplicaLoad("b", queued_prefill_tokens=100)]
     decision = PrefixCostPolicy(default_prefill_tokens_per_s=400.0).choose(REQUEST, state, PrefixIndex())
     assert decision.estimated_ttft_s == {"a": 0.2, "b": 0.45}
     state = [ReplicaLoad("a"), ReplicaLoad("b", prefill_tokens_per_s=800.0), ReplicaLoad("c", prefill_tokens_per_s=1600.0)]
-    decision = PrefixCostPolicy(default_prefill_tokens_per_s=1.0).choose(REQUEST, state, PrefixIndex())
+    decision = PrefixCostPolicy(default_prefill_tokens_per_s=1.0, rate_spread=None).choose(REQUEST, state, PrefixIndex())
     assert decision.estimated_ttft_s == {"a": 80 / 1200, "b": 0.1, "c": 0.05}
+
+
+def test_rates_within_the_spread_are_the_pool_median():
+    # Noise between alike replicas (17k and 24k tokens/s measured on two identical ones) does not
+    # steer the pool; a replica more than rate_spread off the median keeps its own rate.
+    state = [ReplicaLoad("a", prefill_tokens_per_s=800.0), ReplicaLoad("b", prefill_tokens_per_s=1000.0),
+             ReplicaLoad("c", prefill_tokens_per_s=1300.0), ReplicaLoad("d", prefill_tokens_per_s=500.0)]
+    decision = PrefixCostPolicy().choose(REQUEST, state, PrefixIndex())
+    assert decision.estimated_ttft_s == {"a": 80 / 900, "b": 80 / 900, "c": 80 / 900, "d": 80 / 900}
+    decision = PrefixCostPolicy(rate_spread=1.5).choose(REQUEST, state, PrefixIndex())
+    assert decision.estimated_ttft_s == {"a": 80 / 900, "b": 80 / 900, "c": 80 / 900, "d": 80 / 500}
+    with pytest.raises(ValueError, match="rate_spread must be >= 1"):
+        PrefixCostPolicy(rate_spread=0.5)
 
 
 def test_absolute_imbalance_guard_moves_a_popular_prefix():

@@ -96,6 +96,21 @@ def test_shared_1k_prefix_computes_only_the_suffix(engine):
     assert after.prefix_cache_query_tokens - before.prefix_cache_query_tokens == 1088
 
 
+def test_a_queued_prefix_hit_counts_only_its_uncached_tail_as_queued_prefill(tiny_model_dir):
+    # What the routers read as the replica's queue: a waiting prompt whose first 1024 tokens are
+    # cached is 64 tokens of prefill, as the router counted it when it sent it there.
+    eng = make_engine(tiny_model_dir)
+    prefix, tail_a, tail_b, cold = random_prompts([1024, 64, 64, 100], seed=5)
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    eng.generate([prefix + tail_a], one)
+    eng.add_request("hit", prompt_token_ids=prefix + tail_b, params=one)
+    eng.add_request("cold", prompt_token_ids=cold, params=one)
+    assert eng.stats().num_queued_prefill_tokens == 64 + 100
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.stats().num_queued_prefill_tokens == 0
+
+
 def test_kv_events_report_stored_prompt_blocks(tiny_model_dir):
     eng = make_engine(tiny_model_dir)
     prompt = random_prompts([40], seed=6)[0]
