@@ -226,7 +226,7 @@ class EngineWorker:
                     request.request_id, prompt_token_ids=request.prompt_token_ids, params=one,
                     priority=request.priority, cache_salt=request.cache_salt, hold_kv=not scores_only,
                     lora_name=request.lora_name, lora_path=request.lora_path,
-                    keep_cached=request.keep_cached,
+                    keep_cached=request.keep_cached, expected_cached_tokens=admission.num_pending_tokens,
                     export_into=export_into, export_until=slot.deadline if slot is not None else None,
                 ):
                     tracker.observe(out)
@@ -345,6 +345,7 @@ class EngineWorker:
                     priority=request.priority, cache_salt=request.cache_salt, kv_payload=payload,
                     lora_name=request.lora_name, lora_path=request.lora_path,
                     prior_output_token_ids=prior_output_token_ids, keep_cached=request.keep_cached,
+                    expected_cached_tokens=0 if imported else admission.num_pending_tokens,
                 ):
                     payload = None  # imported (or never needed); let the shared-memory view go
                     if slot is not None:  # the engine scattered it into its blocks before this output

@@ -95,6 +95,7 @@ class AsyncEngine:
         keep_cached: bool = True,
         lora_name: str | None = None,
         lora_path: str | None = None,
+        expected_cached_tokens: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request (the arguments are LLMEngine.add_request's) and yield its outputs as
         they come. The engine's refusals raise here, before the first output. Leaving the
@@ -108,7 +109,7 @@ class AsyncEngine:
                 request_id, params=params, prompt_token_ids=prompt_token_ids, priority=priority, cache_salt=cache_salt,
                 hold_kv=hold_kv, kv_payload=kv_payload, prior_output_token_ids=prior_output_token_ids,
                 export_into=export_into, export_until=export_until, keep_cached=keep_cached, lora_name=lora_name,
-                lora_path=lora_path,
+                lora_path=lora_path, expected_cached_tokens=expected_cached_tokens,
             ))
         except asyncio.CancelledError:
             # The add is queued and runs anyway: abort it right behind, or nobody reads it.

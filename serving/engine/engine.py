@@ -181,6 +181,7 @@ class LLMEngine:
         keep_cached: bool = True,
         lora_name: str | None = None,
         lora_path: str | None = None,
+        expected_cached_tokens: int = 0,
     ) -> int:
         """Validate and queue a request; returns its prompt length.
 
@@ -196,6 +197,10 @@ class LLMEngine:
         (block_manager.py): the router's call when they are worth less than what they would evict.
         `kv_payload` imports KV computed elsewhere; `prior_output_token_ids` are tokens already
         generated there (they count towards max_tokens and are not emitted again).
+        `expected_cached_tokens`: what the caller expects its prompt to find cached by the time it
+        runs (the worker's view, which counts the prompts still being computed ahead of it): until
+        it is scheduled, its queued prefill is the rest (stats; the engine's own lookup when it is
+        queued counts too).
         """
         params = params or SamplingParams()
         if request_id in self._requests or request_id in self.held_kv:
@@ -258,6 +263,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None and not prior and kv_payload is None:
             first.prompt_logprobs = []  # else they came from the engine that computed the prompt
         first.pending_import = kv_payload
+        first.expected_cached_tokens = max(0, expected_cached_tokens)
         first.export_into = export_into
         first.export_until = export_until
         if lora_name is not None and not adapters:
@@ -331,7 +337,8 @@ class LLMEngine:
         # cached part as queued work, which the router kept on the replica until the next
         # snapshot (on a loaded machine, 256 phantom tokens on a prefix's holder sent the next
         # request of the prefix to compute it elsewhere).
-        first.expected_cached_tokens = len(self.block_manager.lookup_prefix(first)) * self.block_manager.block_size
+        first.expected_cached_tokens = max(first.expected_cached_tokens,
+                                           len(self.block_manager.lookup_prefix(first)) * self.block_manager.block_size)
         self.scheduler.add(first)
         for state in states[1:]:
             state.seq.status = RequestStatus.WAITING_FOR_PARENT

@@ -357,7 +357,7 @@ class VLLMEngine:
         cache_salt: str | None = None, hold_kv: bool = False, kv_payload: KVPayload | None = None,
         lora_name: str | None = None, lora_path: str | None = None, prior_output_token_ids: list[int] | None = None,
         keep_cached: bool = True, export_into: ShmRange | None = None, export_until: float | None = None,
-        arrival_time: float | None = None,
+        arrival_time: float | None = None, expected_cached_tokens: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """As AsyncEngine.generate. Tokens generated elsewhere (`prior_output_token_ids`: a stream
         resumed on this replica after another died, or a hand-off's first token) continue as part
@@ -399,9 +399,11 @@ class VLLMEngine:
             prompt["cache_salt"] = cache_salt
         copies = params.n if _is_greedy(params) else 1  # greedy: every choice is the first
         finished = yielded = seen = False
-        # queued until its first output: the prefill tokens this replica owes (cached ones counted:
-        # vLLM says what it found cached only with that output)
-        self._prefilling[request_id] = len(prompt_token_ids) + len(prior)
+        # queued until its first output: the prefill tokens this replica owes, less what the worker
+        # expects cached (vLLM says what it found only with that output; counting the cached part
+        # too showed a prefix's holder busy with work it never had, LLMEngine.stats)
+        expected = min(max(0, expected_cached_tokens), len(prompt_token_ids) - 1) if not prior else 0
+        self._prefilling[request_id] = len(prompt_token_ids) + len(prior) - expected
         self._queue_order[request_id] = (priority, next(self._arrivals))
         self._num_in_vllm += 1
         # max_queue_wait_s, as kvrelay's scheduler has it: a request still waiting for its first

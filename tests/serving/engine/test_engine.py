@@ -109,6 +109,12 @@ def test_a_queued_prefix_hit_counts_only_its_uncached_tail_as_queued_prefill(tin
     while eng.has_unfinished_requests():
         eng.step()
     assert eng.stats().num_queued_prefill_tokens == 0
+    # The worker's expectation counts prompts still being computed ahead of it, which the
+    # engine's own lookup cannot see yet: 1024 of a new prefix's second prompt.
+    other, tail_c, tail_d = random_prompts([1024, 64, 64], seed=6)
+    eng.add_request("first", prompt_token_ids=other + tail_c, params=one)
+    eng.add_request("second", prompt_token_ids=other + tail_d, params=one, expected_cached_tokens=1024)
+    assert eng.stats().num_queued_prefill_tokens == 1088 + 64
 
 
 def test_kv_events_report_stored_prompt_blocks(tiny_model_dir):

@@ -172,16 +172,20 @@ def test_queued_prefill_tokens_the_prefill_rate_and_the_ttft_split_come_from_the
     engine, loop = served
     prompt = list(range(3000, 3150))
 
-    async def first_then_rest():
-        stream = engine.generate("queued", params=GREEDY, prompt_token_ids=prompt)
+    async def first_then_rest(request_id: str, **hint):
+        stream = engine.generate(request_id, params=GREEDY, prompt_token_ids=prompt, **hint)
         first = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0)  # the request is in vLLM's hands, its first output not back
         queued = engine.stats().num_queued_prefill_tokens
         outputs = [await first] + [out async for out in stream]
         return queued, outputs
 
-    queued, outputs = loop.run_until_complete(first_then_rest())
+    queued, outputs = loop.run_until_complete(first_then_rest("queued"))
     assert queued == 150 and engine.stats().num_queued_prefill_tokens == 0
+    # The worker expects 128 of them cached (its view of vLLM's blocks): 22 are queued work; a
+    # hint past the prompt leaves the last token, which is always computed.
+    assert loop.run_until_complete(first_then_rest("hinted", expected_cached_tokens=128))[0] == 22
+    assert loop.run_until_complete(first_then_rest("over", expected_cached_tokens=999))[0] == 1
     m = outputs[-1].metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     for i in range(3):  # the rate is the median of a few prefills (prefill_rate.py)
