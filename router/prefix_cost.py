@@ -204,8 +204,7 @@ class PrefixCostPolicy:
         evictions = self._eviction_s(request, loads, index, new_blocks, rates) if self.price_evictions else {}
         costs = {r: ttft + delays.get(r, 0.0) + evictions.get(r, 0.0) for r, ttft in ttfts.items()}
 
-        eligible = self._within_load_bound(loads, recent, uncached, self._exempt(request, loads, index, matched_blocks),
-                                           request.num_prompt_tokens)
+        eligible = self._within_load_bound(loads, recent, uncached, self._exempt(request, loads, index, matched_blocks))
         by_cost = sorted(eligible, key=lambda load: (costs[load.replica_id], load.queued_prefill_tokens))
         best = by_cost[0]
         reason = "prefix_hit" if matched[best.replica_id] > 0 else "least_cost"
@@ -341,26 +340,30 @@ class PrefixCostPolicy:
 
     def _within_load_bound(
         self, loads: Sequence[ReplicaLoad], routed: dict[Hashable, float], uncached: dict[Hashable, int],
-        exempt: set[Hashable] = frozenset(), slack: int = 0,
+        exempt: set[Hashable] = frozenset(),
     ) -> list[ReplicaLoad]:
         """The candidates whose recent load plus this request stays within the bound, and the
         `exempt` ones (all of them while none is: early on, when one cold prompt outweighs the
-        pool's mean). The bound is in whole requests, as Mirrokni's is in whole balls (a bin under
-        ceil((1 + eps) x mean) takes one more): a replica may pass it by less than `slack`, the
-        request's prompt, or the pool's mean if that is less (a long prompt does not lift the
-        bound off a replica with several times the mean). Without it, at a cold start a prefix's
-        second request was sent to compute it again elsewhere because its first was the whole
-        pool's load; in steady state one prompt is a few percent of a replica's window."""
-        if self.max_load_ratio is None or not any(routed.values()):
-            return list(loads)  # no load yet: nothing to bound (the cost spreads the first prompts)
-        mean = (sum(routed.values()) + min(uncached.values())) / len(loads)
-        bound = self.max_load_ratio * mean + min(slack, mean)
-        within = [load for load in loads if routed[load.replica_id] + uncached[load.replica_id] < bound]
+        pool's mean). Until the pool has taken a request per replica there is no load to bound:
+        at a cold start a prefix's second request was sent to compute it again elsewhere because
+        its first was the whole pool's load. (A slack of one prompt on the bound did the same
+        and cost the pressure sweep its balance: with 64-token hits one 1088-token prompt is a
+        sixth of a replica's window, and the worst cell's max/mean load went from 1.15 to 1.50.)"""
+        if self.max_load_ratio is None or self._pool_requests(loads) < len(loads):
+            return list(loads)
+        bound = self.max_load_ratio * (sum(routed.values()) + min(uncached.values())) / len(loads)
+        within = [load for load in loads if routed[load.replica_id] + uncached[load.replica_id] <= bound]
         if not within:  # one prompt outweighs the pool's mean: those at or under the mean
             mean = sum(routed.values()) / len(loads)
             within = [load for load in loads if routed[load.replica_id] <= mean]
         keep = {load.replica_id for load in within} | exempt
         return [load for load in loads if load.replica_id in keep]
+
+    def _pool_requests(self, loads: Sequence[ReplicaLoad]) -> float:
+        """Requests the pool took lately: as the replicas count them, else as this router sent them."""
+        if self.pool.reported:
+            return sum(self.pool.requests(load.replica_id) for load in loads)
+        return sum(self.routed_requests.get(load.replica_id, 0.0) for load in loads)
 
     def _exempt(self, request: RouteRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex,
                 matched_blocks: dict[Hashable, int]) -> set[Hashable]:

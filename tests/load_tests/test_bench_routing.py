@@ -127,15 +127,14 @@ def test_routers_see_stats_and_their_own_routing():
     unbounded = simulate(workload, "prefix_cost", config, cost, {"max_load_ratio": None})
     assert [r.num_cached_tokens for r in unbounded.records] == [0] + [8] * 9 + [0]
     assert len({r.replica for r in unbounded.records[:10]}) == 1
-    # With the load bound, the holder takes 6 (12 + 5 x 4 = 32 tokens, less their decay) before
-    # the 7th would put it past 1.25 x the pool's mean plus one prompt (about 1.25 x 36 / 2 + 12 =
-    # 34.5 tokens, against its 36): that one computes
-    # the prefix on the other replica (a miss), which has the lighter load and takes the rest
-    # of group 0 as hits, and group 1.
+    # With the load bound (in force once the pool has taken a request per replica), the holder
+    # takes 3 (12 + 2 x 4 tokens) before the 4th would put it past 1.25 x the pool's mean: that
+    # one computes the prefix on the other replica (a miss); from then on both hold it and share
+    # group 0's hits, and group 1 goes to the lighter.
     ours = simulate(workload, "prefix_cost", config, cost)
-    assert [r.num_cached_tokens for r in ours.records] == [0, 8, 8, 8, 8, 8, 0, 8, 8, 8, 0]
+    assert [r.num_cached_tokens for r in ours.records] == [0, 8, 8, 0, 8, 8, 8, 8, 8, 8, 0]
     replicas = [r.replica for r in ours.records]
-    assert len(set(replicas[:6])) == 1 and len(set(replicas[6:])) == 1 and replicas[0] != replicas[6]
+    assert len(set(replicas[:3])) == 1 and replicas[3] != replicas[0] and len(set(replicas[3:])) == 2
     assert ours.decisions == {"tie_break": 2, "prefix_hit": 8, "load_bound": 1}
     rr = simulate(workload, "round_robin", config, cost)
     assert [r.num_cached_tokens for r in rr.records] == [0, 0] + [8] * 8 + [0]  # alternates: r1 misses
