@@ -21,12 +21,13 @@ A router's first stats of a replica set its baseline (a router started while the
 counts from then on: its bound comes into force as it sees the pool work, and until then admits
 every replica, as a router at a cold start does). A worker reports its counters from its first
 stats on, zeros before its first request, and a router at a cold start takes those zeros as its
-baseline: once, only non-zero counters were, and a replica whose first non-zero stats reached the
-router late had the prefills before them left out of its load, while the other's were in (seen
-on a loaded machine: 320 tokens against 0 for two replicas that had computed 576 each, and the
-bound sent a prefix's next request to compute it again on the replica that looked idle). Counters that go down are a restarted engine:
-its new counts start a new baseline. What was routed after a replica's last stats is not in its
-counters; the router adds it (its queued prefill tokens, router/routing_state.py).
+baseline. (Once only non-zero counters were: a replica whose first non-zero stats reached the
+router late had the prefills before them left out of its load while the other's were in; seen on
+a loaded machine, 320 tokens against 0 for two replicas that had computed 576 each, and the bound
+sent a prefix's next request to compute it again on the replica that looked idle.) Counters that
+go down are a restarted engine: its new counts start a new baseline. What was routed after a
+replica's last stats is not in its counters; the router adds it (its queued prefill tokens,
+router/routing_state.py).
 """
 
 from __future__ import annotations

@@ -72,8 +72,8 @@ class Sequence:
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    # prompt tokens the prefix cache held as it was queued: until it is scheduled, its queued
-    # prefill is the rest (LLMEngine.stats), not the whole prompt
+    # prompt tokens it should find cached (the engine's lookup as it was queued, or the worker's
+    # expectation if more): until it is scheduled, its queued prefill is the rest (LLMEngine.stats)
     expected_cached_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of full blocks, in order
