@@ -84,8 +84,18 @@ class DashboardClient:
                 "head node where ~/.ray/auth_token exists."
             )
         if response.status_code >= 400:
-            raise OpsError(f"{method} {path} on the Ray dashboard failed ({response.status_code}): {response.text[:500]}")
+            raise OpsError(f"{method} {path} on the Ray dashboard failed ({response.status_code}): {_reason(response.text)}")
         return response
+
+
+def _reason(text: str, limit: int = 500) -> str:
+    """A dashboard error's reason: for a traceback, its last line (the exception: a 500 from a
+    proxy that could not bind its port ends in "RuntimeError: Failed to bind to address ..."),
+    not its first 500 characters, which are the frames above it."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("Traceback"):
+        return lines[-1][:limit]
+    return text[:limit]
 
 
 def serve_deploy_config(config) -> dict:

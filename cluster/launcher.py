@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -83,12 +84,20 @@ def start(config: ServeConfig, *, declarative: bool = False) -> bool:
             )
             started_ray = True
     if declarative:
-        from cluster.dashboard import DashboardClient, serve_deploy_config, wait_until_running
+        from cluster.dashboard import DashboardClient, OpsError, serve_deploy_config, wait_until_running
 
         dashboard = dashboard_url(context)
         client = DashboardClient(dashboard)
         try:
-            client.put_applications(serve_deploy_config(config))
+            try:
+                client.put_applications(serve_deploy_config(config))
+            except OpsError as exc:
+                if "Failed to bind to address" not in str(exc):
+                    raise
+                # free when checked at start (_check_port_free), taken before Serve's proxy bound it
+                raise OpsError(f"{config.http.host}:{config.http.port} is in use by another process (taken while "
+                               "Ray started). Stop it, or pick another port with KVRELAY_HTTP__PORT=... or http.port "
+                               "in the config file.") from exc
             wait_until_running(client, config.app_name)
         finally:
             client.close()
@@ -130,8 +139,14 @@ def stop(config: ServeConfig, *, stop_ray: bool) -> None:
 def serve_forever(config: ServeConfig) -> int:
 
     t0 = time.monotonic()
+    from cluster.dashboard import OpsError
+
     print(f"kvrelay: starting {config.mode} serving of {config.model} ...", flush=True)
-    started_ray = start(config, declarative=True)
+    try:
+        started_ray = start(config, declarative=True)
+    except OpsError as exc:  # the deploy was refused: say why, not a traceback (a Ray started here ends with us)
+        print(f"kvrelay serve: {exc}", file=sys.stderr, flush=True)
+        return 1
     host = "127.0.0.1" if config.http.host in ("0.0.0.0", "::") else config.http.host
     dashboard = dashboard_url()
     print(

@@ -429,23 +429,31 @@ def _run_peers(p: ScenarioParams, model_dir: Path, port: int, log_dir: Path) -> 
                 result.info[run_label] = {"skipped": f"no kvrelay venv with vLLM at {p.vllm_venv} (make vllm-env)", **recorded}
                 _progress(f"{run_label}: skipped, {result.info[run_label]['skipped']}")
                 continue
-            app_port = local_ray.free_port()
-            config = kvrelay_config(p, model_dir, mode, app_port, app=f"kvrelay-vllm-{mode}", one_engine=True, backend="vllm")
             log_name = run_label.replace("[", "-").replace("]", "")
-            config_path = log_dir / f"{log_name}.yaml"
-            config_path.parent.mkdir(parents=True, exist_ok=True)
-            config_path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_unset=True), sort_keys=False))
-            argv = [vllm_python, "-m", "serving.cli", "serve", "--config", config_path]
-            try:  # `kvrelay serve` in .venv-vllm: a Ray of its own, stopped with it
-                # ready when every pool has a live replica: its ingress lists models before vLLM has started
-                with servers.subprocess_server(run_label, argv, base_url=config_url(config), ready_path="/health",
-                                               log_path=log_dir / f"{log_name}.log", env=env_overrides(c),
-                                               progress=_progress) as info:
-                    result.info[run_label] = {**info, **recorded}
-                    result.runs[run_label] = measure(config_url(config), w, run_label)
-            except servers.ScenarioError as exc:
-                result.info[run_label] = {"failed": str(exc), **recorded}
-                _progress(f"{run_label}: FAILED: {exc}")
+            for attempt in range(2):
+                # A port free when picked can be taken by the time Serve's proxy binds it (its own
+                # Ray starts in between, and binds ports of its own): that start is retried once.
+                app_port = local_ray.free_port()
+                config = kvrelay_config(p, model_dir, mode, app_port, app=f"kvrelay-vllm-{mode}", one_engine=True, backend="vllm")
+                config_path = log_dir / f"{log_name}.yaml"
+                config_path.parent.mkdir(parents=True, exist_ok=True)
+                config_path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_unset=True), sort_keys=False))
+                argv = [vllm_python, "-m", "serving.cli", "serve", "--config", config_path]
+                try:  # `kvrelay serve` in .venv-vllm: a Ray of its own, stopped with it
+                    # ready when every pool has a live replica: its ingress lists models before vLLM has started
+                    with servers.subprocess_server(run_label, argv, base_url=config_url(config), ready_path="/health",
+                                                   log_path=log_dir / f"{log_name}.log", env=env_overrides(c),
+                                                   progress=_progress) as info:
+                        result.info[run_label] = {**info, **recorded}
+                        result.runs[run_label] = measure(config_url(config), w, run_label)
+                    break
+                except servers.ScenarioError as exc:
+                    if attempt == 0 and "is in use by another process" in str(exc):  # cluster/launcher.py
+                        _progress(f"{run_label}: port {app_port} was taken before the proxy bound it; again on another")
+                        continue
+                    result.info[run_label] = {"failed": str(exc), **recorded}
+                    _progress(f"{run_label}: FAILED: {exc}")
+                    break
     python = servers.peer_python(Path(p.peers_venv))
     for system in [s for s in wanted if s in PEERS]:
         # (label, peer configuration or None, env over this process's: a None value unsets)

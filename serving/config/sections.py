@@ -129,7 +129,8 @@ class PoolConfig(StrictModel):
         description="What the engine's idle OpenMP threads do: spin (active) or sleep (passive). "
         "auto: passive when the engine's threads fill the cores a replica may use (its cpu_affinity, "
         "else the machine's), where spinning keeps the serving processes off the cores (measured "
-        "+12% served tok/s on 2 cores); else OpenMP's default (serving/config/layout.py).",
+        "+12% served tok/s on 2 cores); else OpenMP's default. On vLLM's engine (backend: vllm) auto is "
+        "always OpenMP's default, as vLLM's own server runs (serving/config/layout.py).",
     )
 
     @model_validator(mode="after")

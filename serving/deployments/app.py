@@ -122,7 +122,8 @@ def _pool(deployment, config: ServeConfig, pool: PoolConfig, router_config: Requ
     env = _replica_env()
     # OpenMP reads its wait policy at process start: it travels in the env (serving/config/layout.py).
     # `auto` leaves one set for the whole Ray cluster (OMP_WAIT_POLICY in this environment) alone.
-    policy = omp_wait_policy(pool.omp_wait_policy, config.engine_config(pool).num_threads, pool.cpu_affinity, node_cores())
+    engine = config.engine_config(pool)
+    policy = omp_wait_policy(pool.omp_wait_policy, engine.num_threads, pool.cpu_affinity, node_cores(), engine.backend)
     if policy is not None and not (pool.omp_wait_policy == "auto" and "OMP_WAIT_POLICY" in os.environ):
         env["OMP_WAIT_POLICY"] = policy
     actor_options: dict[str, Any] = {"num_cpus": pool.num_cpus, "runtime_env": {"env_vars": env}}

@@ -48,6 +48,23 @@ def test_token_is_sent_and_401_explains_the_fix():
         fake.client(token="wrong").get_applications()
 
 
+def test_a_failed_put_names_the_exception_at_the_end_of_the_dashboard_traceback():
+    # the dashboard's 500 when Serve's proxy cannot bind the HTTP port (recorded from Ray 2.60)
+    text = ('Traceback (most recent call last):\n  File ".../ray/dashboard/optional_utils.py", line 241, in decorator\n'
+            '    return await f(self, *args, **kwargs)\n' + '  File "...", line 1, in f\n    x\n' * 20 +
+            "ray.exceptions.RayTaskError(RuntimeError): ray::ProxyActor.ready() (pid=1850)\n"
+            "RuntimeError: Failed to bind to address '127.0.0.1:46619'.\n")
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(500, text=text)
+
+    client = dashboard.DashboardClient("http://dash:8265", token="t", transport=httpx.MockTransport(handler))
+    with pytest.raises(dashboard.OpsError) as info:
+        client.put_applications({"applications": []})
+    assert str(info.value) == ("PUT /api/serve/applications/ on the Ray dashboard failed (500): "
+                               "RuntimeError: Failed to bind to address '127.0.0.1:46619'.")
+
+
 def test_token_lookup_order(tmp_path, monkeypatch):
     path = tmp_path / "token"
     path.write_text("from-file\n")

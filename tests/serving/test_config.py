@@ -181,6 +181,9 @@ def test_omp_wait_policy_is_passive_where_the_engine_fills_the_cores():
     assert omp_wait_policy("auto", None, [], cores=8) == "PASSIVE"  # torch's default: every core
     assert omp_wait_policy("active", 2, [], cores=2) == "ACTIVE"
     assert omp_wait_policy("passive", 1, [], cores=64) == "PASSIVE"
+    # vLLM's EngineCore spin-waits for its worker: passive threads would hand it the cores
+    assert omp_wait_policy("auto", 2, [], cores=2, backend="vllm") is None
+    assert omp_wait_policy("passive", 2, [], cores=2, backend="vllm") == "PASSIVE"  # an operator's choice stands
 
 
 def test_build_app_puts_the_wait_policy_in_the_worker_env(monkeypatch):
@@ -192,6 +195,9 @@ def test_build_app_puts_the_wait_policy_in_the_worker_env(monkeypatch):
     worker = app._bound_deployment.init_args[2]  # OpenAIIngress(config, prefill, decode)
     assert worker._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]["OMP_WAIT_POLICY"] == "PASSIVE"
     app = build_app(ServeConfig(mode="colocated", worker={"engine": {"num_threads": 1}}))
+    worker = app._bound_deployment.init_args[2]
+    assert "OMP_WAIT_POLICY" not in worker._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]
+    app = build_app(ServeConfig(mode="colocated", engine={"backend": "vllm"}, worker={"engine": {"num_threads": 2}}))
     worker = app._bound_deployment.init_args[2]
     assert "OMP_WAIT_POLICY" not in worker._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]
 
