@@ -90,6 +90,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _torch_threads_per_module():
+    """torch's thread count is the process's: an in-process engine built with num_threads=1 (the
+    API tests' engines) left every later module of the run on one thread, and the engine tests
+    after them ran up to 1.5x slower in the suite than alone (the bf16 placement check: 62 s
+    against 42). Each module ends by putting back the count it started with."""
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tokenizer(default_model_dir):
     """The default model's tokenizer."""
