@@ -44,6 +44,9 @@ def ray_init_kwargs(config: ServeConfig) -> dict:
     return {"object_store_memory": config.ray.object_store_bytes} if config.ray.object_store_bytes else {}
 
 
+_PICK_ANOTHER_PORT = "pick another port with KVRELAY_HTTP__PORT=... or http.port in the config file."
+
+
 def _check_port_free(host: str, port: int) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -52,8 +55,7 @@ def _check_port_free(host: str, port: int) -> None:
         except OSError as exc:
             raise SystemExit(
                 f"kvrelay: {host}:{port} is already in use ({exc.strerror}). Is kvrelay already "
-                f"running? Stop it, or pick another port with KVRELAY_HTTP__PORT=... or http.port "
-                "in the config file."
+                f"running? Stop it, or {_PICK_ANOTHER_PORT}"
             ) from None
 
 
@@ -96,8 +98,7 @@ def start(config: ServeConfig, *, declarative: bool = False) -> bool:
                     raise
                 # free when checked at start (_check_port_free), taken before Serve's proxy bound it
                 raise OpsError(f"{config.http.host}:{config.http.port} is in use by another process (taken while "
-                               "Ray started). Stop it, or pick another port with KVRELAY_HTTP__PORT=... or http.port "
-                               "in the config file.") from exc
+                               f"Ray started). Stop it, or {_PICK_ANOTHER_PORT}") from exc
             wait_until_running(client, config.app_name)
         finally:
             client.close()
@@ -137,10 +138,9 @@ def stop(config: ServeConfig, *, stop_ray: bool) -> None:
 
 
 def serve_forever(config: ServeConfig) -> int:
-
-    t0 = time.monotonic()
     from cluster.dashboard import OpsError
 
+    t0 = time.monotonic()
     print(f"kvrelay: starting {config.mode} serving of {config.model} ...", flush=True)
     try:
         started_ray = start(config, declarative=True)
