@@ -442,10 +442,7 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 def _rope_tables(spec: ModelSpec, device: torch.device, dtype: torch.dtype, layer_type: str | None = None):
     """cos/sin for every position, [max_pos, head_dim], from transformers' rope init functions
     (`layer_type`: Gemma 3's rope_parameters of that layer type)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    config = spec.hf_config
-    params = config.rope_parameters[layer_type] if layer_type else config.rope_parameters
+    params = spec.rope_parameters[layer_type] if layer_type else spec.rope_parameters
     rope_type = params.get("rope_type", "default") if layer_type else spec.rope_type
     rotary = spec.rotary_dim or spec.head_dim
     if rope_type == "default":
@@ -453,8 +450,10 @@ def _rope_tables(spec: ModelSpec, device: torch.device, dtype: torch.dtype, laye
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary, 2, dtype=torch.int64).float() / rotary))
         attention_scaling = 1.0
     else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
         extra = {"layer_type": layer_type} if layer_type else {}
-        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **extra)
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](spec.hf_config, torch.device("cpu"), **extra)
     if inv_freq.numel() != rotary // 2:  # a rope init function that ignored partial_rotary_factor
         raise ModelLoadError(f"RoPE ({rope_type}) gave {inv_freq.numel()} frequencies for {rotary} turned head dims "
                              f"in {spec.path}; expected {rotary // 2}")

@@ -16,15 +16,18 @@ transformers provides config, tokenizer and GGUF dequantisation; the forward pas
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
+import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -174,7 +177,8 @@ class ModelSpec:
     attention_bias: bool
     mlp_bias: bool
     eos_token_ids: tuple[int, ...]
-    hf_config: object  # transformers PretrainedConfig, for the rope init functions
+    # The config's rope_parameters as transformers standardises them (Gemma 3: one per layer type)
+    rope_parameters: dict = field(default_factory=dict, compare=False, hash=False)
     qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before RoPE
     fused_projections: bool = False  # Phi-3: one qkv_proj and one gate_up_proj weight per layer
     # Per layer, the sliding window in tokens a position sees back (itself included); 0: all of them
@@ -227,11 +231,87 @@ class ModelSpec:
 
     @property
     def rope_type(self) -> str:
-        params = getattr(self.hf_config, "rope_parameters", None) or {}
-        return params.get("rope_type", "default")
+        return self.rope_parameters.get("rope_type", "default")
+
+    @functools.cached_property
+    def hf_config(self):
+        """transformers' config object, for the rope init functions of a RoPE other than the
+        default one: read only where one is needed (see _remembered)."""
+        from transformers import AutoConfig
+
+        with _offline():
+            return AutoConfig.from_pretrained(self.path)
+
+
+# ---- what transformers reads from a model's files, remembered ----------------------------------
+# Reading a config through transformers imports its model's config class, which pulls in
+# torch.distributed.tensor and sympy; AutoTokenizer reads the config to pick its class. Measured on
+# this project's 2-core machine: about 2.5 s of CPU in every process that loads a model (each
+# replica of every pool, each restart, each scale-up), for a result a few hundred bytes long. So
+# the first process that reads a model's files keeps what it read under the cache dir, keyed by
+# those files' bytes and transformers' version; the others read that back.
+_READ_FORMAT = 1
+_TUPLE_FIELDS = ("eos_token_ids", "layer_windows", "layer_rope_types")
+
+
+def _read_key(model_dir: Path, names: tuple[str, ...]) -> str | None:
+    digest = hashlib.sha256(f"{_READ_FORMAT}\0{importlib.metadata.version('transformers')}".encode())
+    try:
+        for name in names:
+            path = model_dir / name
+            digest.update(name.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"\0absent") + b"\0")
+    except OSError:
+        return None
+    return digest.hexdigest()[:32]
+
+
+def _remembered(kind: str, model_dir: Path, names: tuple[str, ...], read, to_json, from_json):
+    """read() once per contents of `names` in model_dir: its to_json() form is kept under
+    cache_dir()/model-reads/ and from_json() gives it back. An entry that cannot be read or
+    written is read again (a cache that cannot be written costs time, nothing else)."""
+    key = _read_key(model_dir, names)
+    if key is None:
+        return read()
+    path = cache_dir() / "model-reads" / f"{kind}-{key}.json"
+    if path.is_file():
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError, ImportError):
+            return from_json(json.loads(path.read_text()))
+        logger.warning("ignoring an unreadable %s", path)
+    value = read()
+    with contextlib.suppress(OSError, TypeError, ValueError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as out:
+                json.dump(to_json(value), out)
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    return value
+
+
+def _spec_to_json(spec: ModelSpec) -> dict:
+    data = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "path"}
+    json.dumps(data)  # a value JSON cannot hold raises TypeError here: not kept
+    return data
+
+
+def _spec_from_json(model_dir: Path):
+    def build(data: dict) -> ModelSpec:
+        data = {**data, **{name: tuple(data[name]) for name in _TUPLE_FIELDS}}
+        return ModelSpec(path=Path(model_dir), **data)
+
+    return build
 
 
 def load_model_spec(model_dir: Path) -> ModelSpec:
+    model_dir = Path(model_dir)
+    return _remembered("spec", model_dir, ("config.json", "generation_config.json"),
+                       lambda: _read_model_spec(model_dir), _spec_to_json, _spec_from_json(model_dir))
+
+
+def _read_model_spec(model_dir: Path) -> ModelSpec:
     from transformers import AutoConfig, GenerationConfig
 
     with _offline():
@@ -277,7 +357,7 @@ def load_model_spec(model_dir: Path) -> ModelSpec:
             eos += _as_list(gen.eos_token_id)
     eos += _as_list(config.eos_token_id)
     num_heads = config.num_attention_heads
-    return ModelSpec(
+    spec = ModelSpec(
         path=Path(model_dir),
         architecture=arch,
         vocab_size=config.vocab_size,
@@ -293,7 +373,7 @@ def load_model_spec(model_dir: Path) -> ModelSpec:
         attention_bias=bool(getattr(config, "attention_bias", arch == "Qwen2ForCausalLM")),
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         eos_token_ids=tuple(dict.fromkeys(eos)),
-        hf_config=config,
+        rope_parameters=dict(params),
         qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
         layer_windows=layer_windows,
         family="gemma" if gemma else "llama",
@@ -304,6 +384,8 @@ def load_model_spec(model_dir: Path) -> ModelSpec:
         fused_projections=arch == "Phi3ForCausalLM",
         rotary_dim=rotary_dim,
     )
+    spec.__dict__["hf_config"] = config  # read already (ModelSpec.hf_config)
+    return spec
 
 
 def permute_qk_rows(tensor, spec: ModelSpec):
@@ -346,11 +428,34 @@ def _as_list(value) -> list[int]:
 
 
 def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
+    """The tokenizer AutoTokenizer gives for model_dir. The class it picked is remembered (see
+    _remembered), and later loads build that class directly, as AutoTokenizer's last step does."""
+    model_dir = Path(model_dir)
+    picked: list = []
+
+    def auto() -> dict:
+        from transformers import AutoTokenizer
+
+        picked.append(AutoTokenizer.from_pretrained(model_dir))
+        return {"module": type(picked[0]).__module__, "name": type(picked[0]).__qualname__}
+
+    def direct(data: dict):
+        return getattr(importlib.import_module(data["module"]), data["name"]).from_pretrained(model_dir)
 
     with _offline():
         try:
-            return AutoTokenizer.from_pretrained(model_dir)
+            # the files AutoTokenizer's choice reads: the config's model type, the declared class,
+            # and whether tokenizer.json is byte-level
+            names = ("config.json", "tokenizer_config.json", "tokenizer.json")
+            chosen = _remembered("tokenizer", model_dir, names, auto, lambda data: data, lambda data: data)
+            if picked:
+                return picked[0]
+            try:
+                return direct(chosen)
+            except Exception:  # noqa: BLE001 - a remembered class that no longer loads: ask again
+                logger.warning("the remembered tokenizer class %s.%s did not load %s; using AutoTokenizer",
+                               chosen.get("module"), chosen.get("name"), model_dir, exc_info=True)
+                return auto() and picked[0]
         except Exception as exc:
             raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
 
