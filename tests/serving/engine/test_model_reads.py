@@ -5,6 +5,8 @@ are the ones transformers gives, and it gets them without importing a model's co
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -98,17 +100,22 @@ def test_a_remembered_tokenizer_is_the_class_autotokenizer_picked_and_encodes_al
     assert again.apply_chat_template(chat, tokenize=False) == first.apply_chat_template(chat, tokenize=False)
 
 
-def test_a_process_with_the_reads_remembered_builds_an_engine_without_a_model_config_class(cache, tiny_model_dir):
-    """The point of remembering: the config classes' imports (torch.distributed.tensor, sympy)."""
+def test_a_process_with_the_reads_remembered_builds_an_engine_without_a_model_config_class(tmp_path, tiny_model_dir):
+    """The point of remembering: the config classes' imports (torch.distributed.tensor, sympy).
+    The session's cache dir (its built kernels kept; native kernels off anyway: imports are the
+    question) and a model whose config no earlier test read."""
+    model_dir = Path(shutil.copytree(tiny_model_dir, tmp_path / "tiny"))
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "kvrelay_test_copy": str(tmp_path)}))
     script = (
         "import sys; from serving.engine.async_engine import AsyncEngine; from serving.engine.config import EngineConfig; "
-        f"AsyncEngine(EngineConfig(model={str(tiny_model_dir)!r}, kv_cache_bytes=2**20)).shutdown(); "
+        f"AsyncEngine(EngineConfig(model={str(model_dir)!r}, kv_cache_bytes=2**20)).shutdown(); "
         "print(sorted(m for m in ('sympy', 'transformers.core_model_loading', 'transformers.models.llama.configuration_llama') "
         "if m in sys.modules))"
     )
-    env = {**__import__("os").environ, "KVRELAY_CACHE_DIR": str(cache)}
+    env = {**os.environ, "KVRELAY_DISABLE_NATIVE": "1"}
     runs = [subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                            timeout=300, check=False) for _ in range(2)]
     assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr[-3000:]
-    assert runs[0].stdout.splitlines()[-1] != "[]"  # the first one read through transformers
+    assert runs[0].stdout.splitlines()[-1] == "['sympy', 'transformers.core_model_loading', 'transformers.models.llama.configuration_llama']"
     assert runs[1].stdout.splitlines()[-1] == "[]"
