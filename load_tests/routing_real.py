@@ -1,5 +1,6 @@
 """The routing benchmark on a real pool: the workload sent to PrefillWorker replicas of a local
-Ray Serve app through a deployment handle, once per policy (a fresh app each time, so every policy
+Ray Serve app (the prefill pool alone: serving/deployments/app.py, build_prefill_pool) through a
+deployment handle, once per policy (a fresh app each time, so every policy
 starts from cold caches).
 
     driver (this process): Serve handle to PrefillWorker ── its router: RouterState + the policy
@@ -90,12 +91,12 @@ def run_policy(policy: str, workload: Workload, config, warmup: list[list[int]],
     from ray import serve
 
     from serving.deployments import kv_transfer
-    from serving.deployments.app import build_app
+    from serving.deployments.app import build_prefill_pool
 
     app = config.app_name
     progress(f"real: {policy}: deploying {config.prefill.num_replicas} prefill replicas")
     started = time.monotonic()
-    serve.run(build_app(config), name=app, route_prefix=f"/{app}")
+    serve.run(build_prefill_pool(config), name=app, route_prefix=None)
     startup_s = time.monotonic() - started
     try:
         handle = serve.get_deployment_handle("PrefillWorker", app_name=app)

@@ -27,7 +27,7 @@ from serving.deployments.limits_sync import LimitsExchangeDeployment
 from serving.deployments.replicas import DecodeWorker, OpenAIIngress, PrefillWorker, Worker
 from serving.observability import tracing
 
-__all__ = ["build_app", "config_from_args", "REPLICA_ENV", "INGRESS_RETRY_AFTER_S"]
+__all__ = ["build_app", "build_prefill_pool", "config_from_args", "REPLICA_ENV", "INGRESS_RETRY_AFTER_S"]
 
 INGRESS_RETRY_AFTER_S = 1  # the proxy's Retry-After when the ingress queue is full (as queue_full's)
 
@@ -74,6 +74,15 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> Application:
     decode = _pool(DecodeWorker, config, config.decode, decode_router, scaling["decode"]).bind(data)
     return ingress.bind(data, prefill, decode, price=_price_data(price), limits=_limits_exchange(config),
                            adapters=_adapter_registry(config))
+
+
+def build_prefill_pool(config: ServeConfig) -> Application:
+    """The prefill pool alone, routed as in build_app, with no ingress and no decode pool: for a
+    benchmark that sends WorkerRequests to it by handle (load_tests/routing_real.py), which then
+    starts half the replicas per app."""
+    routing = config.routing
+    prefill_router = _router(PrefixAwareRequestRouter, routing.prefill_policy, routing.prefill_params, routing)
+    return _pool(PrefillWorker, config, config.prefill, prefill_router).bind(config.model_dump(mode="json"))
 
 
 def _adapter_registry(config: ServeConfig):
