@@ -10,7 +10,10 @@ A model source is one of:
 The cache dir is `$KVRELAY_CACHE_DIR` or `~/.cache/kvrelay`. Nothing is fetched from a hub:
 `HF_HUB_OFFLINE` is forced on while loading.
 
-transformers provides config, tokenizer and GGUF dequantisation; the forward pass is ours.
+transformers provides config, tokenizer and GGUF dequantisation; the forward pass is ours. What it
+reads from a model's config (the ModelSpec) and the tokenizer class AutoTokenizer picks are kept
+under `<cache dir>/model-reads/`, keyed by the files' bytes and transformers' version, so a replica
+that starts after the first one skips transformers' config classes (see _remembered).
 """
 
 from __future__ import annotations
