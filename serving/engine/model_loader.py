@@ -12,7 +12,7 @@ The cache dir is `$KVRELAY_CACHE_DIR` or `~/.cache/kvrelay`. Nothing is fetched 
 
 transformers provides config, tokenizer and GGUF dequantisation; the forward pass is ours. What it
 reads from a model's config (the ModelSpec) and the tokenizer class AutoTokenizer picks are kept
-under `<cache dir>/model-reads/`, keyed by the files' bytes and transformers' version, so a replica
+under `<cache dir>/model-reads/`, keyed by the files' bytes and the readers' versions, so a replica
 that starts after the first one skips transformers' config classes (see _remembered).
 """
 
@@ -252,13 +252,19 @@ class ModelSpec:
 # this project's 2-core machine: about 2.5 s of CPU in every process that loads a model (each
 # replica of every pool, each restart, each scale-up), for a result a few hundred bytes long. So
 # the first process that reads a model's files keeps what it read under the cache dir, keyed by
-# those files' bytes and transformers' version; the others read that back.
-_READ_FORMAT = 1
+# those files' bytes, transformers' version and this file's; the others read that back.
 _TUPLE_FIELDS = ("eos_token_ids", "layer_windows", "layer_rope_types")
 
 
+@functools.cache
+def _reader_version() -> bytes:
+    """transformers' version and this file's bytes: a change to what is read (a ModelSpec field,
+    _read_model_spec) makes every entry stale."""
+    return importlib.metadata.version("transformers").encode() + b"\0" + hashlib.sha256(Path(__file__).read_bytes()).digest()
+
+
 def _read_key(model_dir: Path, names: tuple[str, ...]) -> str | None:
-    digest = hashlib.sha256(f"{_READ_FORMAT}\0{importlib.metadata.version('transformers')}".encode())
+    digest = hashlib.sha256(_reader_version())
     try:
         for name in names:
             path = model_dir / name
@@ -458,7 +464,8 @@ def load_tokenizer(model_dir: Path):
             except Exception:  # noqa: BLE001 - a remembered class that no longer loads: ask again
                 logger.warning("the remembered tokenizer class %s.%s did not load %s; using AutoTokenizer",
                                chosen.get("module"), chosen.get("name"), model_dir, exc_info=True)
-                return auto() and picked[0]
+                auto()
+                return picked[-1]
         except Exception as exc:
             raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
 
