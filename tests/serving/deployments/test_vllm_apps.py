@@ -56,11 +56,15 @@ def served(tmp_path_factory, default_model_dir, needs_vllm):
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # Both apps start together (serve.run_many): a vLLM engine's start waits on its own
+        # processes part of the time, which the other app's engines fill.
+        targets = []
         for name, layout in configs.items():
             config = ServeConfig.model_validate({"model": str(default_model_dir), "served_model_name": "smol",
                                                  "app_name": name, "engine": ENGINE, "ingress": {"num_cpus": 0.05},
                                                  **layout})
-            serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+            targets.append(serve.RunTarget(build_app(config), name=name, route_prefix=f"/{name}"))
+        serve.run_many(targets)
         yield {"coloc": f"http://127.0.0.1:{port}/vllm", "pd": f"http://127.0.0.1:{port}/{APP}"}
         kv_transfer.kill_all(APP)
         serve.shutdown()
