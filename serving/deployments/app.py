@@ -64,7 +64,7 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> Application:
     policy = load_policy(config.autoscaling_policy) if config.autoscaling_policy else None
     scaling = {pool: serve_autoscaling_config(pool, policy) if policy else None for pool in ("prefill", "decode", "worker")}
     routing = config.routing
-    prefill_router = _router(PrefixAwareRequestRouter, routing.prefill_policy, routing.prefill_params, routing)
+    prefill_router = _prefill_router(routing)
     if config.mode == "colocated":
         worker = _pool(Worker, config, config.worker, prefill_router, scaling["worker"]).bind(data)
         return ingress.bind(data, None, worker, price=_price_data(price), limits=_limits_exchange(config),
@@ -80,9 +80,7 @@ def build_prefill_pool(config: ServeConfig) -> Application:
     """The prefill pool alone, routed as in build_app, with no ingress and no decode pool: for a
     benchmark that sends WorkerRequests to it by handle (load_tests/routing_real.py), which then
     starts half the replicas per app."""
-    routing = config.routing
-    prefill_router = _router(PrefixAwareRequestRouter, routing.prefill_policy, routing.prefill_params, routing)
-    return _pool(PrefillWorker, config, config.prefill, prefill_router).bind(config.model_dump(mode="json"))
+    return _pool(PrefillWorker, config, config.prefill, _prefill_router(config.routing)).bind(config.model_dump(mode="json"))
 
 
 def _adapter_registry(config: ServeConfig):
@@ -116,6 +114,11 @@ def _replica_env() -> dict[str, str]:
 
 def _price_data(price: ModelPrice | None) -> dict | None:
     return price.model_dump(mode="json") if price is not None else None
+
+
+def _prefill_router(routing: RoutingConfig) -> RequestRouterConfig:
+    """The prefill (or colocated) pool's router: prefix-aware, by routing.prefill_policy."""
+    return _router(PrefixAwareRequestRouter, routing.prefill_policy, routing.prefill_params, routing)
 
 
 def _router(cls, policy: str, params: dict, routing: RoutingConfig) -> RequestRouterConfig:

@@ -301,9 +301,8 @@ def _remembered(kind: str, model_dir: Path, names: tuple[str, ...], read, to_jso
 
 
 def _spec_to_json(spec: ModelSpec) -> dict:
-    data = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "path"}
-    json.dumps(data)  # a value JSON cannot hold raises TypeError here: not kept
-    return data
+    # a value JSON cannot hold raises TypeError in _remembered's dump: then not kept
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "path"}
 
 
 def _spec_from_json(model_dir: Path):
