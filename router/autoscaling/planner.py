@@ -13,7 +13,10 @@ with Holt's linear trend (forecast.py) cold_start_s ahead: a count decided now h
 load until a replica asked for later can work, and since a pool whose need outgrows its count
 scales up at once (between plans too), that is cold_start_s from now, not a plan later. The plan
 takes the larger of the value now and the forecast: on a line, the peak of that time is at one
-of its ends. With forecast.recurrence, surges that came twice at the same gap
+of its ends. The request rate "now" is the window's only when it rose above the smoothed level by
+more than forecast.significance standard deviations of its Poisson count (sqrt(rate / window_s));
+otherwise it is the level. A pool sitting just below a replica's boundary would otherwise scale up
+on the first window that counted a few arrivals more, and its hysteresis would keep the replica. With forecast.recurrence, surges that came twice at the same gap
 are pre-warmed before the next (recurrence.py).
 
 Prefill at the TTFT target. A request waits for a replica, then takes s = prompt / tokens_per_s.
@@ -34,8 +37,10 @@ met at attainment 0.97). It takes the stationary law of the pool's streams, a bi
 with the router's even placement (decode_model.py), and the batch each decoded token sees under
 it, averaged over a stream's life (its TPOT is its mean step: the spread narrows by the life
 against the count's correlation time, decode_model.life_average); the plan is the fewest c at
-which that batch's mean + z(attainment) * its std fits b_max; never fewer than the sequences
-running now need.
+which that batch's mean + z(attainment) * its std fits b_max. Sequences running now stay on
+their replicas (their KV cache is there), so replicas added now serve only new arrivals: the
+running ones keep one replica at least and size nothing else (sizing for them overshot every cold
+start: the first streams pile onto the first replica while the next ones start).
 
 Flow. Prefill is planned first, and decode plans for at least the rate prefill plans for (its
 arrivals and its queue's drain): every prefilled request decodes next, so a burst sizes decode as
@@ -173,8 +178,8 @@ def prefill_replicas(policy: PlannerPolicy, rate: float, prompt_tokens: float, c
 def decode_replicas(policy: PlannerPolicy, rate: float, decode_tokens: float, correction: float = 1.0,
                     num_seqs: float = 0.0, limit: int = 4096, tokens_per_step: float = 1.0) -> int:
     """Fewest decode replicas at which the batch the decoded tokens see, at its attainment
-    quantile, stays within the TPOT target; and at least enough for the sequences running now
-    (module docstring; the law is router/autoscaling/decode_model.py).
+    quantile, stays within the TPOT target; at least one while sequences run (module docstring;
+    the law is router/autoscaling/decode_model.py).
 
     With speculative decoding a sequence gains `tokens_per_step` tokens per step (measured), so
     the law runs in steps: a request takes decode_tokens / tokens_per_step of them, and its TPOT
@@ -189,8 +194,8 @@ def decode_replicas(policy: PlannerPolicy, rate: float, decode_tokens: float, co
     decode_tokens = decode_tokens / tokens_per_step  # steps per request, from here on
     work = max(0.0, rate * decode_tokens)  # sequence-steps/s to run
     if work <= 0:
-        return 0 if num_seqs <= 0 else max(1, math.ceil(num_seqs / max_batch - _EPS))
-    for c in range(max(1, math.ceil(num_seqs / max_batch - _EPS), math.floor(work * per_seq_s) + 1), limit + 1):
+        return 0 if num_seqs <= 0 else 1
+    for c in range(max(1, math.floor(work * per_seq_s) + 1), limit + 1):
         law = stream_law(work, c, base_s, per_seq_s)
         if law is None:
             continue
@@ -228,6 +233,17 @@ def _learn(policy: PlannerPolicy, pool: str, load: PoolLoad, correction: float) 
     return min(max(learnt, _CORRECTION_RANGE[0]), _CORRECTION_RANGE[1])
 
 
+def _rate_now(policy: PlannerPolicy, observed: float, before: float | None, level: float | None,
+              window_s: float) -> float:
+    """The request rate to plan for now: the window's, if it rose above the smoothed level it
+    found (`before`) by more than forecast.significance standard deviations of its count; else the
+    level (`level`: after this window, if it was folded in). Module docstring."""
+    if before is None or level is None:
+        return observed
+    noise = math.sqrt(max(observed, before) / window_s)
+    return observed if observed > before + policy.forecast.significance * noise else level
+
+
 # ---- one pool ----------------------------------------------------------------------------------
 class Flow(NamedTuple):
     """Requests/s a pool plans for, passed on to the next pool (every prefilled request decodes)."""
@@ -250,21 +266,23 @@ def plan_pool(policy: PlannerPolicy, pool: str, bounds: PoolPolicy, load: PoolLo
     if between:
         # Between plans the forecast and the learning stand still, but a pool whose load (a
         # burst's queue, the prefill pool's flow) outgrows it scales up now, not at the next plan.
-        planned_rate = max(load.requests_per_s, rate.forecast(policy.horizon_steps), upstream.planned)
+        rate_now = _rate_now(policy, load.requests_per_s, rate.level, rate.level, bounds.window_s)
+        planned_rate = max(rate_now, rate.forecast(policy.horizon_steps), upstream.planned)
         planned_tokens = max(load.tokens_per_request, tokens.forecast(policy.horizon_steps))
         need = _replicas(policy, pool, planned_rate + upstream.drain, planned_tokens, state.correction, load.backlog,
                          load.tokens_per_step)
         need = min(max(need, bounds.min_replicas), bounds.max_replicas)
         drain = load.backlog / (planned_tokens * policy.interval_s) if pool == "prefill" and planned_tokens > 0 else 0.0
-        flow = Flow(planned_rate, max(load.requests_per_s, rate.level or 0.0, upstream.held), drain)
+        flow = Flow(planned_rate, max(rate_now, upstream.held), drain)
         if need > current:
             why = f"{planned_rate + upstream.drain:.3g} req/s x {planned_tokens:.4g} tok, backlog {load.backlog:.4g}"
             return PoolPlan(need, replace(state, below_since=None, peak_below=None), f"up: {current} -> {need} ({why})", flow)
         return PoolPlan(current, state, f"hold: next plan in {policy.interval_s - (now - state.planned_at):.1f}s", flow)
+    before = rate.level
     rate = rate.update(load.requests_per_s, alpha, beta)
     tokens = tokens.update(load.tokens_per_request, alpha, beta)
     correction = _learn(policy, pool, load, state.correction)
-    held_rate = max(load.requests_per_s, rate.level, upstream.held)
+    held_rate = max(_rate_now(policy, load.requests_per_s, before, rate.level, bounds.window_s), upstream.held)
     planned_rate = max(held_rate, rate.forecast(policy.horizon_steps), upstream.planned)
     planned_tokens = max(load.tokens_per_request, tokens.forecast(policy.horizon_steps))
     held_tokens = max(load.tokens_per_request, tokens.level)

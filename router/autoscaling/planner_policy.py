@@ -6,7 +6,7 @@
     planner:
       interval_s: 30               # one plan per interval
       targets: {ttft_ms: 2000, tpot_ms: 100, attainment: 0.95}
-      forecast: {alpha: 0.5, beta: 0.3, recurrence: false}   # Holt's linear trend (beta 0: plain EWMA)
+      forecast: {alpha: 0.5, beta: 0.3, significance: 2, recurrence: false}   # Holt's linear trend (beta 0: plain EWMA)
       cold_start_s: 30             # a new replica's start: how far ahead the forecast looks
       profiles:                    # one replica's measured capacity
         prefill: {tokens_per_s: 296.4, time_cv: 0.3}
@@ -57,6 +57,13 @@ class ForecastConfig(StrictModel):
     beta: float = Field(
         0.3, ge=0, le=1,
         description="Holt's trend weight: how much of each level change the trend takes; 0 is plain EWMA (no trend).",
+    )
+    significance: float = Field(
+        2.0, ge=0, le=10,
+        description="How far, in standard deviations of its Poisson count, a window's request rate must "
+        "rise above the smoothed level to be planned for at once; a smaller rise is noise and the level "
+        "is planned for (a window of window_s seconds counts about rate x window_s arrivals). 0 plans "
+        "for every window's rate that is above the level.",
     )
     recurrence: bool = Field(
         False,

@@ -105,7 +105,7 @@ planner:
         "  planner.targets.attainment = 1.0: Input should be less than 1 (allowed: >= 0.5 and < 1)\n"
         "  planner.forecast.alpha = 0: Input should be greater than 0 (allowed: > 0 and <= 1)\n"
         "  planner.forecast.gamma = 1: unknown key; remove it or fix its spelling (allowed keys: alpha, beta, "
-            "recurrence)\n"
+            "significance, recurrence)\n"
         "  planner.profiles.prefill.cv = 1: unknown key; remove it or fix its spelling (allowed keys: "
         "tokens_per_s, time_cv)\n"
         "  planner.profiles.decode.tpot_ms_per_seq: Field required (allowed: > 0 and <= 60000)"
@@ -160,9 +160,12 @@ def test_decode_replicas_by_the_batch_the_tokens_see():
     policy = planner()
     assert policy.max_batch() == 4.0
     assert decode_replicas(policy, 2.0, 50) == 4
-    assert decode_replicas(policy, 2.0, 50, num_seqs=17) == 5  # 17 running need ceil(17 / 4)
+    # Running sequences stay where their KV cache is: replicas added now serve only new arrivals,
+    # so 17 running streams size nothing beyond the arrivals' plan (they keep one replica at least).
+    assert decode_replicas(policy, 2.0, 50, num_seqs=17) == 4
     assert decode_replicas(policy, 0.0, 50) == 0
     assert decode_replicas(policy, 0.0, 50, num_seqs=3) == 1
+    assert decode_replicas(policy, 0.0, 50, num_seqs=17) == 1
 
 
 def test_decode_capacity_scales_with_the_measured_tokens_per_step():
@@ -173,7 +176,6 @@ def test_decode_capacity_scales_with_the_measured_tokens_per_step():
     assert [decode_replicas(policy, 2.0, 50, tokens_per_step=m) for m in (1.0, 1.5, 2.0, 3.0)] == [4, 3, 2, 1]
     # m = 2 is the steps of 1 req/s of 50 tokens at twice the target: the same 2 replicas.
     assert decode_replicas(policy, 1.0, 50) == 2
-    assert decode_replicas(policy, 0.0, 50, num_seqs=17, tokens_per_step=2.0) == 2  # ceil(17 / 9), not ceil(17 / 4)
     # The decision changes with it, and says so.
     decisions = [plan_pool(policy, "decode", BOUNDS["decode"], PoolLoad(2.0, 50, tokens_per_step=m), 1, PoolPlanState(), 0.0)
                  for m in (1.0, 2.0)]
@@ -242,6 +244,27 @@ def test_the_dead_band_keeps_a_load_just_below_a_replica():
     assert [(p, d) for p, d, _ in out] == [(2, 2), (2, 2)]
     out = run_plan(planner(downscale_delay_s=0), [(0, 1.0, 0.1), (30, 0.7, 0.1)])
     assert [(p, d) for p, d, _ in out] == [(2, 2), (1, 1)]
+
+
+def test_a_window_that_counted_a_few_more_arrivals_is_noise_a_significant_rise_is_not():
+    # Smoothed level 2.0 req/s over a 30-s window. 50-token prompts at 100 tokens/s: 2.0 and
+    # 2.4 req/s need 2 prefill replicas, 2.5 and more need 3 (Erlang C, 0.95 within 2 s).
+    policy = planner(forecast={"alpha": 0.5, "beta": 0, "significance": 2})
+    assert [prefill_replicas(policy, r, 50) for r in (2.0, 2.4, 2.5, 2.8)] == [2, 2, 3, 3]
+    level = plan_pool(policy, "prefill", BOUNDS["prefill"], PoolLoad(2.0, 50), 1, PoolPlanState(), 0.0)
+    assert level.num_replicas == 2
+    # A window of 2.5 req/s is (2.5 - 2.0) / sqrt(2.5 / 30) = 1.73 standard deviations of its
+    # count above the level: noise. The level it moves (2.25) is planned for: still 2.
+    noise = plan_pool(policy, "prefill", BOUNDS["prefill"], PoolLoad(2.5, 50), 2, level.state, 30.0)
+    assert (noise.num_replicas, noise.reason) == (2, "hold: 2 (2.25 req/s x 50 tok, capacity x1)")
+    # 2.8 req/s is 2.62 standard deviations above it: planned for at once.
+    rise = plan_pool(policy, "prefill", BOUNDS["prefill"], PoolLoad(2.8, 50), 2, level.state, 30.0)
+    assert (rise.num_replicas, rise.reason) == (3, "up: 2 -> 3 (2.8 req/s x 50 tok, capacity x1)")
+    # The same between plans; significance 0 takes every window above the level (the old rule).
+    assert plan_pool(policy, "prefill", BOUNDS["prefill"], PoolLoad(2.5, 50), 2, level.state, 10.0).num_replicas == 2
+    assert plan_pool(policy, "prefill", BOUNDS["prefill"], PoolLoad(2.8, 50), 2, level.state, 10.0).num_replicas == 3
+    eager = planner(forecast={"alpha": 0.5, "beta": 0, "significance": 0})
+    assert plan_pool(eager, "prefill", BOUNDS["prefill"], PoolLoad(2.5, 50), 2, level.state, 10.0).num_replicas == 3
 
 
 def test_a_burst_between_plans_scales_up_at_once():

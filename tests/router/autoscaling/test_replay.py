@@ -20,7 +20,8 @@ from router.autoscaling.plan_serve import (
 from router.autoscaling.planner import PoolLoad
 from router.autoscaling.policy import load_policy, parse_policy
 from router.autoscaling.pool_model import Capacity, DecodeReplica, Pool, PrefillReplica
-from router.autoscaling.replay import RAY_DEFAULTS, compare, replay
+from router.autoscaling.planner import decode_replicas, prefill_replicas
+from router.autoscaling.replay import RAY_DEFAULTS, compare, model_floor, replay
 from router.autoscaling.workload import (
     Segment,
     TraceError,
@@ -134,13 +135,25 @@ def test_replay_of_a_tiny_trace_is_exact():
     results = {p: replay(config, tiny_trace(), p, capacity=CAPACITY).to_dict() for p in ("reactive", "planner", "ray-default")}
     assert {p: (r["num_requests"], r["num_met"], r["replica_seconds"], r["max_replicas"]) for p, r in results.items()} == {
         "reactive": (414, 174, 745.0, {"prefill": 4, "decode": 2}),
-        "planner": (414, 192, 810.0, {"prefill": 4, "decode": 2}),
+        "planner": (414, 192, 805.0, {"prefill": 4, "decode": 2}),
         "ray-default": (414, 71, 615.0, {"prefill": 4, "decode": 1}),
     }
 
 
+def test_the_model_floor_runs_each_segment_on_the_fewest_replicas_the_model_allows():
+    # 0.5 req/s for 60 s, then 3 req/s for 120 s; 100-token prompts at 100 tokens/s (1 s each)
+    # and 9 decoded tokens at TPOT 20 + 20 n ms. Prefill: 2 replicas, then 5 capped at the
+    # file's max_replicas 4; decode: 1, then 2. No cold start, no forecast, no hysteresis.
+    config = tiny_policy()
+    assert [prefill_replicas(config.planner, r, 100) for r in (0.5, 3.0)] == [2, 5]
+    assert [decode_replicas(config.planner, r, 9) for r in (0.5, 3.0)] == [1, 2]
+    assert model_floor(config, tiny_trace(), CAPACITY) == {"prefill": 60 * 2 + 120 * 4, "decode": 60 * 1 + 120 * 2}
+
+
 def test_compare_reports_the_target_per_trace():
     report = compare(tiny_policy(), [tiny_trace()], capacity=CAPACITY)
+    assert report["model_floor"] == {"tiny": {"replica_seconds": 900.0,
+                                              "replica_seconds_by_pool": {"prefill": 600.0, "decode": 300.0}}}
     assert [r["policy"] for r in report["results"]] == ["reactive", "planner", "ray-default"]
     assert report["summary"]["by_trace"]["tiny"] == {
         "attainment_at_least_others": True, "replica_seconds_at_most_others": False, "met": False}
@@ -248,8 +261,9 @@ def test_policy_simulate_workload_prints_and_writes_json(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == "SLO: TTFT <= 2000 ms and TPOT <= 100 ms; cold start 30 s"
     assert [line.split()[:2] for line in lines[3:6]] == [["w.csv", "reactive"], ["w.csv", "planner"], ["w.csv", "ray-default"]]
+    assert lines[6].split()[:4] == ["w.csv", "model", "floor", "120"]  # 0.5 req/s: 1 + 1 replicas for 60 s
     report = json.loads(out.read_text())
-    assert set(report) == {"summary", "results", "capacity", "slo", "seed", "config", "hardware"}
+    assert set(report) == {"summary", "results", "model_floor", "capacity", "slo", "seed", "config", "hardware"}
     assert report["capacity"]["prefill_tokens_per_s"] == 296.4 and "cpu_model" in report["hardware"]
 
 
