@@ -16,8 +16,9 @@ takes the larger of the value now and the forecast: on a line, the peak of that 
 of its ends. The request rate "now" is the window's only when it rose above the smoothed level by
 more than forecast.significance standard deviations of its Poisson count (sqrt(rate / window_s));
 otherwise it is the level. A pool sitting just below a replica's boundary would otherwise scale up
-on the first window that counted a few arrivals more, and its hysteresis would keep the replica. With forecast.recurrence, surges that came twice at the same gap
-are pre-warmed before the next (recurrence.py).
+on the first window that counted a few arrivals more, and its hysteresis would keep the replica.
+With forecast.recurrence, surges that came twice at the same gap are pre-warmed before the next
+(recurrence.py).
 
 Prefill at the TTFT target. A request waits for a replica, then takes s = prompt / tokens_per_s.
 With the router placing each prompt where it starts first, c replicas form one M/G/c queue;
