@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from load_tests.bench_scenario import _PD_FULL, _PREFIX_FULL
@@ -29,6 +31,22 @@ def test_a_fast_machine_splits_the_burst_at_the_context():
     w, _ = calibrate_pd(_PD_FULL, fast, max_model_len=8192)
     # 20000 tokens of prefill per burst do not fit 8192 - 64 - 16: three prompts of 8112
     assert (w.burst_len, w.burst_size) == (8112, 3)
+
+
+def test_a_long_probe_that_is_slower_per_token_shortens_the_burst():
+    # 1000 tokens in 1 s and 3000 in 5 s: t(n) = n / 1500 + n^2 / 3e6 s. 4 s of prefill is the
+    # root of n^2 + 2000 n - 12e6: n = 2605.55, where the linear rule counted 4000 tokens.
+    rates = MachineRates(prefill_tokens_per_s=1000.0, decode_step_s={1: 0.02, 4: 0.04}, probe_len=1000, dtype="bfloat16",
+                         long_probe=(3000, 5.0))
+    assert (rates.prefill_s(1000), rates.prefill_s(3000)) == (pytest.approx(1.0), pytest.approx(5.0))
+    w, info = calibrate_pd(_PD_FULL, rates, max_model_len=8192)
+    assert (w.burst_len, w.burst_size) == (2606, 1)
+    # the burst's work: t(2606) = 1.73733 + 2.26375 s, plus 64 output tokens at 10 ms
+    assert info["burst_work_core_s"] == 4.641
+    assert info["rates"]["long_probe"] == {"tokens": 3000, "prefill_s": 5.0}
+    # A long probe no slower per token than the short one leaves the rule linear.
+    flat = dataclasses.replace(rates, long_probe=(3000, 2.9))
+    assert calibrate_pd(_PD_FULL, flat, max_model_len=8192)[0].burst_len == 4000
 
 
 def test_prefix_rate_loads_the_pool_when_nothing_is_cached():
