@@ -75,6 +75,7 @@ class MachineRates:
         if self.long_probe is None:
             return a, 0.0
         length, seconds = self.long_probe
+        assert length > self.probe_len, (length, self.probe_len)
         b = (seconds / length - a) / (length - self.probe_len)
         return (a, 0.0) if b <= 0 else (a - b * self.probe_len, b)
 
@@ -124,14 +125,14 @@ def measure_rates(model_dir: Path, dtype: str, *, probe_len: int = 1024, long_pr
 
         timed(prompts(1, 64), 4)  # warm-up: kernels, allocator
         prefill_s = min(timed(prompts(1, probe_len), 1) for _ in range(2))
-        long_len = min(long_probe_len, engine.max_model_len - 1)
-        long_s = min(timed(prompts(1, long_len), 1) for _ in range(2))
+        long_len = min(long_probe_len, engine.max_model_len - 1)  # a short context: no second probe
+        long_probe = (long_len, min(timed(prompts(1, long_len), 1) for _ in range(2))) if long_len > probe_len else None
         steps = {}
         for b in batches:
             first = min(timed(prompts(b, chat_len), 1) for _ in range(2))
             whole = min(timed(prompts(b, chat_len), 1 + decode_steps) for _ in range(2))
             steps[b] = max(whole - first, 1e-6) / decode_steps
-    return MachineRates(probe_len / prefill_s, steps, probe_len, dtype, long_probe=(long_len, long_s))
+    return MachineRates(probe_len / prefill_s, steps, probe_len, dtype, long_probe=long_probe)
 
 
 def _mean_len(spec: str) -> float:

@@ -17,10 +17,9 @@ from router.autoscaling.plan_serve import (
     pool_load,
     prefill_plan_policy,
 )
-from router.autoscaling.planner import PoolLoad
+from router.autoscaling.planner import PoolLoad, decode_replicas, prefill_replicas
 from router.autoscaling.policy import load_policy, parse_policy
 from router.autoscaling.pool_model import Capacity, DecodeReplica, Pool, PrefillReplica
-from router.autoscaling.planner import decode_replicas, prefill_replicas
 from router.autoscaling.replay import RAY_DEFAULTS, compare, model_floor, replay
 from router.autoscaling.workload import (
     Segment,
