@@ -290,11 +290,13 @@ def format_table(report: dict[str, Any]) -> str:
             f"{r['ttft_p95_ms']:>7.0f}ms {r['tpot_p95_ms']:>7.0f}ms "
             f"{r['max_replicas']['prefill']:>4}/{r['max_replicas']['decode']}"
         )
-    for trace, floor in report.get("model_floor", {}).items():
+    floors = report.get("model_floor", {})
+    for trace, floor in floors.items():
         by_pool = floor["replica_seconds_by_pool"]
         lines.append(f"{trace:<10} {'model floor':<12} {'':>8} {'':>9} {floor['replica_seconds']:>10.0f} "
-                     f"{by_pool['prefill']:>8.0f} {by_pool['decode']:>8.0f}   (clairvoyant: each segment on the "
-                     f"fewest replicas the planner's model says meet the target)")
+                     f"{by_pool['prefill']:>8.0f} {by_pool['decode']:>8.0f}")
+    if floors:
+        lines.append("model floor: clairvoyant, each segment on the fewest replicas the planner's model says meet the target")
     summary = report["summary"]
     lines.append(f"planner met the target (SLO met >= the others', replica-s <= the others') in: "
                  f"{', '.join(summary['planner_met_target_in']) or 'none'}; missed in: "
