@@ -88,10 +88,15 @@ class ReplicaSignals:
     output_tokens_per_request: float | None = None  # mean tokens generated here per request finished here
     output_tokens_per_s: float | None = None  # tokens generated here (with num_seqs: the decode step time)
     prefill_tokens_per_s: float | None = None  # the engine's measured prefill rate (0: none yet)
+    # Requests that arrived here since the replica started: a counter, its newest value, not a
+    # mean. The planner counts a pool's arrivals from the counters' increments (planner.py), which
+    # replicas that start or stop do not distort as they do a sum of windowed rates.
+    requests_total: float | None = None
     # Tokens a decoding sequence gains per engine step: 1 without speculative decoding, 1 + the
     # accepted proposals with it (serving/observability/worker_metrics.py TokensPerStep); the
     # planner's decode capacity scales with it. 0 on the wire: not reported (an older worker).
     decode_tokens_per_step: float | None = None
+    replica: str | None = None  # which replica (Serve's replica id): not on the wire, Serve keys by it
 
     def to_wire(self) -> dict[str, float]:
         """What a replica's record_autoscaling_stats returns: Serve keeps a time series per key
@@ -103,7 +108,8 @@ class ReplicaSignals:
 # reactive targets bound, and the planner's.
 SIGNALS = ("queued_prefill_tokens", "ttft_p95_ms", "num_seqs", "kv_utilization", "tpot_p95_ms")
 WORKLOAD_SIGNALS = ("requests_per_s", "prompt_tokens_per_request", "output_tokens_per_request", "output_tokens_per_s",
-                    "prefill_tokens_per_s", "decode_tokens_per_step")
+                    "prefill_tokens_per_s", "decode_tokens_per_step", "requests_total")
+COUNTER_SIGNALS = ("requests_total",)  # read as the newest point, not the window's mean
 WIRE_SIGNALS = SIGNALS + WORKLOAD_SIGNALS
 
 
@@ -257,10 +263,13 @@ def observation_from_serve(
                 continue
             last = max(point.timestamp for point in series)
             newest = last if newest is None else max(newest, last)
+            if signal in COUNTER_SIGNALS:
+                values[signal] = max(series, key=lambda point: point.timestamp).value
+                continue
             recent = [point.value for point in series if point.timestamp >= now - window_s]
             if recent:
                 values[signal] = sum(recent) / len(recent)
-        replicas.append(ReplicaSignals(updated_at=newest, **values))
+        replicas.append(ReplicaSignals(updated_at=newest, replica=str(replica_id), **values))
     return Observation(num_replicas, tuple(replicas))
 
 

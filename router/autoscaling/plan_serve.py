@@ -59,11 +59,15 @@ def pool_load(pool: str, replicas: tuple[ReplicaSignals, ...]) -> PoolLoad | Non
     if not replicas or any(r.updated_at is None or r.requests_per_s is None for r in replicas):
         return None
     rate = sum(r.requests_per_s or 0.0 for r in replicas)
+    # Each replica's arrival counter, where every replica reports one (the planner counts from them).
+    counted = all(r.replica is not None and r.requests_total is not None for r in replicas)
+    totals = tuple((str(r.replica), float(r.requests_total or 0.0)) for r in replicas) if counted else ()
     if pool == "prefill":
         measured = [r.prefill_tokens_per_s for r in replicas if r.prefill_tokens_per_s]
         return PoolLoad(rate, _weighted(replicas, "prompt_tokens_per_request"),
                         backlog=sum(r.queued_prefill_tokens or 0.0 for r in replicas),
-                        measured_tokens_per_s=sum(measured) / len(measured) if measured else None)
+                        measured_tokens_per_s=sum(measured) / len(measured) if measured else None,
+                        request_totals=totals)
     tokens = _weighted(replicas, "output_tokens_per_request")
     if rate > 0 and tokens <= 0:
         return None  # requests arrive, none has finished yet: no output length to plan with
@@ -75,7 +79,7 @@ def pool_load(pool: str, replicas: tuple[ReplicaSignals, ...]) -> PoolLoad | Non
     tokens_per_step = sum(made) / sum(steps) if sum(steps) > 0 else sum(per_step) / len(per_step)
     return PoolLoad(rate, tokens, backlog=sum(r.num_seqs or 0.0 for r in replicas),
                     measured_decode=tuple((r.num_seqs or 0.0, s) for r, s in zip(replicas, steps)),
-                    tokens_per_step=tokens_per_step)
+                    tokens_per_step=tokens_per_step, request_totals=totals)
 
 
 def _weighted(replicas: tuple[ReplicaSignals, ...], signal: str) -> float:

@@ -8,7 +8,9 @@ capacity at the SLO (the approach of NVIDIA Dynamo's SLA planner).
     then hysteresis per pool, then the prefill:decode ratio bound, then [min, max]
 
 Load. A pool's load is its request rate and tokens per request (prefill: prompt tokens; decode:
-tokens decoded per request), as its replicas report them (`PoolLoad`). Each series is forecast
+tokens decoded per request), as its replicas report them (`PoolLoad`). The rate is counted from
+the replicas' arrival counters (`count_arrivals`) where they report them: a sum of their windowed
+rates loses a stopped replica's arrivals and counts a new one's few seconds as a window. Each series is forecast
 with Holt's linear trend (forecast.py) cold_start_s ahead: a count decided now has to carry the
 load until a replica asked for later can work, and since a pool whose need outgrows its count
 scales up at once (between plans too), that is cold_start_s from now, not a plan later. The plan
@@ -17,7 +19,7 @@ of its ends. The request rate "now" is the window's only when it rose above the 
 more than forecast.significance standard deviations of its Poisson count (sqrt(rate / window_s));
 otherwise it is the level. A pool sitting just below a replica's boundary would otherwise scale up
 on the first window that counted a few arrivals more, and its hysteresis would keep the replica.
-With forecast.recurrence, surges that came twice at the same gap are pre-warmed before the next
+With forecast.recurrence, a surge that came twice is pre-warmed before the next, at the same gap
 (recurrence.py).
 
 Prefill at the TTFT target. A request waits for a replica, then takes s = prompt / tokens_per_s.
@@ -62,7 +64,12 @@ replica's mean batch read 1.06-1.18 there, since a moving batch makes fewer toke
 Hysteresis. Up at once to the plan. Down only when the plan, and the arrivals grown by dead_band,
 fit fewer replicas continuously for downscale_delay_s; then to the highest need of the arrivals
 (grown by dead_band) over that time, or the plan now if higher. A backlog's drain raises the plan
-while it lasts but is not held.
+while it lasts but is not held. A significant fall (the window's rate forecast.significance
+standard deviations below the level) is a step of the load, not noise: the level takes it (Holt's
+trend would carry it on below the load), and the pool goes down to what the load needs now after
+one interval_s from the fall's first plan. Not after a surge whose return the planner cannot time
+yet (recurrence.py: no gap known): that one keeps its replicas downscale_delay_s, which meets it if
+it comes back soon, and its return gives the gap that pre-warms the next.
 
 Ratio. After hysteresis, prefill / decode outside [min_prefill_per_decode, max_prefill_per_decode]
 raises the smaller side (never lowers the one the SLO needs); max_replicas wins over the ratio.
@@ -80,9 +87,9 @@ from router.autoscaling.decode_model import fit_correction, life_average, relaxa
 from router.autoscaling.forecast import Holt
 from router.autoscaling.planner_policy import PlannerPolicy
 from router.autoscaling.policy import PoolPolicy
-from router.autoscaling.recurrence import Surges, moved_down, observe, prewarm
+from router.autoscaling.recurrence import Surges, moved_down, observe, period, prewarm
 
-__all__ = ["PoolLoad", "PoolPlanState", "PoolPlan", "Plan", "prefill_replicas", "decode_replicas",
+__all__ = ["PoolLoad", "PoolPlanState", "PoolPlan", "Plan", "prefill_replicas", "decode_replicas", "count_arrivals",
            "plan_pool", "plan", "Flow", "PLANNED_POOLS"]
 
 PLANNED_POOLS = ("prefill", "decode")
@@ -104,6 +111,9 @@ class PoolLoad:
     measured_decode: tuple[tuple[float, float], ...] = ()
     # decode: tokens a sequence gains per step, the pool's (speculative decoding; 1 without)
     tokens_per_step: float = 1.0
+    # (replica, requests arrived there since it started), every running replica's, where all
+    # report the counter: the planner counts the pool's arrivals from them (`count_arrivals`)
+    request_totals: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -118,7 +128,10 @@ class PoolPlanState:
     correction: float = 1.0  # prefill: capacity multiplier; decode: TPOT multiplier
     below_since: float | None = None  # the lower plan has held since
     peak_below: int | None = None  # the highest lower plan since below_since
+    fell: bool = False  # the lower plan began with a significant fall of the rate
     surges: Surges = Surges()  # recurring surges (recurrence.py)
+    seen: tuple[tuple[str, float], ...] = ()  # each replica's arrival counter at the last look
+    counted: tuple[tuple[float, float], ...] = ()  # (time, the pool's arrivals counted since the first look)
 
     def to_dict(self) -> dict[str, Any]:
         return {_STATE_PREFIX + k: v for k, v in asdict(self).items()}
@@ -128,6 +141,9 @@ class PoolPlanState:
         found = {f.name: data[_STATE_PREFIX + f.name] for f in fields(cls) if _STATE_PREFIX + f.name in data}
         if isinstance(found.get("surges"), Mapping):
             found["surges"] = Surges(**found["surges"])
+        for name in ("seen", "counted"):
+            if name in found:
+                found[name] = tuple(tuple(item) for item in found[name])
         return cls(**found)
 
 
@@ -234,6 +250,49 @@ def _learn(policy: PlannerPolicy, pool: str, load: PoolLoad, correction: float) 
     return min(max(learnt, _CORRECTION_RANGE[0]), _CORRECTION_RANGE[1])
 
 
+def count_arrivals(state: PoolPlanState, load: PoolLoad, now: float, window_s: float) -> tuple[float | None, PoolPlanState]:
+    """The pool's request rate over the last window_s, counted from its replicas' arrival counters
+    (None: not reported, or not window_s / 5 of counting yet), and the state that keeps counting.
+
+    A pool's summed windowed rates miss the arrivals of replicas that have stopped and count a
+    new replica's short life as a whole window: each scale-down reads as a fall of the load and
+    each scale-up as a slower rise. The counters' increments do not: a replica's arrivals are
+    counted once, at the first look after they happened, wherever it is now."""
+    if not load.request_totals:
+        return None, state
+    before = dict(state.seen)
+    new = sum(max(0.0, total - before.get(replica, 0.0)) for replica, total in load.request_totals)
+    total = state.counted[-1][1] + new if state.counted else 0.0  # the first look is the baseline
+    old = [point for point in state.counted if point[0] < now - window_s + _EPS]
+    counted = ([old[-1]] if old else []) + [point for point in state.counted if point[0] >= now - window_s + _EPS]
+    if counted and now - counted[-1][0] < 1.0:  # at most a point a second (Serve calls every 0.1 s)
+        counted[-1] = (counted[-1][0], total)
+    else:
+        counted.append((now, total))
+    state = replace(state, seen=tuple(load.request_totals), counted=tuple(counted))
+    start_s, start_total = counted[0]
+    span_s = min(now - start_s, window_s) if old else now - start_s
+    if span_s < window_s / 5 - _EPS:
+        return None, state
+    return (total - start_total) / max(now - start_s, _EPS), state
+
+
+def _rose(policy: PlannerPolicy, observed: float, before: float | None, window_s: float, times: float = 1.0) -> bool:
+    """The window's rate rose above the smoothed level it found by more than `times` x
+    forecast.significance standard deviations of its count (module docstring)."""
+    if before is None:
+        return True
+    return observed > before + times * policy.forecast.significance * math.sqrt(max(observed, before) / window_s)
+
+
+def _fell(policy: PlannerPolicy, observed: float, before: float | None, window_s: float) -> bool:
+    """The window's rate fell below the smoothed level it found by more than forecast.significance
+    standard deviations of its count: the load went down, it is not noise (module docstring)."""
+    if before is None or policy.forecast.significance <= 0:
+        return False
+    return observed < before - policy.forecast.significance * math.sqrt(max(observed, before) / window_s)
+
+
 def _rate_now(policy: PlannerPolicy, observed: float, before: float | None, level: float | None,
               window_s: float) -> float:
     """The request rate to plan for now: the window's, if it rose above the smoothed level it
@@ -241,8 +300,21 @@ def _rate_now(policy: PlannerPolicy, observed: float, before: float | None, leve
     level (`level`: after this window, if it was folded in). Module docstring."""
     if before is None or level is None:
         return observed
-    noise = math.sqrt(max(observed, before) / window_s)
-    return observed if observed > before + policy.forecast.significance * noise else level
+    return observed if _rose(policy, observed, before, window_s) else level
+
+
+def _observe_surges(policy: PlannerPolicy, pool: str, bounds: PoolPolicy, load: PoolLoad, state: PoolPlanState,
+                    now: float, before: float | None, rate: float, tokens: float, correction: float) -> Surges:
+    """The surge history with this look at the load folded in (recurrence.py): whether the rate
+    rose significantly, and what `rate` needs without the backlog, grown by the dead band."""
+    if not policy.forecast.recurrence:
+        return state.surges
+    size = _replicas(policy, pool, rate * (1 + policy.dead_band), tokens, correction, 0.0, load.tokens_per_step)
+    # A surge's onset is held to twice the significance: the rate is looked at every metrics
+    # interval, and a pattern made of noise would pre-warm for nothing.
+    rise = 0 if before is None else sum(_rose(policy, load.requests_per_s, before, bounds.window_s, times=k) for k in (1, 2))
+    return observe(state.surges, now, rise, min(max(size, bounds.min_replicas), bounds.max_replicas),
+                   policy.cold_start_s + 2 * policy.interval_s, policy.interval_s)
 
 
 # ---- one pool ----------------------------------------------------------------------------------
@@ -260,6 +332,9 @@ def plan_pool(policy: PlannerPolicy, pool: str, bounds: PoolPolicy, load: PoolLo
     (decode) is the prefill pool's flow, which reaches decode next."""
     assert pool in PLANNED_POOLS, pool
     upstream = upstream or Flow(0.0, 0.0)
+    counted_rate, state = count_arrivals(state, load, now, bounds.window_s)
+    if counted_rate is not None:
+        load = replace(load, requests_per_s=counted_rate)
     alpha, beta = policy.forecast.alpha, policy.forecast.beta
     rate = Holt(state.rate_level, state.rate_trend)
     tokens = Holt(state.tokens_level, state.tokens_trend)
@@ -275,12 +350,18 @@ def plan_pool(policy: PlannerPolicy, pool: str, bounds: PoolPolicy, load: PoolLo
         need = min(max(need, bounds.min_replicas), bounds.max_replicas)
         drain = load.backlog / (planned_tokens * policy.interval_s) if pool == "prefill" and planned_tokens > 0 else 0.0
         flow = Flow(planned_rate, max(rate_now, upstream.held), drain)
+        state = replace(state, surges=_observe_surges(policy, pool, bounds, load, state, now, rate.level,
+                                                      max(rate_now, upstream.held), planned_tokens, state.correction))
         if need > current:
             why = f"{planned_rate + upstream.drain:.3g} req/s x {planned_tokens:.4g} tok, backlog {load.backlog:.4g}"
-            return PoolPlan(need, replace(state, below_since=None, peak_below=None), f"up: {current} -> {need} ({why})", flow)
+            return PoolPlan(need, replace(state, below_since=None, peak_below=None, fell=False),
+                            f"up: {current} -> {need} ({why})", flow)
         return PoolPlan(current, state, f"hold: next plan in {policy.interval_s - (now - state.planned_at):.1f}s", flow)
     before = rate.level
-    rate = rate.update(load.requests_per_s, alpha, beta)
+    fell_now = _fell(policy, load.requests_per_s, before, bounds.window_s)
+    # A significant fall is a step, not a trend: the level takes it, and the trend starts over
+    # (Holt's trend would carry the fall on below the load for several plans).
+    rate = Holt(load.requests_per_s, 0.0) if fell_now else rate.update(load.requests_per_s, alpha, beta)
     tokens = tokens.update(load.tokens_per_request, alpha, beta)
     correction = _learn(policy, pool, load, state.correction)
     held_rate = max(_rate_now(policy, load.requests_per_s, before, rate.level, bounds.window_s), upstream.held)
@@ -297,17 +378,19 @@ def plan_pool(policy: PlannerPolicy, pool: str, bounds: PoolPolicy, load: PoolLo
     flow = Flow(planned_rate, held_rate, drain)
     lo, hi = bounds.min_replicas, bounds.max_replicas
     need, steady = min(max(need, lo), hi), min(max(steady, lo), hi)
-    surges = state.surges
+    surges = _observe_surges(policy, pool, bounds, load, state, now, before, held_rate, held_tokens, correction)
     if policy.forecast.recurrence:
-        surges = observe(surges, now, current, need, policy.cold_start_s + 2 * policy.interval_s, policy.interval_s)
-        need, surges = prewarm(surges, now, current, need, policy.cold_start_s + policy.interval_s, policy.interval_s)
+        # An onset is seen a detection lag after it comes, under one window: the pre-warm leads by
+        # a window more than a replica's start and a plan.
+        lead_s = policy.cold_start_s + policy.interval_s + bounds.window_s
+        need, surges = prewarm(surges, now, current, need, lead_s, policy.interval_s)
         need = min(need, hi)
     state = replace(state, planned_at=now, rate_level=rate.level, rate_trend=rate.trend,
                     tokens_level=tokens.level, tokens_trend=tokens.trend, correction=correction, surges=surges)
     why = f"{planned_rate + upstream.drain:.3g} req/s x {planned_tokens:.4g} tok, capacity x{correction:.3g}"
     if load.tokens_per_step != 1.0:
         why += f", {load.tokens_per_step:.3g} tok/step"
-    reset = replace(state, below_since=None, peak_below=None)
+    reset = replace(state, below_since=None, peak_below=None, fell=False)
     if not lo <= current <= hi:
         target = max(need, min(max(current, lo), hi))
         return PoolPlan(target, reset, f"clamp: {current} -> {target} ({why})", flow)
@@ -316,12 +399,24 @@ def plan_pool(policy: PlannerPolicy, pool: str, bounds: PoolPolicy, load: PoolLo
     if max(steady, need) < current:
         since = state.below_since if state.below_since is not None else now
         peak = max(steady, state.peak_below or 0)
-        if now - since >= policy.downscale_delay_s - _EPS:
+        fell = state.fell and state.below_since is not None
+        # A surge whose return the planner cannot time yet (no period: recurrence.py) keeps its
+        # replicas the usual downscale_delay_s: they meet it if it comes back soon, and its
+        # return gives the period that pre-warms the next.
+        untimed_surge = policy.forecast.recurrence and surges.rising and period(surges, policy.interval_s) is None
+        if fell_now and not untimed_surge:
+            # The load went down: what the plans wanted before the fall is not what it needs now.
+            # The lower plan must hold one interval from the fall's first plan, not downscale_delay_s.
+            since, peak = (since if fell else now), steady
+            fell = True
+        delay = policy.interval_s if fell else policy.downscale_delay_s
+        state = replace(state, fell=fell)
+        if now - since >= delay - _EPS:
             peak = max(peak, need)
             return PoolPlan(peak, replace(reset, surges=moved_down(reset.surges)), f"down: {current} -> {peak} ({why})", flow)
         return PoolPlan(current, replace(state, below_since=since, peak_below=peak),
-                        f"hold: {max(peak, need)} < {current} for {now - since:.0f}s of downscale_delay_s "
-                        f"{policy.downscale_delay_s:g} ({why})", flow)
+                        f"hold: {max(peak, need)} < {current} for {now - since:.0f}s of "
+                        f"{'one interval after a fall' if fell else 'downscale_delay_s'} {delay:g} ({why})", flow)
     return PoolPlan(current, reset, f"hold: {current} ({why})", flow)
 
 
@@ -355,5 +450,5 @@ def plan(policy: PlannerPolicy, bounds: Mapping[str, PoolPolicy], loads: Mapping
     for pool, p in plans.items():
         # A pool the ratio raised above its own plan is not waiting to shrink.
         raised = counts[pool] > p.num_replicas
-        states_out[pool] = replace(p.state, below_since=None, peak_below=None) if raised else p.state
+        states_out[pool] = replace(p.state, below_since=None, peak_below=None, fell=False) if raised else p.state
     return Plan(counts, states_out, "; ".join(reasons))

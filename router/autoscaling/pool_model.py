@@ -23,12 +23,13 @@ SmolLM2-sized replica's start on this machine, model load and warm-up), not a me
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.autoscaling.decide import ReplicaSignals
+from router.autoscaling.decide import COUNTER_SIGNALS, ReplicaSignals
 
 __all__ = ["Capacity", "CALIBRATION", "PrefillReplica", "DecodeReplica", "Pool", "percentile"]
 
@@ -54,8 +55,12 @@ def percentile(values, q: float) -> float:
 
 
 class _Replica:
+    _ids = itertools.count()
+
     def __init__(self, asked_at: float, ready_at: float):
         self.asked_at, self.ready_at = asked_at, ready_at
+        self.replica_id = f"r{next(_Replica._ids)}"
+        self.num_arrived = 0  # requests taken since it started (the live worker's requests_total)
         self.removed_at: float | None = None
         self.ended_at: float | None = None  # removed and drained
         self.arrivals: deque[tuple[float, int]] = deque()  # (time, prompt tokens)
@@ -82,14 +87,17 @@ class _Replica:
         raise NotImplementedError
 
     def observed(self, t: float) -> ReplicaSignals:
-        """Each signal's mean over the samples in the window (Serve's look-back)."""
+        """Each signal's mean over the samples in the window (Serve's look-back); a counter's
+        newest value (decide.observation_from_serve)."""
         if not self.samples:
-            return ReplicaSignals()
+            return ReplicaSignals(replica=self.replica_id)
         values = {}
         for name in ReplicaSignals.__dataclass_fields__:
-            if name != "updated_at":
+            if name in COUNTER_SIGNALS:
+                values[name] = getattr(self.samples[-1][1], name)
+            elif name not in ("updated_at", "replica"):
                 values[name] = sum(getattr(s, name) or 0.0 for _, s in self.samples) / len(self.samples)
-        return ReplicaSignals(updated_at=self.samples[-1][0], **values)
+        return ReplicaSignals(updated_at=self.samples[-1][0], replica=self.replica_id, **values)
 
 
 class PrefillReplica(_Replica):
@@ -105,6 +113,7 @@ class PrefillReplica(_Replica):
         self.free_at = max(arrival, self.free_at) + prompt_tokens / self.tokens_per_s
         self.done.append(self.free_at)
         self.arrivals.append((arrival, prompt_tokens))
+        self.num_arrived += 1
         self.latencies.append((self.free_at, 1000 * (self.free_at - arrival)))
         self.has_run = True
         return self.free_at
@@ -123,6 +132,7 @@ class PrefillReplica(_Replica):
             tpot_p95_ms=0.0, requests_per_s=len(self.arrivals) / window_s,
             prompt_tokens_per_request=_mean(n for _, n in self.arrivals), output_tokens_per_request=0.0,
             output_tokens_per_s=0.0, prefill_tokens_per_s=self.tokens_per_s if self.has_run else 0.0,
+            requests_total=float(self.num_arrived),
         )
 
 
@@ -171,6 +181,7 @@ class DecodeReplica(_Replica):
         self.advance(t, on_finish)
         heapq.heappush(self.active, (self.progress + tokens, rid, t, tokens))
         self.arrivals.append((t, tokens))
+        self.num_arrived += 1
 
     def signals(self, t: float, window_s: float) -> ReplicaSignals:
         while self.finished and self.finished[0][0] < t - window_s:
@@ -184,7 +195,7 @@ class DecodeReplica(_Replica):
             queued_prefill_tokens=0.0, ttft_p95_ms=0.0, num_seqs=float(len(self.active)), kv_utilization=0.0,
             tpot_p95_ms=percentile((ms for _, ms in self.latencies), 95), requests_per_s=len(self.arrivals) / window_s,
             prompt_tokens_per_request=0.0, output_tokens_per_request=_mean(n for _, n in self.finished),
-            output_tokens_per_s=tokens_per_s, prefill_tokens_per_s=0.0,
+            output_tokens_per_s=tokens_per_s, prefill_tokens_per_s=0.0, requests_total=float(self.num_arrived),
         )
 
 

@@ -7,21 +7,28 @@ job every 10 minutes, a cron, a retry storm on a timer) can be met on time only 
 when it came: this is the seasonal part that Dynamo's planner gets from Prophet or ARIMA, reduced
 to what a policy with a few floats of state can keep.
 
-    onset     an up decision after a quiet of at least cold_start_s + 2 * interval_s without one
-              (a new surge, not the next step of one); its peak is the highest count planned
-              until the pool next moves down
-    period    the last two gaps between three onsets agree within interval_s: the surge has
-              recurred twice at the same gap, P = the last gap
-    pre-warm  from next - cold_start_s - interval_s (next = the last onset + k * P) until next +
+    onset     the first significant rise of the pool's request rate (planner.forecast.significance
+              standard deviations of its window's count above the smoothed level) after a quiet
+              of at least cold_start_s + 2 * interval_s without one: a new surge, not the next
+              window of one. It is read from the load, not from the pool's scale-ups, so a surge
+              that comes onto pre-warmed replicas is timed like one that does not, and a pool
+              at its boundary that scales up on noise makes no onset. Its peak is the most
+              replicas the surge's rate needs (without the backlog's drain: replicas up before
+              a surge never see the backlog of a late pool) until the pool next moves down
+    period    the gap between the last two onsets, P: a surge that came twice is expected again
+              after the same gap
+    pre-warm  from next - lead_s (the planner's: cold_start_s + interval_s + window_s, the
+              onset being seen up to a window late; next = the last onset + k * P) until next +
               interval_s, the pool holds at least the last surge's peak, so the replicas are up
-              when it comes; a surge met that way is an onset at `next` (its peak updated from
-              the plan), and one that does not come (no plan above the pre-warm's base within
-              the window) forgets the period: a pattern that stops costs one pre-warm.
+              when it comes; one that does not come (no onset within lead of `next` by the end
+              of the window) forgets the period: a pattern that stops costs one pre-warm.
 
 Why not simply hold the capacity (a longer downscale_delay_s): holding through the quiet costs
 the whole gap in replica-seconds on every surge, recurring or not, where pre-warming costs
-cold_start_s + interval_s per surge and only for surges that recurred; and a held pool still
-misses a surge longer ago than the delay. Why two gaps, not one: one gap is any two surges.
+lead_s + interval_s per surge and only for surges that recurred; and a held pool still misses a
+surge longer ago than the delay. Why one gap, not two that agree: a guess from any two surges
+costs one pre-warm when it is wrong, and waiting for a third surge costs a whole surge's misses
+when it is right (on the replays' burst traces, the third surge of six).
 """
 
 from __future__ import annotations
@@ -35,11 +42,13 @@ __all__ = ["Surges", "observe", "prewarm"]
 class Surges:
     """A pool's surge history (kept in PoolPlanState)."""
 
-    last_up_at: float | None = None
+    last_up_at: float | None = None  # the last significant rise of the rate
+    rise_from: float | None = None  # the first of the rises, none more than interval_s apart, up to it
+    watched_from: float | None = None  # the first look at the load
     onset_0: float | None = None  # oldest of the last three onsets
     onset_1: float | None = None
     onset_2: float | None = None  # newest
-    peak: int = 0  # the highest count planned in the newest surge
+    peak: int = 0  # the most replicas the newest surge's rate needed
     rising: bool = False  # no down decision since the newest onset
     warmed_for: float | None = None  # the onset a pre-warm is holding for
     warm_base: int = 0  # the count before that pre-warm
@@ -50,10 +59,9 @@ def _onset(s: Surges, at: float, count: int) -> Surges:
 
 
 def period(s: Surges, tolerance_s: float) -> float | None:
-    if s.onset_0 is None or s.onset_1 is None or s.onset_2 is None:
+    if s.onset_1 is None or s.onset_2 is None:
         return None
-    first, last = s.onset_1 - s.onset_0, s.onset_2 - s.onset_1
-    return last if abs(last - first) <= tolerance_s and last > 0 else None
+    return s.onset_2 - s.onset_1 if s.onset_2 > s.onset_1 else None
 
 
 def next_onset(s: Surges, now: float, interval_s: float) -> float | None:
@@ -69,9 +77,10 @@ def prewarm(s: Surges, now: float, current: int, need: int, lead_s: float, inter
     """The count to hold now for a recurring surge (at least `need`), and the history."""
     expected = next_onset(s, now, interval_s)
     if s.warmed_for is not None and now > s.warmed_for + 2 * interval_s + 1e-9:
-        # The window of a pre-warm is over: a surge that came was recorded by observe(); one
-        # that did not breaks the pattern.
-        s = replace(s, warmed_for=None, onset_0=None) if s.onset_2 != s.warmed_for else replace(s, warmed_for=None)
+        # The window of a pre-warm is over: a surge that came made an onset near it (observe());
+        # one that did not breaks the pattern.
+        came = s.onset_2 is not None and abs(s.onset_2 - s.warmed_for) <= lead_s + 1e-9
+        s = replace(s, warmed_for=None) if came else replace(s, warmed_for=None, onset_0=None, onset_1=None)
         expected = next_onset(s, now, interval_s)
     if expected is None or not expected - lead_s - 1e-9 <= now <= expected + interval_s + 1e-9:
         return need, s
@@ -80,18 +89,22 @@ def prewarm(s: Surges, now: float, current: int, need: int, lead_s: float, inter
     return max(need, s.peak), s
 
 
-def observe(s: Surges, now: float, current: int, need: int, quiet_s: float, interval_s: float) -> Surges:
-    """Fold one plan's own need (before pre-warm and hysteresis) into the history."""
-    if (s.warmed_for is not None and s.onset_2 != s.warmed_for and s.warmed_for - 1e-9 <= now
-            <= s.warmed_for + 2 * interval_s + 1e-9 and need > s.warm_base):
-        # The surge came as expected, onto the pre-warmed replicas: an onset at its time.
-        s = _onset(s, s.warmed_for, need)
-        return replace(s, last_up_at=now) if need > current else s
-    if need > current:
-        quiet = s.last_up_at is None or now - s.last_up_at >= quiet_s - 1e-9
-        s = _onset(s, now, need) if quiet else replace(s, peak=max(s.peak, need))
-        return replace(s, last_up_at=now)
-    return replace(s, peak=max(s.peak, need)) if s.rising else s
+def observe(s: Surges, now: float, rise: int, size: int, quiet_s: float, interval_s: float) -> Surges:
+    """Fold one look at the load into the history. `rise`: 0, the rate did not rise
+    significantly; 1, it did; 2, by twice the significance (a surge, not noise). `size`: the
+    replicas the rate needs now, without the backlog's drain (module docstring)."""
+    if s.watched_from is None:
+        s = replace(s, watched_from=now)
+    if rise >= 1:
+        if s.last_up_at is None or now - s.last_up_at > interval_s + 1e-9:
+            s = replace(s, rise_from=now)  # a new run of rises
+        s = replace(s, last_up_at=now)
+        start = s.rise_from if s.rise_from is not None else now
+        new = s.onset_2 is None or start - s.onset_2 >= quiet_s - 1e-9
+        # The pool's first quiet_s are the load's start (its windows fill), not a surge.
+        if rise >= 2 and new and start - s.watched_from >= quiet_s - 1e-9:
+            return _onset(s, start, size)
+    return replace(s, peak=max(s.peak, size)) if s.rising else s
 
 
 def moved_down(s: Surges) -> Surges:

@@ -424,4 +424,5 @@ def replica_signals(stats: EngineStats, latencies: RequestLatencies) -> ReplicaS
         output_tokens_per_s=made_per_s,
         prefill_tokens_per_s=float(stats.prefill_tokens_per_s),
         decode_tokens_per_step=latencies.tokens_per_step.report(stats.num_generated_tokens, stats.spec_accepted_tokens),
+        requests_total=float(latencies.workload.num_arrived),
     )

@@ -71,10 +71,12 @@ class WorkloadWindow:
         self._arrived: deque[tuple[float, int]] = deque(maxlen=max_samples)  # (time, prompt tokens)
         self._finished: deque[tuple[float, int]] = deque(maxlen=max_samples)  # (time, tokens made here)
         self._generated = 0  # tokens generated here since the start
+        self.num_arrived = 0  # requests that arrived here since the start
         self._reported = (None, 0)  # (time, generated) at the previous report
 
     def arrived(self, prompt_tokens: int, now: float | None = None) -> None:
         self._arrived.append((time.monotonic() if now is None else now, prompt_tokens))
+        self.num_arrived += 1
 
     def generated(self, num_tokens: int) -> None:
         self._generated += num_tokens

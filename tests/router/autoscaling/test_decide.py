@@ -183,13 +183,15 @@ def test_observation_from_serve_means_over_the_window_and_newest_timestamp():
     raw = {
         "queued_prefill_tokens": {"r1": [Point(90.0, 10.0), Point(95.0, 20.0), Point(99.0, 30.0)], "r2": [Point(50.0, 5.0)]},
         "num_seqs": {"r1": [Point(98.0, 4.0)]},
+        # a counter: its newest point, even one older than the window
+        "requests_total": {"r1": [Point(95.0, 40.0), Point(99.0, 42.0), Point(97.0, 41.0)], "r2": [Point(50.0, 7.0)]},
         "ongoing_requests": {"r1": [Point(99.5, 1.0)]},  # not ours: ignored
     }
     observation = observation_from_serve(raw, ["r1", "r2", "r3"], 3, window_s=8.0, now=100.0)
     assert observation == Observation(3, (
-        ReplicaSignals(updated_at=99.0, queued_prefill_tokens=25.0, num_seqs=4.0),
-        ReplicaSignals(updated_at=50.0),  # only a sample older than the window
-        ReplicaSignals(),  # never reported
+        ReplicaSignals(updated_at=99.0, queued_prefill_tokens=25.0, num_seqs=4.0, requests_total=42.0, replica="r1"),
+        ReplicaSignals(updated_at=50.0, requests_total=7.0, replica="r2"),  # only samples older than the window
+        ReplicaSignals(replica="r3"),  # never reported
     ))
 
 

@@ -10,6 +10,7 @@ from router.autoscaling.forecast import Holt
 from router.autoscaling.planner import (
     PoolLoad,
     PoolPlanState,
+    count_arrivals,
     decode_replicas,
     plan,
     plan_pool,
@@ -198,8 +199,12 @@ def run_plan(policy, steps):
     return out
 
 
+NO_SIGNIFICANCE = {"alpha": 1, "beta": 0, "significance": 0}  # every window as it is; a fall waits the delay
+
+
 def test_joint_plan_ratio_bound_interval_and_hysteresis():
-    out = run_plan(planner(), [(0, 1.0, 0.1), (10, 1.0, 0.1), (30, 0.2, 0.1), (60, 0.2, 0.1), (90, 0.2, 0.1)])
+    out = run_plan(planner(forecast=NO_SIGNIFICANCE),
+                   [(0, 1.0, 0.1), (10, 1.0, 0.1), (30, 0.2, 0.1), (60, 0.2, 0.1), (90, 0.2, 0.1)])
     assert out == [
         # Decode alone needs 1, though it plans for the prefill pool's 1 req/s (what reaches it next):
         # 2 prefill per decode replica is above max_prefill_per_decode 1.5, so decode is raised.
@@ -227,13 +232,33 @@ def test_min_ratio_raises_prefill():
 def test_a_dip_shorter_than_the_delay_moves_nothing_and_the_peak_is_held():
     # Prefill up to 3 at 4 req/s, then 0.2 req/s with one 1.2 req/s interval inside the delay: it
     # goes down to what that interval needed (2), not to 1; decode to 1, which the ratio raises.
-    out = run_plan(planner(), [(0, 4.0, 4.0), (30, 0.2, 0.2), (60, 1.2, 1.2), (90, 0.2, 0.2)])
+    out = run_plan(planner(forecast=NO_SIGNIFICANCE), [(0, 4.0, 4.0), (30, 0.2, 0.2), (60, 1.2, 1.2), (90, 0.2, 0.2)])
     assert [(p, d) for p, d, _ in out] == [(3, 2), (3, 2), (3, 2), (2, 2)]
     assert out[2][2].startswith("prefill hold: 2 < 3 for 30s of downscale_delay_s 60")
     assert out[3][2] == (
         "prefill down: 3 -> 2 (0.2 req/s x 50 tok, capacity x1); decode down: 2 -> 1 (0.2 req/s x 10 tok, "
         "capacity x1); ratio: decode 1 -> 2 (max_prefill_per_decode 1.5)"
     )
+
+
+def test_a_significant_fall_waits_one_interval_not_the_downscale_delay():
+    # 1.0 -> 0.2 req/s over a 30-s window is (1.0 - 0.2) / sqrt(1.0 / 30) = 4.4 standard
+    # deviations of its count below the level: the load went down. Prefill (1 replica at 0.2
+    # req/s) goes down one interval after the fall's first plan, not downscale_delay_s (60 s) after.
+    # Decode's own rate (0.1 req/s) did not fall: it waits the delay, and the ratio holds it at 1.
+    out = run_plan(planner(), [(0, 1.0, 0.1), (30, 0.2, 0.1), (60, 0.2, 0.1)])
+    assert out == [
+        (2, 2, "prefill up: 1 -> 2 (1 req/s x 50 tok, capacity x1); decode hold: 1 (1 req/s x 10 tok, capacity x1); "
+               "ratio: decode 1 -> 2 (max_prefill_per_decode 1.5)"),
+        (2, 2, "prefill hold: 1 < 2 for 0s of one interval after a fall 30 (0.2 req/s x 50 tok, capacity x1); "
+               "decode hold: 1 < 2 for 0s of downscale_delay_s 60 (0.2 req/s x 10 tok, capacity x1)"),
+        (1, 2, "prefill down: 2 -> 1 (0.2 req/s x 50 tok, capacity x1); "
+               "decode hold: 1 < 2 for 30s of downscale_delay_s 60 (0.2 req/s x 10 tok, capacity x1)"),
+    ]
+    # A dip that is not significant (1.0 -> 0.7: 1.6 standard deviations) waits the delay.
+    out = run_plan(planner(), [(0, 1.0, 0.1), (30, 0.7, 0.1), (60, 0.7, 0.1)])
+    assert out[1][2].startswith("prefill hold: 1 < 2 for 0s of downscale_delay_s 60")
+    assert out[2][2].startswith("prefill hold: 1 < 2 for 30s of downscale_delay_s 60")
 
 
 def test_the_dead_band_keeps_a_load_just_below_a_replica():
@@ -326,3 +351,47 @@ def test_holt_without_trend_is_ewma_and_never_forecasts_below_zero():
     assert (holt.level, holt.trend) == (14.25, 0.0)
     falling = Holt(1.0, -3.0)
     assert falling.forecast() == 0.0
+
+
+def test_arrivals_are_counted_from_the_replicas_counters_through_scale_up_and_down():
+    def look(state, now, totals):
+        return count_arrivals(state, PoolLoad(99.0, 50, request_totals=totals), now, 30.0)
+
+    rate, state = look(PoolPlanState(), 0.0, (("a", 10.0), ("b", 5.0)))
+    assert (rate, state.counted) == (None, ((0.0, 0.0),))  # the first look is the baseline
+    rate, state = look(state, 10.0, (("a", 14.0), ("b", 9.0)))
+    assert rate == pytest.approx(8 / 10)
+    # b stopped (its arrivals were counted at the last look); c started with 3.
+    rate, state = look(state, 20.0, (("a", 20.0), ("c", 3.0)))
+    assert (rate, state.seen) == (pytest.approx(17 / 20), (("a", 20.0), ("c", 3.0)))
+    # 40 s: the window starts at 10 s, the point the count starts from; older ones are dropped.
+    rate, state = look(state, 40.0, (("a", 26.0), ("c", 9.0)))
+    assert (rate, state.counted) == (pytest.approx((29 - 8) / 30), ((10.0, 8.0), (20.0, 17.0), (40.0, 29.0)))
+    rate, state = look(state, 50.0, (("a", 26.0), ("c", 9.0)))
+    assert (rate, state.counted[0]) == (pytest.approx((29 - 17) / 30), (20.0, 17.0))
+    # A pool whose replicas do not all report the counter: the summed rates, state unchanged.
+    assert count_arrivals(state, PoolLoad(99.0, 50), 60.0, 30.0) == (None, state)
+    # Serve's state round trip keeps the history.
+    assert PoolPlanState.from_dict(state.to_dict()) == state
+
+
+def test_a_surge_whose_return_cannot_be_timed_keeps_its_replicas_the_delay_one_that_can_does_not():
+    policy = planner(forecast={"alpha": 1, "beta": 0, "significance": 2, "recurrence": True}, cold_start_s=30)
+    low, high = prefill_replicas(policy, 1.0, 50), prefill_replicas(policy, 5.0, 50)
+    assert (low, high) == (2, 4)
+    state, count, out = PoolPlanState(), 1, {}
+    rates = {t: 5.0 if t in (150, 180, 450, 480) else 1.0 for t in range(0, 631, 30)}
+    for now, rate in rates.items():
+        count, state, reason, _ = plan_pool(policy, "prefill", BOUNDS["prefill"], PoolLoad(rate, 50), count, state, now)
+        out[now] = (count, reason)
+    assert out[150][0] == high and state.surges.onset_1 == 150 and state.surges.onset_2 == 450
+    # The first surge: no gap known, so the fall at 210 waits downscale_delay_s (60 s).
+    assert out[210] == (high, "hold: 2 < 4 for 0s of downscale_delay_s 60 (1 req/s x 50 tok, capacity x1)")
+    assert [out[t][0] for t in (240, 270)] == [high, low]
+    # The second came 300 s later: a gap known, the fall at 510 takes one interval.
+    assert out[510] == (high, "hold: 2 < 4 for 0s of one interval after a fall 30 (1 req/s x 50 tok, capacity x1)")
+    assert out[540][0] == low
+    # The pre-warm for the third, expected at 750: from 750 - (30 + 30 + 30) = 660, not before.
+    assert out[630][0] == low
+    count, state, reason, _ = plan_pool(policy, "prefill", BOUNDS["prefill"], PoolLoad(1.0, 50), count, state, 660)
+    assert (count, state.surges.warmed_for) == (high, 750)

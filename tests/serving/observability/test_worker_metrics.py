@@ -73,6 +73,7 @@ def test_replica_signals_report_every_signal_on_the_wire():
         "queued_prefill_tokens": 1234.0, "ttft_p95_ms": 0.0, "num_seqs": 5.0, "kv_utilization": 0.6, "tpot_p95_ms": 0.0,
         "requests_per_s": 0.0, "prompt_tokens_per_request": 0.0, "output_tokens_per_request": 0.0,
         "output_tokens_per_s": 0.0, "prefill_tokens_per_s": 296.5, "decode_tokens_per_step": 1.0,
+        "requests_total": 0.0,
     }
     latencies.ttft_ms.add(80.0)
     assert replica_signals(replace(stats, num_waiting=0), latencies).ttft_p95_ms == 80.0
@@ -91,8 +92,9 @@ def test_workload_window_reports_rates_lengths_and_tokens_since_the_last_report(
     workload.finished(20, now=7.0)
     # 60 tokens in the 5 s since the previous report.
     assert workload.report(now=10.0) == (0.3, 150.0, 30.0, 12.0)
-    # The arrivals at 0.5 s and 1 s have left the 10 s window.
+    # The arrivals at 0.5 s and 1 s have left the 10 s window; the counter keeps them.
     assert workload.report(now=12.0) == (0.1, 300.0, 30.0, 0.0)
+    assert workload.num_arrived == 3
 
 
 def test_tracked_requests_feed_the_workload_window():
