@@ -261,10 +261,10 @@ def observation_from_serve(
             series = list(raw_metrics.get(signal, {}).get(replica_id) or ())
             if not series:
                 continue
-            last = max(point.timestamp for point in series)
-            newest = last if newest is None else max(newest, last)
+            last = max(series, key=lambda point: point.timestamp)
+            newest = last.timestamp if newest is None else max(newest, last.timestamp)
             if signal in COUNTER_SIGNALS:
-                values[signal] = max(series, key=lambda point: point.timestamp).value
+                values[signal] = last.value
                 continue
             recent = [point.value for point in series if point.timestamp >= now - window_s]
             if recent:

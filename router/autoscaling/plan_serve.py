@@ -61,7 +61,7 @@ def pool_load(pool: str, replicas: tuple[ReplicaSignals, ...]) -> PoolLoad | Non
     rate = sum(r.requests_per_s or 0.0 for r in replicas)
     # Each replica's arrival counter, where every replica reports one (the planner counts from them).
     counted = all(r.replica is not None and r.requests_total is not None for r in replicas)
-    totals = tuple((str(r.replica), float(r.requests_total or 0.0)) for r in replicas) if counted else ()
+    totals = tuple((r.replica, r.requests_total) for r in replicas) if counted else ()
     if pool == "prefill":
         measured = [r.prefill_tokens_per_s for r in replicas if r.prefill_tokens_per_s]
         return PoolLoad(rate, _weighted(replicas, "prompt_tokens_per_request"),

@@ -271,10 +271,9 @@ def count_arrivals(state: PoolPlanState, load: PoolLoad, now: float, window_s: f
         counted.append((now, total))
     state = replace(state, seen=tuple(load.request_totals), counted=tuple(counted))
     start_s, start_total = counted[0]
-    span_s = min(now - start_s, window_s) if old else now - start_s
-    if span_s < window_s / 5 - _EPS:
+    if now - start_s < window_s / 5 - _EPS:
         return None, state
-    return (total - start_total) / max(now - start_s, _EPS), state
+    return (total - start_total) / (now - start_s), state
 
 
 def _rose(policy: PlannerPolicy, observed: float, before: float | None, window_s: float, times: float = 1.0) -> bool:
@@ -383,7 +382,7 @@ def plan_pool(policy: PlannerPolicy, pool: str, bounds: PoolPolicy, load: PoolLo
         # An onset is seen a detection lag after it comes, under one window: the pre-warm leads by
         # a window more than a replica's start and a plan.
         lead_s = policy.cold_start_s + policy.interval_s + bounds.window_s
-        need, surges = prewarm(surges, now, current, need, lead_s, policy.interval_s)
+        need, surges = prewarm(surges, now, need, lead_s, policy.interval_s)
         need = min(need, hi)
     state = replace(state, planned_at=now, rate_level=rate.level, rate_trend=rate.trend,
                     tokens_level=tokens.level, tokens_trend=tokens.trend, correction=correction, surges=surges)
@@ -399,11 +398,11 @@ def plan_pool(policy: PlannerPolicy, pool: str, bounds: PoolPolicy, load: PoolLo
     if max(steady, need) < current:
         since = state.below_since if state.below_since is not None else now
         peak = max(steady, state.peak_below or 0)
-        fell = state.fell and state.below_since is not None
+        fell = state.fell
         # A surge whose return the planner cannot time yet (no period: recurrence.py) keeps its
         # replicas the usual downscale_delay_s: they meet it if it comes back soon, and its
         # return gives the period that pre-warms the next.
-        untimed_surge = policy.forecast.recurrence and surges.rising and period(surges, policy.interval_s) is None
+        untimed_surge = policy.forecast.recurrence and surges.rising and period(surges) is None
         if fell_now and not untimed_surge:
             # The load went down: what the plans wanted before the fall is not what it needs now.
             # The lower plan must hold one interval from the fall's first plan, not downscale_delay_s.

@@ -7,10 +7,11 @@ job every 10 minutes, a cron, a retry storm on a timer) can be met on time only 
 when it came: this is the seasonal part that Dynamo's planner gets from Prophet or ARIMA, reduced
 to what a policy with a few floats of state can keep.
 
-    onset     the first significant rise of the pool's request rate (planner.forecast.significance
-              standard deviations of its window's count above the smoothed level) after a quiet
-              of at least cold_start_s + 2 * interval_s without one: a new surge, not the next
-              window of one. It is read from the load, not from the pool's scale-ups, so a surge
+    onset     the first of a run of significant rises of the pool's request rate (each
+              planner.forecast.significance standard deviations of its window's count above the
+              smoothed level, none more than interval_s after the last) that reaches twice the
+              significance, at least cold_start_s + 2 * interval_s after the last onset: a new
+              surge, not the next window of one. It is read from the load, not from the pool's scale-ups, so a surge
               that comes onto pre-warmed replicas is timed like one that does not, and a pool
               at its boundary that scales up on noise makes no onset. Its peak is the most
               replicas the surge's rate needs (without the backlog's drain: replicas up before
@@ -45,20 +46,18 @@ class Surges:
     last_up_at: float | None = None  # the last significant rise of the rate
     rise_from: float | None = None  # the first of the rises, none more than interval_s apart, up to it
     watched_from: float | None = None  # the first look at the load
-    onset_0: float | None = None  # oldest of the last three onsets
-    onset_1: float | None = None
+    onset_1: float | None = None  # the one before the newest
     onset_2: float | None = None  # newest
     peak: int = 0  # the most replicas the newest surge's rate needed
     rising: bool = False  # no down decision since the newest onset
     warmed_for: float | None = None  # the onset a pre-warm is holding for
-    warm_base: int = 0  # the count before that pre-warm
 
 
 def _onset(s: Surges, at: float, count: int) -> Surges:
-    return replace(s, onset_0=s.onset_1, onset_1=s.onset_2, onset_2=at, peak=count, rising=True)
+    return replace(s, onset_1=s.onset_2, onset_2=at, peak=count, rising=True)
 
 
-def period(s: Surges, tolerance_s: float) -> float | None:
+def period(s: Surges) -> float | None:
     if s.onset_1 is None or s.onset_2 is None:
         return None
     return s.onset_2 - s.onset_1 if s.onset_2 > s.onset_1 else None
@@ -66,26 +65,26 @@ def period(s: Surges, tolerance_s: float) -> float | None:
 
 def next_onset(s: Surges, now: float, interval_s: float) -> float | None:
     """The next expected onset not over yet (its pre-warm ends interval_s after it)."""
-    gap = period(s, interval_s)
+    gap = period(s)
     if gap is None or s.onset_2 is None:
         return None
     k = max(1, int((now - interval_s - s.onset_2) // gap) + 1)
     return s.onset_2 + k * gap
 
 
-def prewarm(s: Surges, now: float, current: int, need: int, lead_s: float, interval_s: float) -> tuple[int, Surges]:
+def prewarm(s: Surges, now: float, need: int, lead_s: float, interval_s: float) -> tuple[int, Surges]:
     """The count to hold now for a recurring surge (at least `need`), and the history."""
     expected = next_onset(s, now, interval_s)
     if s.warmed_for is not None and now > s.warmed_for + 2 * interval_s + 1e-9:
         # The window of a pre-warm is over: a surge that came made an onset near it (observe());
         # one that did not breaks the pattern.
         came = s.onset_2 is not None and abs(s.onset_2 - s.warmed_for) <= lead_s + 1e-9
-        s = replace(s, warmed_for=None) if came else replace(s, warmed_for=None, onset_0=None, onset_1=None)
+        s = replace(s, warmed_for=None) if came else replace(s, warmed_for=None, onset_1=None)
         expected = next_onset(s, now, interval_s)
     if expected is None or not expected - lead_s - 1e-9 <= now <= expected + interval_s + 1e-9:
         return need, s
     if s.warmed_for != expected:
-        s = replace(s, warmed_for=expected, warm_base=current)
+        s = replace(s, warmed_for=expected)
     return max(need, s.peak), s
 
 

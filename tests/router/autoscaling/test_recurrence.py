@@ -24,9 +24,9 @@ def surge(s: Surges, at: float, base: int = 2, peak: int = 8) -> Surges:
 
 def test_one_gap_makes_a_period():
     s = surge(watched(), 300)
-    assert (s.onset_2, period(s, INTERVAL)) == (300, None)
+    assert (s.onset_2, period(s)) == (300, None)
     s = surge(s, 900)
-    assert (s.onset_1, s.onset_2, period(s, INTERVAL), next_onset(s, 1000, INTERVAL)) == (300, 900, 600, 1500)
+    assert (s.onset_1, s.onset_2, period(s), next_onset(s, 1000, INTERVAL)) == (300, 900, 600, 1500)
 
 
 def test_the_onset_is_the_first_of_a_run_of_rises_that_a_surge_confirms():
@@ -53,18 +53,18 @@ def test_the_load_s_first_quiet_s_make_no_onset():
 
 def test_prewarm_holds_the_peak_from_lead_before_the_expected_onset():
     s = surge(surge(watched(), 300), 900)
-    assert prewarm(s, 1409, 2, 2, LEAD, INTERVAL)[0] == 2  # 91 s before 1500
-    count, s = prewarm(s, 1410, 2, 2, LEAD, INTERVAL)
-    assert (count, s.warmed_for, s.warm_base) == (8, 1500, 2)
+    assert prewarm(s, 1409, 2, LEAD, INTERVAL)[0] == 2  # 91 s before 1500
+    count, s = prewarm(s, 1410, 2, LEAD, INTERVAL)
+    assert (count, s.warmed_for) == (8, 1500)
     # The surge comes onto the warm replicas: its onset from the load, 5 s early.
     s = surge(s, 1495, peak=7)
-    count, s = prewarm(s, 1561, 8, 2, LEAD, INTERVAL)
-    assert (count, s.warmed_for, s.onset_2, period(s, INTERVAL)) == (2, None, 1495, 595)
+    count, s = prewarm(s, 1561, 2, LEAD, INTERVAL)
+    assert (count, s.warmed_for, s.onset_2, period(s)) == (2, None, 1495, 595)
 
 
 def test_a_surge_that_does_not_come_forgets_the_period():
     s = surge(surge(watched(), 300), 900)
-    _, s = prewarm(s, 1410, 2, 2, LEAD, INTERVAL)
+    _, s = prewarm(s, 1410, 2, LEAD, INTERVAL)
     s = look(s, 1530, 1, 3)  # a significant rise, not a surge
-    count, s = prewarm(s, 1561, 8, 2, LEAD, INTERVAL)
-    assert (count, period(s, INTERVAL), s.warmed_for, s.onset_2) == (2, None, None, 900)
+    count, s = prewarm(s, 1561, 2, LEAD, INTERVAL)
+    assert (count, period(s), s.warmed_for, s.onset_2) == (2, None, None, 900)
