@@ -5,13 +5,16 @@ A step computes chunks of prompts and one token for each decoding row, as kvrela
 forms it (serving/engine/scheduler.py). Its time is
 
     step_s = max over lines (base_s + token_s * tokens + row_s * rows)      the weights' work
-             + pair_s * pairs + context_s * context                         attention
+             + pair_s * pairs + context_s * context + prefix_s * prefix     attention
 
     tokens   every token the step computes: the prompt chunks' tokens + one per decoding row
     rows     the sequences that sample a token: decoding rows + chunks that end their prompt
     pairs    the prompt chunks' causal attention pairs: a chunk of n tokens after k computed
              ones reads n * k + n * (n + 1) / 2 query-key pairs
     context  the decoding rows' context lengths, summed (the KV tokens each row reads)
+    prefix   the prompt chunks' computed tokens, summed (the KV each chunk gathers from the cache
+             before its attention, whatever its length: a short chunk after a long prompt pays it
+             whole, which pairs alone, n * k, charge in proportion to n)
 
 The max over lines is a roofline: on a GPU a small step is bound by reading the weights (a line
 with a high base and a small per-row cost) and a large one by compute (a low base, a per-token
@@ -71,6 +74,7 @@ class StepShape:
     num_rows: int
     num_pairs: int = 0
     num_context: int = 0
+    num_prefix: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,16 +92,17 @@ class StepCost:
     lines: tuple[CostLine, ...]
     pair_s: float = 0.0
     context_s: float = 0.0
+    prefix_s: float = 0.0
 
     def __post_init__(self):
         assert self.lines, "a step cost needs at least one line"
 
-    def step_s(self, num_tokens: int, num_rows: int, num_pairs: int = 0, num_context: int = 0) -> float:
+    def step_s(self, num_tokens: int, num_rows: int, num_pairs: int = 0, num_context: int = 0, num_prefix: int = 0) -> float:
         work = max(line.seconds(num_tokens, num_rows) for line in self.lines)
-        return work + self.pair_s * num_pairs + self.context_s * num_context
+        return work + self.pair_s * num_pairs + self.context_s * num_context + self.prefix_s * num_prefix
 
     def shape_s(self, shape: StepShape) -> float:
-        return self.step_s(shape.num_tokens, shape.num_rows, shape.num_pairs, shape.num_context)
+        return self.step_s(shape.num_tokens, shape.num_rows, shape.num_pairs, shape.num_context, shape.num_prefix)
 
     def prefill_s(self, num_tokens: int) -> float:
         """One whole prompt alone in one step (no budget)."""
@@ -177,7 +182,8 @@ class CostFit:
         step = data["step"]
         return cls(
             name=data["name"],
-            step=StepCost(tuple(CostLine(**line) for line in step["lines"]), step["pair_s"], step["context_s"]),
+            step=StepCost(tuple(CostLine(**line) for line in step["lines"]), step["pair_s"], step["context_s"],
+                          step.get("prefix_s", 0.0)),  # fits before the prefix term had none
             handoff=HandoffCost(**data["handoff"]),
             overhead=ServeOverhead(**{mode: LayoutOverhead(**v) for mode, v in data["overhead"].items()}),
             max_num_batched_tokens=data["max_num_batched_tokens"],
@@ -194,16 +200,16 @@ class StepPoint:
     seconds: float
 
 
-_FEATURES = ("base_s", "token_s", "row_s", "pair_s", "context_s")
+_FEATURES = ("base_s", "token_s", "row_s", "pair_s", "context_s", "prefix_s")
 
 
 def fit_step_cost(points: list[StepPoint]) -> tuple[StepCost, dict]:
     """One-line StepCost by least squares over `points` with every coefficient >= 0: the best of
-    the fits on each subset of the five features whose coefficients all come out >= 0. Returns
+    the fits on each subset of the six features whose coefficients all come out >= 0. Returns
     the cost and {"rms_s", "max_rel_error", "num_points"}."""
     if len(points) < len(_FEATURES):
         raise ValueError(f"the fit needs at least {len(_FEATURES)} steps, got {len(points)}")
-    design = np.array([[1.0, p.shape.num_tokens, p.shape.num_rows, p.shape.num_pairs, p.shape.num_context]
+    design = np.array([[1.0, p.shape.num_tokens, p.shape.num_rows, p.shape.num_pairs, p.shape.num_context, p.shape.num_prefix]
                        for p in points])
     seconds = np.array([p.seconds for p in points])
     best: tuple[float, dict[int, float]] | None = None
@@ -217,7 +223,7 @@ def fit_step_cost(points: list[StepPoint]) -> tuple[StepCost, dict]:
                 best = (residual, dict(zip(columns, coef.tolist())))
     assert best is not None, "some single feature always fits with a coefficient >= 0"
     c = {name: best[1].get(i, 0.0) for i, name in enumerate(_FEATURES)}
-    cost = StepCost((CostLine(c["base_s"], c["token_s"], c["row_s"]),), c["pair_s"], c["context_s"])
+    cost = StepCost((CostLine(c["base_s"], c["token_s"], c["row_s"]),), c["pair_s"], c["context_s"], c["prefix_s"])
     predicted = np.array([cost.shape_s(p.shape) for p in points])
     quality = {
         "rms_s": float(np.sqrt(((predicted - seconds) ** 2).mean())),

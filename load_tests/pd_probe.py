@@ -15,8 +15,12 @@ the scheduler's output before the step runs:
                 with 1024-token prompts at b = 1, 4 (chunked prefill, long-context decode)
     mixed       4 rows decoding while a 1200-token prompt arrives (256-token chunks beside the
                 rows), then a 160-token prompt (one chunk beside them); 2 rows beside a
-                2304-token prompt (chunks after up to 2048 computed tokens)
-    prefill     single prompts of 16, 64, 256, 512 and 2304 tokens
+                2304-token prompt (chunks after up to 2048 computed tokens); 4 rows beside a
+                3870-token prompt (pd-interference's burst: chunks after up to 3840 computed
+                tokens, the last of 30)
+    prefill     single prompts of 16, 64, 256, 512, 2304 and 3870 tokens
+    long        2 prompts of 3584 tokens, then 12 decode steps: a row decoding at 3.6k tokens of
+                context beside the other's chunks, then both alone
 
 Every scenario runs `repeats` times with fresh random prompts; the scheduler is deterministic,
 so step i has the same shape each time, and its time is the median over the repeats (a step
@@ -54,23 +58,26 @@ SCENARIOS: dict[str, list[tuple[int, int, int]]] = {
     **{f"decode-long-b{b}": [(0, 1024, 13)] * b for b in (1, 4)},
     "mixed": [(0, 128, 60)] * 4 + [(3, 1200, 1), (12, 160, 1)],
     "mixed-long": [(0, 128, 30)] * 2 + [(2, 2304, 1)],
-    **{f"prefill-{n}": [(0, n, 1)] for n in (16, 64, 256, 512, 2304)},
+    "mixed-3870": [(0, 128, 40)] * 4 + [(2, 3870, 1)],
+    "decode-3584-b2": [(0, 3584, 13)] * 2,
+    **{f"prefill-{n}": [(0, n, 1)] for n in (16, 64, 256, 512, 2304, 3870)},
 }
 PROBE_ENGINE = {"max_num_batched_tokens": 512, "long_prefill_token_threshold": 256, "max_num_seqs": 128}
 
 
 def step_shape(scheduled) -> StepShape:
     """The shape of a step from the scheduler's (sequence, new tokens) list, before it runs."""
-    tokens = rows = pairs = context = 0
+    tokens = rows = pairs = context = prefix = 0
     for seq, num_new in scheduled:
         tokens += num_new
         if seq.num_computed_tokens < seq.num_prompt_tokens:  # a prompt chunk
             pairs += chunk_pairs(num_new, seq.num_computed_tokens)
+            prefix += seq.num_computed_tokens
             rows += seq.num_computed_tokens + num_new >= seq.num_prompt_tokens
         else:  # a decoding row: reads its computed tokens and itself
             rows += 1
             context += seq.num_computed_tokens + num_new
-    return StepShape(tokens, rows, pairs, context)
+    return StepShape(tokens, rows, pairs, context, prefix)
 
 
 def _run_scenario(engine, plan: list[tuple[int, int, int]], draw: Callable[[int], list[int]]) -> list[tuple[StepShape, float]]:
@@ -178,8 +185,11 @@ def cpu_fit(model_dir: Path, dtype: str, serve_overhead: dict, *, repeats: int =
 
     machine = hardware.machine_record(num_threads=1)
     if earlier:
-        points = [StepPoint(StepShape(p["num_tokens"], p["num_rows"], p["num_pairs"], p["num_context"]), p["seconds"])
-                  for p in earlier["info"]["points"]]
+        if any("num_prefix" not in p for p in earlier["info"]["points"]):
+            raise SystemExit("kvrelay bench pd-sim --refit: that fit's steps were probed before the prefix term (their "
+                             "chunks' computed tokens were not recorded); probe again (without --refit)")
+        points = [StepPoint(StepShape(p["num_tokens"], p["num_rows"], p["num_pairs"], p["num_context"], p["num_prefix"]),
+                            p["seconds"]) for p in earlier["info"]["points"]]
         served = earlier["info"]["served_probe"]
         machine = earlier["info"]["machine"]
     else:

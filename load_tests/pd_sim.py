@@ -125,11 +125,12 @@ class _Seq:
         self.arrival_s = arrival_s
 
 
-def _account(seq: _Seq, n: int, tokens: int, rows: int, pairs: int, context: int) -> tuple[int, int, int, int]:
+def _account(seq: _Seq, n: int, tokens: int, rows: int, pairs: int, context: int, prefix: int) -> tuple[int, int, int, int, int]:
     """The step's shape with `n` tokens of `seq` added (pd_costs.StepShape's fields)."""
     if seq.num_computed < seq.num_prompt:  # a prompt chunk; it samples if it ends the prompt
-        return tokens + n, rows + (seq.num_computed + n >= seq.num_prompt), pairs + chunk_pairs(n, seq.num_computed), context
-    return tokens + n, rows + 1, pairs, context + seq.num_computed + n
+        return (tokens + n, rows + (seq.num_computed + n >= seq.num_prompt), pairs + chunk_pairs(n, seq.num_computed), context,
+                prefix + seq.num_computed)
+    return tokens + n, rows + 1, pairs, context + seq.num_computed + n, prefix
 
 
 class _Replica:
@@ -172,7 +173,7 @@ class _Replica:
         fit = self.fit
         budget = fit.max_num_batched_tokens
         scheduled = []
-        num_long = tokens = rows = pairs = context = 0
+        num_long = tokens = rows = pairs = context = prefix = 0
         for seq in self.running:
             if budget <= 0:
                 break
@@ -188,7 +189,7 @@ class _Replica:
             num_long += is_long
             scheduled.append((seq, n))
             budget -= n
-            tokens, rows, pairs, context = _account(seq, n, tokens, rows, pairs, context)
+            tokens, rows, pairs, context, prefix = _account(seq, n, tokens, rows, pairs, context, prefix)
         skipped = []
         admitted = 0
         while self.waiting and budget > 0 and len(self.running) < fit.max_num_seqs:
@@ -209,11 +210,11 @@ class _Replica:
             num_long += is_long
             scheduled.append((seq, n))
             budget -= n
-            tokens, rows, pairs, context = _account(seq, n, tokens, rows, pairs, context)
+            tokens, rows, pairs, context, prefix = _account(seq, n, tokens, rows, pairs, context, prefix)
         self.waiting.extendleft(reversed(skipped))
         if not scheduled:
             return scheduled, 0.0
-        return scheduled, (fit.step.step_s(tokens, rows, pairs, context) + self.step_overhead_s + self.row_overhead_s * rows
+        return scheduled, (fit.step.step_s(tokens, rows, pairs, context, prefix) + self.step_overhead_s + self.row_overhead_s * rows
                            + self.request_overhead_s * admitted)
 
     def finish(self, seq: _Seq) -> None:

@@ -38,7 +38,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
-from load_tests.pd_costs import CostFit
+from load_tests.pd_costs import CostFit, chunk_pairs
 from load_tests.pd_sim import attainment, simulate
 from load_tests.pd_workload import MIXES, Mix, generate
 
@@ -73,7 +73,7 @@ def _chunked_prefill_s(fit: CostFit, num_tokens: int) -> float:
         n = min(left, fit.max_num_batched_tokens)
         if 0 < fit.long_prefill_token_threshold < left:
             n = min(n, fit.long_prefill_token_threshold)
-        seconds += fit.step.step_s(n, int(done + n >= num_tokens), (n * done + n * (n + 1) // 2), 0)
+        seconds += fit.step.step_s(n, int(done + n >= num_tokens), chunk_pairs(n, done), 0, done)
         done += n
     return seconds
 

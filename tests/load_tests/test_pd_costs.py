@@ -24,9 +24,10 @@ from load_tests.pd_costs import (
 from load_tests.pd_probe import handoff_of, step_shape
 from load_tests.pd_served_probe import cpu_delta, fit_overhead, prefill_replica_s, request_overhead_s, serving_cpu
 
-SHAPES = [StepShape(t, r, p, c) for t, r, p, c in [
-    (1, 1, 0, 100), (4, 4, 0, 800), (16, 16, 0, 4000), (64, 1, 2080, 0), (256, 1, 32896, 0), (256, 0, 98432, 0),
-    (260, 4, 32896, 600), (512, 2, 65792, 0), (2, 2, 0, 4100), (300, 3, 40000, 300),
+SHAPES = [StepShape(t, r, p, c, k) for t, r, p, c, k in [
+    (1, 1, 0, 100, 0), (4, 4, 0, 800, 0), (16, 16, 0, 4000, 0), (64, 1, 2080, 0, 0), (256, 1, 32896, 0, 0),
+    (256, 0, 98432, 0, 256), (260, 4, 32896, 600, 0), (512, 2, 65792, 0, 0), (2, 2, 0, 4100, 0),
+    (300, 3, 40000, 300, 0), (30, 1, chunk_pairs(30, 3840), 0, 3840), (34, 5, chunk_pairs(30, 3840), 580, 3840),
 ]]
 
 
@@ -37,7 +38,7 @@ def test_chunk_pairs_count_each_new_token_reading_the_cached_ones_and_those_befo
 
 
 def test_the_fit_recovers_the_coefficients_of_synthetic_steps():
-    truth = StepCost((CostLine(0.012, 0.0011, 0.0002),), pair_s=1e-6, context_s=5e-6)
+    truth = StepCost((CostLine(0.012, 0.0011, 0.0002),), pair_s=1e-6, context_s=5e-6, prefix_s=1.3e-5)
     points = [StepPoint(shape, truth.shape_s(shape)) for shape in SHAPES]
     fitted, quality = fit_step_cost(points)
     (line,) = fitted.lines
@@ -46,7 +47,14 @@ def test_the_fit_recovers_the_coefficients_of_synthetic_steps():
     assert line.row_s == pytest.approx(0.0002, rel=1e-9)
     assert fitted.pair_s == pytest.approx(1e-6, rel=1e-9)
     assert fitted.context_s == pytest.approx(5e-6, rel=1e-9)
-    assert quality["num_points"] == 10 and quality["max_rel_error"] < 1e-9
+    assert fitted.prefix_s == pytest.approx(1.3e-5, rel=1e-9)
+    assert quality["num_points"] == 12 and quality["max_rel_error"] < 1e-9
+
+
+def test_a_short_chunk_after_a_long_prompt_pays_for_the_prefix_whole():
+    cost = StepCost((CostLine(0.02, 0.0003),), pair_s=4e-7, prefix_s=1.3e-5)
+    # 30 tokens after 3,840: 0.02 + 30 * 0.0003 + (30 * 3840 + 465) * 4e-7 + 3840 * 1.3e-5
+    assert cost.step_s(30, 1, chunk_pairs(30, 3840), 0, 3840) == pytest.approx(0.02 + 0.009 + 115665 * 4e-7 + 0.04992, rel=1e-12)
 
 
 def test_the_fit_keeps_every_coefficient_non_negative():
@@ -55,9 +63,9 @@ def test_the_fit_keeps_every_coefficient_non_negative():
     points = [StepPoint(shape, truth.shape_s(shape) - 0.0004 * shape.num_rows) for shape in SHAPES]
     fitted, _ = fit_step_cost(points)
     (line,) = fitted.lines
-    assert min(line.base_s, line.token_s, line.row_s, fitted.pair_s, fitted.context_s) >= 0.0
-    with pytest.raises(ValueError, match="at least 5 steps"):
-        fit_step_cost(points[:4])
+    assert min(line.base_s, line.token_s, line.row_s, fitted.pair_s, fitted.context_s, fitted.prefix_s) >= 0.0
+    with pytest.raises(ValueError, match="at least 6 steps"):
+        fit_step_cost(points[:5])
 
 
 def test_the_gpu_fit_reproduces_distserves_published_formulas():
@@ -78,11 +86,14 @@ def test_the_gpu_fit_reproduces_distserves_published_formulas():
 
 
 def test_a_fit_survives_its_json():
-    fit = CostFit("cpu", StepCost((CostLine(0.01, 0.001, 0.0001), CostLine(0.02)), 1e-6, 2e-6),
+    fit = CostFit("cpu", StepCost((CostLine(0.01, 0.001, 0.0001), CostLine(0.02)), 1e-6, 2e-6, 3e-6),
                   HandoffCost(0.001, 23040, 3e9),
                   ServeOverhead(LayoutOverhead(0.04, 0.0, 0.0006, 0.02, 0.003, 0.1), LayoutOverhead(0.05, 0.001)),
                   kv_capacity_tokens=1000, source="here", assumptions=("one",), info={"x": 1})
     assert CostFit.from_json(fit.to_json()) == fit
+    older = fit.to_json()  # a fit written before the prefix term
+    del older["step"]["prefix_s"]
+    assert CostFit.from_json(older).step.prefix_s == 0.0
 
 
 def _seq(computed: int, prompt: int):
@@ -92,8 +103,11 @@ def _seq(computed: int, prompt: int):
 def test_the_probe_reads_a_steps_shape_from_the_scheduler_output():
     scheduled = [(_seq(10, 5), 1), (_seq(40, 20), 1), (_seq(0, 300), 256), (_seq(0, 50), 50)]
     # two decoding rows (reading 11 and 41 tokens), a long prompt's first chunk (no sample), a whole prompt
-    assert step_shape(scheduled) == StepShape(1 + 1 + 256 + 50, 3, chunk_pairs(256, 0) + chunk_pairs(50, 0), 11 + 41)
-    assert step_shape([(_seq(256, 300), 44)]) == StepShape(44, 1, chunk_pairs(44, 256), 0)
+    assert step_shape(scheduled) == StepShape(1 + 1 + 256 + 50, 3, chunk_pairs(256, 0) + chunk_pairs(50, 0), 11 + 41, 0)
+    assert step_shape([(_seq(256, 300), 44)]) == StepShape(44, 1, chunk_pairs(44, 256), 0, 256)
+    # two chunks after prefixes of 3,840 and 512, beside a decoding row reading 20 tokens
+    assert step_shape([(_seq(3840, 3870), 30), (_seq(512, 2000), 256), (_seq(20, 8), 1)]) == StepShape(
+        287, 2, chunk_pairs(30, 3840) + chunk_pairs(256, 512), 21, 3840 + 512)
 
 
 def test_the_hand_off_comes_from_a_serve_overhead_report():

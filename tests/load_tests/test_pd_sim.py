@@ -57,6 +57,17 @@ def test_a_prompt_chunk_slows_the_decode_step_it_shares_by_exactly_its_cost():
     assert b.ttft_s == t2 + shared + last - b_arrival
 
 
+def test_each_chunk_after_the_first_pays_for_the_prompt_computed_before_it():
+    prefix = 2**-12
+    fit = make_fit(step=StepCost((CostLine(BASE, TOKEN, ROW),), pair_s=PAIR, context_s=CONTEXT, prefix_s=prefix))
+    run = simulate([SimRequest(0, 0.0, 600, 1)], fit, "colocated", num_decode=1)
+    # 600 tokens, 256 a step: chunks after 0, 256 and 512 computed tokens, the last (88) samples
+    chunks = [BASE + TOKEN * 256 + PAIR * chunk_pairs(256, 0),
+              BASE + TOKEN * 256 + PAIR * chunk_pairs(256, 256) + prefix * 256,
+              BASE + TOKEN * 88 + ROW + PAIR * chunk_pairs(88, 512) + prefix * 512]
+    assert run.results[0].ttft_s == chunks[0] + chunks[1] + chunks[2]
+
+
 def test_disaggregated_the_first_token_comes_from_the_prefill_and_the_rest_after_the_hand_off():
     run = simulate([SimRequest(0, 0.0, 64, 3)], make_fit(), "disaggregated", num_prefill=1, num_decode=1)
     (result,) = run.results
