@@ -96,6 +96,13 @@ class ReplicaSignals:
     # accepted proposals with it (serving/observability/worker_metrics.py TokensPerStep); the
     # planner's decode capacity scales with it. 0 on the wire: not reported (an older worker).
     decode_tokens_per_step: float | None = None
+    # The engine's decode steps run back to back, since the previous report: steps/s, sequences
+    # they decoded/s, and their periods' seconds/s (serving/engine/engine.py DecodeSteps). The
+    # planner's decode correction comes from them where every replica reports steps; 0: none
+    # counted, or an engine that keeps no account (then the stream law's fit, planner._learn).
+    decode_steps_per_s: float | None = None
+    decode_rows_per_s: float | None = None
+    decode_busy: float | None = None
     replica: str | None = None  # which replica (Serve's replica id): not on the wire, Serve keys by it
 
     def to_wire(self) -> dict[str, float]:
@@ -108,7 +115,8 @@ class ReplicaSignals:
 # reactive targets bound, and the planner's.
 SIGNALS = ("queued_prefill_tokens", "ttft_p95_ms", "num_seqs", "kv_utilization", "tpot_p95_ms")
 WORKLOAD_SIGNALS = ("requests_per_s", "prompt_tokens_per_request", "output_tokens_per_request", "output_tokens_per_s",
-                    "prefill_tokens_per_s", "decode_tokens_per_step", "requests_total")
+                    "prefill_tokens_per_s", "decode_tokens_per_step", "requests_total", "decode_steps_per_s",
+                    "decode_rows_per_s", "decode_busy")
 COUNTER_SIGNALS = ("requests_total",)  # read as the newest point, not the window's mean
 WIRE_SIGNALS = SIGNALS + WORKLOAD_SIGNALS
 

@@ -77,9 +77,14 @@ def pool_load(pool: str, replicas: tuple[ReplicaSignals, ...]) -> PoolLoad | Non
     steps = [t / m for t, m in zip(made, per_step)]
     # The pool's: its tokens over its steps; with nothing made, the replicas' plain mean.
     tokens_per_step = sum(made) / sum(steps) if sum(steps) > 0 else sum(per_step) / len(per_step)
+    # The engines' decode step account, of the replicas that counted steps in the window (an idle
+    # one tells nothing of a step's time; vLLM's engine counts none).
+    stepped = [r for r in replicas if (r.decode_steps_per_s or 0.0) > 0]
+    decode_steps = (sum(r.decode_steps_per_s for r in stepped), sum(r.decode_rows_per_s or 0.0 for r in stepped),
+                    sum(r.decode_busy or 0.0 for r in stepped)) if stepped else None
     return PoolLoad(rate, tokens, backlog=sum(r.num_seqs or 0.0 for r in replicas),
                     measured_decode=tuple((r.num_seqs or 0.0, s) for r, s in zip(replicas, steps)),
-                    tokens_per_step=tokens_per_step, request_totals=totals)
+                    tokens_per_step=tokens_per_step, request_totals=totals, decode_steps=decode_steps)
 
 
 def _weighted(replicas: tuple[ReplicaSignals, ...], signal: str) -> float:

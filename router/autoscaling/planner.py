@@ -55,11 +55,17 @@ now, outgrows its count scales up at once (a burst's queue does not wait for the
 
 Learning. With profiles.learn, each plan folds what replicas report into a correction of the
 profile (an EWMA, weight learn_weight): prefill, the engine's measured prefill tokens/s over the
-profile's; decode, the TPOT multiplier at which the pool's stream law, at the tokens/s its
-replicas made, holds the mean streams they held (decode_model.fit_correction). It reads 1 on
-replicas that run at the profile whatever their batch did; the tokens/s predicted at each
-replica's mean batch read 1.06-1.18 there, since a moving batch makes fewer tokens than its mean
-(Jensen's inequality).
+profile's; decode, the seconds of the decode steps the engines ran back to back over what the
+profile gives the same steps, base x steps + per_seq x the sequences they decoded (each
+engine's DecodeSteps account, serving/engine/engine.py). A step's time is linear in its batch, so
+that ratio is the multiplier whatever the batch did, and it assumes nothing of how streams are
+placed. Where a replica keeps no account (vLLM's engine), the correction is the TPOT multiplier at
+which the pool's stream law, at the tokens/s its replicas made, holds the mean streams they held
+(decode_model.fit_correction). That law assumes streams split evenly over the replicas, and a pool
+just scaled up is not even (the running streams stay where their KV is): in the replays it read
+1.003-1.061 on replicas running exactly at the profile, where the step account reads 1. The
+tokens/s predicted at each replica's mean batch read 1.06-1.18 there, since a moving batch makes
+fewer tokens than its mean (Jensen's inequality).
 
 Hysteresis. Up at once to the plan. Down only when the plan, and the arrivals grown by dead_band,
 fit fewer replicas continuously for downscale_delay_s; then to the highest need of the arrivals
@@ -114,6 +120,10 @@ class PoolLoad:
     # (replica, requests arrived there since it started), every running replica's, where all
     # report the counter: the planner counts the pool's arrivals from them (`count_arrivals`)
     request_totals: tuple[tuple[str, float], ...] = ()
+    # decode, the pool's: (engine steps/s, sequences they decoded/s, their seconds/s) of the decode
+    # steps its engines ran back to back (DecodeSteps), summed over the replicas that counted
+    # some; None where none did
+    decode_steps: tuple[float, float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -238,6 +248,12 @@ def _learn(policy: PlannerPolicy, pool: str, load: PoolLoad, correction: float) 
     sample = None
     if pool == "prefill" and load.measured_tokens_per_s:
         sample = load.measured_tokens_per_s / profiles.prefill.tokens_per_s
+    elif pool == "decode" and load.decode_steps is not None:
+        # A step takes correction x (base + per_seq x its sequences): over the steps counted,
+        # their seconds over the profile's for the same steps (no law, no placement assumed).
+        steps, rows, seconds = load.decode_steps
+        decode = profiles.decode
+        sample = seconds / (decode.tpot_base_ms / 1000 * steps + decode.tpot_ms_per_seq / 1000 * rows)
     elif pool == "decode" and load.measured_decode:
         # The TPOT multiplier at which the pool's law holds, at the tokens/s its replicas made,
         # the mean streams they held (decode_model.fit_correction).

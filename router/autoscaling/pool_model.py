@@ -153,7 +153,9 @@ class DecodeReplica(_Replica):
         self.active: list[tuple[float, int, float, int]] = []  # heap of (end progress, id, joined at, tokens)
         self.finished: deque[tuple[float, int]] = deque()  # (time, tokens) of finished sequences
         self.generated = 0.0  # tokens generated since the start
-        self.last_sample = (ready_at, 0.0)  # (time, generated then) of the previous sample
+        self.busy_s = 0.0  # seconds with a sequence decoding (the live engine's DecodeSteps seconds)
+        # (time, generated, steps, busy seconds) at the previous sample
+        self.last_sample = (ready_at, 0.0, 0.0, 0.0)
 
     def advance(self, t: float, on_finish: Callable[[int, float, float], None]) -> None:
         """Run to time t; on_finish(request id, joined at, finished at) for each sequence that ends."""
@@ -164,6 +166,7 @@ class DecodeReplica(_Replica):
             if at > t:
                 break
             self.generated += len(self.active) * (end_progress - self.progress)
+            self.busy_s += at - self.clock
             heapq.heappop(self.active)
             self.clock, self.progress = at, end_progress
             self.latencies.append((at, 1000 * (at - joined) / tokens))
@@ -173,6 +176,7 @@ class DecodeReplica(_Replica):
             step = (t - self.clock) / self.capacity.tpot_s(len(self.active))
             self.progress += step
             self.generated += len(self.active) * step
+            self.busy_s += t - self.clock
         self.clock = max(self.clock, t)
         if self.removed_at is not None and not self.active and self.ended_at is None:
             self.ended_at = max(self.removed_at, self.clock)
@@ -188,14 +192,19 @@ class DecodeReplica(_Replica):
             self.finished.popleft()
         # Tokens generated since the previous sample: averaged over the window's samples with
         # num_seqs, both describe the same time (the live worker reports them the same way).
-        since, generated_then = self.last_sample
-        tokens_per_s = (self.generated - generated_then) / (t - since) if t > since else 0.0
-        self.last_sample = (t, self.generated)
+        # So are the decode steps: `progress` counts them (each sequence advances one a step).
+        since, generated_then, progress_then, busy_then = self.last_sample
+        span = t - since
+        tokens_per_s = (self.generated - generated_then) / span if span > 0 else 0.0
+        steps_per_s = (self.progress - progress_then) / span if span > 0 else 0.0
+        busy = (self.busy_s - busy_then) / span if span > 0 else 0.0
+        self.last_sample = (t, self.generated, self.progress, self.busy_s)
         return ReplicaSignals(
             queued_prefill_tokens=0.0, ttft_p95_ms=0.0, num_seqs=float(len(self.active)), kv_utilization=0.0,
             tpot_p95_ms=percentile((ms for _, ms in self.latencies), 95), requests_per_s=len(self.arrivals) / window_s,
             prompt_tokens_per_request=0.0, output_tokens_per_request=_mean(n for _, n in self.finished),
             output_tokens_per_s=tokens_per_s, prefill_tokens_per_s=0.0, requests_total=float(self.num_arrived),
+            decode_steps_per_s=steps_per_s, decode_rows_per_s=tokens_per_s, decode_busy=busy,
         )
 
 

@@ -412,6 +412,7 @@ def replica_signals(stats: EngineStats, latencies: RequestLatencies) -> ReplicaS
     next interval of output_tokens_per_s and decode_tokens_per_step (Serve calls it every
     metrics_interval_s)."""
     requests_per_s, prompt_tokens, output_tokens, made_per_s = latencies.workload.report()
+    steps, rows, busy = latencies.decode_steps.report(stats.decode_steps, stats.decode_step_rows, stats.decode_step_s)
     return ReplicaSignals(
         queued_prefill_tokens=float(stats.num_queued_prefill_tokens),
         ttft_p95_ms=latencies.ttft_ms.percentile(95) or 0.0,
@@ -425,4 +426,7 @@ def replica_signals(stats: EngineStats, latencies: RequestLatencies) -> ReplicaS
         prefill_tokens_per_s=float(stats.prefill_tokens_per_s),
         decode_tokens_per_step=latencies.tokens_per_step.report(stats.num_generated_tokens, stats.spec_accepted_tokens),
         requests_total=float(latencies.workload.num_arrived),
+        decode_steps_per_s=steps,
+        decode_rows_per_s=rows,
+        decode_busy=busy,
     )

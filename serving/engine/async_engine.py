@@ -32,6 +32,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -207,12 +208,14 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        decoded: tuple[float, int] | None = None  # (start, sequences) of the last step, if it was a decode step
         try:
             while True:
                 # Block when idle, or stalled (waiting on blocks that only a command can free, or
                 # until a waiting request's max_queue_wait_s runs out); otherwise take what has
                 # arrived and step.
                 if not engine.has_unfinished_requests() or engine.is_stalled:
+                    decoded = None  # a wait for work is not part of a step's period
                     wait_s = engine.scheduler.seconds_to_queue_timeout() if engine.is_stalled else None
                     try:
                         command = self._inbox.get(timeout=wait_s)
@@ -228,7 +231,11 @@ class AsyncEngine:
                     if not self._handle(command):
                         return
                 if engine.has_unfinished_requests():
+                    started = time.perf_counter()
+                    if decoded is not None:  # the last decode step's period ends as this step starts
+                        engine.decode_steps.add(started - decoded[0], decoded[1])
                     outputs = engine.step()
+                    decoded = (started, engine.last_decode_rows) if engine.last_decode_rows else None
                     self._stats = engine.stats()  # before the outputs: a caller that sees its end sees it
                     self._publish(outputs)
                     for failure in engine.take_failures():

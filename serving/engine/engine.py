@@ -78,6 +78,27 @@ _MIN_RATE_TOKENS = 32  # steps with fewer prefill tokens say more about overhead
 
 
 @dataclass
+class DecodeSteps:
+    """Decode steps run back to back (the step loop adds them: async_engine.py): how many, the
+    sequences they decoded, and each one's period, from its start to the next step's start. A
+    period is what a stream waits for its next token: the step, the outputs' hand-over, and any
+    CPU the replica's other threads took meanwhile. Only steps that computed no prompt token,
+    followed by another step with no wait for work between them, count. The autoscaling planner
+    reads its decode correction from them: a step's time is linear in its batch, so
+    seconds / (base x steps + per_seq x rows) is the multiplier on the profile with no Jensen
+    gap (router/autoscaling/planner.py)."""
+
+    steps: int = 0
+    rows: int = 0
+    seconds: float = 0.0
+
+    def add(self, period_s: float, rows: int) -> None:
+        self.steps += 1
+        self.rows += rows
+        self.seconds += period_s
+
+
+@dataclass
 class _SeqState:
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None  # None: the caller detokenizes (params.detokenize False)
@@ -153,6 +174,10 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.is_stalled = False  # the last step could schedule nothing (see step)
         self.prefill_rate = PrefillRate()  # steps' prefill tokens/s, for the routers (prefill_rate.py)
+        # Sequences the last step decoded when it computed no prompt token, else 0 (the step
+        # loop's decode account: async_engine.DecodeSteps)
+        self.last_decode_rows = 0
+        self.decode_steps = DecodeSteps()
         self._grammars: GrammarCompiler | None = None  # built on the first structured output
         # Requests waiting for their grammar; its on_ready wakes an AsyncEngine's step loop.
         self.compiling = PendingGrammars()
@@ -439,6 +464,7 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        self.last_decode_rows = 0
         if self.compiling:
             self._queue_compiled()
         if self.lora_waiting:
@@ -463,6 +489,7 @@ class LLMEngine:
         num_prefill_tokens = sum(
             n for seq, n in scheduled if seq.num_computed_tokens < seq.num_prompt_tokens
         )
+        self.last_decode_rows = 0 if num_prefill_tokens else len(scheduled)
         started = time.perf_counter()
         step = self.runner.prepare(scheduled)
         logits = self.runner.execute(step)
@@ -757,6 +784,9 @@ class LLMEngine:
                 for seq in (*self.scheduler.waiting, *self.scheduler.running)
             ) + sum(self._requests[r].num_prompt_tokens for r in self.lora_waiting),
             prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
+            decode_steps=self.decode_steps.steps,
+            decode_step_rows=self.decode_steps.rows,
+            decode_step_s=self.decode_steps.seconds,
             dtype=self.dtype_choice.dtype,
             dtype_reason=self.dtype_choice.reason,
             kernel_path=self.kernels.path.value,

@@ -122,6 +122,25 @@ class TokensPerStep:
         return self._last
 
 
+class DecodeStepRates:
+    """The engine's decode step account (EngineStats.decode_steps, decode_step_rows,
+    decode_step_s: cumulative) as rates between two reports: (steps/s, sequences decoded/s,
+    step-seconds/s). The planner learns its decode correction from them. All 0 for an interval
+    with no counted step, and for an engine that keeps no account (vLLM)."""
+
+    def __init__(self) -> None:
+        self._counts: tuple[float | None, int, int, float] = (None, 0, 0, 0.0)  # (time, steps, rows, seconds)
+
+    def report(self, steps: int, rows: int, seconds: float, now: float | None = None) -> tuple[float, float, float]:
+        now = time.monotonic() if now is None else now
+        since, steps_then, rows_then, seconds_then = self._counts
+        self._counts = (now, steps, rows, seconds)
+        if since is None or now <= since or steps <= steps_then:
+            return 0.0, 0.0, 0.0
+        span = now - since
+        return (steps - steps_then) / span, (rows - rows_then) / span, (seconds - seconds_then) / span
+
+
 class RequestLatencies:
     """TTFT and TPOT windows of one replica, its workload window and its decode tokens per step;
     `track()` follows one request's outputs."""
@@ -131,6 +150,7 @@ class RequestLatencies:
         self.tpot_ms = LatencyWindow(window_s)
         self.workload = WorkloadWindow(window_s)
         self.tokens_per_step = TokensPerStep()
+        self.decode_steps = DecodeStepRates()
 
     def track(self, *, continues: bool = False) -> RequestTracker:
         """`continues`: the request's first token came from elsewhere (no TTFT here)."""

@@ -95,7 +95,8 @@ def test_the_correction_reads_the_profile_on_the_pool_models_replicas():
     # Three replicas of the replay's pool model, which step exactly at the profile, fed 2 req/s
     # of Poisson streams (32-96 tokens) for 10 minutes, sampled as the replay samples them (every
     # 5 s, 30-s windows); a plan every 30 s from 60 s on. The fit reads 0.994 on average; the
-    # tokens/s predicted at each replica's mean batch (the previous estimate) read 1.056.
+    # tokens/s predicted at each replica's mean batch (an earlier estimate) read 1.056; the step
+    # account the planner reads first (planner._learn) reads 1 at every plan.
     import random
     import statistics
 
@@ -108,7 +109,7 @@ def test_the_correction_reads_the_profile_on_the_pool_models_replicas():
     arrivals, at = [], 0.0
     while (at := at + rng.expovariate(2.0)) <= 600.0:
         arrivals.append((at, rng.randint(32, 96)))
-    fits, old, t, i = [], [], 0.0, 0
+    fits, old, accounts, t, i = [], [], [], 0.0, 0
     while t < 600.0:
         t += 1.0
         while i < len(arrivals) and arrivals[i][0] < t:
@@ -120,10 +121,15 @@ def test_the_correction_reads_the_profile_on_the_pool_models_replicas():
         if t % 5 == 0:
             pool.sample(t, 30.0)
             if t >= 60 and t % 30 == 0:
-                measured = pool_load("decode", pool.observed(t)).measured_decode
+                load = pool_load("decode", pool.observed(t))
+                measured = load.measured_decode
                 fits.append(fit_correction(sum(b for b, _ in measured), sum(m for _, m in measured), 3, BASE, PER_SEQ))
+                # The replicas' step account: their seconds over the profile's for their steps.
+                steps, rows, seconds = load.decode_steps
+                accounts.append(seconds / (BASE * steps + PER_SEQ * rows))
                 busy = [(b, m) for b, m in measured if b >= 2 and m > 0]
                 if busy:
                     old.append(sum(b / (BASE + PER_SEQ * b) for b, _ in busy) / sum(m for _, m in busy))
     assert (len(fits), round(statistics.mean(fits), 4)) == (19, 0.9938)
     assert round(statistics.mean(old), 4) == 1.0562
+    assert accounts == pytest.approx([1.0] * 19, rel=1e-9)  # exact: a step is linear in its batch

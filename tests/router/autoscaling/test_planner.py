@@ -3,6 +3,8 @@ hysteresis, the prefill -> decode flow, learning) and the forecast, on hand-buil
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from router.autoscaling.decode_model import stream_law
@@ -316,6 +318,11 @@ def test_learning_corrects_the_profiles():
     decode = plan_pool(policy, "decode", BOUNDS["decode"], load, 1, PoolPlanState(), 0.0)
     assert decode.state.correction == pytest.approx(1.3, rel=1e-9)
     assert policy.max_batch(1.3) == pytest.approx((100 / 1.3 - 20) / 20)
+    # The engines' step account, where they keep one, comes first: 10 steps/s of 30 sequences/s
+    # took 1.2 s/s where the profile (20 ms + 20 ms a sequence) gives 0.2 + 0.6: x1.5, (1 + 1.5) / 2.
+    counted = replace(load, decode_steps=(10.0, 30.0, 1.2))
+    decode = plan_pool(policy, "decode", BOUNDS["decode"], counted, 1, PoolPlanState(), 0.0)
+    assert decode.state.correction == pytest.approx(1.25, rel=1e-12)
 
 
 def test_missing_data_holds_both_pools():

@@ -501,3 +501,23 @@ def test_coalescing_stops_at_an_error_and_raises_it_after_the_merged_output():
 
     merged, error, left = asyncio.run(finished_first())
     assert merged.outputs[0].token_ids == [4] and merged.finished and error is None and left == 1
+
+
+def test_decode_steps_back_to_back_are_counted_with_their_periods(async_engine):
+    """One request of 12 tokens: a prefill step (the first token), then 11 decode steps. Each
+    decode step's period ends when the next step starts, so the last one, after which the loop
+    waits for work, is not counted: 10 steps of one sequence. The periods lie within the run that
+    made them: the wait between two runs is no step's period."""
+    started = time.perf_counter()
+    assert len(asyncio.run(collect(async_engine, "one", [5, 6, 7, 8]))) == 12
+    first_wall = time.perf_counter() - started
+    first = async_engine.stats()
+    assert (first.decode_steps, first.decode_step_rows) == (10, 10)
+    assert 0 < first.decode_step_s <= first_wall
+    time.sleep(0.5)
+    started = time.perf_counter()
+    assert len(asyncio.run(collect(async_engine, "two", [9] * 20))) == 12
+    second_wall = time.perf_counter() - started
+    second = async_engine.stats()
+    assert (second.decode_steps, second.decode_step_rows) == (20, 20)
+    assert 0 < second.decode_step_s - first.decode_step_s <= second_wall

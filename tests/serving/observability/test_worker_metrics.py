@@ -4,10 +4,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from router.autoscaling.decide import WIRE_SIGNALS
 from serving.deployments.engine_worker import replica_signals
 from serving.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from serving.observability.worker_metrics import LatencyWindow, RequestLatencies, TokensPerStep, WorkloadWindow
+from serving.observability import worker_metrics
+from serving.observability.worker_metrics import (
+    DecodeStepRates,
+    LatencyWindow,
+    RequestLatencies,
+    TokensPerStep,
+    WorkloadWindow,
+)
 
 
 def output(tokens: int, *, arrival: float, first: float | None, finished: float | None, reason: str | None = None):
@@ -73,7 +82,7 @@ def test_replica_signals_report_every_signal_on_the_wire():
         "queued_prefill_tokens": 1234.0, "ttft_p95_ms": 0.0, "num_seqs": 5.0, "kv_utilization": 0.6, "tpot_p95_ms": 0.0,
         "requests_per_s": 0.0, "prompt_tokens_per_request": 0.0, "output_tokens_per_request": 0.0,
         "output_tokens_per_s": 0.0, "prefill_tokens_per_s": 296.5, "decode_tokens_per_step": 1.0,
-        "requests_total": 0.0,
+        "requests_total": 0.0, "decode_steps_per_s": 0.0, "decode_rows_per_s": 0.0, "decode_busy": 0.0,
     }
     latencies.ttft_ms.add(80.0)
     assert replica_signals(replace(stats, num_waiting=0), latencies).ttft_p95_ms == 80.0
@@ -95,6 +104,28 @@ def test_workload_window_reports_rates_lengths_and_tokens_since_the_last_report(
     # The arrivals at 0.5 s and 1 s have left the 10 s window; the counter keeps them.
     assert workload.report(now=12.0) == (0.1, 300.0, 30.0, 0.0)
     assert workload.num_arrived == 3
+
+
+def test_decode_step_rates_are_the_accounts_increments_over_the_time_between_reports():
+    rates = DecodeStepRates()
+    assert rates.report(10, 30, 0.5, now=100.0) == (0.0, 0.0, 0.0)  # no previous report: no interval yet
+    # 40 steps of 120 sequences in 1.8 s of periods, over the 2 s since
+    assert rates.report(50, 150, 2.3, now=102.0) == pytest.approx((20.0, 60.0, 0.9), rel=1e-12)
+    assert rates.report(50, 150, 2.3, now=107.0) == (0.0, 0.0, 0.0)  # no step counted: nothing to say
+    assert rates.report(52, 158, 2.4, now=108.0) == pytest.approx((2.0, 8.0, 0.1), rel=1e-12)
+
+
+def test_replica_signals_carry_the_engines_decode_step_account(monkeypatch):
+    stats = EngineStats(
+        num_running=4, num_waiting=0, num_blocks=100, num_free_blocks=40, kv_cache_usage=0.6, num_preemptions=0,
+        prefix_cache_query_tokens=0, prefix_cache_hit_tokens=0, num_computed_tokens=0, num_generated_tokens=0,
+        num_held_exports=0,
+    )
+    latencies = RequestLatencies()
+    latencies.decode_steps.report(0, 0, 0.0, now=100.0)  # the worker's previous report
+    monkeypatch.setattr(worker_metrics.time, "monotonic", lambda: 105.0)  # five seconds later
+    signals = replica_signals(replace(stats, decode_steps=100, decode_step_rows=400, decode_step_s=4.5), latencies)
+    assert (signals.decode_steps_per_s, signals.decode_rows_per_s, signals.decode_busy) == (20.0, 80.0, 0.9)
 
 
 def test_tracked_requests_feed_the_workload_window():
