@@ -191,6 +191,9 @@ _ENGINE_COUNTERS = {
     "prefix_cache_query_tokens": "kvrelay_prefix_cache_queried_tokens_total",
     "prefix_cache_hit_tokens": "kvrelay_prefix_cache_hit_tokens_total",
     "num_preemptions": "kvrelay_preemptions_total",
+    "decode_steps": "kvrelay_decode_steps_total",
+    "decode_step_rows": "kvrelay_decode_step_sequences_total",
+    "decode_step_s": "kvrelay_decode_step_seconds_total",
 }
 # Speculative decoding's, labelled with the proposer (recorded only where it is on).
 _SPEC_COUNTERS = {

@@ -305,8 +305,10 @@ def test_worker_metrics_record_exact_times_bytes_and_engine_deltas():
     assert wm.kv_import_s == 0.25  # the first import is the average
     wm.kv_exported(400)
     wm.kv_fallback("timeout")
-    wm.refresh(engine_stats(prefix_cache_query_tokens=100, prefix_cache_hit_tokens=32, num_preemptions=1, num_running=2, num_waiting=3, kv_cache_usage=0.5))
-    wm.refresh(engine_stats(prefix_cache_query_tokens=150, prefix_cache_hit_tokens=48, num_preemptions=1, num_running=1, num_waiting=0, kv_cache_usage=0.25))
+    wm.refresh(engine_stats(prefix_cache_query_tokens=100, prefix_cache_hit_tokens=32, num_preemptions=1, num_running=2, num_waiting=3, kv_cache_usage=0.5,
+                            decode_steps=10, decode_step_rows=25, decode_step_s=0.5))
+    wm.refresh(engine_stats(prefix_cache_query_tokens=150, prefix_cache_hit_tokens=48, num_preemptions=1, num_running=1, num_waiting=0, kv_cache_usage=0.25,
+                            decode_steps=14, decode_step_rows=33, decode_step_s=0.75))
     s = registry_samples(wm.instruments.registry)
     mine = {"model": MODEL, "pool": "decode", "replica": "r1"}
     assert value(s, "kvrelay_queue_time_seconds_count", **mine) == 2
@@ -319,6 +321,8 @@ def test_worker_metrics_record_exact_times_bytes_and_engine_deltas():
     assert value(s, "kvrelay_prefix_cache_queried_tokens_total", **mine) == 150
     assert value(s, "kvrelay_prefix_cache_hit_tokens_total") == 48
     assert value(s, "kvrelay_preemptions_total") == 1
+    assert (value(s, "kvrelay_decode_steps_total"), value(s, "kvrelay_decode_step_sequences_total"),
+            value(s, "kvrelay_decode_step_seconds_total")) == (14, 33, 0.75)
     assert (value(s, "kvrelay_num_requests_running"), value(s, "kvrelay_num_requests_waiting")) == (1, 0)
     assert value(s, "kvrelay_kv_cache_usage_ratio", **mine) == 0.25
 
