@@ -99,7 +99,7 @@ class ReplicaSignals:
     # The engine's decode steps run back to back, since the previous report: steps/s, sequences
     # they decoded/s, and their periods' seconds/s (serving/engine/engine.py DecodeSteps). The
     # planner's decode correction comes from them where every replica reports steps; 0: none
-    # counted, or an engine that keeps no account (then the stream law's fit, planner._learn).
+    # counted, or an older worker (then the stream law's fit, planner._learn).
     decode_steps_per_s: float | None = None
     decode_rows_per_s: float | None = None
     decode_busy: float | None = None

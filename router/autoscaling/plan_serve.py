@@ -78,7 +78,7 @@ def pool_load(pool: str, replicas: tuple[ReplicaSignals, ...]) -> PoolLoad | Non
     # The pool's: its tokens over its steps; with nothing made, the replicas' plain mean.
     tokens_per_step = sum(made) / sum(steps) if sum(steps) > 0 else sum(per_step) / len(per_step)
     # The engines' decode step account, of the replicas that counted steps in the window (an idle
-    # one tells nothing of a step's time; vLLM's engine counts none).
+    # one tells nothing of a step's time; an older worker reports none).
     stepped = [r for r in replicas if (r.decode_steps_per_s or 0.0) > 0]
     decode_steps = (sum(r.decode_steps_per_s for r in stepped), sum(r.decode_rows_per_s or 0.0 for r in stepped),
                     sum(r.decode_busy or 0.0 for r in stepped)) if stepped else None

@@ -59,9 +59,9 @@ profile's; decode, the seconds of the decode steps the engines ran back to back 
 profile gives the same steps, base x steps + per_seq x the sequences they decoded (each
 engine's DecodeSteps account, serving/engine/engine.py). A step's time is linear in its batch, so
 that ratio is the multiplier whatever the batch did, and it assumes nothing of how streams are
-placed. Where a replica keeps no account (vLLM's engine), the correction is the TPOT multiplier at
-which the pool's stream law, at the tokens/s its replicas made, holds the mean streams they held
-(decode_model.fit_correction). That law assumes streams split evenly over the replicas, and a pool
+placed (vLLM's replicas keep it from its iterations' stats). Where no replica reports one (an
+older worker), the correction is the TPOT multiplier at which the pool's stream law, at the
+tokens/s its replicas made, holds the mean streams they held (decode_model.fit_correction). That law assumes streams split evenly over the replicas, and a pool
 just scaled up is not even (the running streams stay where their KV is): in the replays it read
 1.003-1.061 on replicas running exactly at the profile, where the step account reads 1. The
 tokens/s predicted at each replica's mean batch read 1.06-1.18 there, since a moving batch makes

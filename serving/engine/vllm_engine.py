@@ -135,6 +135,24 @@ class _Stats:
         self.prefix_queries = self.prefix_hits = 0
         self.num_preemptions = 0
         self.num_generated = self.num_prompt = 0
+        # The decode step account (engine.DecodeSteps), from vLLM's iterations: one that computed
+        # no prompt token and followed one after which requests still ran counts, its period the
+        # time since that one's outputs (the handler's clock: the jitter cancels over a run)
+        self.decode_steps = self.decode_rows = 0
+        self.decode_s = 0.0
+        self._previous: tuple[float, bool] | None = None  # (its outputs' time, requests still ran)
+
+    def decoded(self, iteration, scheduler) -> None:
+        """One of vLLM's iterations into the decode step account (rows: the tokens it generated,
+        one a sequence without speculative decoding)."""
+        now = iteration.iteration_timestamp
+        if self._previous is not None and self._previous[1] and iteration.num_prompt_tokens == 0 \
+                and iteration.num_generation_tokens > 0:
+            self.decode_steps += 1
+            self.decode_rows += iteration.num_generation_tokens
+            self.decode_s += max(0.0, now - self._previous[0])
+        still_running = scheduler is not None and scheduler.num_running_reqs > 0
+        self._previous = (now, still_running)
 
     def logger_factory(self) -> Callable:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -158,6 +176,7 @@ class _Stats:
                     prompt = iteration_stats.prompt_token_stats  # computed here, not read from the cache
                     stats.num_prompt += getattr(prompt, "computed", iteration_stats.num_prompt_tokens)
                     stats.num_preemptions += iteration_stats.num_preempted_reqs
+                    stats.decoded(iteration_stats, scheduler_stats)
 
             def log_engine_initialized(self):
                 pass
@@ -335,6 +354,7 @@ class VLLMEngine:
             num_expired_imports=self._handoffs.num_expired_imports if self._handoffs else 0,
             num_queued_prefill_tokens=sum(self._prefilling.values()), prefill_tokens_per_s=self._prefill_rate.tokens_per_s,
             kernel_path="vllm", kernel_reason=f"vLLM {self.version}", num_queue_timeouts=self._num_queue_timeouts,
+            decode_steps=s.decode_steps, decode_step_rows=s.decode_rows, decode_step_s=s.decode_s,
         )
 
     def _first_output(self, request_id: str, out, metrics: RequestMetrics, num_prompt_tokens: int) -> None:

@@ -126,7 +126,7 @@ class DecodeStepRates:
     """The engine's decode step account (EngineStats.decode_steps, decode_step_rows,
     decode_step_s: cumulative) as rates between two reports: (steps/s, sequences decoded/s,
     step-seconds/s). The planner learns its decode correction from them. All 0 for an interval
-    with no counted step, and for an engine that keeps no account (vLLM)."""
+    with no counted step."""
 
     def __init__(self) -> None:
         self._counts: tuple[float | None, int, int, float] = (None, 0, 0, 0.0)  # (time, steps, rows, seconds)

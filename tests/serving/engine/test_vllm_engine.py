@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -154,8 +155,10 @@ def test_stats_count_tokens_and_prefix_hits_as_vllm_saw_them(served):
     engine, loop = served
     before = engine.stats()
     prompt = list(range(1000, 1128))
+    started = time.perf_counter()
     collect(served, "p1", prompt)
     collect(served, "p2", prompt)
+    wall = time.perf_counter() - started
     loop.run_until_complete(asyncio.sleep(1.5))  # vLLM's stat loggers run on its output loop
     after = engine.stats()
     assert after.num_generated_tokens - before.num_generated_tokens == 32
@@ -163,6 +166,10 @@ def test_stats_count_tokens_and_prefix_hits_as_vllm_saw_them(served):
     assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens == 96
     assert after.prefix_cache_query_tokens - before.prefix_cache_query_tokens == 256
     assert after.kernel_path == "vllm"
+    # The decode step account: each request's 15 decode iterations after its prefill, one
+    # sequence each; their periods lie within the two runs.
+    assert (after.decode_steps - before.decode_steps, after.decode_step_rows - before.decode_step_rows) == (30, 30)
+    assert 0 < after.decode_step_s - before.decode_step_s <= wall
 
 
 def test_queued_prefill_tokens_the_prefill_rate_and_the_ttft_split_come_from_the_replica(served):
