@@ -98,8 +98,8 @@ class ReplicaSignals:
     decode_tokens_per_step: float | None = None
     # The engine's decode steps run back to back, since the previous report: steps/s, sequences
     # they decoded/s, and their periods' seconds/s (serving/engine/engine.py DecodeSteps). The
-    # planner's decode correction comes from them where every replica reports steps; 0: none
-    # counted, or an older worker (then the stream law's fit, planner._learn).
+    # planner's decode correction comes from the replicas that counted steps; 0: none counted,
+    # or an older worker (with none in the pool, the stream law's fit: planner._learn).
     decode_steps_per_s: float | None = None
     decode_rows_per_s: float | None = None
     decode_busy: float | None = None

@@ -61,11 +61,12 @@ engine's DecodeSteps account, serving/engine/engine.py). A step's time is linear
 that ratio is the multiplier whatever the batch did, and it assumes nothing of how streams are
 placed (vLLM's replicas keep it from its iterations' stats). Where no replica reports one (an
 older worker), the correction is the TPOT multiplier at which the pool's stream law, at the
-tokens/s its replicas made, holds the mean streams they held (decode_model.fit_correction). That law assumes streams split evenly over the replicas, and a pool
-just scaled up is not even (the running streams stay where their KV is): in the replays it read
-1.003-1.061 on replicas running exactly at the profile, where the step account reads 1. The
-tokens/s predicted at each replica's mean batch read 1.06-1.18 there, since a moving batch makes
-fewer tokens than its mean (Jensen's inequality).
+tokens/s its replicas made, holds the mean streams they held (decode_model.fit_correction). That
+law assumes streams split evenly over the replicas, and a pool just scaled up is not even (the
+running streams stay where their KV is): in the replays it read 1.003-1.061 on replicas running
+exactly at the profile, where the step account reads 1. The tokens/s predicted at each replica's
+mean batch read 1.06-1.18 there, since a moving batch makes fewer tokens than its mean (Jensen's
+inequality).
 
 Hysteresis. Up at once to the plan. Down only when the plan, and the arrivals grown by dead_band,
 fit fewer replicas continuously for downscale_delay_s; then to the highest need of the arrivals

@@ -175,7 +175,7 @@ class LLMEngine:
         self.is_stalled = False  # the last step could schedule nothing (see step)
         self.prefill_rate = PrefillRate()  # steps' prefill tokens/s, for the routers (prefill_rate.py)
         # Sequences the last step decoded when it computed no prompt token, else 0 (the step
-        # loop's decode account: async_engine.DecodeSteps)
+        # loop's decode account, DecodeSteps)
         self.last_decode_rows = 0
         self.decode_steps = DecodeSteps()
         self._grammars: GrammarCompiler | None = None  # built on the first structured output

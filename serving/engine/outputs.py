@@ -105,7 +105,7 @@ class EngineStats:
     num_queue_timeouts: int = 0  # requests refused after waiting max_queue_wait_s for their first step
     num_queued_prefill_tokens: int = 0  # prompt tokens of waiting and running sequences not yet computed
     prefill_tokens_per_s: float = 0.0  # measured over recent steps that ran prefill (EMA); 0 before any
-    # Decode steps back to back, since the start (async_engine.DecodeSteps): how many, their
+    # Decode steps back to back, since the start (engine.DecodeSteps): how many, their
     # sequences summed, and their seconds from one step's start to the next's (a step's period as
     # its streams see it: the step, the outputs' hand-over and whatever shared the core meanwhile)
     decode_steps: int = 0
