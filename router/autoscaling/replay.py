@@ -26,13 +26,22 @@ with no cold start, no estimate's noise and no hysteresis. It is a yardstick, no
 policies must respect: the model is an approximation (on the steady trace its 3 prefill and 4
 decode replicas meet 0.974 of the requests in this replay), and a policy may spend less by
 missing more requests than the target allows.
+
+And the planner with the load known (`KNOWN_LOAD`, "known load" in the table): the planner as
+shipped, every look fed the trace's own request rate and mean prompt and decode lengths at that
+moment in place of what the replicas counted (their queues, step account and speeds are still
+read). It splits the planner's spend above the floor in two: what estimating the load from
+counts costs (planner against known load), and what the planner's own rules cost on the true
+load (known load against the floor: the cold start, hysteresis, a backlog's drain, rounding to
+whole replicas while the load moves).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from router.autoscaling.decide import Observation, ScaleState, decide
@@ -40,11 +49,13 @@ from router.autoscaling.plan_serve import pool_load
 from router.autoscaling.planner import PLANNED_POOLS, PoolPlanState, decode_replicas, plan, prefill_replicas
 from router.autoscaling.policy import AutoscalingPolicyConfig
 from router.autoscaling.pool_model import CALIBRATION, Capacity, DecodeReplica, Pool, PrefillReplica, percentile
-from router.autoscaling.workload import WorkloadTrace, generate_requests
+from router.autoscaling.workload import Segment, WorkloadTrace, generate_requests
 
-__all__ = ["POLICIES", "RAY_DEFAULTS", "PolicyResult", "replay", "model_floor", "compare", "format_table"]
+__all__ = ["POLICIES", "KNOWN_LOAD", "RAY_DEFAULTS", "PolicyResult", "replay", "model_floor", "compare",
+           "format_table"]
 
 POLICIES = ("reactive", "planner", "ray-default")
+KNOWN_LOAD = "planner-known-load"  # a yardstick beside the model floor, not a policy to compare
 # ray.serve.config.AutoscalingConfig's defaults in Ray 2.60 (a test checks them against Ray's).
 RAY_DEFAULTS = {"target_ongoing_requests": 2.0, "upscale_delay_s": 30.0, "downscale_delay_s": 600.0,
                 "look_back_period_s": 30.0}
@@ -106,6 +117,33 @@ class _Planner:
         return counts
 
 
+class _KnownLoadPlanner(_Planner):
+    """The planner fed the trace's true load at each look (module docstring)."""
+
+    def __init__(self, config: AutoscalingPolicyConfig, trace: WorkloadTrace):
+        super().__init__(config)
+        self.trace = trace
+
+    def decide(self, pools: dict[str, Pool], now: float) -> dict[str, int]:
+        segment = _segment_at(self.trace, now)
+        # No arrival counters: the planner then takes requests_per_s as the pool's rate.
+        true = {"prefill": segment.prompt_tokens, "decode": max(0.0, segment.output_tokens - 1)}
+        loads = {}
+        for name, pool in pools.items():
+            load = pool_load(name, pool.observed(now))
+            loads[name] = load and replace(load, requests_per_s=segment.requests_per_s,
+                                           tokens_per_request=true[name], request_totals=())
+        bounds = {name: self.config.pool(name) for name in PLANNED_POOLS}
+        currents = {name: pool.target for name, pool in pools.items()}
+        counts, self.states, _ = plan(self.config.planner, bounds, loads, currents, self.states, now)
+        return counts
+
+
+def _segment_at(trace: WorkloadTrace, now: float) -> Segment:
+    index = bisect.bisect_right([segment.start_s for segment in trace.segments], now) - 1
+    return trace.segments[max(0, index)]
+
+
 class _RayDefault:
     def __init__(self, config: AutoscalingPolicyConfig):
         self.config = config
@@ -153,9 +191,12 @@ def _mean_ongoing(replica, now: float) -> float:
 def replay(config: AutoscalingPolicyConfig, trace: WorkloadTrace, policy: str, *, capacity: Capacity | None = None,
            seed: int = 0, tick_s: float = 1.0) -> PolicyResult:
     """One policy over one trace (module docstring)."""
-    assert config.planner is not None and policy in POLICIES, policy
+    assert config.planner is not None and policy in (*POLICIES, KNOWN_LOAD), policy
     capacity = capacity or Capacity()
-    controller = {"reactive": _Reactive, "planner": _Planner, "ray-default": _RayDefault}[policy](config)
+    if policy == KNOWN_LOAD:
+        controller = _KnownLoadPlanner(config, trace)
+    else:
+        controller = {"reactive": _Reactive, "planner": _Planner, "ray-default": _RayDefault}[policy](config)
     pools = {name: Pool(name, capacity, config.pool(name).min_replicas) for name in PLANNED_POOLS}
     # Serve's look-back for the default policy; the file's windows for ours.
     window = {name: RAY_DEFAULTS["look_back_period_s"] if policy == "ray-default" else config.pool(name).window_s
@@ -246,15 +287,18 @@ def model_floor(config: AutoscalingPolicyConfig, trace: WorkloadTrace, capacity:
 def compare(config: AutoscalingPolicyConfig, traces: list[WorkloadTrace], *, capacity: Capacity | None = None,
             seed: int = 0) -> dict[str, Any]:
     """Every policy over every trace: the results and, per trace, whether the planner met the
-    target (SLO attainment >= each other policy's, replica-seconds <= each other's)."""
+    target (SLO attainment >= each other policy's, replica-seconds <= each other's), with the two
+    yardsticks (module docstring): the model floor and the planner with the load known."""
     capacity = capacity or Capacity()
     runs = []
     verdicts = {}
     floors = {}
+    known = {}
     for trace in traces:
         floor = model_floor(config, trace, capacity)
         floors[trace.name] = {"replica_seconds": round(sum(floor.values()), 1),
                               "replica_seconds_by_pool": {pool: round(v, 1) for pool, v in floor.items()}}
+        known[trace.name] = replay(config, trace, KNOWN_LOAD, capacity=capacity, seed=seed).to_dict()
         results = {policy: replay(config, trace, policy, capacity=capacity, seed=seed) for policy in POLICIES}
         planner = results["planner"]
         others = [r for name, r in results.items() if name != "planner"]
@@ -271,6 +315,7 @@ def compare(config: AutoscalingPolicyConfig, traces: list[WorkloadTrace], *, cap
                     "by_trace": verdicts},
         "results": runs,
         "model_floor": floors,
+        "known_load": known,
         "capacity": {**asdict(capacity), "calibration": CALIBRATION},
         "slo": {"ttft_ms": config.planner.targets.ttft_ms, "tpot_ms": config.planner.targets.tpot_ms},  # type: ignore[union-attr]
         "seed": seed,
@@ -282,14 +327,8 @@ def format_table(report: dict[str, Any]) -> str:
              f"cold start {report['capacity']['cold_start_s']:g} s",
              f"{'trace':<10} {'policy':<12} {'SLO met':>8} {'requests':>9} {'replica-s':>10} {'prefill':>8} "
              f"{'decode':>8} {'TTFT p95':>9} {'TPOT p95':>9} {'max P/D':>8}"]
-    for r in report["results"]:
-        by_pool = r["replica_seconds_by_pool"]
-        lines.append(
-            f"{r['trace']:<10} {r['policy']:<12} {r['slo_attainment']:>8.4f} {r['num_requests']:>9} "
-            f"{r['replica_seconds']:>10.0f} {by_pool['prefill']:>8.0f} {by_pool['decode']:>8.0f} "
-            f"{r['ttft_p95_ms']:>7.0f}ms {r['tpot_p95_ms']:>7.0f}ms "
-            f"{r['max_replicas']['prefill']:>4}/{r['max_replicas']['decode']}"
-        )
+    lines += [_row(r["trace"], r["policy"], r) for r in report["results"]]
+    lines += [_row(trace, "known load", r) for trace, r in report.get("known_load", {}).items()]
     floors = report.get("model_floor", {})
     for trace, floor in floors.items():
         by_pool = floor["replica_seconds_by_pool"]
@@ -297,8 +336,18 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{by_pool['prefill']:>8.0f} {by_pool['decode']:>8.0f}")
     if floors:
         lines.append("model floor: clairvoyant, each segment on the fewest replicas the planner's model says meet the target")
+    if report.get("known_load"):
+        lines.append("known load: the planner fed the trace's true rate and lengths at each look (what estimating them costs)")
     summary = report["summary"]
     lines.append(f"planner met the target (SLO met >= the others', replica-s <= the others') in: "
                  f"{', '.join(summary['planner_met_target_in']) or 'none'}; missed in: "
                  f"{', '.join(summary['planner_missed_target_in']) or 'none'}")
     return "\n".join(lines)
+
+
+def _row(trace: str, label: str, r: dict[str, Any]) -> str:
+    by_pool = r["replica_seconds_by_pool"]
+    return (f"{trace:<10} {label:<12} {r['slo_attainment']:>8.4f} {r['num_requests']:>9} "
+            f"{r['replica_seconds']:>10.0f} {by_pool['prefill']:>8.0f} {by_pool['decode']:>8.0f} "
+            f"{r['ttft_p95_ms']:>7.0f}ms {r['tpot_p95_ms']:>7.0f}ms "
+            f"{r['max_replicas']['prefill']:>4}/{r['max_replicas']['decode']}")

@@ -9,6 +9,7 @@ from collections import namedtuple
 
 import pytest
 
+from router.autoscaling import replay as replay_module
 from router.autoscaling.decide import ReplicaSignals, serve_autoscaling_config
 from router.autoscaling.plan_serve import (
     app_autoscaling_policy,
@@ -20,7 +21,7 @@ from router.autoscaling.plan_serve import (
 from router.autoscaling.planner import PoolLoad, decode_replicas, prefill_replicas
 from router.autoscaling.policy import load_policy, parse_policy
 from router.autoscaling.pool_model import Capacity, DecodeReplica, Pool, PrefillReplica
-from router.autoscaling.replay import RAY_DEFAULTS, compare, model_floor, replay
+from router.autoscaling.replay import KNOWN_LOAD, RAY_DEFAULTS, compare, model_floor, replay
 from router.autoscaling.workload import (
     Segment,
     TraceError,
@@ -149,11 +150,35 @@ def test_the_model_floor_runs_each_segment_on_the_fewest_replicas_the_model_allo
     assert model_floor(config, tiny_trace(), CAPACITY) == {"prefill": 60 * 2 + 120 * 4, "decode": 60 * 1 + 120 * 2}
 
 
+def test_the_known_load_yardstick_plans_on_the_traces_own_rate_and_lengths(monkeypatch):
+    # The planner as shipped, each look fed the segment's rate and mean lengths (decode: the
+    # tokens after the first, which prefill makes), with no arrival counters to count from.
+    seen = set()
+    real_plan = replay_module.plan
+
+    def spy(policy, bounds, loads, currents, states, now):
+        prefill, decode = loads["prefill"], loads["decode"]
+        if prefill is not None and decode is not None:
+            seen.add((now >= 60, prefill.requests_per_s, decode.requests_per_s, prefill.tokens_per_request,
+                      decode.tokens_per_request, prefill.request_totals, decode.request_totals))
+        return real_plan(policy, bounds, loads, currents, states, now)
+
+    monkeypatch.setattr(replay_module, "plan", spy)
+    result = replay(tiny_policy(), tiny_trace(), KNOWN_LOAD, capacity=CAPACITY).to_dict()
+    assert seen == {(False, 0.5, 0.5, 100, 9, (), ()), (True, 3.0, 3.0, 100, 9, (), ())}
+    # Knowing the load, it runs the model floor's counts (prefill 2 then 4, decode 1 then 2: 600 and
+    # 300 replica-seconds) from its first plan at 1 s: prefill's first second is on min_replicas 1.
+    # The planner that counts arrivals meets 234 at 863, with decode one replica over.
+    assert (result["num_requests"], result["num_met"], result["replica_seconds_by_pool"], result["max_replicas"]) == (
+        414, 267, {"prefill": 599.0, "decode": 300.0}, {"prefill": 4, "decode": 2})
+
+
 def test_compare_reports_the_target_per_trace():
     report = compare(tiny_policy(), [tiny_trace()], capacity=CAPACITY)
     assert report["model_floor"] == {"tiny": {"replica_seconds": 900.0,
                                               "replica_seconds_by_pool": {"prefill": 600.0, "decode": 300.0}}}
     assert [r["policy"] for r in report["results"]] == ["reactive", "planner", "ray-default"]
+    assert report["known_load"]["tiny"] == replay(tiny_policy(), tiny_trace(), KNOWN_LOAD, capacity=CAPACITY).to_dict()
     assert report["summary"]["by_trace"]["tiny"] == {
         "attainment_at_least_others": True, "replica_seconds_at_most_others": False, "met": False}
     assert report["slo"] == {"ttft_ms": 2000.0, "tpot_ms": 100.0}
@@ -269,9 +294,11 @@ def test_policy_simulate_workload_prints_and_writes_json(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == "SLO: TTFT <= 2000 ms and TPOT <= 100 ms; cold start 30 s"
     assert [line.split()[:2] for line in lines[3:6]] == [["w.csv", "reactive"], ["w.csv", "planner"], ["w.csv", "ray-default"]]
-    assert lines[6].split()[:4] == ["w.csv", "model", "floor", "120"]  # 0.5 req/s: 1 + 1 replicas for 60 s
+    assert lines[6].split()[:3] == ["w.csv", "known", "load"]
+    assert lines[7].split()[:4] == ["w.csv", "model", "floor", "120"]  # 0.5 req/s: 1 + 1 replicas for 60 s
     report = json.loads(out.read_text())
-    assert set(report) == {"summary", "results", "model_floor", "capacity", "slo", "seed", "config", "hardware"}
+    assert set(report) == {"summary", "results", "model_floor", "known_load", "capacity", "slo", "seed", "config",
+                           "hardware"}
     assert report["capacity"]["prefill_tokens_per_s"] == 296.4 and "cpu_model" in report["hardware"]
 
 
