@@ -17,6 +17,7 @@ from router.autoscaling.planner import (
     plan,
     plan_pool,
     prefill_replicas,
+    recent_rise,
 )
 from router.autoscaling.planner_policy import PlannerPolicy
 from router.autoscaling.policy import DecodePoolPolicy, PolicyError, PrefillPoolPolicy, load_policy, parse_policy
@@ -380,6 +381,42 @@ def test_arrivals_are_counted_from_the_replicas_counters_through_scale_up_and_do
     assert count_arrivals(state, PoolLoad(99.0, 50), 60.0, 30.0) == (None, state)
     # Serve's state round trip keeps the history.
     assert PoolPlanState.from_dict(state.to_dict()) == state
+
+
+def test_a_recent_part_of_the_window_that_rose_twice_the_significance_is_read_at_its_own_rate():
+    policy = planner(forecast={"alpha": 0.5, "beta": 0, "significance": 2})
+    # 1 req/s, counters moving every 5 s (the looks at 1 s and 6 s saw no sample: not part ends),
+    # then 30 arrivals in the last 5 s.
+    counted = ((0.0, 0.0), (1.0, 0.0), (5.0, 5.0), (6.0, 5.0), (10.0, 10.0), (15.0, 15.0), (20.0, 20.0),
+               (25.0, 25.0), (30.0, 55.0))
+    state = PoolPlanState(counted=counted)
+    # The last 5 s: 6 req/s, above 1 + 2 x 2 x sqrt(6 / 5) = 5.38; the last 10 s: 3.5 above 3.37;
+    # the last 15 s: 2.67, under 2.69. The highest is read; the whole window reads 55 / 30.
+    assert recent_rise(policy, state, 1.0, 30.0) == 6.0
+    assert recent_rise(policy, state, 5.8, 30.0) is None  # 6 req/s against a level of 5.8: noise
+    assert recent_rise(policy, state, None, 30.0) is None
+    steady = replace(state, counted=counted[:-1] + ((30.0, 34.0),))  # 9 in the last 5 s: 1.8 req/s
+    assert recent_rise(policy, steady, 1.0, 30.0) is None
+    assert recent_rise(planner(forecast={"alpha": 0.5, "beta": 0, "significance": 0}), state, 1.0, 30.0) is None
+
+
+def test_a_surge_between_plans_is_planned_for_at_its_rate_since_it_began():
+    policy = planner(forecast={"alpha": 0.5, "beta": 0, "significance": 2})
+
+    def look(count, state, now, total):
+        return plan_pool(policy, "prefill", BOUNDS["prefill"], PoolLoad(1.0, 50, request_totals=(("a", total),)),
+                         count, state, now)
+
+    result = look(1, PoolPlanState(), 0.0, 0.0)  # the counters baseline; the level, the windowed 1 req/s
+    for now in range(5, 45, 5):  # 1 req/s; a plan at 30 s sets the level to it
+        result = look(result.num_replicas, result.state, float(now), float(now))
+    assert (result.num_replicas, result.state.rate_level) == (2, 1.0)
+    # 30 arrivals in the 5 s to 45 s: the window reads 70 / 45 = 1.56 req/s (2 replicas), the
+    # part since the surge began 6 req/s.
+    assert prefill_replicas(policy, 70 / 45, 50) == 2
+    result = look(result.num_replicas, result.state, 45.0, 70.0)
+    assert (result.num_replicas, result.reason) == (
+        prefill_replicas(policy, 6.0, 50), f"up: 2 -> {prefill_replicas(policy, 6.0, 50)} (6 req/s x 50 tok, backlog 0)")
 
 
 def test_a_surge_whose_return_cannot_be_timed_keeps_its_replicas_the_delay_one_that_can_does_not():
