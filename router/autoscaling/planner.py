@@ -296,14 +296,16 @@ def count_arrivals(state: PoolPlanState, load: PoolLoad, now: float, window_s: f
     return (total - start_total) / (now - start_s), state
 
 
-def recent_rise(policy: PlannerPolicy, state: PoolPlanState, level: float | None, window_s: float) -> float | None:
+def recent_rise(policy: PlannerPolicy, state: PoolPlanState, level: float | None, bounds: PoolPolicy) -> float | None:
     """The highest rate over a recent part of the window that rose above the smoothed level by
     twice forecast.significance standard deviations of its own count (None: no such part).
 
     A surge fills a window's count one sample at a time: a 30-s window reads a fifth of a 5x
     surge 5 s into it, and its full rate only a window later. The part since the surge began reads
-    it at once. Parts start and end where the counters moved (each replica's sample), not at the
-    looks between them, and a shorter part's count is noisier: twice the significance."""
+    it at once. Parts start and end where the counters moved, not at the looks between them, and
+    last a metrics interval at least: replicas report their counters at their own times, so a
+    shorter part can hold a whole interval's arrivals of the replicas that reported in it. A
+    shorter count is noisier too: twice the significance."""
     if level is None or policy.forecast.significance <= 0:
         return None
     moved = [point for i, point in enumerate(state.counted) if i == 0 or point[1] != state.counted[i - 1][1]]
@@ -313,7 +315,7 @@ def recent_rise(policy: PlannerPolicy, state: PoolPlanState, level: float | None
     best = None
     for start_s, start_total in moved[:-1]:
         span_s = end_s - start_s
-        if span_s <= 0 or span_s > window_s:
+        if span_s < bounds.metrics_interval_s - _EPS or span_s > bounds.window_s + _EPS:
             continue
         rate = (end_total - start_total) / span_s
         if rate > level + 2 * policy.forecast.significance * math.sqrt(max(rate, level) / span_s):
@@ -383,7 +385,7 @@ def plan_pool(policy: PlannerPolicy, pool: str, bounds: PoolPolicy, load: PoolLo
     rate = Holt(state.rate_level, state.rate_trend)
     tokens = Holt(state.tokens_level, state.tokens_trend)
     between = state.planned_at is not None and now - state.planned_at < policy.interval_s - _EPS
-    surge = recent_rise(policy, state, rate.level, bounds.window_s) if counted_rate is not None else None
+    surge = recent_rise(policy, state, rate.level, bounds) if counted_rate is not None else None
     if between:
         # Between plans the forecast and the learning stand still, but a pool whose load (a
         # burst's queue, the prefill pool's flow) outgrows it scales up now, not at the next plan.

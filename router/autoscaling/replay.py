@@ -46,7 +46,7 @@ from typing import Any
 
 from router.autoscaling.decide import Observation, ScaleState, decide
 from router.autoscaling.plan_serve import pool_load
-from router.autoscaling.planner import PLANNED_POOLS, PoolPlanState, decode_replicas, plan, prefill_replicas
+from router.autoscaling.planner import PLANNED_POOLS, PoolLoad, PoolPlanState, decode_replicas, plan, prefill_replicas
 from router.autoscaling.policy import AutoscalingPolicyConfig
 from router.autoscaling.pool_model import CALIBRATION, Capacity, DecodeReplica, Pool, PrefillReplica, percentile
 from router.autoscaling.workload import Segment, WorkloadTrace, generate_requests
@@ -110,11 +110,14 @@ class _Planner:
         self.states = {pool: PoolPlanState() for pool in PLANNED_POOLS}
 
     def decide(self, pools: dict[str, Pool], now: float) -> dict[str, int]:
-        loads = {name: pool_load(name, pool.observed(now)) for name, pool in pools.items()}
+        loads = {name: self.load(name, pool, now) for name, pool in pools.items()}
         bounds = {name: self.config.pool(name) for name in PLANNED_POOLS}
         currents = {name: pool.target for name, pool in pools.items()}
         counts, self.states, _ = plan(self.config.planner, bounds, loads, currents, self.states, now)
         return counts
+
+    def load(self, name: str, pool: Pool, now: float) -> PoolLoad | None:
+        return pool_load(name, pool.observed(now))
 
 
 class _KnownLoadPlanner(_Planner):
@@ -124,19 +127,15 @@ class _KnownLoadPlanner(_Planner):
         super().__init__(config)
         self.trace = trace
 
-    def decide(self, pools: dict[str, Pool], now: float) -> dict[str, int]:
+    def load(self, name: str, pool: Pool, now: float) -> PoolLoad | None:
+        load = super().load(name, pool, now)
+        if load is None:
+            return None
         segment = _segment_at(self.trace, now)
-        # No arrival counters: the planner then takes requests_per_s as the pool's rate.
-        true = {"prefill": segment.prompt_tokens, "decode": max(0.0, segment.output_tokens - 1)}
-        loads = {}
-        for name, pool in pools.items():
-            load = pool_load(name, pool.observed(now))
-            loads[name] = load and replace(load, requests_per_s=segment.requests_per_s,
-                                           tokens_per_request=true[name], request_totals=())
-        bounds = {name: self.config.pool(name) for name in PLANNED_POOLS}
-        currents = {name: pool.target for name, pool in pools.items()}
-        counts, self.states, _ = plan(self.config.planner, bounds, loads, currents, self.states, now)
-        return counts
+        # Decode runs the tokens after the first, which prefill makes. No arrival counters: the
+        # planner then takes requests_per_s as the pool's rate.
+        tokens = segment.prompt_tokens if name == "prefill" else max(0.0, segment.output_tokens - 1)
+        return replace(load, requests_per_s=segment.requests_per_s, tokens_per_request=tokens, request_totals=())
 
 
 def _segment_at(trace: WorkloadTrace, now: float) -> Segment:

@@ -390,14 +390,18 @@ def test_a_recent_part_of_the_window_that_rose_twice_the_significance_is_read_at
     counted = ((0.0, 0.0), (1.0, 0.0), (5.0, 5.0), (6.0, 5.0), (10.0, 10.0), (15.0, 15.0), (20.0, 20.0),
                (25.0, 25.0), (30.0, 55.0))
     state = PoolPlanState(counted=counted)
+    bounds = PrefillPoolPolicy(max_replicas=8, window_s=30, metrics_interval_s=5)
     # The last 5 s: 6 req/s, above 1 + 2 x 2 x sqrt(6 / 5) = 5.38; the last 10 s: 3.5 above 3.37;
     # the last 15 s: 2.67, under 2.69. The highest is read; the whole window reads 55 / 30.
-    assert recent_rise(policy, state, 1.0, 30.0) == 6.0
-    assert recent_rise(policy, state, 5.8, 30.0) is None  # 6 req/s against a level of 5.8: noise
-    assert recent_rise(policy, state, None, 30.0) is None
+    assert recent_rise(policy, state, 1.0, bounds) == 6.0
+    assert recent_rise(policy, state, 5.8, bounds) is None  # 6 req/s against a level of 5.8: noise
+    assert recent_rise(policy, state, None, bounds) is None
     steady = replace(state, counted=counted[:-1] + ((30.0, 34.0),))  # 9 in the last 5 s: 1.8 req/s
-    assert recent_rise(policy, steady, 1.0, 30.0) is None
-    assert recent_rise(planner(forecast={"alpha": 0.5, "beta": 0, "significance": 0}), state, 1.0, 30.0) is None
+    assert recent_rise(policy, steady, 1.0, bounds) is None
+    assert recent_rise(planner(forecast={"alpha": 0.5, "beta": 0, "significance": 0}), state, 1.0, bounds) is None
+    # With replicas reporting every 10 s, a 5-s part may hold 10 s of some replicas' arrivals: not read.
+    # The 10-s part is (3.5 req/s, above 3.37).
+    assert recent_rise(policy, state, 1.0, PrefillPoolPolicy(max_replicas=8, window_s=30, metrics_interval_s=10)) == 3.5
 
 
 def test_a_surge_between_plans_is_planned_for_at_its_rate_since_it_began():
