@@ -318,7 +318,7 @@ def recent_rise(policy: PlannerPolicy, state: PoolPlanState, level: float | None
         if span_s < bounds.metrics_interval_s - _EPS or span_s > bounds.window_s + _EPS:
             continue
         rate = (end_total - start_total) / span_s
-        if rate > level + 2 * policy.forecast.significance * math.sqrt(max(rate, level) / span_s):
+        if _rose(policy, rate, level, span_s, times=2):
             best = rate if best is None else max(best, rate)
     return best
 
