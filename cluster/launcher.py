@@ -38,9 +38,13 @@ def required_cpus(config: ServeConfig) -> float:
 
 
 def ray_init_kwargs(config: ServeConfig) -> dict:
-    """Object-store settings for a Ray this process starts (the raylet reads the env at start)."""
+    """Object-store and Serve-proxy settings for a Ray this process starts (the raylet reads the
+    env at start, and the processes it starts inherit it)."""
     if config.ray.preallocate_object_store:
         os.environ["RAY_preallocate_plasma_memory"] = "1"
+    # Serve's proxy reaches the ingress over gRPC (ray.grpc_transport; the ingress's handles to
+    # the workers: serving/deployments/replicas.py).
+    os.environ["RAY_SERVE_PROXY_USE_GRPC"] = "1" if config.ray.grpc_transport else "0"
     return {"object_store_memory": config.ray.object_store_bytes} if config.ray.object_store_bytes else {}
 
 

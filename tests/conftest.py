@@ -123,12 +123,15 @@ def pytest_configure(config):
       raytmp): Ray's socket paths live under it and AF_UNIX paths stop at 107 bytes;
     - token authentication on and usage stats off, what a local ray.init() would set for good, so
       every Ray of the session (local, simulated cluster, subprocess) runs the same way whatever
-      order the modules run in: Ray's C++ side keeps the mode it first saw.
+      order the modules run in: Ray's C++ side keeps the mode it first saw;
+    - Serve's proxy on gRPC to the ingress, as `kvrelay serve` runs it (cluster/launcher.py).
     """
     root = Path(tempfile.mkdtemp(prefix="kvt-"))
     (root / "ray").mkdir()
     config.kvrelay_ray_root = root
-    for key, value in {"RAY_TMPDIR": str(root), "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}.items():
+    # Serve's proxy reaches the ingress over gRPC, as in a Ray kvrelay starts (ray.grpc_transport)
+    env = {"RAY_TMPDIR": str(root), "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "RAY_SERVE_PROXY_USE_GRPC": "1"}
+    for key, value in env.items():
         _SESSION_ENV[key] = os.environ.get(key)
         os.environ[key] = value
 

@@ -42,6 +42,13 @@ REPLICA_ENV = {
 }
 
 
+def replica_grpc_message_bytes(config: ServeConfig) -> int:
+    """The largest call a replica takes over gRPC: 4x the largest request body (what a worker call
+    made from one can grow to: its prompt's token ids and block hashes beside the body's fields),
+    and never under 64 MiB; within gRPC's limit of 2 GiB."""
+    return min(2**31 - 1, max(64 * 2**20, 4 * config.max_request_body_bytes))
+
+
 def config_from_args(args: dict[str, Any] | None) -> ServeConfig:
     args = dict(args or {})
     path = args.pop("config", None)
@@ -59,7 +66,7 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> Application:
         # Overload is refused by the proxy at once, as a pool's full queue is (429 queue_full).
         max_queued_requests=config.ingress.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=INGRESS_RETRY_AFTER_S),
-        ray_actor_options={"num_cpus": config.ingress.num_cpus, "runtime_env": {"env_vars": _replica_env()}},
+        ray_actor_options={"num_cpus": config.ingress.num_cpus, "runtime_env": {"env_vars": _replica_env(config)}},
     )
     policy = load_policy(config.autoscaling_policy) if config.autoscaling_policy else None
     scaling = {pool: serve_autoscaling_config(pool, policy) if policy else None for pool in ("prefill", "decode", "worker")}
@@ -100,12 +107,17 @@ def _limits_exchange(config: ServeConfig):
     return LimitsExchangeDeployment.bind(stale_s=10 * config.ingress.limits_sync_interval_s)
 
 
-def _replica_env() -> dict[str, str]:
+def _replica_env(config: ServeConfig) -> dict[str, str]:
     """REPLICA_ENV plus the builder's OTEL_* variables (serving/observability/tracing.py) and KVRELAY_FAULTS
     (serving/deployments/faults.py): replicas on a node started elsewhere would not otherwise see them. They
     show in the Ray dashboard's runtime env: pass exporter credentials (OTEL_EXPORTER_OTLP_HEADERS)
-    another way if that matters."""
+    another way if that matters.
+
+    On the gRPC transport (ray.grpc_transport), a replica takes calls of up to
+    replica_grpc_message_bytes (Serve's default is 4 MiB: a request body the ingress accepts, a
+    JSON schema or a long prompt, can make a larger worker call)."""
     env = {**REPLICA_ENV, **tracing.otel_env()}
+    env["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"] = str(replica_grpc_message_bytes(config))
     if os.environ.get(faults.ENV):  # fault injection, for tests and chaos runs (serving/deployments/faults.py)
         faults.parse(os.environ[faults.ENV])  # a bad value fails here, not in every replica
         env[faults.ENV] = os.environ[faults.ENV]
@@ -131,7 +143,7 @@ def _router(cls, policy: str, params: dict, routing: RoutingConfig) -> RequestRo
 
 
 def _pool(deployment, config: ServeConfig, pool: PoolConfig, router_config: RequestRouterConfig, autoscaling: dict | None = None):
-    env = _replica_env()
+    env = _replica_env(config)
     # OpenMP reads its wait policy at process start: it travels in the env (serving/config/layout.py).
     # `auto` leaves one set for the whole Ray cluster (OMP_WAIT_POLICY in this environment) alone.
     engine = config.engine_config(pool)

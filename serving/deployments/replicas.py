@@ -25,6 +25,15 @@ __all__ = ["OpenAIIngress", "PrefillWorker", "DecodeWorker", "Worker"]
 logger = logging.getLogger(__name__)
 
 
+def _transport(handle, config: ServeConfig):
+    """A worker pool's handle, on Serve's gRPC transport with `ray.grpc_transport` (the calls'
+    arguments and streamed outputs go replica to replica, not through Ray's object streams;
+    measured on 2 cores: half the ingress's CPU per streamed token, with the proxy on gRPC too)."""
+    if handle is None or not config.ray.grpc_transport:
+        return handle
+    return handle.options(_by_reference=False)
+
+
 class _WorkerDeployment:
     role = "worker"
 
@@ -112,7 +121,7 @@ class OpenAIIngress:
         cfg = ServeConfig.model_validate(config)
         tracing.setup("ingress")
         tokenizer = load_tokenizer(resolve_model_dir(cfg.model))
-        self.backend = ServeBackend(cfg, prefill=prefill, decode=decode)
+        self.backend = ServeBackend(cfg, prefill=_transport(prefill, cfg), decode=_transport(decode, cfg))
         model_price = ModelPrice.model_validate(price) if price is not None else None
         fallback = cfg.degradation.fallback if cfg.degradation is not None else None
         self.server = OpenAIServer(Frontend(tokenizer, self.backend, cfg.model_name, max_merged_tokens=cfg.ingress.max_merged_tokens), cfg, model_price,

@@ -28,3 +28,14 @@ def test_object_store_settings(monkeypatch):
     monkeypatch.delenv("RAY_preallocate_plasma_memory")
     assert ray_init_kwargs(ServeConfig(ray={"object_store_bytes": None, "preallocate_object_store": False})) == {}
     assert "RAY_preallocate_plasma_memory" not in os.environ
+
+
+def test_grpc_transport_sets_the_proxy_env(monkeypatch):
+    import os
+
+    for key in ("RAY_SERVE_PROXY_USE_GRPC", "RAY_preallocate_plasma_memory"):  # restored at teardown (see above)
+        monkeypatch.setenv(key, "unset")
+    ray_init_kwargs(ServeConfig())
+    assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "1"
+    ray_init_kwargs(ServeConfig(ray={"grpc_transport": False}))
+    assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "0"

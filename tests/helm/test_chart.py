@@ -427,6 +427,15 @@ def test_ray_token_auth_on_every_ray_container(rendered, name):
         assert "RAY_AUTH_TOKEN_PATH" not in env
 
 
+@pytest.mark.parametrize("name", VALUES)
+def test_serves_proxy_streams_over_grpc_in_every_ray_container(rendered, name):
+    """The proxy's half of the app's ray.grpc_transport (serving/config/sections.py): a setting of
+    the Ray processes, not of the app, so every container's env carries it."""
+    (rayservice,) = by_kind(rendered[name], "RayService")
+    for group in pod_templates(rayservice):
+        assert _env(rayservice, group)["RAY_SERVE_PROXY_USE_GRPC"] == {"name": "RAY_SERVE_PROXY_USE_GRPC", "value": "1"}
+
+
 def test_ray_token_secret_is_generated_unless_given(rendered):
     (secret,) = by_kind(rendered["default"], "Secret")
     assert secret["metadata"]["name"] == "kvrelay-ray-token"

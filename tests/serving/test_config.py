@@ -202,6 +202,32 @@ def test_build_app_puts_the_wait_policy_in_the_worker_env(monkeypatch):
     assert "OMP_WAIT_POLICY" not in worker._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]
 
 
+def test_build_app_lets_replicas_take_worker_calls_larger_than_grpcs_default():
+    from serving.deployments.app import build_app, replica_grpc_message_bytes
+
+    assert replica_grpc_message_bytes(ServeConfig()) == 64 * 2**20  # 4 x the 8 MiB body is 32 MiB
+    assert replica_grpc_message_bytes(ServeConfig(max_request_body_bytes=100 * 2**20)) == 400 * 2**20
+    assert replica_grpc_message_bytes(ServeConfig(max_request_body_bytes=2**30)) == 2**31 - 1  # gRPC's most
+    app = build_app(ServeConfig(mode="colocated", max_request_body_bytes=20 * 2**20))
+    worker = app._bound_deployment.init_args[2]
+    for deployment in (app._bound_deployment, worker._bound_deployment):
+        env = deployment.ray_actor_options["runtime_env"]["env_vars"]
+        assert env["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"] == str(80 * 2**20)
+
+
+def test_the_ingress_reaches_the_pools_over_grpc_unless_turned_off():
+    from serving.deployments.replicas import _transport
+
+    class Handle:
+        def options(self, **options):
+            return options
+
+    assert _transport(Handle(), ServeConfig()) == {"_by_reference": False}
+    handle = Handle()
+    assert _transport(handle, ServeConfig(ray={"grpc_transport": False})) is handle
+    assert _transport(None, ServeConfig()) is None  # colocated: no prefill pool
+
+
 def test_build_app_bounds_the_ingress_queue_and_the_proxy_refuses_beyond_it_with_429():
     from ray.serve.config import BackpressureConfig
 

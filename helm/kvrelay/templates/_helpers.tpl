@@ -173,6 +173,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
     secretKeyRef:
       name: {{ include "kvrelay.rayTokenSecretName" . }}
       key: auth_token
+{{- /* Serve's proxy streams to the ingress over gRPC, as the ingress to the workers (the app's
+       ray.grpc_transport, README "Serving path"): the proxy reads it when it starts. */}}
+- name: RAY_SERVE_PROXY_USE_GRPC
+  value: "1"
 {{- if include "kvrelay.hasApiKeys" . }}
 {{- /* Not optional: a missing Secret or `api-keys` key stops the pod (CreateContainerConfigError).
        A missing `admin-api-keys` only means no admin keys: less access, never more. */}}
