@@ -188,6 +188,16 @@ def served_name(p: ScenarioParams) -> str:
     return Path(p.model).name if Path(p.model).exists() else p.model
 
 
+def _ray_config(p: ScenarioParams):
+    """The scenario's Ray settings (e.g. `--set ray.grpc_transport=false`: Serve's proxy then
+    streams through Ray's objects too), for the Ray it starts."""
+    from serving.config import ServeConfig, apply_overrides
+
+    data: dict = {}
+    apply_overrides(data, {k: v for k, v in p.overrides if k.startswith("ray.")})
+    return ServeConfig.model_validate(data)
+
+
 def kvrelay_config(p: ScenarioParams, model_dir: Path, mode: str, port: int, *, app: str, prefill_replicas: int = 1,
                    policy: str = "prefix_cost", kv_cache_bytes: int | None = None, one_engine: bool = False,
                    backend: str = "kvrelay"):
@@ -409,7 +419,7 @@ def _run_peers(p: ScenarioParams, model_dir: Path, port: int, log_dir: Path) -> 
     wanted = [s for s in SYSTEMS if s in p.systems]
     kvrelay = [s for s in wanted if s in ("kvrelay-colocated", "kvrelay-disaggregated")]  # on its own engine
     if kvrelay:
-        with local_ray.local_ray("bench scenario peers", _progress):
+        with local_ray.local_ray("bench scenario peers", _progress, config=_ray_config(p)):
             for system in kvrelay:
                 mode = system.removeprefix("kvrelay-")
                 config = kvrelay_config(p, model_dir, mode, port, app=f"kvrelay-scenario-{mode}", one_engine=True)
@@ -577,7 +587,7 @@ def run(p: ScenarioParams, *, command: str = "") -> tuple[dict, ScenarioResult]:
     if p.name == "peers":
         result = _run_peers(p, model_dir, port, log_dir)
     else:
-        with local_ray.local_ray(f"bench scenario {p.name}", _progress):
+        with local_ray.local_ray(f"bench scenario {p.name}", _progress, config=_ray_config(p)):
             runner = _run_pd_interference if p.name == "pd-interference" else _run_prefix_routing
             result = runner(p, model_dir, port, w)
     hardware.finish_machine_record(machine, ray_version=ray.__version__, cores_pinned=_cores())

@@ -29,7 +29,7 @@ def free_port() -> int:
 
 @contextmanager
 def local_ray(command: str, progress: Callable[[str], None], *, start_serve: bool = False,
-              keep_logs: Callable[[], bool] = lambda: False) -> Iterator[None]:
+              keep_logs: Callable[[], bool] = lambda: False, config=None) -> Iterator[None]:
     import ray
     from ray import serve
 
@@ -41,7 +41,7 @@ def local_ray(command: str, progress: Callable[[str], None], *, start_serve: boo
     temp_dir = tempfile.mkdtemp(prefix="kvrelay-bench-")
     ray.init(
         address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
-        logging_level=logging.WARNING, _temp_dir=temp_dir, **ray_init_kwargs(ServeConfig()),
+        logging_level=logging.WARNING, _temp_dir=temp_dir, **ray_init_kwargs(config or ServeConfig()),
     )
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # no per-deploy INFO lines
     is_ok = False
