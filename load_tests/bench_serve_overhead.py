@@ -76,6 +76,7 @@ class BenchParams:
     kv_cache_mib: int = 256  # per engine: the in-process one, each replica, each KV actor
     seed: int = 0
     modes: tuple[str, ...] = MODES
+    transport: str = "grpc"  # ray.grpc_transport (grpc) or Ray's object streams (objects), both Serve hops
     quick: bool = False
 
 
@@ -342,7 +343,7 @@ def serve_config(p: BenchParams, model_dir: Path, mode: str, port: int):
     return ServeConfig.model_validate({
         "model": str(model_dir), "engine": {"dtype": p.dtype, "kv_cache_bytes": p.kv_cache_mib * 2**20, "num_threads": 1},
         "mode": mode, "app_name": f"kvrelay-bench-{mode}", "http": {"host": "127.0.0.1", "port": port},
-        "prefill": pool, "decode": pool, "worker": pool,
+        "prefill": pool, "decode": pool, "worker": pool, "ray": {"grpc_transport": p.transport == "grpc"},
     })
 
 
@@ -412,7 +413,7 @@ def run(p: BenchParams, *, command: str = "") -> dict:
 
     inprocess = bench_inprocess(engine_config, prompts, p)
     served: dict[str, PathResult] = {}
-    with local_ray("bench serve-overhead", _progress):
+    with local_ray("bench serve-overhead", _progress, config=reference_config):  # its transport: Serve's proxy too
         for mode, config in configs.items():
             served[mode] = bench_served(config, prompts, p, inprocess)
         serve.shutdown()  # its controller's loop must not share the cores with the KV transfer

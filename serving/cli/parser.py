@@ -253,6 +253,8 @@ def _add_bench_serve_overhead(targets) -> None:
     p.add_argument("--prompt-len", type=int, metavar="TOKENS", help="prompt length [256]")
     p.add_argument("--output-len", type=int, metavar="TOKENS", help="output tokens per request [64; quick 16]")
     p.add_argument("--num-warmup", type=int, metavar="N", help="untimed requests per path first [2]")
+    p.add_argument("--transport", choices=["grpc", "objects"],
+                   help="Serve's hops (proxy -> ingress -> workers): gRPC (ray.grpc_transport) or Ray's object streams [grpc]")
     p.add_argument("--kv-tokens", type=int, metavar="TOKENS", help="prompt length of the KV transfer [1024]")
     p.add_argument("--kv-repeats", type=int, metavar="N", help="KV transfers and memcpys timed, median reported; 0 skips [10; quick 5]")
     p.add_argument("--kv-cache-mib", type=int, metavar="MIB", help="KV cache per engine [256]")

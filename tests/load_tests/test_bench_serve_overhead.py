@@ -158,6 +158,17 @@ def test_presets_and_overrides():
         params_from_args(parse(["bench", "serve-overhead", "--num-prompts", "0"]))
 
 
+def test_transport_reaches_the_apps_config(tmp_path):
+    from load_tests.bench_serve_overhead import serve_config
+
+    parse = build_parser().parse_args
+    assert FULL.transport == "grpc"
+    p = params_from_args(parse(["bench", "serve-overhead", "--transport", "objects"]))
+    assert p.transport == "objects"
+    assert serve_config(p, tmp_path, "colocated", 8001).ray.grpc_transport is False
+    assert serve_config(FULL, tmp_path, "colocated", 8001).ray.grpc_transport is True
+
+
 @pytest.mark.integration
 def test_smoke_run_on_tiny_model(tiny_model_dir, tmp_path):
     """The whole command in its own process (it starts and stops its own Ray), tiny sizes."""
