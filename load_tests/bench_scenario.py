@@ -191,11 +191,18 @@ def served_name(p: ScenarioParams) -> str:
 def _ray_config(p: ScenarioParams):
     """The scenario's Ray settings (e.g. `--set ray.grpc_transport=false`: Serve's proxy then
     streams through Ray's objects too), for the Ray it starts."""
+    return _with_overrides(p, {}, [(k, v) for k, v in p.overrides if k.startswith("ray.")])
+
+
+def _with_overrides(p: ScenarioParams, data: dict, overrides):
+    """A ServeConfig of `data` with the `--set` items over it; a bad one is a ScenarioError naming them."""
     from serving.config import ServeConfig, apply_overrides
 
-    data: dict = {}
-    apply_overrides(data, {k: v for k, v in p.overrides if k.startswith("ray.")})
-    return ServeConfig.model_validate(data)
+    apply_overrides(data, dict(overrides))  # --set: after the scenario's own settings
+    try:
+        return ServeConfig.model_validate(data)
+    except ValueError as exc:
+        raise ScenarioError(f"--set {', '.join(k for k, _ in p.overrides)}: {exc}") from None
 
 
 def kvrelay_config(p: ScenarioParams, model_dir: Path, mode: str, port: int, *, app: str, prefill_replicas: int = 1,
@@ -204,7 +211,6 @@ def kvrelay_config(p: ScenarioParams, model_dir: Path, mode: str, port: int, *, 
     """`one_engine`: colocated mode as `make serve` runs it (deploy/local.yaml's worker pool: one
     replica whose engine takes every core) instead of one replica per core. `backend: vllm`: the
     same layout on vLLM's engine (it binds its own threads to the replica's cores)."""
-    from serving.config import ServeConfig, apply_overrides
     from serving.config.layout import node_cores
 
     cores = _cores()
@@ -222,11 +228,7 @@ def kvrelay_config(p: ScenarioParams, model_dir: Path, mode: str, port: int, *, 
     }
     if backend != "kvrelay":
         data["engine"]["backend"] = backend
-    apply_overrides(data, dict(p.overrides))  # --set: after the scenario's own settings
-    try:
-        return ServeConfig.model_validate(data)
-    except ValueError as exc:
-        raise ScenarioError(f"--set {', '.join(k for k, _ in p.overrides)}: {exc}") from None
+    return _with_overrides(p, data, p.overrides)
 
 
 # ---- the scenarios -------------------------------------------------------------------------------

@@ -14,6 +14,10 @@ import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from serving.config import ServeConfig
 
 __all__ = ["local_ray", "free_port", "RAY_NUM_CPUS"]
 
@@ -29,7 +33,7 @@ def free_port() -> int:
 
 @contextmanager
 def local_ray(command: str, progress: Callable[[str], None], *, start_serve: bool = False,
-              keep_logs: Callable[[], bool] = lambda: False, config=None) -> Iterator[None]:
+              keep_logs: Callable[[], bool] = lambda: False, config: ServeConfig | None = None) -> Iterator[None]:
     import ray
     from ray import serve
 
