@@ -83,14 +83,20 @@ lint: install
 # The vLLM engine's venv is built in the background while the main suite runs (its build is
 # mostly downloads: minutes of a fresh machine's run hidden), then the vLLM tests run in it. Both
 # suites run whatever the other's outcome; make test fails if either failed (or, under CI, if
-# the venv could not be built).
+# the venv could not be built). The main suite's failures are printed again as the very last
+# lines, so a log that keeps only its tail (CI's) still names them.
 test: install lint
-	@log=$$(mktemp); { $(MAKE) --no-print-directory vllm-env >$$log 2>&1; echo $$? >$$log.rc; } & \
-	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS); rc=$$?; \
-	wait; cat $$log; built=$$(cat $$log.rc); rm -f $$log $$log.rc; [ "$$built" = 0 ] || exit 1; \
-	if [ -f $(VLLM_STAMP) ]; then $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS) $(VLLM_TESTS); \
-	else $(PY) -m pytest -m vllm $(PYTEST_ARGS) $(VLLM_TESTS); fi; vrc=$$?; \
-	[ $$vrc -eq 0 ] || [ $$vrc -eq 5 ] || rc=1; exit $$rc  # 5: PYTEST_ARGS (-k ...) left no vLLM test
+	@log=$$(mktemp); main=$$log.main; { $(MAKE) --no-print-directory vllm-env >$$log 2>&1; echo $$? >$$log.rc; } & \
+	{ $(PY) -m pytest -m "not vllm" $(PYTEST_ARGS); echo $$? >$$main.rc; } 2>&1 | tee $$main; rc=$$(cat $$main.rc); \
+	wait; cat $$log; built=$$(cat $$log.rc); rm -f $$log $$log.rc; \
+	if [ "$$built" = 0 ]; then \
+	  if [ -f $(VLLM_STAMP) ]; then $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS) $(VLLM_TESTS); \
+	  else $(PY) -m pytest -m vllm $(PYTEST_ARGS) $(VLLM_TESTS); fi; vrc=$$?; \
+	  [ $$vrc -eq 0 ] || [ $$vrc -eq 5 ] || rc=1; \
+	else rc=1; fi; \
+	echo "make test: the main suite (not vllm) exited $$(cat $$main.rc):"; \
+	grep -E '^(FAILED|ERROR) |^=+ .*(passed|failed|error).* in [0-9.]+s' $$main | tail -n 15; \
+	rm -f $$main $$main.rc; exit $$rc  # vrc 5: PYTEST_ARGS (-k ...) left no vLLM test
 
 test-fast: install lint
 	$(PY) -m pytest -m "not slow and not integration and not vllm" $(PYTEST_ARGS)
