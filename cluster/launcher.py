@@ -37,14 +37,22 @@ def required_cpus(config: ServeConfig) -> float:
     return workers + config.ingress.num_cpus * config.ingress.num_replicas
 
 
+# Serve's controller kills a proxy not ready within RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S (Ray's
+# default: 5 s) and `serve.start` then fails on the dead proxy. A proxy's start (a new process and
+# its imports) takes longer than that on a busy two-core machine, so a Ray kvrelay starts waits
+# this long; a value in the environment wins.
+PROXY_READY_CHECK_TIMEOUT_S = 30
+
+
 def ray_init_kwargs(config: ServeConfig) -> dict:
-    """Object-store and Serve-proxy settings for a Ray this process starts (the raylet reads the
+    """Object-store and Serve-proxy settings (transport, ready-check time) for a Ray this process starts (the raylet reads the
     env at start, and the processes it starts inherit it)."""
     if config.ray.preallocate_object_store:
         os.environ["RAY_preallocate_plasma_memory"] = "1"
     # Serve's proxy reaches the ingress over gRPC (ray.grpc_transport; the ingress's handles to
     # the workers: serving/deployments/replicas.py).
     os.environ["RAY_SERVE_PROXY_USE_GRPC"] = "1" if config.ray.grpc_transport else "0"
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(PROXY_READY_CHECK_TIMEOUT_S))
     return {"object_store_memory": config.ray.object_store_bytes} if config.ray.object_store_bytes else {}
 
 

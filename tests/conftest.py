@@ -124,13 +124,16 @@ def pytest_configure(config):
     - token authentication on and usage stats off, what a local ray.init() would set for good, so
       every Ray of the session (local, simulated cluster, subprocess) runs the same way whatever
       order the modules run in: Ray's C++ side keeps the mode it first saw;
-    - Serve's proxy on gRPC to the ingress, as `kvrelay serve` runs it (cluster/launcher.py).
+    - Serve's proxy on gRPC to the ingress, and 30 s for a proxy to start, as `kvrelay serve`
+      runs it (cluster/launcher.py): Ray's 5 s is not enough while the vLLM venv builds beside
+      the suite, and `serve.start` then fails on the proxy its controller killed.
     """
     root = Path(tempfile.mkdtemp(prefix="kvt-"))
     (root / "ray").mkdir()
     config.kvrelay_ray_root = root
     # Serve's proxy reaches the ingress over gRPC, as in a Ray kvrelay starts (ray.grpc_transport)
-    env = {"RAY_TMPDIR": str(root), "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "RAY_SERVE_PROXY_USE_GRPC": "1"}
+    env = {"RAY_TMPDIR": str(root), "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "RAY_SERVE_PROXY_USE_GRPC": "1",
+           "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
     for key, value in env.items():
         _SESSION_ENV[key] = os.environ.get(key)
         os.environ[key] = value
@@ -165,4 +168,8 @@ def _no_leaks(_ray_temp_root):
     before = process_state()
     yield
     changes = state_changes(before, process_state())
+    if "Ray connected" in "".join(changes):  # a fixture failed before its teardown: the next module's ray.init must not fail too
+        import ray
+
+        ray.shutdown()
     assert not changes, "this module's tests or fixtures left process state behind: " + "; ".join(changes)

@@ -208,7 +208,6 @@ class EngineWorker:
         handed_off = False
         ran = False  # the engine finished the request (its last output is then rewritten)
         tracker = self.recorder.track()
-        faults.reached("prefill.before_first_token")
         slot: KVSlot | None = None
         export_into = None
         admission = self._took(request)
@@ -231,6 +230,10 @@ class EngineWorker:
                 ):
                     tracker.observe(out)
                     last = out
+                # The prompt is computed and its token not yet returned. A crash here comes well
+                # after Serve told the ingress the call was accepted; a crash before that would be
+                # retried by Serve on another replica, unseen.
+                faults.reached("prefill.before_first_token")
                 completion = last.outputs[0]
                 ran = completion.finish_reason not in _NOT_RUN
                 self.recorder.prefilled(last.metrics)

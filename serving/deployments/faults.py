@@ -6,7 +6,8 @@ that builds the app (`build_app` forwards it to every replica):
     KVRELAY_FAULTS='[{"point": "decode.after_tokens", "count": 2, "once": "/tmp/run1/decode"}]'
 
     point                         where the process exits
-    prefill.before_first_token    a PrefillWorker, when a request reaches its engine
+    prefill.before_first_token    a PrefillWorker, once its engine has computed a prompt, before
+                                  its first token goes back to the ingress
     decode.after_tokens           a DecodeWorker, once it has streamed `count` tokens of a request
     worker.after_tokens           the same in a colocated Worker
     ingress.after_tokens          the OpenAIIngress, once `count` tokens of a request reached it

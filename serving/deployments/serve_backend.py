@@ -48,6 +48,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
+import grpc
 import ray
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 
@@ -71,6 +72,19 @@ __all__ = ["ServeBackend"]
 logger = logging.getLogger(__name__)
 
 _ACTOR_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, DeploymentUnavailableError)
+# On Serve's gRPC transport (ray.grpc_transport) Serve maps only UNAVAILABLE to
+# ActorUnavailableError; a call the replica's end broke otherwise (its server cancelling on
+# shutdown, a reset stream) surfaces as the raw AioRpcError. A replica's own exceptions come
+# back inside the response, never as one of these.
+_LOST_CALL_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+                              grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED})
+
+
+def _replica_lost(exc: BaseException | None) -> bool:
+    """Whether a worker call ended because its replica (or the channel to it) went away."""
+    if isinstance(exc, _ACTOR_ERRORS):
+        return True
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _LOST_CALL_CODES
 
 
 def _serve_status(app_name: str) -> dict[str, dict[str, int]]:
@@ -184,7 +198,7 @@ class ServeBackend:
         try:
             result = await self._call(response, "prefill", on_cancel=lambda r: self._abandon_prefill(r, request.request_id))
         except NoWorkerError as exc:
-            if not isinstance(exc.__cause__, _ACTOR_ERRORS):
+            if not _replica_lost(exc.__cause__):
                 raise
             # The replica died with the request, before its first token: the decode pool
             # computes the prompt (its engine prefills as in colocated mode).
@@ -300,13 +314,19 @@ class ServeBackend:
             except BackPressureError as exc:
                 is_open = False
                 raise QueueFullError(pool) from exc
-            except _ACTOR_ERRORS as exc:
+            except Exception as exc:
+                if not _replica_lost(exc):
+                    raise
                 is_open = False
                 if attempt + 1 == attempts:
                     raise NoWorkerError(pool, f"the replica serving this request died ({type(exc).__name__})") from exc
                 logger.warning("%s replica died mid-stream for %s; resuming from %d tokens", pool, request.request_id, len(prior) + len(generated))
                 self._recovered("decode_resumed")
-                kv = None  # the KV was claimed by the dead replica; recompute from the tokens
+                if kv is not None:
+                    # The dead replica may have died before claiming it: released, it does not
+                    # wait out its lease (a release of a claimed KV only leaves a tombstone).
+                    self.kv.release_soon(kv)
+                kv = None  # recompute from the tokens
             finally:
                 if is_open:
                     _cancel(stream)
@@ -324,11 +344,13 @@ class ServeBackend:
             return await response
         except BackPressureError as exc:
             raise QueueFullError(pool) from exc
-        except _ACTOR_ERRORS as exc:
-            raise NoWorkerError(pool, type(exc).__name__) from exc
         except (asyncio.CancelledError, RequestCancelledError):
             (on_cancel or _cancel)(response)
             raise
+        except Exception as exc:
+            if not _replica_lost(exc):
+                raise
+            raise NoWorkerError(pool, type(exc).__name__) from exc
 
     def _abandon_prefill(self, response, request_id: str) -> None:
         """The client left while its prefill ran. Cancelling aborts it if it still runs (the

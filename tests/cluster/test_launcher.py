@@ -39,3 +39,16 @@ def test_grpc_transport_sets_the_proxy_env(monkeypatch):
     assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "1"
     ray_init_kwargs(ServeConfig(ray={"grpc_transport": False}))
     assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "0"
+
+
+def test_a_proxy_gets_30_s_to_start_unless_the_environment_says(monkeypatch):
+    import os
+
+    for key in ("RAY_SERVE_PROXY_USE_GRPC", "RAY_preallocate_plasma_memory"):  # restored at teardown
+        monkeypatch.setenv(key, "unset")
+    monkeypatch.delenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", raising=False)
+    ray_init_kwargs(ServeConfig())
+    assert os.environ["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "30"
+    monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "90")
+    ray_init_kwargs(ServeConfig())
+    assert os.environ["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "90"

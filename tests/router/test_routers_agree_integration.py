@@ -56,7 +56,14 @@ def test_two_ingress_routers_and_a_late_one_follow_the_cached_prefixes(app_url):
 
     with httpx.Client(timeout=60) as client:
         assert [cached(client, prefix + suffix()) for prefix in prefixes] == [0, 0, 0, 0]  # warm-up: cold
-        time.sleep(1.0)  # a few stats periods: both ingress routers hold the workers' snapshots
+        # Both ingress routers learn the workers' snapshots through Serve's controller (a stats
+        # period of 0.2 s, slower on a loaded machine): wait until 8 requests in a row, spread over
+        # both ingress replicas by the proxy, find their prefix. A router that never learns them
+        # misses about half, and the wait runs out.
+        deadline, in_a_row = time.monotonic() + 30, 0
+        while in_a_row < 8:
+            assert time.monotonic() < deadline, "the ingress routers did not learn the cached prefixes in 30 s"
+            in_a_row = in_a_row + 1 if cached(client, prefixes[in_a_row % 4] + suffix()) == PREFIX_TOKENS else 0
         # The proxy spreads these over both ingress replicas; whichever routes a request, it
         # goes to the worker holding its prefix: every one finds the whole prefix cached.
         hits = [cached(client, prefix + suffix()) for _ in range(4) for prefix in prefixes]

@@ -177,6 +177,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
        ray.grpc_transport, README "Serving path"): the proxy reads it when it starts. */}}
 - name: RAY_SERVE_PROXY_USE_GRPC
   value: "1"
+{{- /* Serve's controller kills a proxy not ready within this (Ray's default: 5 s), as
+       cluster/launcher.py's PROXY_READY_CHECK_TIMEOUT_S says. */}}
+- name: RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S
+  value: "30"
 {{- if include "kvrelay.hasApiKeys" . }}
 {{- /* Not optional: a missing Secret or `api-keys` key stops the pod (CreateContainerConfigError).
        A missing `admin-api-keys` only means no admin keys: less access, never more. */}}

@@ -547,3 +547,80 @@ def test_a_colocated_requests_path_learns_where_its_prompt_was_computed(monkeypa
     assert (path.pool, path.returned_at, path.placed_at, path.decode_arrived_at) == ("worker", 2.25, None, None)
     assert (path.check.outcome, path.check.reason, path.check.error_tokens) == ("miss", "reassigned", 16)
     assert path.split(0.5, 2.5) == {"queue": 1.0, "prefill": 0.5, "delivery": 0.5}
+
+
+class _BrokenStream(_Stream):
+    """Yields its items, then fails the way a gRPC call does when the channel breaks."""
+
+    def __init__(self, items, code):
+        super().__init__(items)
+        self._code = code
+
+    async def __anext__(self):
+        if not self._items:
+            import grpc
+
+            raise grpc.aio.AioRpcError(self._code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="Stream removed")
+        return self._items.pop(0)
+
+
+def _colocated_over_grpc(first_stream_code):
+    streams = [_BrokenStream([_output([8])], first_stream_code), _Stream([_output([9]), _output([10], "length")])]
+    worker = RecordingHandle("Worker", lambda name, args: streams.pop(0))
+    recoveries = []
+    backend_ = ServeBackend(ServeConfig(mode="colocated"), decode=worker, status_fn=lambda: {"Worker": {"RUNNING": 1}},
+                            on_recovery=recoveries.append)
+    return backend_, worker, recoveries
+
+
+@pytest.mark.parametrize("code", ["UNKNOWN", "INTERNAL", "CANCELLED"])
+def test_a_grpc_stream_the_replica_broke_resumes_from_the_tokens_it_gave(code):
+    """On Serve's gRPC transport a stream reset by a dying replica is a raw AioRpcError (Serve
+    maps only UNAVAILABLE to ActorUnavailableError): it resumes like an actor error, from the
+    one token delivered."""
+    import grpc
+
+    backend_, worker, recoveries = _colocated_over_grpc(getattr(grpc.StatusCode, code))
+    request = WorkerRequest("r", [1, 2, 3], SamplingParams(max_tokens=3))
+    assert asyncio.run(collect(backend_.generate(request))) == [[8], [9], [10]]
+    assert recoveries == ["decode_resumed"]
+    assert [args[2] for _, args in worker.calls] == [[], [8]]  # the second call carries the token given
+
+
+def test_a_grpc_error_that_is_not_a_lost_replica_is_not_retried():
+    """A message over the channel's limit would fail on any replica: it propagates as it is."""
+    import grpc
+
+    backend_, worker, recoveries = _colocated_over_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED)
+    request = WorkerRequest("r", [1, 2, 3], SamplingParams(max_tokens=3))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(collect(backend_.generate(request)))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert recoveries == [] and len(worker.calls) == 1
+
+
+def test_a_decode_replica_lost_before_its_first_output_releases_the_kv_it_was_handed():
+    """The decode replica died with the hand-off's KV perhaps unclaimed: the resumed call
+    recomputes from the tokens, and the KV is released now rather than held until its lease
+    runs out (a soak under chaos found one such export)."""
+    import ray
+
+    backend_, prefill, decode, kv = pools()
+    streams = [_Failing(ray.exceptions.ActorUnavailableError("gone", None)), _Stream([_output([8]), _output([9], "length")])]
+    decode.reply = lambda name, args: streams.pop(0)
+    released, recoveries = [], []
+    backend_.kv.release_soon = released.append
+    backend_.on_recovery = recoveries.append
+    request = WorkerRequest("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3))
+    assert asyncio.run(collect(backend_.generate(request))) == [[7], [8], [9]]
+    assert released == [kv] and recoveries == ["decode_resumed"]
+    assert [(args[1], args[2]) for _, args in decode.calls] == [(kv, [7]), (None, [7])]  # the prefill's token both times
+
+
+class _Failing(_Stream):
+    def __init__(self, exc):
+        super().__init__([])
+        self._exc = exc
+
+    async def __anext__(self):
+        raise self._exc
