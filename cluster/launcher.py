@@ -42,10 +42,16 @@ def required_cpus(config: ServeConfig) -> float:
 # its imports) takes longer than that on a busy two-core machine, so a Ray kvrelay starts waits
 # this long; a value in the environment wins.
 PROXY_READY_CHECK_TIMEOUT_S = 30
+# On the gRPC transport Serve's proxy reads each of the ingress's responses as one gRPC message, at
+# most RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH of its own environment (Ray's default: 4 MiB, so
+# a non-streamed completion with logprobs over 4 MiB was a 500). Responses come from kvrelay's own
+# ingress: the proxy takes any gRPC can carry. A replica's bound, on the requests it takes, is
+# its app's (serving/deployments/app.py, in its runtime env).
+PROXY_MAX_RESPONSE_BYTES = 2**31 - 1
 
 
 def ray_init_kwargs(config: ServeConfig) -> dict:
-    """Object-store and Serve-proxy settings (transport, ready-check time) for a Ray this process starts (the raylet reads the
+    """Object-store and Serve-proxy settings (transport, ready-check time, response size) for a Ray this process starts (the raylet reads the
     env at start, and the processes it starts inherit it)."""
     if config.ray.preallocate_object_store:
         os.environ["RAY_preallocate_plasma_memory"] = "1"
@@ -53,6 +59,7 @@ def ray_init_kwargs(config: ServeConfig) -> dict:
     # the workers: serving/deployments/replicas.py).
     os.environ["RAY_SERVE_PROXY_USE_GRPC"] = "1" if config.ray.grpc_transport else "0"
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(PROXY_READY_CHECK_TIMEOUT_S))
+    os.environ.setdefault("RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH", str(PROXY_MAX_RESPONSE_BYTES))
     return {"object_store_memory": config.ray.object_store_bytes} if config.ray.object_store_bytes else {}
 
 

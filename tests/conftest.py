@@ -124,16 +124,17 @@ def pytest_configure(config):
     - token authentication on and usage stats off, what a local ray.init() would set for good, so
       every Ray of the session (local, simulated cluster, subprocess) runs the same way whatever
       order the modules run in: Ray's C++ side keeps the mode it first saw;
-    - Serve's proxy on gRPC to the ingress, and 30 s for a proxy to start, as `kvrelay serve`
-      runs it (cluster/launcher.py): Ray's 5 s is not enough while the vLLM venv builds beside
-      the suite, and `serve.start` then fails on the proxy its controller killed.
+    - Serve's proxy on gRPC to the ingress, 30 s for a proxy to start and any response size it
+      reads, as `kvrelay serve` runs it (cluster/launcher.py): Ray's 5 s is not enough while the
+      vLLM venv builds beside the suite (`serve.start` then fails on the proxy its controller
+      killed), and its 4 MiB made a larger response a 500.
     """
     root = Path(tempfile.mkdtemp(prefix="kvt-"))
     (root / "ray").mkdir()
     config.kvrelay_ray_root = root
     # Serve's proxy reaches the ingress over gRPC, as in a Ray kvrelay starts (ray.grpc_transport)
     env = {"RAY_TMPDIR": str(root), "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "RAY_SERVE_PROXY_USE_GRPC": "1",
-           "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
+           "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1)}
     for key, value in env.items():
         _SESSION_ENV[key] = os.environ.get(key)
         os.environ[key] = value

@@ -322,8 +322,9 @@ class RayConfig(StrictModel):
         description="Stream over Serve's gRPC transport, Serve's proxy -> ingress -> workers, instead of "
         "Ray's object streams (measured: the ingress's CPU per streamed token 0.9-1.0 -> 0.4-0.5 ms, "
         "+17% output tokens/s on 2 cores). The proxy's half is a setting of the Ray cluster: a Ray "
-        "kvrelay starts gets RAY_SERVE_PROXY_USE_GRPC=1; set it in the environment of one it joins "
-        "(the Helm chart does).",
+        "kvrelay starts gets RAY_SERVE_PROXY_USE_GRPC=1 (and RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH="
+        "2147483647, or the proxy fails responses over 4 MiB); set them in the environment of one it "
+        "joins (the Helm chart does).",
     )
 
 

@@ -41,14 +41,18 @@ def test_grpc_transport_sets_the_proxy_env(monkeypatch):
     assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "0"
 
 
-def test_a_proxy_gets_30_s_to_start_unless_the_environment_says(monkeypatch):
+def test_a_proxy_gets_30_s_to_start_and_any_response_size_unless_the_environment_says(monkeypatch):
     import os
 
     for key in ("RAY_SERVE_PROXY_USE_GRPC", "RAY_preallocate_plasma_memory"):  # restored at teardown
         monkeypatch.setenv(key, "unset")
-    monkeypatch.delenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", raising=False)
+    for key in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"):
+        monkeypatch.delenv(key, raising=False)
     ray_init_kwargs(ServeConfig())
     assert os.environ["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "30"
+    assert os.environ["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"] == str(2**31 - 1)
     monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "90")
+    monkeypatch.setenv("RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH", str(2**26))
     ray_init_kwargs(ServeConfig())
     assert os.environ["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "90"
+    assert os.environ["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"] == str(2**26)

@@ -181,6 +181,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
        cluster/launcher.py's PROXY_READY_CHECK_TIMEOUT_S says. */}}
 - name: RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S
   value: "30"
+{{- /* The largest response Serve's proxy reads from the ingress over gRPC (Ray's default: 4 MiB;
+       cluster/launcher.py's PROXY_MAX_RESPONSE_BYTES). A replica's own bound comes with its app. */}}
+- name: RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH
+  value: "2147483647"
 {{- if include "kvrelay.hasApiKeys" . }}
 {{- /* Not optional: a missing Secret or `api-keys` key stops the pod (CreateContainerConfigError).
        A missing `admin-api-keys` only means no admin keys: less access, never more. */}}

@@ -184,6 +184,19 @@ def test_schemathesis_over_http_gets_no_5xx_and_only_openai_shaped_4xx(serve_ins
     for path in ("POST /v1/chat/completions", "POST /v1/completions"):
         assert 200 in statuses[path] and statuses[path] & {400, 422}, statuses
 
+def test_a_response_over_grpcs_4_mib_default_crosses_serves_proxy_whole(serve_instance, tiny_model_dir):
+    """Serve's proxy reads the ingress's response over gRPC as one message: Ray's default bound,
+    4 MiB, made any larger one a 500. A tokenized 2.5 MiB prompt with its token strings is over 6 MiB."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=TINY_KV_BYTES))
+    prompt = "hello world " * 218_000  # 2.6 MB: within the body limit
+    ids = engine.tokenizer(prompt).input_ids
+    response = httpx.post(f"{serve_instance['url']}/coloc/tokenize", json={"prompt": prompt, "return_token_strs": True}, timeout=120)
+    assert response.status_code == 200, response.text[:300]
+    assert len(response.content) > 6 * 2**20
+    body = response.json()
+    assert (body["count"], body["tokens"], len(body["token_strs"])) == (len(ids), ids, len(ids))
+
+
 @pytest.mark.parametrize("app", ["disagg", "coloc"])
 def test_scoring_a_prompt_and_tokenizing_it(serve_instance, tiny_model_dir, app):
     """Echo + logprobs, max_tokens 0 and prompt_logprobs equal the engine's own prompt logprobs
