@@ -51,8 +51,9 @@ PROXY_MAX_RESPONSE_BYTES = 2**31 - 1
 
 
 def ray_init_kwargs(config: ServeConfig) -> dict:
-    """Object-store and Serve-proxy settings (transport, ready-check time, response size) for a Ray this process starts (the raylet reads the
-    env at start, and the processes it starts inherit it)."""
+    """Object-store and Serve-proxy settings (transport, ready-check time, response size) for a
+    Ray this process starts (the raylet reads the env at start, and the processes it starts
+    inherit it)."""
     if config.ray.preallocate_object_store:
         os.environ["RAY_preallocate_plasma_memory"] = "1"
     # Serve's proxy reaches the ingress over gRPC (ray.grpc_transport; the ingress's handles to
