@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cluster.launcher import PROXY_MAX_RESPONSE_BYTES, PROXY_READY_CHECK_TIMEOUT_S
 from serving.engine.model_loader import resolve_model_dir
 from tests.helpers import build_tiny_model, process_state, state_changes
 
@@ -134,7 +135,8 @@ def pytest_configure(config):
     config.kvrelay_ray_root = root
     # Serve's proxy reaches the ingress over gRPC, as in a Ray kvrelay starts (ray.grpc_transport)
     env = {"RAY_TMPDIR": str(root), "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "RAY_SERVE_PROXY_USE_GRPC": "1",
-           "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30", "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1)}
+           "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": str(PROXY_READY_CHECK_TIMEOUT_S),
+           "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(PROXY_MAX_RESPONSE_BYTES)}
     for key, value in env.items():
         _SESSION_ENV[key] = os.environ.get(key)
         os.environ[key] = value

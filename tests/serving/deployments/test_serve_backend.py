@@ -550,22 +550,26 @@ def test_a_colocated_requests_path_learns_where_its_prompt_was_computed(monkeypa
 
 
 class _BrokenStream(_Stream):
-    """Yields its items, then fails the way a gRPC call does when the channel breaks."""
+    """Yields its items, then raises `exc`, as a call to a replica that went away does."""
 
-    def __init__(self, items, code):
+    def __init__(self, items, exc):
         super().__init__(items)
-        self._code = code
+        self._exc = exc
 
     async def __anext__(self):
         if not self._items:
-            import grpc
-
-            raise grpc.aio.AioRpcError(self._code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="Stream removed")
+            raise self._exc
         return self._items.pop(0)
 
 
+def _grpc_error(code):
+    import grpc
+
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="Stream removed")
+
+
 def _colocated_over_grpc(first_stream_code):
-    streams = [_BrokenStream([_output([8])], first_stream_code), _Stream([_output([9]), _output([10], "length")])]
+    streams = [_BrokenStream([_output([8])], _grpc_error(first_stream_code)), _Stream([_output([9]), _output([10], "length")])]
     worker = RecordingHandle("Worker", lambda name, args: streams.pop(0))
     recoveries = []
     backend_ = ServeBackend(ServeConfig(mode="colocated"), decode=worker, status_fn=lambda: {"Worker": {"RUNNING": 1}},
@@ -606,7 +610,7 @@ def test_a_decode_replica_lost_before_its_first_output_releases_the_kv_it_was_ha
     import ray
 
     backend_, prefill, decode, kv = pools()
-    streams = [_Failing(ray.exceptions.ActorUnavailableError("gone", None)), _Stream([_output([8]), _output([9], "length")])]
+    streams = [_BrokenStream([], ray.exceptions.ActorUnavailableError("gone", None)), _Stream([_output([8]), _output([9], "length")])]
     decode.reply = lambda name, args: streams.pop(0)
     released, recoveries = [], []
     backend_.kv.release_soon = released.append
@@ -615,12 +619,3 @@ def test_a_decode_replica_lost_before_its_first_output_releases_the_kv_it_was_ha
     assert asyncio.run(collect(backend_.generate(request))) == [[7], [8], [9]]
     assert released == [kv] and recoveries == ["decode_resumed"]
     assert [(args[1], args[2]) for _, args in decode.calls] == [(kv, [7]), (None, [7])]  # the prefill's token both times
-
-
-class _Failing(_Stream):
-    def __init__(self, exc):
-        super().__init__([])
-        self._exc = exc
-
-    async def __anext__(self):
-        raise self._exc
