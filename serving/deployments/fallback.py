@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from serving.api.forwarding import FallbackUnavailable, ForwardedRequest, ResponseStart
+from serving.observability.export import serve_pool_status
 
 __all__ = ["INGRESS_DEPLOYMENT", "FallbackClient"]
 
@@ -28,12 +29,10 @@ def _ingress_handle(app_name: str):
 
 
 def _running_ingress_replicas(app_name: str) -> int:
-    """RUNNING replicas of the app's ingress, from the Serve controller (blocking)."""
-    from ray import serve
-
-    app = serve.status().applications.get(app_name)
-    deployment = app.deployments.get(INGRESS_DEPLOYMENT) if app is not None else None
-    return dict(deployment.replica_states).get("RUNNING", 0) if deployment is not None else 0
+    """RUNNING replicas of the app's ingress, from the Serve controller's details (blocking; read
+    as serve_backend._serve_status reads them)."""
+    states, _ = serve_pool_status(app_name).get(INGRESS_DEPLOYMENT, ({}, None))
+    return states.get("RUNNING", 0)
 
 
 class FallbackClient:

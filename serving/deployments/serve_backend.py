@@ -63,6 +63,7 @@ from serving.deployments.kv_handoff import KVHandoff
 from serving.deployments.messages import KVHandle, PrefillResult, WorkerError, WorkerOutput, WorkerRequest
 from serving.engine.outputs import RequestOutput
 from serving.engine.validation import ModelInfo
+from serving.observability.export import serve_pool_status
 from serving.observability.metrics import live_routers
 from serving.observability.request_path import PATHS, RequestPath
 from serving.observability.tracing import ROUTE_START_KEY
@@ -90,11 +91,11 @@ def _replica_lost(exc: BaseException | None) -> bool:
 def _serve_status(app_name: str) -> dict[str, dict[str, int]]:
     """This app's deployment name → replica states, from the Serve controller (blocking; call in a
     thread). Only this app's: every kvrelay app has a DecodeWorker (or Worker), and a fallback
-    app's (serving/api/degradation.py) must not stand for ours."""
-    from ray import serve
-
-    app = serve.status().applications.get(app_name)
-    return {name: dict(d.replica_states) for name, d in app.deployments.items()} if app is not None else {}
+    app's (serving/api/degradation.py) must not stand for ours. Read from the controller's details
+    as they come (`serve_pool_status`), not through `serve.status()`, which counts the same replicas
+    after validating the details into pydantic models: 12.8 ms of the ingress's CPU a call against
+    1.4 (and 4.0 ms of the controller's against 2.8), once a second while requests flow."""
+    return {name: states for name, (states, _) in serve_pool_status(app_name).items()}
 
 
 LOCAL_SENT_HORIZON_S = 30.0  # far longer than the stats period: older sends show in the stats

@@ -325,19 +325,22 @@ def test_worker_error_value_becomes_the_engine_exception():
 # ---- the controller's view is this app's -------------------------------------------------------
 def test_replica_states_are_read_for_this_app_only(monkeypatch):
     """Every kvrelay app has a DecodeWorker: a fallback app's (serving/api/degradation.py) running
-    replicas must not hide that ours are gone."""
+    replicas must not hide that ours are gone. The states come from the controller's details, one
+    replica each, as `serve.status()` would count them."""
     from types import SimpleNamespace
 
-    from ray import serve
+    from ray.serve import context
 
     def app(**deployments):
-        return SimpleNamespace(deployments={n: SimpleNamespace(replica_states=s) for n, s in deployments.items()})
+        return {"deployments": {name: {"target_num_replicas": sum(states.values()),
+                                       "replicas": [{"state": state} for state, n in states.items() for _ in range(n)]}
+                                for name, states in deployments.items()}}
 
-    status = SimpleNamespace(applications={
+    details = {"applications": {
         "big": app(PrefillWorker={"RUNNING": 1}, DecodeWorker={"STARTING": 1}),
         "small": app(PrefillWorker={"RUNNING": 1}, DecodeWorker={"RUNNING": 2}),
-    })
-    monkeypatch.setattr(serve, "status", lambda: status)
+    }}
+    monkeypatch.setattr(context, "_get_global_client", lambda: SimpleNamespace(get_serve_details=lambda: details))
     b = ServeBackend(ServeConfig(app_name="big"), prefill=StubHandle("PrefillWorker"), decode=StubHandle("DecodeWorker"))
     with pytest.raises(NoWorkerError, match="No decode replica is alive to serve this request: 1 starting;"):
         asyncio.run(b.health())
