@@ -46,7 +46,30 @@ def _csv(text: str | None) -> list[str]:
     return [x.strip() for x in (text or "").split(",") if x.strip()]
 
 
+def _corun(value: str) -> tuple[float, dict]:
+    """--corun: (seconds, the probe's record) from a pd_corun JSON file or a number of milliseconds."""
+    try:
+        return float(value) / 1e3, {"given_ms": float(value)}
+    except ValueError:
+        pass
+    try:
+        probe = json.loads(Path(value).read_text())
+        return float(probe["corun_s"]), {"corun_ref_s": float(probe["corun_ref_s"]), **probe}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"kvrelay bench pd-sim: --corun wants milliseconds or a `python -m load_tests.pd_corun` JSON "
+                         f"file; {value!r}: {exc}") from None
+
+
 def _cpu_fit(args, need: bool) -> CostFit | None:
+    fit = _cpu_fit_of(args, need)
+    if fit is not None and args.corun is not None:
+        corun_s, probe = _corun(args.corun)
+        fit = dataclasses.replace(fit, corun_s=corun_s, corun_ref_s=probe.get("corun_ref_s", fit.corun_ref_s),
+                                  info={**fit.info, "corun_probe": probe})
+    return fit
+
+
+def _cpu_fit_of(args, need: bool) -> CostFit | None:
     if args.cpu_fit:
         report = json.loads(Path(args.cpu_fit).read_text())
         return CostFit.from_json(report["config"]["fits"]["cpu"])

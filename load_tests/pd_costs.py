@@ -170,6 +170,13 @@ class CostFit:
     long_prefill_token_threshold: int = 256
     max_num_seqs: int = 128
     kv_capacity_tokens: int = 1_000_000
+    # Seconds a step takes longer when it starts while another replica's core runs a decode step
+    # of corun_ref_s (load_tests/pd_corun.py measures both): on one CPU the replicas' weights
+    # stream through one memory system and last-level cache. Beside a longer step, which reads
+    # the weights less often, proportionally less (pd_sim). 0 where replicas share no memory (the
+    # GPU fits: a device each).
+    corun_s: float = 0.0
+    corun_ref_s: float = 0.02
     source: str = ""
     assumptions: tuple[str, ...] = ()
     info: dict = field(default_factory=dict)  # the fit's points, residuals, the machine
@@ -189,6 +196,7 @@ class CostFit:
             max_num_batched_tokens=data["max_num_batched_tokens"],
             long_prefill_token_threshold=data["long_prefill_token_threshold"],
             max_num_seqs=data["max_num_seqs"], kv_capacity_tokens=data["kv_capacity_tokens"],
+            corun_s=data.get("corun_s", 0.0), corun_ref_s=data.get("corun_ref_s", 0.02),  # fits before the co-run probe had none
             source=data.get("source", ""), assumptions=tuple(data.get("assumptions", ())), info=dict(data.get("info", {})),
         )
 

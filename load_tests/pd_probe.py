@@ -199,21 +199,28 @@ def cpu_fit(model_dir: Path, dtype: str, serve_overhead: dict, *, repeats: int =
         served = probe_served(model_dir, dtype, progress=progress)
     overhead, served_info = overhead_of(served, step)
     handoff, handoff_info = handoff_of(serve_overhead)
+    if earlier:
+        corun = earlier["info"].get("corun_probe", {"corun_s": earlier.get("corun_s", 0.0), "corun_ref_s": earlier.get("corun_ref_s", 0.02)})
+    else:
+        from load_tests.pd_corun import probe_corun
+
+        corun = probe_corun(progress=progress)
     spec = load_model_spec(model_dir)
     per_token = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, getattr(torch, dtype))
     if not earlier:
         hardware.finish_machine_record(machine)
     return CostFit(
         name="cpu", step=step, handoff=handoff, overhead=overhead, **PROBE_ENGINE,
-        kv_capacity_tokens=kv_cache_bytes // per_token,
+        kv_capacity_tokens=kv_cache_bytes // per_token, corun_s=corun["corun_s"], corun_ref_s=corun.get("corun_ref_s", 0.02),
         source=f"this machine: {machine['cpu_model']}, {dtype}, 1 torch thread; steps probed in-process "
         "(load_tests/pd_probe.py), the served path's overheads in pd-interference's pinned layouts "
         "(load_tests/pd_served_probe.py), the KV hand-off from a kvrelay bench serve-overhead report",
         assumptions=("a served replica's overhead is step_s + row_s x sampled rows, fitted over 1-8 streams",
                      "the other serving processes' CPU is taken evenly from the busy replicas' cores",
-                     "the KV hand-off time is proportional to the prompt's tokens"),
+                     "the KV hand-off time is proportional to the prompt's tokens",
+                     "a step that starts while another replica's core is mid-step takes corun_s longer (load_tests/pd_corun.py)"),
         info={"fit_quality": quality, "machine": machine, "model_dir": str(model_dir), "dtype": dtype,
               "load_avg_1m": os.getloadavg()[0], "handoff": handoff_info, "served_probe": served,
-              "served_fit": served_info,
+              "served_fit": served_info, "corun_probe": corun,
               "points": [{**vars(p.shape), "seconds": p.seconds, "model_s": step.shape_s(p.shape)} for p in points]},
     )

@@ -24,7 +24,10 @@ run on, one core each (pd-interference's layout), using LayoutOverhead.backgroun
 always, cpu_per_request_s per request and cpu_per_token_s per streamed token (a rate averaged
 over SERVING_TAU_S). As a processor-sharing scheduler would: the idle replicas' cores take that
 load first; what is left is spread over the busy replicas' cores, and a step that starts while
-a share s of its core is taken lasts 1 / (1 - s) times its cost (s at most 0.9).
+a share s of its core is taken lasts 1 / (1 - s) times its cost (s at most 0.9). A step that
+starts while another replica is mid-step takes longer first (`corun_s`): on one CPU both replicas
+read their weights through the same memory, the other as often as its step is short
+(load_tests/pd_corun.py).
 
 Routing, by `router`:
 
@@ -135,7 +138,7 @@ def _account(seq: _Seq, n: int, tokens: int, rows: int, pairs: int, context: int
 
 class _Replica:
     __slots__ = ("rid", "fit", "step_overhead_s", "row_overhead_s", "request_overhead_s", "is_prefill", "waiting", "running", "kv_used",
-                 "queued_kv", "queued_prompt", "busy", "busy_s", "kv_held", "stats", "prefill_rate", "requests")
+                 "queued_kv", "queued_prompt", "busy", "busy_s", "step_s", "kv_held", "stats", "prefill_rate", "requests")
 
     def __init__(self, rid: int, fit: CostFit, mode: str, *, is_prefill: bool = False):
         self.rid, self.fit, self.is_prefill = rid, fit, is_prefill
@@ -149,6 +152,7 @@ class _Replica:
         self.queued_prompt = 0  # prompt tokens left to compute, running and waiting
         self.busy = False
         self.busy_s = 0.0
+        self.step_s = 0.0  # the running step's length (while busy)
         self.kv_held = 0  # KV tokens its running sequences hold now (computed ones)
         self.stats: RoutingStats | None = None  # its last routing stats
         self.prefill_rate = PrefillRate()  # prompt tokens per second of its prefill steps, as the engine measures it
@@ -293,11 +297,24 @@ class _Sim:
             return
         replica.busy = True
         self.num_busy += 1
+        if self.num_busy > 1 and self.fit.corun_s:
+            seconds += self.corun_s(replica)
         seconds /= 1.0 - self.stolen_share(now)
+        replica.step_s = seconds
         measure_step(replica.prefill_rate, sum(n for seq, n in scheduled if seq.num_computed < seq.num_prompt), seconds)
         replica.busy_s += seconds
         self.num_steps += 1
         self.push(now + seconds, _STEP_DONE, (replica, scheduled))
+
+    def corun_s(self, replica: _Replica) -> float:
+        """What the other replicas' running steps add to `replica`'s next one: CostFit.corun_s for
+        each that reads its weights as often as the probe's decode step did (corun_ref_s), less
+        for a longer step, which reads them once over more time (a prefill chunk: a tenth as
+        often, and a tenth of the cost)."""
+        fit = self.fit
+        return fit.corun_s * sum(min(1.0, fit.corun_ref_s / other.step_s)
+                                 for other in itertools.chain(self.prefill, self.decode)
+                                 if other.busy and other is not replica and other.step_s > 0)
 
     def serving_work(self, now: float, cpu_s: float) -> None:
         """The other serving processes used `cpu_s` now: their rate, averaged over SERVING_TAU_S."""

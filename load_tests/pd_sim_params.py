@@ -20,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a `kvrelay bench serve-overhead` JSON of this machine: the cpu fit's KV hand-off")
     p.add_argument("--refit", metavar="FILE",
                    help="fit the cpu fit again from the probes of an earlier pd-sim report (no engine, no Ray)")
+    p.add_argument("--corun", metavar="FILE|MS",
+                   help="the cpu fit's co-run term (CostFit.corun_s): a `python -m load_tests.pd_corun` JSON of this "
+                   "machine, or milliseconds; without it a probed fit measures it and a reused one keeps its own")
     p.add_argument("--validate", metavar="SCENARIO_JSON", action="append", default=[],
                    help="a `kvrelay bench scenario pd-interference` JSON of this machine to replay with the cpu fit; repeatable")
     p.add_argument("--no-sweep", action="store_true", help="fits and validation only")

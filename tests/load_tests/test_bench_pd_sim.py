@@ -62,6 +62,21 @@ def test_a_validation_with_a_given_cpu_fit_reports_every_figure(tmp_path, capsys
     assert "within 15%" in capsys.readouterr().out
 
 
+def test_the_co_run_term_comes_from_a_probe_file_or_milliseconds_and_a_bad_value_names_the_flag(tmp_path):
+    fit_report = tmp_path / "earlier.json"
+    fit_report.write_text(json.dumps({"config": {"fits": {"cpu": CPU_FIT.to_json()}}}))
+    probe = tmp_path / "corun.json"
+    probe.write_text(json.dumps({"corun_s": 0.003, "corun_ref_s": 0.021, "by_rows": {}}))
+    for value, expected in ((str(probe), (0.003, 0.021)), ("2.5", (0.0025, CPU_FIT.corun_ref_s))):
+        out = tmp_path / "validation.json"
+        assert main(["bench", "pd-sim", "--cpu-fit", str(fit_report), "--corun", value, "--validate", _scenario(tmp_path),
+                     "--no-sweep", "--json", str(out)]) == 0
+        cpu = json.loads(out.read_text())["config"]["fits"]["cpu"]
+        assert (cpu["corun_s"], cpu["corun_ref_s"]) == expected
+    with pytest.raises(SystemExit, match="--corun wants milliseconds or a `python -m load_tests.pd_corun` JSON file; 'fast'"):
+        main(["bench", "pd-sim", "--cpu-fit", str(fit_report), "--corun", "fast", "--no-sweep"])
+
+
 def test_several_measured_runs_are_also_judged_on_their_median(tmp_path, capsys):
     fit_report = tmp_path / "earlier.json"
     fit_report.write_text(json.dumps({"config": {"fits": {"cpu": CPU_FIT.to_json()}}}))

@@ -89,11 +89,12 @@ def test_a_fit_survives_its_json():
     fit = CostFit("cpu", StepCost((CostLine(0.01, 0.001, 0.0001), CostLine(0.02)), 1e-6, 2e-6, 3e-6),
                   HandoffCost(0.001, 23040, 3e9),
                   ServeOverhead(LayoutOverhead(0.04, 0.0, 0.0006, 0.02, 0.003, 0.1), LayoutOverhead(0.05, 0.001)),
-                  kv_capacity_tokens=1000, source="here", assumptions=("one",), info={"x": 1})
+                  kv_capacity_tokens=1000, corun_s=0.004, corun_ref_s=0.019, source="here", assumptions=("one",), info={"x": 1})
     assert CostFit.from_json(fit.to_json()) == fit
-    older = fit.to_json()  # a fit written before the prefix term
-    del older["step"]["prefix_s"]
+    older = fit.to_json()  # a fit written before the prefix term and the co-run probe
+    del older["step"]["prefix_s"], older["corun_s"], older["corun_ref_s"]
     assert CostFit.from_json(older).step.prefix_s == 0.0
+    assert (CostFit.from_json(older).corun_s, CostFit.from_json(older).corun_ref_s) == (0.0, 0.02)
 
 
 def _seq(computed: int, prompt: int):

@@ -100,6 +100,23 @@ def test_other_processes_cpu_slows_the_busy_replicas_steps():
     assert run.results[0].last_token_s == 2 * (prefill_s(64) + decode_s(65))
 
 
+def test_a_step_beside_another_replicas_step_takes_the_co_run_time_longer_scaled_by_how_short_that_step_is():
+    # Two workers, a prompt each at t = 0: the second to start finds the first mid-step. With the
+    # reference step longer than that prefill, it reads weights at least as often: the whole term.
+    corun = 2**-8
+    requests = [SimRequest(0, 0.0, 64, 1), SimRequest(1, 0.0, 64, 1)]
+    whole = simulate(requests, make_fit(corun_s=corun, corun_ref_s=1.0), "colocated", num_decode=2, router="least_loaded")
+    assert sorted(r.ttft_s for r in whole.results) == [prefill_s(64), prefill_s(64) + corun]
+    # A reference step half the prefill's: the prefill reads the weights half as often, half the term.
+    half = simulate(requests, make_fit(corun_s=corun, corun_ref_s=prefill_s(64) / 2), "colocated", num_decode=2, router="least_loaded")
+    assert sorted(r.ttft_s for r in half.results) == [prefill_s(64), prefill_s(64) + corun / 2]
+    # Alone on its replica (or without the term: the GPU fits) nothing is added.
+    (alone,) = simulate(requests[:1], make_fit(corun_s=corun, corun_ref_s=1.0), "colocated", num_decode=2).results
+    assert alone.ttft_s == prefill_s(64)
+    plain = simulate(requests, make_fit(), "colocated", num_decode=2, router="least_loaded")
+    assert [r.ttft_s for r in plain.results] == [prefill_s(64)] * 2
+
+
 def test_the_same_two_requests_interfere_colocated_and_not_disaggregated():
     requests = [SimRequest(0, 0.0, 16, 4), SimRequest(1, prefill_s(16) + 0.001, 300, 2)]
     colocated = simulate(requests, make_fit(), "colocated", num_decode=1).results[0]
