@@ -9,8 +9,8 @@ each way, so the machine's drift (a shared VM's neighbours) falls on both alike;
 0's median step while core 1 steps less its median while core 1 waits, the mean over `rows`, and
 corun_ref_s the mean step alone (how often a decode step reads the weights: pd_sim scales corun_s
 by it for the step the other core runs).
-Measured on the AMD EPYC of 2026-12-02 (separate runs, before this form): about +4 ms at 1 and 4
-rows, a step of 15-19 ms alone.
+Measured on the AMD EPYC of 2026-12-02: +3.7 ms at 1 row (15.6 ms alone), +2.6 ms at 4 rows
+(24.3 ms alone): about the same whatever the rows, as the weights' one read per step is.
 
     python -m load_tests.pd_corun [--rows 1,4] [--cycles 8] [--phase-s 3]   prints the probe's JSON
     python -m load_tests.pd_corun --worker CORE ROWS DIR                     (one engine; internal)

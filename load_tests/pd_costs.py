@@ -196,7 +196,7 @@ class CostFit:
             max_num_batched_tokens=data["max_num_batched_tokens"],
             long_prefill_token_threshold=data["long_prefill_token_threshold"],
             max_num_seqs=data["max_num_seqs"], kv_capacity_tokens=data["kv_capacity_tokens"],
-            corun_s=data.get("corun_s", 0.0), corun_ref_s=data.get("corun_ref_s", 0.02),  # fits before the co-run probe had none
+            corun_s=data.get("corun_s", 0.0), corun_ref_s=data.get("corun_ref_s", cls.corun_ref_s),  # fits before the co-run probe had none
             source=data.get("source", ""), assumptions=tuple(data.get("assumptions", ())), info=dict(data.get("info", {})),
         )
 

@@ -200,7 +200,8 @@ def cpu_fit(model_dir: Path, dtype: str, serve_overhead: dict, *, repeats: int =
     overhead, served_info = overhead_of(served, step)
     handoff, handoff_info = handoff_of(serve_overhead)
     if earlier:
-        corun = earlier["info"].get("corun_probe", {"corun_s": earlier.get("corun_s", 0.0), "corun_ref_s": earlier.get("corun_ref_s", 0.02)})
+        corun = earlier["info"].get("corun_probe", {"corun_s": earlier.get("corun_s", 0.0),
+                                                    "corun_ref_s": earlier.get("corun_ref_s", CostFit.corun_ref_s)})
     else:
         from load_tests.pd_corun import probe_corun
 
@@ -211,7 +212,8 @@ def cpu_fit(model_dir: Path, dtype: str, serve_overhead: dict, *, repeats: int =
         hardware.finish_machine_record(machine)
     return CostFit(
         name="cpu", step=step, handoff=handoff, overhead=overhead, **PROBE_ENGINE,
-        kv_capacity_tokens=kv_cache_bytes // per_token, corun_s=corun["corun_s"], corun_ref_s=corun.get("corun_ref_s", 0.02),
+        kv_capacity_tokens=kv_cache_bytes // per_token, corun_s=corun["corun_s"],
+        corun_ref_s=corun.get("corun_ref_s", CostFit.corun_ref_s),
         source=f"this machine: {machine['cpu_model']}, {dtype}, 1 torch thread; steps probed in-process "
         "(load_tests/pd_probe.py), the served path's overheads in pd-interference's pinned layouts "
         "(load_tests/pd_served_probe.py), the KV hand-off from a kvrelay bench serve-overhead report",
