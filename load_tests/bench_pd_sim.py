@@ -54,7 +54,7 @@ def _corun(value: str) -> tuple[float, dict]:
         pass
     try:
         probe = json.loads(Path(value).read_text())
-        return float(probe["corun_s"]), {"corun_ref_s": float(probe["corun_ref_s"]), **probe}
+        return float(probe["corun_s"]), {**probe, "corun_ref_s": float(probe["corun_ref_s"])}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"kvrelay bench pd-sim: --corun wants milliseconds or a `python -m load_tests.pd_corun` JSON "
                          f"file; {value!r}: {exc}") from None

@@ -113,18 +113,22 @@ def _run_scenario(engine, plan: list[tuple[int, int, int]], draw: Callable[[int]
     return shapes
 
 
+def probe_engine(model_dir: Path, dtype: str):
+    """The probes' engine: one served replica's (PROBE_ENGINE), one torch thread, prefix caching
+    off (every prompt computed), 256 MiB of KV."""
+    from serving.engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, kv_cache_bytes=256 * 2**20, enable_prefix_caching=False,
+                                  num_threads=1, **PROBE_ENGINE))
+
+
 def probe_steps(model_dir: Path, dtype: str, *, repeats: int = 3, seed: int = 0, scenarios: tuple[str, ...] = tuple(SCENARIOS),
                 progress: Callable[[str], None] = lambda message: None) -> list[StepPoint]:
     """The steps of `scenarios`, each the median of `repeats` runs (module docstring)."""
     import numpy as np
 
-    from serving.engine import EngineConfig, LLMEngine
-
     with torch_threads(1):
-        engine = LLMEngine(EngineConfig(
-            model=str(model_dir), dtype=dtype, kv_cache_bytes=256 * 2**20, enable_prefix_caching=False,
-            num_threads=1, **PROBE_ENGINE,
-        ))
+        engine = probe_engine(model_dir, dtype)
         rng = np.random.default_rng([seed, 19])
 
         def draw(length: int) -> list[int]:
@@ -205,7 +209,7 @@ def cpu_fit(model_dir: Path, dtype: str, serve_overhead: dict, *, repeats: int =
     else:
         from load_tests.pd_corun import probe_corun
 
-        corun = probe_corun(progress=progress)
+        corun = probe_corun(model_dir, dtype, progress=progress)
     spec = load_model_spec(model_dir)
     per_token = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, getattr(torch, dtype))
     if not earlier:

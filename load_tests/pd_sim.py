@@ -298,7 +298,7 @@ class _Sim:
         replica.busy = True
         self.num_busy += 1
         if self.num_busy > 1 and self.fit.corun_s:
-            seconds += self.corun_s(replica)
+            seconds += self.corun_delay_s(replica)
         seconds /= 1.0 - self.stolen_share(now)
         replica.step_s = seconds
         measure_step(replica.prefill_rate, sum(n for seq, n in scheduled if seq.num_computed < seq.num_prompt), seconds)
@@ -306,11 +306,11 @@ class _Sim:
         self.num_steps += 1
         self.push(now + seconds, _STEP_DONE, (replica, scheduled))
 
-    def corun_s(self, replica: _Replica) -> float:
+    def corun_delay_s(self, replica: _Replica) -> float:
         """What the other replicas' running steps add to `replica`'s next one: CostFit.corun_s for
-        each that reads its weights as often as the probe's decode step did (corun_ref_s), less
-        for a longer step, which reads them once over more time (a prefill chunk: a tenth as
-        often, and a tenth of the cost)."""
+        each that reads its weights as often as the probe's decode step did (a step of corun_ref_s
+        or shorter), a share corun_ref_s / its length for a longer one (a 300-ms prefill chunk
+        beside a 20-ms reference: a fifteenth)."""
         fit = self.fit
         return fit.corun_s * sum(min(1.0, fit.corun_ref_s / other.step_s)
                                  for other in itertools.chain(self.prefill, self.decode)
