@@ -51,18 +51,14 @@ PROXY_MAX_RESPONSE_BYTES = 2**31 - 1
 
 
 def ray_init_kwargs(config: ServeConfig) -> dict:
-    """Object-store, Serve-proxy (transport, ready-check time, response size) and worker-niceness
-    settings for a Ray this process starts (the raylet reads the env at start, and the processes it starts
+    """Object-store and Serve-proxy settings (transport, ready-check time, response size) for a
+    Ray this process starts (the raylet reads the env at start, and the processes it starts
     inherit it)."""
     if config.ray.preallocate_object_store:
         os.environ["RAY_preallocate_plasma_memory"] = "1"
     # Serve's proxy reaches the ingress over gRPC (ray.grpc_transport; the ingress's handles to
     # the workers: serving/deployments/replicas.py).
     os.environ["RAY_SERVE_PROXY_USE_GRPC"] = "1" if config.ray.grpc_transport else "0"
-    # Every worker of this Ray (Serve's proxy and controller beside the replicas, which carry it in
-    # their runtime env too: serving/deployments/app.py) at ray.worker_niceness, not Ray's 15.
-    if config.ray.worker_niceness is not None:
-        os.environ["RAY_worker_niceness"] = str(config.ray.worker_niceness)
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(PROXY_READY_CHECK_TIMEOUT_S))
     os.environ.setdefault("RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH", str(PROXY_MAX_RESPONSE_BYTES))
     return {"object_store_memory": config.ray.object_store_bytes} if config.ray.object_store_bytes else {}

@@ -197,36 +197,6 @@ def state_changes(before: dict, after: dict) -> list[str]:
     return changes
 
 
-def processes() -> dict[int, tuple[int, int, str]]:
-    """Every live process: pid -> (parent pid, niceness, command line), from /proc."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:  # it ended
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
-        out[int(entry)] = (int(fields[1]), int(fields[16]), cmdline)
-    return out
-
-
-def niceness_under(title: str) -> dict[str, int]:
-    """The niceness of each process whose command line starts with `title` (Ray's process title,
-    e.g. "ray::ServeReplica:app:Worker") and of every process it started, by command line."""
-    table = processes()
-    roots = {pid for pid, (_, _, cmd) in table.items() if cmd.startswith(title)}
-    found = set(roots)
-    while True:
-        more = {pid for pid, (ppid, _, _) in table.items() if ppid in found} - found
-        if not more:
-            break
-        found |= more
-    return {table[pid][2]: table[pid][1] for pid in found}
-
-
 def require_tool(name: str, how: str) -> str:
     """The path of the binary `name`; missing, skip (fail under CI) and say `how` to install it."""
     path = shutil.which(name)

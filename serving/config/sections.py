@@ -326,14 +326,6 @@ class RayConfig(StrictModel):
         "2147483647, or the proxy fails responses over 4 MiB); set them in the environment of one it "
         "joins (the Helm chart does).",
     )
-    worker_niceness: int | None = Field(
-        0, ge=0, le=19,
-        description="Niceness of kvrelay's replicas and the engine processes they start (vLLM's), and of "
-        "every Ray worker of a Ray kvrelay starts (Serve's proxy and controller). Ray's default is 15, so "
-        "the replicas yielded their cores to the client, the raylet, the GCS and the dashboard, all at "
-        "0; on vLLM an OpenMP thread of the forward pass preempted stalls its partner at every barrier "
-        "(measured on 2 cores: kvrelay on vLLM 130 -> 141 output tok/s). null: Ray's own.",
-    )
 
 
 class RoutingConfig(StrictModel):

@@ -115,15 +115,9 @@ def _replica_env(config: ServeConfig) -> dict[str, str]:
 
     On the gRPC transport (ray.grpc_transport), a replica takes calls of up to
     replica_grpc_message_bytes (Serve's default is 4 MiB: a request body the ingress accepts, a
-    JSON schema or a long prompt, can make a larger worker call).
-
-    RAY_worker_niceness (ray.worker_niceness): a replica's core worker renices itself to it when it
-    starts, and the engine processes it forks inherit it, on any cluster, the Ray kvrelay starts or
-    one it joins."""
+    JSON schema or a long prompt, can make a larger worker call)."""
     env = {**REPLICA_ENV, **tracing.otel_env()}
     env["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"] = str(replica_grpc_message_bytes(config))
-    if config.ray.worker_niceness is not None:
-        env["RAY_worker_niceness"] = str(config.ray.worker_niceness)
     if os.environ.get(faults.ENV):  # fault injection, for tests and chaos runs (serving/deployments/faults.py)
         faults.parse(os.environ[faults.ENV])  # a bad value fails here, not in every replica
         env[faults.ENV] = os.environ[faults.ENV]

@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 from cluster.launcher import ray_init_kwargs, required_cpus
 from serving.config import ServeConfig, load_config
 from tests.helpers import REPO
-
-
-@pytest.fixture(autouse=True)
-def _restores_worker_niceness(monkeypatch):
-    """ray_init_kwargs sets RAY_worker_niceness behind monkeypatch's back: registered here so that
-    its state before the test comes back at teardown."""
-    monkeypatch.setenv("RAY_worker_niceness", "0")
-    monkeypatch.delenv("RAY_worker_niceness")
 
 
 def test_required_cpus_counts_fixed_pools_and_autoscaled_maxima():
@@ -49,20 +39,6 @@ def test_grpc_transport_sets_the_proxy_env(monkeypatch):
     assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "1"
     ray_init_kwargs(ServeConfig(ray={"grpc_transport": False}))
     assert os.environ["RAY_SERVE_PROXY_USE_GRPC"] == "0"
-
-
-def test_a_ray_kvrelay_starts_runs_its_workers_at_ray_worker_niceness(monkeypatch):
-    import os
-
-    for key in ("RAY_SERVE_PROXY_USE_GRPC", "RAY_preallocate_plasma_memory"):
-        monkeypatch.setenv(key, "unset")
-    ray_init_kwargs(ServeConfig())
-    assert os.environ["RAY_worker_niceness"] == "0"
-    ray_init_kwargs(ServeConfig(ray={"worker_niceness": 7}))
-    assert os.environ["RAY_worker_niceness"] == "7"
-    monkeypatch.setenv("RAY_worker_niceness", "15")
-    ray_init_kwargs(ServeConfig(ray={"worker_niceness": None}))  # Ray's own: the environment's stands
-    assert os.environ["RAY_worker_niceness"] == "15"
 
 
 def test_a_proxy_gets_30_s_to_start_and_any_response_size_unless_the_environment_says(monkeypatch):

@@ -438,7 +438,6 @@ def test_serves_proxy_streams_over_grpc_in_every_ray_container(rendered, name):
             "name": "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "value": "30"}
         assert _env(rayservice, group)["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"] == {
             "name": "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH", "value": str(2**31 - 1)}
-        assert _env(rayservice, group)["RAY_worker_niceness"] == {"name": "RAY_worker_niceness", "value": "0"}
 
 
 def test_ray_token_secret_is_generated_unless_given(rendered):

@@ -215,33 +215,6 @@ def test_build_app_lets_replicas_take_worker_calls_larger_than_grpcs_default():
         assert env["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"] == str(80 * 2**20)
 
 
-def test_build_app_runs_every_replica_at_ray_worker_niceness():
-    from serving.deployments.app import build_app
-
-    for mode in ("colocated", "disaggregated"):
-        app = build_app(ServeConfig(mode=mode))
-        ingress = app._bound_deployment
-        pools = [arg._bound_deployment for arg in ingress.init_args[1:3] if arg is not None]
-        assert len(pools) == (1 if mode == "colocated" else 2)
-        for deployment in (ingress, *pools):
-            assert deployment.ray_actor_options["runtime_env"]["env_vars"]["RAY_worker_niceness"] == "0"
-    app = build_app(ServeConfig(mode="colocated", ray={"worker_niceness": 5}))
-    assert app._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]["RAY_worker_niceness"] == "5"
-    app = build_app(ServeConfig(mode="colocated", ray={"worker_niceness": None}))  # Ray's own
-    worker = app._bound_deployment.init_args[2]
-    for deployment in (app._bound_deployment, worker._bound_deployment):
-        assert "RAY_worker_niceness" not in deployment.ray_actor_options["runtime_env"]["env_vars"]
-
-
-def test_ray_worker_niceness_is_a_niceness_a_replica_can_take():
-    with pytest.raises(ConfigError) as info:
-        load_config(env={"KVRELAY_RAY__WORKER_NICENESS": "20"})
-    assert "ray.worker_niceness = 20: Input should be less than or equal to 19" in str(info.value)
-    with pytest.raises(ConfigError) as info:  # raising a replica's priority takes privileges it lacks
-        load_config(env={"KVRELAY_RAY__WORKER_NICENESS": "-1"})
-    assert "ray.worker_niceness = -1: Input should be greater than or equal to 0" in str(info.value)
-
-
 def test_the_ingress_reaches_the_pools_over_grpc_unless_turned_off():
     from serving.deployments.replicas import _transport
 

@@ -185,10 +185,6 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
        cluster/launcher.py's PROXY_MAX_RESPONSE_BYTES). A replica's own bound comes with its app. */}}
 - name: RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH
   value: "2147483647"
-{{- /* Serve's proxy and controller at the niceness of kvrelay's replicas (the app's
-       ray.worker_niceness, which the replicas carry themselves), not Ray's 15. */}}
-- name: RAY_worker_niceness
-  value: "0"
 {{- if include "kvrelay.hasApiKeys" . }}
 {{- /* Not optional: a missing Secret or `api-keys` key stops the pod (CreateContainerConfigError).
        A missing `admin-api-keys` only means no admin keys: less access, never more. */}}

@@ -37,7 +37,7 @@ from serving.deployments.messages import KVTransferStats, WorkerRequest, WorkerS
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.params import SamplingParams
-from tests.helpers import TINY_KV_BYTES, niceness_under, tiny_app_config, wait_until
+from tests.helpers import TINY_KV_BYTES, tiny_app_config, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -231,15 +231,6 @@ def test_scoring_a_prompt_and_tokenizing_it(serve_instance, tiny_model_dir, app)
     assert detokenized == {"prompt": prompt}
     if app == "disagg":  # the three completions were prefilled on the prefill pool
         assert stats(app, "PrefillWorker").counters.num_prefills == prefills + 3
-
-
-def test_replicas_run_at_ray_worker_niceness_and_rays_own_workers_at_rays(serve_instance):
-    """ray.worker_niceness (0) travels in each replica's runtime env; this test's Ray was started
-    without it, so Serve's controller shows Ray's own 15 beside them."""
-    for deployment in ("Worker", "OpenAIIngress"):
-        niceness = niceness_under(f"ray::ServeReplica:coloc:{deployment}")
-        assert niceness and set(niceness.values()) == {0}, niceness
-    assert set(niceness_under("ray::ServeController").values()) == {15}
 
 
 def test_httpx_completions_and_models(serve_instance, reference):

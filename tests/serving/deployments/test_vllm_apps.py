@@ -26,7 +26,7 @@ from serving.api.protocol import ChatMessage
 from serving.deployments.messages import WorkerRequest, WorkerStats
 from serving.engine import SamplingParams
 from serving.engine.model_loader import load_tokenizer
-from tests.helpers import niceness_under, wait_until
+from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -117,16 +117,6 @@ def test_a_bad_request_is_a_400_naming_the_field_and_the_pool_reports_vllms_figu
         return [line for line in text.splitlines() if line.startswith("kvrelay_engine_kernel_info") and 'kernel_path="vllm"' in line]
 
     assert wait_until(engine_info, timeout_s=60)
-
-
-def test_vllms_processes_run_at_the_replicas_niceness_not_rays(coloc):
-    """The EngineCore and Worker processes AsyncLLM forks inherit the replica's niceness
-    (ray.worker_niceness, 0). At Ray's 15 they gave their cores to every process at 0, the client's
-    included, and on two cores kvrelay on vLLM served 130 output tok/s where it now serves 141."""
-    niceness = niceness_under("ray::ServeReplica:vllm:Worker")
-    engines = {cmd: nice for cmd, nice in niceness.items() if cmd.startswith("VLLM::")}
-    assert {cmd.split("_")[0].split()[0] for cmd in engines} == {"VLLM::EngineCore", "VLLM::Worker"}, niceness
-    assert set(niceness.values()) == {0}, niceness
 
 
 # ---- disaggregated: the hand-off through kvrelay -------------------------------------------------
