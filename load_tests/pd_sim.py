@@ -27,7 +27,10 @@ load first; what is left is spread over the busy replicas' cores, and a step tha
 a share s of its core is taken lasts 1 / (1 - s) times its cost (s at most 0.9). A step that
 starts while another replica is mid-step takes longer first (`corun_s`): on one CPU both replicas
 read their weights through the same memory, the other as often as its step is short
-(load_tests/pd_corun.py).
+(load_tests/pd_corun.py). Only a replica's node neighbours count: the probe measured one, the
+other core of this machine, so a pool runs NODE_REPLICAS replicas to a node, in id order
+(prefill replicas first). Summed over the whole pool, a step of 64 replicas paid 63 neighbours'
+terms and goodput per replica fell with the pool's size.
 
 Routing, by `router`:
 
@@ -69,6 +72,7 @@ __all__ = ["SimRequest", "RequestResult", "SimRun", "simulate", "summarize", "at
 MODES = ("colocated", "disaggregated")
 STATS_PERIOD_S = 0.5  # RoutingConfig.stats_period_s's default
 SERVING_TAU_S = 1.0  # the serving processes' CPU rate is their use over about this long
+NODE_REPLICAS = 2  # replicas sharing a node's memory, for the co-run term: this machine's two cores
 ROUTERS = ("kvrelay", "least_loaded")
 
 
@@ -307,14 +311,16 @@ class _Sim:
         self.push(now + seconds, _STEP_DONE, (replica, scheduled))
 
     def corun_delay_s(self, replica: _Replica) -> float:
-        """What the other replicas' running steps add to `replica`'s next one: CostFit.corun_s for
+        """What its node neighbours' running steps add to `replica`'s next one: CostFit.corun_s for
         each that reads its weights as often as the probe's decode step did (a step of corun_ref_s
         or shorter), a share corun_ref_s / its length for a longer one (a 300-ms prefill chunk
         beside a 20-ms reference: a fifteenth)."""
         fit = self.fit
+        node = replica.rid // NODE_REPLICAS
         return fit.corun_s * sum(min(1.0, fit.corun_ref_s / other.step_s)
                                  for other in itertools.chain(self.prefill, self.decode)
-                                 if other.busy and other is not replica and other.step_s > 0)
+                                 if other.busy and other is not replica and other.step_s > 0
+                                 and other.rid // NODE_REPLICAS == node)
 
     def serving_work(self, now: float, cpu_s: float) -> None:
         """The other serving processes used `cpu_s` now: their rate, averaged over SERVING_TAU_S."""

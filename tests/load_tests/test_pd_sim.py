@@ -117,6 +117,15 @@ def test_a_step_beside_another_replicas_step_takes_the_co_run_time_longer_scaled
     assert [r.ttft_s for r in plain.results] == [prefill_s(64)] * 2
 
 
+def test_the_co_run_term_counts_a_replicas_node_neighbour_not_the_whole_pool():
+    # Four workers, four prompts at t = 0, two replicas to a node (ids 0-1, 2-3): each replica
+    # that starts finds at most its one neighbour mid-step, never the other node's two.
+    corun = 2**-8
+    requests = [SimRequest(i, 0.0, 64, 1) for i in range(4)]
+    run = simulate(requests, make_fit(corun_s=corun, corun_ref_s=1.0), "colocated", num_decode=4, router="least_loaded")
+    assert sorted(r.ttft_s for r in run.results) == [prefill_s(64)] * 2 + [prefill_s(64) + corun] * 2
+
+
 def test_the_same_two_requests_interfere_colocated_and_not_disaggregated():
     requests = [SimRequest(0, 0.0, 16, 4), SimRequest(1, prefill_s(16) + 0.001, 300, 2)]
     colocated = simulate(requests, make_fit(), "colocated", num_decode=1).results[0]
