@@ -256,6 +256,12 @@ class _Sim:
     serving_rate: float = 0.0  # the other serving processes' recent CPU use, in cores (background_cpu aside)
     serving_rate_at: float = 0.0
     num_busy: int = 0
+    neighbours: dict[int, list[_Replica]] = field(init=False)  # rid -> the others on its node (co-run term)
+
+    def __post_init__(self) -> None:
+        replicas = self.prefill + self.decode
+        self.neighbours = {r.rid: [o for o in replicas if o is not r and o.rid // NODE_REPLICAS == r.rid // NODE_REPLICAS]
+                           for r in replicas}
 
     @property
     def num_replicas(self) -> int:
@@ -316,11 +322,8 @@ class _Sim:
         or shorter), a share corun_ref_s / its length for a longer one (a 300-ms prefill chunk
         beside a 20-ms reference: a fifteenth)."""
         fit = self.fit
-        node = replica.rid // NODE_REPLICAS
         return fit.corun_s * sum(min(1.0, fit.corun_ref_s / other.step_s)
-                                 for other in itertools.chain(self.prefill, self.decode)
-                                 if other.busy and other is not replica and other.step_s > 0
-                                 and other.rid // NODE_REPLICAS == node)
+                                 for other in self.neighbours[replica.rid] if other.busy and other.step_s > 0)
 
     def serving_work(self, now: float, cpu_s: float) -> None:
         """The other serving processes used `cpu_s` now: their rate, averaged over SERVING_TAU_S."""
