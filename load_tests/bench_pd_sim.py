@@ -31,10 +31,10 @@ from pathlib import Path
 from load_tests import hardware
 from load_tests.common import StepLog, command_line, write_report
 from load_tests.pd_costs import CostFit, gpu_fit
-from load_tests.pd_report import format_crossovers, format_sweep, format_validation, write_png
+from load_tests.pd_report import format_crossovers, format_split, format_sweep, format_validation, write_png
 from load_tests.pd_sim_params import FITS, add_arguments
 from load_tests.pd_sweep import FULL, QUICK, SweepParams, crossovers, sweep
-from load_tests.pd_validate import TOLERANCE, compare, compare_median, simulate_scenario
+from load_tests.pd_validate import TOLERANCE, compare, compare_median, simulate_scenario, split_rows
 from load_tests.pd_workload import MIXES
 
 __all__ = ["run", "run_from_args", "sweep_params"]
@@ -137,6 +137,11 @@ def run(args, *, command: str = "") -> dict:
             print(f"{path}:")
             print(format_validation(rows))
             print(f"within {TOLERANCE:.0%}: {summary['validation'][-1]['num_within']} of {len(judged)}\n")
+            split = split_rows(measured, simulated)
+            if split:  # for information: where the mean TTFT goes, measured at the ingress and replayed
+                summary["validation"][-1]["ttft_split_ms"] = split
+                print("mean TTFT, ms, split (measured at the ingress; replayed):")
+                print(format_split(split) + "\n")
         if len(args.validate) > 1:  # judged on each figure's median over the runs, the spread beside it
             rows = compare_median([json.loads(Path(p).read_text())["summary"] for p in args.validate],
                                   raw["validation_simulated"])

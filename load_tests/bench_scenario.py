@@ -163,9 +163,12 @@ async def _warm_up(base_url: str, w: BenchParams) -> None:
                 raise ScenarioError(f"warm-up request to {base_url} failed: {record.error}")
 
 
-def measure(base_url: str, w: BenchParams, label: str) -> RateRun:
-    """Warm up, then one run of workload `w` against `base_url`."""
+def measure(base_url: str, w: BenchParams, label: str, *, after_warm_up=None) -> RateRun:
+    """Warm up, then one run of workload `w` against `base_url`; `after_warm_up()`, when given,
+    is called between the two (to read the server's counters without the warm-up's requests)."""
     asyncio.run(_warm_up(base_url, w))
+    if after_warm_up is not None:
+        after_warm_up()
     _progress(f"{label}: measuring ({w.dataset}, {w.num_prompts} requests)")
     _, runs = asyncio.run(run_rates(dataclasses.replace(w, base_url=base_url)))
     return runs[0]
@@ -256,8 +259,13 @@ def _run_pd_interference(p: ScenarioParams, model_dir: Path, port: int, w: Bench
             for run, workload_ in (("steady", steady_of(w)), ("burst", w)):
                 salted = dataclasses.replace(workload_, extra_body=json.dumps({"cache_salt": f"{mode}/{run}"}))
                 before = routing_decisions(config_url(config), "prefill")
+                split_before: dict = {}
                 with ForeignSampler() as foreign:
-                    result.runs[f"{mode}/{run}"] = measure(config_url(config), salted, f"{mode}, {run}")
+                    result.runs[f"{mode}/{run}"] = measure(
+                        config_url(config), salted, f"{mode}, {run}",
+                        after_warm_up=lambda: split_before.update(ttft_split_totals(config_url(config))))
+                # where the run's TTFT went, as the ingress split it (the simulator's replay reports the same parts)
+                result.info[mode][f"ttft_split_ms_{run}"] = split_means(split_before, ttft_split_totals(config_url(config)))
                 result.info["foreign_cpu"]["cores"][f"{mode}/{run}"] = round(foreign.cores, 3)
                 result.info["foreign_cpu"]["top"][f"{mode}/{run}"] = {
                     command: round(seconds, 2) for command, seconds in sorted(foreign.top.items(), key=lambda kv: -kv[1])[:3]}
@@ -341,6 +349,43 @@ def routing_decisions(base_url: str, pool: str) -> float:
         if match and f'pool="{pool}"' in match.group(1):
             total += float(match.group(2))
     return total
+
+
+_SPLIT_LINE = re.compile(r'^(kvrelay_(?:ttft_split|decode_start)_seconds)_(sum|count)\{([^}]*)\}\s+(\S+)$')
+_COMPONENT = re.compile(r'component="([^"]*)"')
+
+
+def ttft_split_totals(base_url: str) -> dict[tuple[str, str], list[float]]:
+    """{(metric, component): [seconds summed, requests]} of the ingress's TTFT split
+    (kvrelay_ttft_split_seconds: queue, prefill, handoff, delivery) and of the disaggregated
+    decode start (kvrelay_decode_start_seconds: kv_transfer, first_decode_step, delivery), every
+    pool and model summed."""
+    return parse_split_totals(httpx.get(f"{base_url}/metrics", timeout=30).text)
+
+
+def parse_split_totals(metrics_text: str) -> dict[tuple[str, str], list[float]]:
+    totals: dict[tuple[str, str], list[float]] = {}
+    for line in metrics_text.splitlines():
+        match = _SPLIT_LINE.match(line)
+        component = match and _COMPONENT.search(match.group(3))
+        if component:
+            entry = totals.setdefault((match.group(1).removeprefix("kvrelay_").removesuffix("_seconds"), component.group(1)),
+                                      [0.0, 0.0])
+            entry[match.group(2) == "count"] += float(match.group(4))
+    return totals
+
+
+def split_means(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """{metric: {component: mean ms, ...}} of the requests counted between two totals, with
+    "requests": how many (the most any component counted)."""
+    out: dict[str, dict[str, float]] = {}
+    for (metric, component), (total_s, count) in sorted(after.items()):
+        base_s, base_n = before.get((metric, component), (0.0, 0.0))
+        if count - base_n > 0:
+            parts = out.setdefault(metric, {"requests": 0})
+            parts[component] = round((total_s - base_s) / (count - base_n) * 1e3, 2)
+            parts["requests"] = max(parts["requests"], int(count - base_n))
+    return out
 
 
 def _scrape_prefix_cache(base_url: str, settle_s: float) -> tuple[float, float]:

@@ -37,6 +37,19 @@ def format_validation(rows: list[dict]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def format_split(rows: list[dict]) -> str:
+    """The rows of pd_validate.split_rows: the mean TTFT's parts, measured at the ingress and replayed, ms."""
+    lines = [f"{'mode/run':<24}{'':<10}{'TTFT':>8}{'overhead':>10}{'queue':>8}{'prefill':>9}{'handoff':>9}{'delivery':>10}"]
+    for row in rows:
+        m, s = row["measured"], row["simulated"]
+        lines.append(f"{row['mode'] + '/' + row['run']:<24}{'measured':<10}{_f(m['ttft'], '.1f'):>8}{'':>10}"
+                     f"{_f(m.get('queue'), '.1f'):>8}{_f(m.get('prefill'), '.1f'):>9}{_f(m.get('handoff'), '.1f'):>9}"
+                     f"{_f(m.get('delivery'), '.1f'):>10}")
+        lines.append(f"{'':<24}{'simulated':<10}{_f(s['ttft'], '.1f'):>8}{_f(s['overhead'], '.1f'):>10}"
+                     f"{_f(s['queue'], '.1f'):>8}{_f(s['prefill'], '.1f'):>9}")
+    return "\n".join(lines)
+
+
 def format_sweep(cells: list[dict]) -> str:
     lines = []
     for fit, slo in sorted({(c["fit"], c["slo"]) for c in cells}):

@@ -50,7 +50,8 @@ Per request: TTFT = first token - arrival (the served path's request overhead in
 request reaches an engine that much later); TPOT = (last token - first token) / (tokens - 1),
 the hand-off included. Per run (`summarize`): TTFT/TPOT percentiles, goodput at each SLO
 (requests meeting every bound / (last completion - first arrival)), SLO attainment, replica
-utilisation (busy time / the run's span).
+utilisation (busy time / the run's span), the mean TTFT split into the served path's overhead,
+the replica's queue and the prefill (`ttft_split_ms`, to set beside the ingress's measured split).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from load_tests.serve_metrics import percentile
 from router.replica_stats import RequestRate, RoutingStats
 from serving.engine.prefill_rate import PrefillRate
 
-__all__ = ["SimRequest", "RequestResult", "SimRun", "simulate", "summarize", "attainment", "MODES", "ROUTERS", "STATS_PERIOD_S"]
+__all__ = ["SimRequest", "RequestResult", "SimRun", "simulate", "summarize", "attainment", "ttft_split_ms", "MODES", "ROUTERS", "STATS_PERIOD_S"]
 
 MODES = ("colocated", "disaggregated")
 STATS_PERIOD_S = 0.5  # RoutingConfig.stats_period_s's default
@@ -88,6 +89,8 @@ class SimRequest:
 @dataclass
 class RequestResult:
     request: SimRequest
+    arrived_s: float | None = None  # it reached a replica's queue (arrival + the served path's request overhead)
+    scheduled_s: float | None = None  # its prompt's first chunk was scheduled
     first_token_s: float | None = None
     last_token_s: float | None = None
     prefill_replica: int | None = None
@@ -305,6 +308,9 @@ class _Sim:
         scheduled, seconds = replica.schedule()
         if not scheduled:
             return
+        for seq, _ in scheduled:
+            if seq.result.scheduled_s is None:
+                seq.result.scheduled_s = now
         replica.busy = True
         self.num_busy += 1
         if self.num_busy > 1 and self.fit.corun_s:
@@ -371,6 +377,7 @@ class _Sim:
 
     def arrive(self, result: RequestResult, now: float) -> None:
         request = result.request
+        result.arrived_s = now
         if self.cpu_per_request_s:
             self.serving_work(now, self.cpu_per_request_s)
         if self.mode == "colocated":
@@ -463,4 +470,17 @@ def summarize(run: SimRun, slos: dict[str, tuple[float, float]], *, kinds: set[s
         "utilisation": {"prefill": sum(prefill_u) / len(prefill_u) if prefill_u else None,
                         "decode": sum(decode_u) / len(decode_u)},
         "num_steps": run.num_steps,
+        "ttft_split_ms": ttft_split_ms(chosen),
     }
+
+
+def ttft_split_ms(results: list[RequestResult]) -> dict[str, float | None]:
+    """The mean TTFT of `results` split as the ingress splits a served one (request_path.py):
+    overhead (the served path's request overhead: arrival -> the replica's queue), queue (-> its
+    prompt's first chunk scheduled), prefill (-> its first token). The three sum to the mean TTFT."""
+    if not results:
+        return {"overhead": None, "queue": None, "prefill": None}
+    n = len(results)
+    return {"overhead": sum(r.arrived_s - r.request.arrival_s for r in results) / n * 1e3,
+            "queue": sum(r.scheduled_s - r.arrived_s for r in results) / n * 1e3,
+            "prefill": sum(r.first_token_s - r.scheduled_s for r in results) / n * 1e3}

@@ -18,6 +18,13 @@ takes several measured runs (each replayed through the simulator on its own requ
 judges the simulator on each figure's median over them, with the measured spread beside it:
 (max - min) / median of the measured runs, the machine's own run-to-run variation, so that an
 error can be read against what the machine reproduces of itself.
+
+`split_rows` sets the mean TTFT's parts beside each other, for information (not judged): the
+ingress's measured split (queue, prefill, handoff, delivery: serving/observability/request_path.py),
+which a scenario run records since 2026-12-02, and the replay's (the request overhead, the
+replica's queue, the prefill: pd_sim.ttft_split_ms). The prefill part is the step model's alone
+on both sides; the rest says where a served request's first token spends what the model does not
+carry.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from load_tests.pd_costs import CostFit
 from load_tests.pd_sim import simulate, summarize
 from load_tests.pd_workload import scenario_requests
 
-__all__ = ["METRICS", "TOLERANCE", "compare", "compare_median", "simulate_scenario"]
+__all__ = ["METRICS", "TOLERANCE", "compare", "compare_median", "simulate_scenario", "split_rows"]
 
 TOLERANCE = 0.15
 CHAT_KINDS = {"chat", "random"}  # as bench_scenario: the burst run's short requests, the steady run's
@@ -71,6 +78,7 @@ def simulate_scenario(report: dict, fit: CostFit) -> dict:
             figures[f"goodput_{run}"] = everything["goodput"]["scenario"]
             figures[f"num_slo_met_{run}"] = round(everything["goodput"]["scenario"] * everything["span_s"])
             figures[f"utilisation_{run}"] = everything["utilisation"]
+            figures[f"ttft_split_ms_{run}"] = {**everything["ttft_split_ms"], "ttft": everything["ttft_ms"]["mean"]}
             if run == "burst":
                 figures["long_ttft_ms_burst"] = summarize(sim, slos, kinds={"long"})["ttft_ms"]
                 figures["num_requests_burst"] = everything["num_requests"]
@@ -123,4 +131,21 @@ def compare_median(measured: list[dict], simulated: list[dict], *, metrics: list
         row["measured_values"], row["simulated_values"] = values, sims
         row["spread"] = (max(values) - min(values)) / median if len(values) >= 2 and median else None
         rows.append(row)
+    return rows
+
+
+def split_rows(report: dict, simulated: dict) -> list[dict]:
+    """[{mode, run, measured: {ttft (the client's mean), queue, prefill, handoff, delivery, requests},
+    simulated: {ttft, overhead, queue, prefill}}] for the runs whose measured split the report has."""
+    rows = []
+    servers = report.get("config", {}).get("servers", {})
+    for mode in LAYOUT:
+        for run in ("steady", "burst"):
+            split = servers.get(mode, {}).get(f"ttft_split_ms_{run}", {}).get("ttft_split")
+            if not split:
+                continue
+            records = [r for r in report["raw"]["runs"][f"{mode}/{run}"]["records"] if r["is_success"]]
+            client_ms = sum(r["ttft_s"] for r in records) / len(records) * 1e3 if records else None
+            rows.append({"mode": mode, "run": run, "measured": {"ttft": client_ms, **split},
+                         "simulated": simulated["modes"][mode][f"ttft_split_ms_{run}"]})
     return rows

@@ -16,7 +16,9 @@ from load_tests.bench_scenario import (
     default_mode,
     format_summary,
     params_from_args,
+    parse_split_totals,
     prefix_cache_tokens,
+    split_means,
     steady_of,
     summarize_pd,
     summarize_peers,
@@ -94,6 +96,33 @@ def test_prefix_cache_counters_are_summed_over_the_pools_replicas():
     ])
     assert prefix_cache_tokens(text, "prefill") == (768.0, 2048.0)
     assert prefix_cache_tokens(text, "worker") == (0.0, 0.0)
+
+
+def test_the_ingress_ttft_split_is_read_per_component_and_its_mean_taken_over_the_run():
+    def page(queue_sum, queue_n, prefill_sum, prefill_n):
+        return "\n".join([
+            "# HELP kvrelay_ttft_split_seconds Each request's TTFT split into components that sum to it.",
+            f'kvrelay_ttft_split_seconds_sum{{component="queue",model="m",pool="prefill"}} {queue_sum}',
+            f'kvrelay_ttft_split_seconds_count{{component="queue",model="m",pool="prefill"}} {queue_n}',
+            'kvrelay_ttft_split_seconds_bucket{component="queue",model="m",pool="prefill",le="0.1"} 1.0',
+            f'kvrelay_ttft_split_seconds_sum{{component="prefill",model="m",pool="prefill"}} {prefill_sum}',
+            f'kvrelay_ttft_split_seconds_count{{component="prefill",model="m",pool="prefill"}} {prefill_n}',
+            'kvrelay_ttft_split_seconds_sum{component="queue",model="m",pool="decode"} 0.5',
+            'kvrelay_ttft_split_seconds_count{component="queue",model="m",pool="decode"} 2.0',
+            'kvrelay_decode_start_seconds_sum{component="kv_transfer",model="m"} 0.25',
+            'kvrelay_decode_start_seconds_count{component="kv_transfer",model="m"} 4.0',
+            'kvrelay_routing_decisions_total{pool="prefill",decision="prefix_hit"} 3.0',
+        ])
+
+    before = parse_split_totals(page(0.5, 2.0, 1.0, 2.0))
+    # every pool summed: queue 0.5 + 0.5 s over 2 + 2 requests
+    assert before[("ttft_split", "queue")] == [1.0, 4.0]
+    assert before[("decode_start", "kv_transfer")] == [0.25, 4.0]
+    assert sorted(before) == [("decode_start", "kv_transfer"), ("ttft_split", "prefill"), ("ttft_split", "queue")]
+    after = parse_split_totals(page(1.25, 5.0, 2.5, 5.0))
+    # the run: queue (1.25 - 0.5) s over 3 requests, prefill 1.5 s over 3; the decode start did not move
+    assert split_means(before, after) == {"ttft_split": {"requests": 3, "prefill": 500.0, "queue": 250.0}}
+    assert split_means({}, before)["decode_start"] == {"requests": 4, "kv_transfer": 62.5}
 
 
 def test_prefix_routing_summary():
@@ -256,6 +285,12 @@ def test_pd_interference_smoke(tiny_model_dir, tmp_path):
     # (steady: 2 warm-ups + 6 chat requests; burst: 3 warm-ups + 6 chat + 2 long)
     assert (servers["disaggregated"]["prefill_pool_requests_steady"], servers["disaggregated"]["prefill_pool_requests_burst"]) == (8, 11)
     assert servers["colocated"]["prefill_pool_requests_burst"] == 0  # no prefill pool
+    # the ingress's TTFT split of each run's own requests (the warm-ups' are read before it starts)
+    for mode, components in (("disaggregated", {"queue", "prefill", "handoff", "delivery"}),
+                             ("colocated", {"queue", "prefill", "delivery"})):
+        split = servers[mode]["ttft_split_ms_steady"]["ttft_split"]
+        assert split["requests"] == 6 and components <= set(split), (mode, split)
+        assert servers[mode]["ttft_split_ms_burst"]["ttft_split"]["requests"] == 8
     # the CPU other processes took during each run, for the simulator's replay
     assert sorted(servers["foreign_cpu"]["cores"]) == sorted(report["raw"]["runs"])
     assert all(cores >= 0 for cores in servers["foreign_cpu"]["cores"].values())

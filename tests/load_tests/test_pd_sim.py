@@ -9,7 +9,7 @@ import pytest
 
 from load_tests.pd_costs import CostFit, CostLine, HandoffCost, LayoutOverhead, ServeOverhead, StepCost, chunk_pairs
 from load_tests.pd_routing import KvrelayRouters, measure_step, routing_stats
-from load_tests.pd_sim import SimRequest, simulate, summarize
+from load_tests.pd_sim import SimRequest, simulate, summarize, ttft_split_ms
 from serving.engine.prefill_rate import PrefillRate
 
 BASE, TOKEN, ROW, PAIR, CONTEXT = 2**-6, 2**-10, 2**-9, 2**-20, 2**-16
@@ -157,6 +157,25 @@ def test_the_served_path_overheads_are_added_per_request_per_step_and_per_row():
     (result,) = simulate([SimRequest(0, 0.0, 64, 2)], fit, "colocated", num_decode=1).results
     assert result.ttft_s == 2**-5 + prefill_s(64) + 2**-8 + 2**-10
     assert result.tpot_s == decode_s(65) + 2**-8 + 2**-10
+
+
+def test_the_ttft_split_is_the_request_overhead_the_replicas_queue_and_the_prefill():
+    fit = make_fit(kv_capacity_tokens=100, overhead=ServeOverhead(colocated=LayoutOverhead(request_s=2**-5)))
+    run = simulate([SimRequest(0, 0.0, 40, 20), SimRequest(1, 0.0, 40, 20)], fit, "colocated", num_decode=1)
+    first, second = run.results
+    # the second waits in the replica's queue for the first's KV (it finishes 19 decode steps later)
+    assert (first.arrived_s, first.scheduled_s) == (2**-5, 2**-5)
+    assert (second.arrived_s, second.scheduled_s) == (2**-5, first.last_token_s)
+    split = ttft_split_ms(run.results)
+    assert split == {"overhead": 2**-5 * 1e3, "queue": (first.last_token_s - 2**-5) / 2 * 1e3,
+                     "prefill": prefill_s(40) * 1e3}
+    assert sum(split.values()) == pytest.approx(summarize(run, {})["ttft_ms"]["mean"], rel=1e-12)
+    assert summarize(run, {})["ttft_split_ms"] == split
+
+
+def test_disaggregated_the_ttft_split_ends_at_the_prefill_replicas_first_token():
+    run = simulate([SimRequest(0, 0.0, 64, 3)], make_fit(), "disaggregated", num_prefill=1, num_decode=1)
+    assert ttft_split_ms(run.results) == {"overhead": 0.0, "queue": 0.0, "prefill": prefill_s(64) * 1e3}
 
 
 def test_the_serving_processes_cpu_slows_the_busy_replicas_beyond_what_idle_cores_absorb():

@@ -434,9 +434,12 @@ inline vfloat load_v(const float* p) {
   return v;
 }
 
-// dot products of kMR rows of x with kNR rows of w, into out[kMR * kNR].
+// dot products of kMR rows of x with kNR rows of w, into out[kMR * kNR]. Each sum is taken in the
+// order written whatever the tile's shape: under -ffast-math the compiler may otherwise reassociate
+// the lane sum of a 1x1 tile and of a 2x4 one differently (it did on one Xeon with AMX), and a row
+// computed alone would differ in its last bits from the same row beside another (batch invariance).
 template <int kMR, int kNR>
-inline void dot_tile(const float* x, const float* w, int64_t K, float* out) {
+__attribute__((optimize("no-associative-math"))) inline void dot_tile(const float* x, const float* w, int64_t K, float* out) {
   vfloat acc[kMR][kNR] = {};
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {

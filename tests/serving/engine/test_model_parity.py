@@ -188,11 +188,15 @@ def test_default_model_bf16_answers_and_tracks_fp32(default_model_dir):
             assert a[0].token_id == first
         else:  # a near-tie: either of the two
             assert a[0].token_id in (first, second)
-        # while the tokens agree, the chosen token's logprob agrees to bf16 accuracy
+        # while the tokens agree, the chosen token's logprob agrees to bf16 accuracy: bf16's logits
+        # lie on a grid of 0.125 between 16 and 32 (8 bits of mantissa), so their rounding alone
+        # moves a logprob by up to one step (the logit half a step, the normaliser half), and the
+        # 30 layers' bf16 arithmetic adds about as much again. Two steps: a near-tie at -1.88 read
+        # -1.71 on one Xeon with AMX (0.17), where a wrong kernel is off by whole units.
         for x, y in zip(a, b):
             if x.token_id != y.token_id:
                 break
-            assert abs(x.logprob - y.logprob) < 0.15
+            assert abs(x.logprob - y.logprob) < 0.25
 
 
 @pytest.mark.parametrize(
