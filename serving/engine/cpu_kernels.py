@@ -117,7 +117,12 @@ def _build_or_load() -> tuple[object, str]:
                 name=_NAME,
                 sources=[str(_SOURCE)],
                 # -march=native: a build is only valid on CPUs with the same instruction sets.
-                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                # -fno-associative-math: sums in the order written. Under -ffast-math alone, GCC
+                # reassociated a 1x1 and a 2x4 dot tile's sums differently on one Xeon with AMX
+                # (2026-12-02), and the scoring path's logprobs too, so a row alone differed in its
+                # last bit from the same row among others (batch invariance; a function attribute on
+                # the tile fixed the tiles but not the scoring path).
+                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-associative-math", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(directory),
                 verbose=False,

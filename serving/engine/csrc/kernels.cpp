@@ -434,12 +434,11 @@ inline vfloat load_v(const float* p) {
   return v;
 }
 
-// dot products of kMR rows of x with kNR rows of w, into out[kMR * kNR]. Each sum is taken in the
-// order written whatever the tile's shape: under -ffast-math the compiler may otherwise reassociate
-// the lane sum of a 1x1 tile and of a 2x4 one differently (it did on one Xeon with AMX), and a row
-// computed alone would differ in its last bits from the same row beside another (batch invariance).
+// dot products of kMR rows of x with kNR rows of w, into out[kMR * kNR]. The build forbids
+// reassociation (-fno-associative-math, cpu_kernels.py): each sum is taken in the order written,
+// whatever the tile's shape, so a row computed alone equals the same row beside others.
 template <int kMR, int kNR>
-__attribute__((optimize("no-associative-math"))) inline void dot_tile(const float* x, const float* w, int64_t K, float* out) {
+inline void dot_tile(const float* x, const float* w, int64_t K, float* out) {
   vfloat acc[kMR][kNR] = {};
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
