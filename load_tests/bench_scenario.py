@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -259,13 +260,14 @@ def _run_pd_interference(p: ScenarioParams, model_dir: Path, port: int, w: Bench
             for run, workload_ in (("steady", steady_of(w)), ("burst", w)):
                 salted = dataclasses.replace(workload_, extra_body=json.dumps({"cache_salt": f"{mode}/{run}"}))
                 before = routing_decisions(config_url(config), "prefill")
+                url = config_url(config)
                 split_before: dict = {}
                 with ForeignSampler() as foreign:
                     result.runs[f"{mode}/{run}"] = measure(
-                        config_url(config), salted, f"{mode}, {run}",
-                        after_warm_up=lambda: split_before.update(ttft_split_totals(config_url(config))))
+                        url, salted, f"{mode}, {run}",
+                        after_warm_up=functools.partial(_read_split_into, split_before, url))
                 # where the run's TTFT went, as the ingress split it (the simulator's replay reports the same parts)
-                result.info[mode][f"ttft_split_ms_{run}"] = split_means(split_before, ttft_split_totals(config_url(config)))
+                result.info[mode][f"ttft_split_ms_{run}"] = split_means(split_before, ttft_split_totals(url))
                 result.info["foreign_cpu"]["cores"][f"{mode}/{run}"] = round(foreign.cores, 3)
                 result.info["foreign_cpu"]["top"][f"{mode}/{run}"] = {
                     command: round(seconds, 2) for command, seconds in sorted(foreign.top.items(), key=lambda kv: -kv[1])[:3]}
@@ -373,6 +375,10 @@ def parse_split_totals(metrics_text: str) -> dict[tuple[str, str], list[float]]:
                                       [0.0, 0.0])
             entry[match.group(2) == "count"] += float(match.group(4))
     return totals
+
+
+def _read_split_into(totals: dict, base_url: str) -> None:
+    totals.update(ttft_split_totals(base_url))
 
 
 def split_means(before: dict, after: dict) -> dict[str, dict[str, float]]:
