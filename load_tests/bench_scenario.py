@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -164,12 +163,10 @@ async def _warm_up(base_url: str, w: BenchParams) -> None:
                 raise ScenarioError(f"warm-up request to {base_url} failed: {record.error}")
 
 
-def measure(base_url: str, w: BenchParams, label: str, *, after_warm_up=None) -> RateRun:
-    """Warm up, then one run of workload `w` against `base_url`; `after_warm_up()`, when given,
-    is called between the two (to read the server's counters without the warm-up's requests)."""
-    asyncio.run(_warm_up(base_url, w))
-    if after_warm_up is not None:
-        after_warm_up()
+def measure(base_url: str, w: BenchParams, label: str, *, warm_up: bool = True) -> RateRun:
+    """Warm up (unless the caller did), then one run of workload `w` against `base_url`."""
+    if warm_up:
+        asyncio.run(_warm_up(base_url, w))
     _progress(f"{label}: measuring ({w.dataset}, {w.num_prompts} requests)")
     _, runs = asyncio.run(run_rates(dataclasses.replace(w, base_url=base_url)))
     return runs[0]
@@ -259,13 +256,12 @@ def _run_pd_interference(p: ScenarioParams, model_dir: Path, port: int, w: Bench
             # finding the first's prompts in the prefix cache.
             for run, workload_ in (("steady", steady_of(w)), ("burst", w)):
                 salted = dataclasses.replace(workload_, extra_body=json.dumps({"cache_salt": f"{mode}/{run}"}))
-                before = routing_decisions(config_url(config), "prefill")
                 url = config_url(config)
-                split_before: dict = {}
+                before = routing_decisions(url, "prefill")
                 with ForeignSampler() as foreign:
-                    result.runs[f"{mode}/{run}"] = measure(
-                        url, salted, f"{mode}, {run}",
-                        after_warm_up=functools.partial(_read_split_into, split_before, url))
+                    asyncio.run(_warm_up(url, salted))
+                    split_before = ttft_split_totals(url)  # after the warm-up: the run's own requests
+                    result.runs[f"{mode}/{run}"] = measure(url, salted, f"{mode}, {run}", warm_up=False)
                 # where the run's TTFT went, as the ingress split it (the simulator's replay reports the same parts)
                 result.info[mode][f"ttft_split_ms_{run}"] = split_means(split_before, ttft_split_totals(url))
                 result.info["foreign_cpu"]["cores"][f"{mode}/{run}"] = round(foreign.cores, 3)
@@ -273,7 +269,7 @@ def _run_pd_interference(p: ScenarioParams, model_dir: Path, port: int, w: Bench
                     command: round(seconds, 2) for command, seconds in sorted(foreign.top.items(), key=lambda kv: -kv[1])[:3]}
                 # how many of the run's requests (and its warm-up's) the prefill pool computed: the
                 # rest were prefilled on the decode side (min_remote_prefill_tokens)
-                result.info[mode][f"prefill_pool_requests_{run}"] = routing_decisions(config_url(config), "prefill") - before
+                result.info[mode][f"prefill_pool_requests_{run}"] = routing_decisions(url, "prefill") - before
     result.summary = summarize_pd(result.runs, parse_slo(w.slo))
     return result
 
@@ -375,10 +371,6 @@ def parse_split_totals(metrics_text: str) -> dict[tuple[str, str], list[float]]:
                                       [0.0, 0.0])
             entry[match.group(2) == "count"] += float(match.group(4))
     return totals
-
-
-def _read_split_into(totals: dict, base_url: str) -> None:
-    totals.update(ttft_split_totals(base_url))
 
 
 def split_means(before: dict, after: dict) -> dict[str, dict[str, float]]:
