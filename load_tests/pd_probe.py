@@ -30,6 +30,7 @@ another process delayed does not pull the fit). The fit's points, residuals and 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -42,7 +43,6 @@ from load_tests.pd_costs import (
     HandoffCost,
     LayoutOverhead,
     ServeOverhead,
-    StepCost,
     StepPoint,
     StepShape,
     chunk_pairs,
@@ -159,19 +159,34 @@ def handoff_of(report: dict) -> tuple[HandoffCost, dict]:
                      "kv_transfer_bytes": s["kv_transfer_bytes"]}
 
 
-def overhead_of(served: dict, step: StepCost) -> tuple[ServeOverhead, dict]:
-    """The served path's overheads per layout from a probe_served result (pd_served_probe.py)."""
-    from load_tests.pd_served_probe import fit_overhead, prefill_replica_s, request_overhead_s, serving_cpu
+def overhead_of(served: dict, fit: CostFit) -> tuple[ServeOverhead, dict]:
+    """The served path's overheads per layout from a probe_served result (pd_served_probe.py).
+    `fit`: the engine's costs (steps, hand-off, co-run, engine limits; its overhead unused). The
+    per-step overhead comes last: each round is replayed through pd_sim with every other
+    overhead of its layout, on the probe's layout (one worker and a spare core; one prefill and
+    one decode replica), and step_s + row_s is what the served TPOT has beyond the replay's."""
+    from load_tests.pd_served_probe import LAYOUT_CORES, fit_overhead, prefill_replica_s, request_overhead_s, serving_cpu
+    from load_tests.pd_sim import SimRequest, simulate
 
     layouts, info = {}, {}
     for layout, measured in served.items():
-        step_s, row_s, points = fit_overhead(measured, step.decode_s)
         per_request, per_token, per_second = serving_cpu(measured)
         # The one-stream TTFT beyond the engine's prefill includes the prefill replica's own work,
         # which pd_sim charges to that replica's core: the rest is latency on other processes.
-        own = prefill_replica_s(measured, step.prefill_s)
-        layouts[layout] = LayoutOverhead(max(0.0, request_overhead_s(measured, step.prefill_s) - own), step_s, row_s,
-                                         per_request, per_token, per_second, own)
+        own = prefill_replica_s(measured, fit.step.prefill_s)
+        rest = LayoutOverhead(max(0.0, request_overhead_s(measured, fit.step.prefill_s) - own), 0.0, 0.0,
+                              per_request, per_token, per_second, own)
+        engine = dataclasses.replace(fit, overhead=ServeOverhead(**{layout: rest}))
+
+        def engine_tpot_s(prompt_tokens: list[int], output_tokens: int, engine=engine, layout=layout) -> list[float]:
+            requests = [SimRequest(i, 0.0, tokens, output_tokens) for i, tokens in enumerate(prompt_tokens)]
+            num_prefill = int(layout == "disaggregated")
+            run = simulate(requests, engine, layout, num_prefill=num_prefill, num_decode=1, router="least_loaded",
+                           spare_cores=LAYOUT_CORES - num_prefill - 1)
+            return [r.tpot_s for r in run.results]
+
+        step_s, row_s, points = fit_overhead(measured, engine_tpot_s)
+        layouts[layout] = dataclasses.replace(rest, step_s=step_s, row_s=row_s)
         info[layout] = {"tpot_points": points}
     return ServeOverhead(**layouts), info
 
@@ -183,7 +198,7 @@ def cpu_fit(model_dir: Path, dtype: str, serve_overhead: dict, *, repeats: int =
     hand-off of a serve-overhead report of this machine."""
     import torch
 
-    from load_tests.pd_served_probe import probe_served
+    from load_tests.pd_served_probe import mend_actor_names, probe_served
     from serving.engine.kv_cache import kv_bytes_per_token
     from serving.engine.model_loader import load_model_spec
 
@@ -194,14 +209,13 @@ def cpu_fit(model_dir: Path, dtype: str, serve_overhead: dict, *, repeats: int =
                              "chunks' computed tokens were not recorded); probe again (without --refit)")
         points = [StepPoint(StepShape(p["num_tokens"], p["num_rows"], p["num_pairs"], p["num_context"], p["num_prefix"]),
                             p["seconds"]) for p in earlier["info"]["points"]]
-        served = earlier["info"]["served_probe"]
+        served = mend_actor_names(earlier["info"]["served_probe"])
         machine = earlier["info"]["machine"]
     else:
         points = probe_steps(model_dir, dtype, repeats=repeats, progress=progress)
     step, quality = fit_step_cost(points)
     if not earlier:
         served = probe_served(model_dir, dtype, progress=progress)
-    overhead, served_info = overhead_of(served, step)
     handoff, handoff_info = handoff_of(serve_overhead)
     if earlier:
         corun = earlier["info"].get("corun_probe", {"corun_s": earlier.get("corun_s", 0.0),
@@ -214,14 +228,16 @@ def cpu_fit(model_dir: Path, dtype: str, serve_overhead: dict, *, repeats: int =
     per_token = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, getattr(torch, dtype))
     if not earlier:
         hardware.finish_machine_record(machine)
-    return CostFit(
-        name="cpu", step=step, handoff=handoff, overhead=overhead, **PROBE_ENGINE,
-        kv_capacity_tokens=kv_cache_bytes // per_token, corun_s=corun["corun_s"],
-        corun_ref_s=corun.get("corun_ref_s", CostFit.corun_ref_s),
+    engine = CostFit(name="cpu", step=step, handoff=handoff, **PROBE_ENGINE, kv_capacity_tokens=kv_cache_bytes // per_token,
+                     corun_s=corun["corun_s"], corun_ref_s=corun.get("corun_ref_s", CostFit.corun_ref_s))
+    overhead, served_info = overhead_of(served, engine)
+    return dataclasses.replace(
+        engine, overhead=overhead,
         source=f"this machine: {machine['cpu_model']}, {dtype}, 1 torch thread; steps probed in-process "
         "(load_tests/pd_probe.py), the served path's overheads in pd-interference's pinned layouts "
         "(load_tests/pd_served_probe.py), the KV hand-off from a kvrelay bench serve-overhead report",
-        assumptions=("a served replica's overhead is step_s + row_s x sampled rows, fitted over 1-8 streams",
+        assumptions=("a served replica's overhead is step_s + row_s x sampled rows, fitted over 1-8 streams at once against "
+                     "the same rounds replayed through pd_sim",
                      "the other serving processes' CPU is taken evenly from the busy replicas' cores",
                      "the KV hand-off time is proportional to the prompt's tokens",
                      "a step that starts while another replica's core is mid-step takes corun_s longer (load_tests/pd_corun.py)"),

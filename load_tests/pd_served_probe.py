@@ -14,8 +14,9 @@ and measures, per layout (pd_costs.LayoutOverhead):
 
     step_s, row_s      k = 1, 2, 4, 8 streams at once (chat prompts of ~160 tokens, 64 output
                        tokens, ignore_eos), `rounds` times each: the served TPOT p50 less the
-                       engine's own decode step of k rows at that context (CostFit.step), fitted
-                       over k as step_s + row_s * k (`fit_overhead`)
+                       engine's TPOT p50 of the same round replayed through pd_sim (the early
+                       prompts decode beside the later ones' prefill), fitted over k as
+                       step_s + row_s * k (`fit_overhead`)
     request_s          the one-stream rounds' TTFT less the engine's prefill of the prompt
                        (`request_overhead_s`)
     cpu_per_*,         the CPU seconds of every process but the engines' (/proc: proxy, ingress,
@@ -40,8 +41,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-__all__ = ["LAYOUTS", "REPLICAS", "ROUNDS", "cpu_delta", "cpu_seconds_by_process", "fit_overhead", "prefill_replica_s",
-           "probe_served", "request_overhead_s", "serving_cpu"]
+__all__ = ["LAYOUTS", "LAYOUT_CORES", "REPLICAS", "ROUNDS", "actor_of", "cpu_delta", "cpu_seconds_by_process", "fit_overhead",
+           "mend_actor_names", "prefill_replica_s", "probe_served", "request_overhead_s", "serving_cpu"]
 
 LAYOUTS = ("colocated", "disaggregated")
 PROMPT_WORDS = 128  # ~160 prompt tokens with the chat template (the scenario's chat: 64-192 words)
@@ -52,13 +53,23 @@ ROUNDS = ((1, OUTPUT_TOKENS, None), (2, OUTPUT_TOKENS, None), (4, OUTPUT_TOKENS,
 IDLE_S = 4.0
 
 
+LAYOUT_CORES = 2  # the layouts pin to cores 0 and 1; colocated leaves core 0 to the serving processes
 REPLICAS = ("Worker", "PrefillWorker", "DecodeWorker")  # the engines' processes: the rest is serving work
+
+
+def actor_of(title: str) -> str:
+    """The actor a Ray worker's process title names. Ray retitles the process with the method it
+    runs at that moment (ray::ServeReplica:app:DecodeWorker.record_routing_stats), so the
+    method is dropped: "DecodeWorker". Kept, a snapshot that caught the decode replica in a
+    method counted its CPU as the serving processes' (3.2 of 4.8 serving CPU-seconds in one
+    2026-12-03 round), which inflated the serving CPU the fit charges to the replicas."""
+    return title.removeprefix("ray::").rsplit(":", 1)[-1].split(".", 1)[0]
 
 
 def cpu_seconds_by_process() -> dict[int, tuple[str, float]]:
     """{pid: (short name, CPU seconds user + system)} of every user-space process of this machine
     (kernel threads, with no command line, are left out): Ray's actors by their title
-    (ray::ServeReplica:app:Worker -> "Worker"), this process as "client", others by command."""
+    (ray::ServeReplica:app:Worker -> "Worker", `actor_of`), this process as "client", others by command."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[int, tuple[str, float]] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -70,7 +81,7 @@ def cpu_seconds_by_process() -> dict[int, tuple[str, float]]:
         if not cmdline:
             continue
         fields = stat[stat.rindex(")") + 2:].split()
-        name = cmdline.rsplit(":", 1)[-1] if cmdline.startswith("ray::") else Path(cmdline).name
+        name = actor_of(cmdline) if cmdline.startswith("ray::") else Path(cmdline).name
         out[int(pid)] = ("client" if int(pid) == os.getpid() else name, (int(fields[11]) + int(fields[12])) / tick)
     return out
 
@@ -102,6 +113,24 @@ async def _round(base_url: str, k: int, output_tokens: int, rng: np.random.Gener
             return await client.send(spec, scheduled_s=at_s, t0=t0)
 
         return await asyncio.gather(*(send(spec, float(at)) for spec, at in zip(specs, np.cumsum(gaps) - gaps[0])))
+
+
+def mend_actor_names(served: dict) -> dict:
+    """A probe_served result taken before `actor_of` (2026-12-03), mended: each snapshot's CPU by
+    actor (a replica caught in a method, "DecodeWorker.record_routing_stats", merged into
+    "DecodeWorker"), and the serving CPU less what such a replica's entry had added to it."""
+    def mend(entry: dict) -> dict:
+        cpu: dict[str, float] = {}
+        misnamed = 0.0
+        for name, seconds in entry["cpu_s"].items():
+            actor = name.split(".", 1)[0]
+            cpu[actor] = round(cpu.get(actor, 0.0) + seconds, 3)
+            if actor != name and actor in REPLICAS:
+                misnamed += seconds
+        return {**entry, "cpu_s": cpu, "serving_cpu_s": entry["serving_cpu_s"] - misnamed}
+
+    return {layout: {**probe, "idle": mend(probe["idle"]), "rounds": [mend(r) for r in probe["rounds"]]}
+            for layout, probe in served.items()}
 
 
 def _serving(cpu: dict[str, float]) -> float:
@@ -156,19 +185,26 @@ def _rounded(cpu: dict[str, float]) -> dict[str, float]:
     return {name: round(seconds, 3) for name, seconds in sorted(cpu.items()) if seconds >= 0.01}
 
 
-def fit_overhead(layout: dict, decode_s: Callable[[int, int], float]) -> tuple[float, float, list[dict]]:
-    """(step_s, row_s) >= 0 by least squares of served TPOT p50 - decode_s(k, context) over the
-    stream counts k of the rounds of OUTPUT_TOKENS tokens, and the points. `layout`: one
-    layout of probe_served's result."""
+def fit_overhead(layout: dict, engine_tpot_s: Callable[[list[int], int], list[float]]) -> tuple[float, float, list[dict]]:
+    """(step_s, row_s) >= 0 by least squares of served TPOT p50 - engine TPOT p50 over the stream
+    counts k of the rounds of OUTPUT_TOKENS tokens, and the points. `layout`: one layout of
+    probe_served's result; `engine_tpot_s(prompt_tokens, output_tokens)`: the TPOTs of a round's
+    requests, all sent at once, as the engine alone serves them (pd_probe.overhead_of: the round
+    replayed through pd_sim without the served step overhead). A round of k prompts at once is
+    not k rows decoding: the first prompts decode beside the later ones' prefill chunks (three
+    160-token prompts a 512-token step), and that interference is the engine's, which the
+    simulator models. Taken against k rows' decode step instead, it was fitted as served overhead
+    (colocated row_s 1.0 ms, 2026-12-03) and the replay charged it twice: colocated TPOT 38-79%
+    high."""
     by_k: dict[int, list[dict]] = {}
     for run in layout["rounds"]:
         if run["output_tokens"] == OUTPUT_TOKENS and run.get("rate") is None:
             by_k.setdefault(run["streams"], []).append(run)
     points = []
     for k, runs in sorted(by_k.items()):
-        context = round(statistics.mean(p for run in runs for p in run["prompt_tokens"]) + OUTPUT_TOKENS / 2)
+        engine = [t for run in runs for t in engine_tpot_s(run["prompt_tokens"], OUTPUT_TOKENS)]
         points.append({"streams": k, "served_s": statistics.median(t for run in runs for t in run["tpot_s"]),
-                       "engine_s": decode_s(k, context)})
+                       "engine_s": statistics.median(engine)})
     ks = np.array([p["streams"] for p in points], dtype=float)
     extra = np.array([p["served_s"] - p["engine_s"] for p in points])
     step_s, row_s = _nonnegative_lstsq(np.stack([np.ones_like(ks), ks], axis=1), extra)

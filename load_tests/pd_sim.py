@@ -259,6 +259,7 @@ class _Sim:
     serving_rate: float = 0.0  # the other serving processes' recent CPU use, in cores (background_cpu aside)
     serving_rate_at: float = 0.0
     num_busy: int = 0
+    spare_cores: float = 0.0  # cores no replica runs on: they take the serving processes' load first
     neighbours: dict[int, list[_Replica]] = field(init=False)  # rid -> the others on its node (co-run term)
 
     def __post_init__(self) -> None:
@@ -338,9 +339,10 @@ class _Sim:
 
     def stolen_share(self, now: float) -> float:
         """The share of a busy replica's core the other serving processes take now: their load,
-        less what the idle replicas' cores absorb, spread over the busy ones (at most 0.9)."""
+        less what the idle replicas' cores and the spare ones absorb, spread over the busy ones
+        (at most 0.9)."""
         load = self.background_cpu + self.serving_rate * math.exp((self.serving_rate_at - now) / SERVING_TAU_S)
-        idle_cores = self.num_replicas - self.num_busy
+        idle_cores = self.num_replicas - self.num_busy + self.spare_cores
         return min(0.9, max(0.0, load - idle_cores) / self.num_busy)
 
     def step_done(self, replica: _Replica, scheduled: list[tuple[_Seq, int]], now: float) -> None:
@@ -396,13 +398,16 @@ _ARRIVE, _STEP_DONE, _HANDOFF, _KICK, _STATS = 0, 1, 2, 3, 4
 
 
 def simulate(requests: list[SimRequest], fit: CostFit, mode: str, *, num_prefill: int = 0, num_decode: int,
-             router: str = "kvrelay", stats_period_s: float = STATS_PERIOD_S, foreign_cpu: float = 0.0) -> SimRun:
+             router: str = "kvrelay", stats_period_s: float = STATS_PERIOD_S, foreign_cpu: float = 0.0,
+             spare_cores: float = 0.0) -> SimRun:
     """Run `requests` through a colocated pool of `num_decode` workers, or a disaggregated one of
     `num_prefill` prefill and `num_decode` decode replicas. The worker and decode pools route by
     `router` (module docstring): "kvrelay" on routing stats taken every `stats_period_s` (0: on
     the replicas' state at each decision), or "least_loaded". `foreign_cpu`: cores that processes
     outside the served path took from the machine during the run (measured: load_tests/foreign_cpu.py),
-    charged as the serving processes' background is."""
+    charged as the serving processes' background is. `spare_cores`: cores of the machine no
+    replica runs on (the served probe's colocated layout: one worker on a two-core machine),
+    which absorb the serving processes' load before the busy replicas' cores do."""
     assert router in ROUTERS, router
     assert mode in MODES, mode
     assert num_decode >= 1 and (mode == "colocated" or num_prefill >= 1), (mode, num_prefill, num_decode)
@@ -410,7 +415,8 @@ def simulate(requests: list[SimRequest], fit: CostFit, mode: str, *, num_prefill
     decode = [_Replica(len(prefill) + i, fit, mode) for i in range(num_decode)]
     overhead = fit.overhead.of(mode)
     sim = _Sim(fit, mode, prefill, decode, router=router, cpu_per_token_s=overhead.cpu_per_token_s,
-               cpu_per_request_s=overhead.cpu_per_request_s, background_cpu=overhead.background_cpu + foreign_cpu)
+               cpu_per_request_s=overhead.cpu_per_request_s, background_cpu=overhead.background_cpu + foreign_cpu,
+               spare_cores=spare_cores)
     request_s = overhead.request_s
     results = [RequestResult(r) for r in requests]
     for result in results:

@@ -21,8 +21,9 @@ from load_tests.pd_costs import (
     fit_step_cost,
     gpu_fit,
 )
-from load_tests.pd_probe import handoff_of, step_shape
-from load_tests.pd_served_probe import cpu_delta, fit_overhead, prefill_replica_s, request_overhead_s, serving_cpu
+from load_tests.pd_probe import handoff_of, overhead_of, step_shape
+from load_tests.pd_served_probe import actor_of, cpu_delta, fit_overhead, mend_actor_names, prefill_replica_s, request_overhead_s, serving_cpu
+from load_tests.pd_sim import SimRequest, simulate
 
 SHAPES = [StepShape(t, r, p, c, k) for t, r, p, c, k in [
     (1, 1, 0, 100, 0), (4, 4, 0, 800, 0), (16, 16, 0, 4000, 0), (64, 1, 2080, 0, 0), (256, 1, 32896, 0, 0),
@@ -129,11 +130,31 @@ def _round(streams: int, output_tokens: int, tpot_s: float, *, wall_s: float = 1
 def test_the_served_step_overhead_is_fitted_over_the_streams():
     # the engine alone: 10 ms + 1 ms a row; served: 2 ms a step more and 1 ms a row more
     layout = {"rounds": [_round(k, 64, 0.012 + 0.002 * k) for k in (1, 2, 4, 8)] + [_round(4, 8, 1.0)]}
-    step_s, row_s, points = fit_overhead(layout, lambda k, context: 0.010 + 0.001 * k)
+    step_s, row_s, points = fit_overhead(layout, lambda prompts, tokens: [0.010 + 0.001 * len(prompts)] * len(prompts))
     assert step_s == pytest.approx(0.002) and row_s == pytest.approx(0.001)
     assert [p["streams"] for p in points] == [1, 2, 4, 8]  # the 8-token rounds are for the CPU fit
     # a served path faster than the engine alone adds nothing
-    assert fit_overhead({"rounds": [_round(1, 64, 0.009)]}, lambda k, c: 0.010)[:2] == (0.0, 0.0)
+    assert fit_overhead({"rounds": [_round(1, 64, 0.009)]}, lambda prompts, tokens: [0.010])[:2] == (0.0, 0.0)
+
+
+def test_the_served_step_overhead_leaves_out_the_engines_own_prefill_interference():
+    """k prompts at once through one worker: the first ones decode beside the later ones' prefill
+    chunks, which the replay has too. Served = the replay + 2 ms a token: the fit finds 2 ms a
+    step and nothing a row, where k rows' bare decode step would have put the interference in."""
+    fit = CostFit("test", StepCost((CostLine(2**-7, 2**-10, 2**-10),), pair_s=2**-20, context_s=2**-16), HandoffCost(2**-8, 4, 2**20),
+                  max_num_batched_tokens=512, long_prefill_token_threshold=256)
+    prompt = 200
+    rounds = []
+    for k in (1, 2, 4, 8):
+        replay = simulate([SimRequest(i, 0.0, prompt, 64) for i in range(k)], fit, "colocated", num_decode=1, spare_cores=1)
+        served = [r.tpot_s + 0.002 for r in replay.results]
+        rounds.append({**_round(k, 64, 0.0, prompt=prompt), "tpot_s": served, "rate": None})
+    probe = {"colocated": {"idle": {"wall_s": 4.0, "serving_cpu_s": 0.0, "cpu_s": {}}, "rounds": rounds}}
+    overhead, info = overhead_of(probe, fit)
+    assert overhead.colocated.step_s == pytest.approx(0.002) and overhead.colocated.row_s == pytest.approx(0.0, abs=1e-12)
+    # eight at once decode far slower than eight rows alone: the prompts' chunks shared their steps
+    eight = info["colocated"]["tpot_points"][-1]
+    assert eight["engine_s"] > fit.step.decode_s(8, prompt + 32) + 0.004
 
 
 def test_the_request_overhead_is_the_one_stream_ttft_beyond_the_prefill():
@@ -158,6 +179,27 @@ def test_cpu_deltas_are_taken_per_process():
     before = {1: ("Worker", 10.0), 2: ("OpenAIIngress", 1.0), 3: ("ProxyActor", 2.0)}
     after = {1: ("Worker", 13.0), 2: ("OpenAIIngress", 1.5), 3: ("ProxyActor", 2.25), 4: ("client", 0.25)}
     assert cpu_delta(before, after) == {"Worker": 3.0, "OpenAIIngress": 0.5, "ProxyActor": 0.25, "client": 0.25}
+
+
+def test_a_replica_caught_running_a_method_is_still_that_replica():
+    assert actor_of("ray::ServeReplica:kvrelay-pd-probe-disaggregated:DecodeWorker.record_routing_stats") == "DecodeWorker"
+    assert actor_of("ray::ServeReplica:kvrelay-pd-probe-disaggregated:DecodeWorker") == "DecodeWorker"
+    assert actor_of("ray::ServeController.listen_for_change") == "ServeController"
+    assert actor_of("ray::KVTransfer") == "KVTransfer"
+
+
+def test_an_earlier_probes_misnamed_replica_cpu_is_taken_out_of_the_serving_cpu():
+    # the 2026-12-03 round: the decode replica caught in record_routing_stats, counted as serving work
+    round_ = {**_round(8, 64, 0.03), "serving_cpu_s": 4.81,
+              "cpu_s": {"DecodeWorker.record_routing_stats": 3.23, "OpenAIIngress": 0.61, "PrefillWorker": 1.93,
+                        "ServeController.listen_for_change": 0.26, "ProxyActor": 0.41, "client": 0.31}}
+    idle = {"wall_s": 4.0, "serving_cpu_s": 0.5, "cpu_s": {"DecodeWorker": 0.1, "ServeController.listen_for_change": 0.2}}
+    mended = mend_actor_names({"disaggregated": {"idle": idle, "rounds": [round_]}})["disaggregated"]
+    assert mended["rounds"][0]["serving_cpu_s"] == pytest.approx(1.58)
+    assert mended["rounds"][0]["cpu_s"] == {"DecodeWorker": 3.23, "OpenAIIngress": 0.61, "PrefillWorker": 1.93,
+                                            "ServeController": 0.26, "ProxyActor": 0.41, "client": 0.31}
+    assert mended["idle"]["serving_cpu_s"] == 0.5  # the controller's method is the controller's: serving work still
+    assert mend_actor_names({"disaggregated": mended}) == {"disaggregated": mended}  # a mended or new probe stays as it is
 
 
 def test_the_prefill_replicas_own_cpu_per_request_comes_from_the_poisson_rounds():

@@ -189,6 +189,15 @@ def test_the_serving_processes_cpu_slows_the_busy_replicas_beyond_what_idle_core
     assert beside.ttft_s == prefill_s(64)
 
 
+def test_a_spare_core_takes_the_serving_processes_load_before_a_busy_replica_does():
+    # the served probe's colocated layout: one worker, and a core no replica runs on
+    fit = make_fit(overhead=ServeOverhead(colocated=LayoutOverhead(background_cpu=1.5)))
+    (spare,) = simulate([SimRequest(0, 0.0, 64, 2)], fit, "colocated", num_decode=1, spare_cores=1).results
+    assert spare.ttft_s == 2 * prefill_s(64)  # 1.5 cores of load: the spare takes 1, half the busy core is left taken
+    (ample,) = simulate([SimRequest(0, 0.0, 64, 2)], fit, "colocated", num_decode=1, spare_cores=2).results
+    assert ample.ttft_s == prefill_s(64) and ample.tpot_s == decode_s(65)
+
+
 def test_the_serving_cpu_per_token_is_a_rate_over_the_last_second():
     overhead = LayoutOverhead(cpu_per_token_s=0.25)
     (result,) = simulate([SimRequest(0, 0.0, 64, 3)], make_fit(overhead=ServeOverhead(colocated=overhead)),
