@@ -224,11 +224,14 @@ def cpu_fit(model_dir: Path, dtype: str, serve_overhead: dict, *, repeats: int =
         from load_tests.pd_corun import probe_corun
 
         corun = probe_corun(model_dir, dtype, progress=progress)
-    spec = load_model_spec(model_dir)
-    per_token = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, getattr(torch, dtype))
-    if not earlier:
+    if earlier:  # its KV capacity as it was: a refit needs no model files (the fit's model dir was another machine's cache)
+        kv_capacity_tokens = earlier["kv_capacity_tokens"]
+    else:
+        spec = load_model_spec(model_dir)
+        kv_capacity_tokens = kv_cache_bytes // kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                                                  getattr(torch, dtype))
         hardware.finish_machine_record(machine)
-    engine = CostFit(name="cpu", step=step, handoff=handoff, **PROBE_ENGINE, kv_capacity_tokens=kv_cache_bytes // per_token,
+    engine = CostFit(name="cpu", step=step, handoff=handoff, **PROBE_ENGINE, kv_capacity_tokens=kv_capacity_tokens,
                      corun_s=corun["corun_s"], corun_ref_s=corun.get("corun_ref_s", CostFit.corun_ref_s))
     overhead, served_info = overhead_of(served, engine)
     return dataclasses.replace(

@@ -3,6 +3,8 @@ against the formulas it comes from, the JSON round trip, the probe's step shapes
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +23,7 @@ from load_tests.pd_costs import (
     fit_step_cost,
     gpu_fit,
 )
-from load_tests.pd_probe import handoff_of, overhead_of, step_shape
+from load_tests.pd_probe import cpu_fit, handoff_of, overhead_of, step_shape
 from load_tests.pd_served_probe import actor_of, cpu_delta, fit_overhead, mend_actor_names, prefill_replica_s, request_overhead_s, serving_cpu
 from load_tests.pd_sim import SimRequest, simulate
 
@@ -200,6 +202,25 @@ def test_an_earlier_probes_misnamed_replica_cpu_is_taken_out_of_the_serving_cpu(
                                             "ServeController": 0.26, "ProxyActor": 0.41, "client": 0.31}
     assert mended["idle"]["serving_cpu_s"] == 0.5  # the controller's method is the controller's: serving work still
     assert mend_actor_names({"disaggregated": mended}) == {"disaggregated": mended}  # a mended or new probe stays as it is
+
+
+def test_a_refit_of_the_2026_12_03_probe_takes_the_decode_replica_out_of_the_serving_cpu():
+    """The stored probe (docs/benchmarks), fitted again without a model or a probe: the steps fit
+    as stored, the disaggregated serving CPU as it is once the 8 x 64 round's decode replica,
+    caught in record_routing_stats, is its own again."""
+    docs = Path(__file__).parents[2] / "docs" / "benchmarks"
+    stored = json.loads((docs / "pd-sim-cpu-fit-2026-12-03.json").read_text())["config"]["fits"]["cpu"]
+    serve_overhead = json.loads((docs / "serve-overhead-2026-12-03.json").read_text())
+    fit = cpu_fit(Path("/nonexistent"), "bfloat16", serve_overhead, earlier=stored)
+    assert fit.step == CostFit.from_json(stored).step and fit.kv_capacity_tokens == stored["kv_capacity_tokens"]
+    rounds = fit.info["served_probe"]["disaggregated"]["rounds"]
+    assert not [name for r in rounds for name in r["cpu_s"] if "." in name]
+    before = stored["overhead"]["disaggregated"]
+    after = fit.overhead.disaggregated
+    assert after.cpu_per_request_s < 0.5 * before["cpu_per_request_s"]  # 72.9 ms -> 35.4 ms
+    assert after.cpu_per_token_s < before["cpu_per_token_s"]  # 2.78 ms -> 1.09 ms
+    # the colocated probe had no replica caught in a method (only the controller, serving work either way)
+    assert fit.overhead.colocated.cpu_per_token_s == stored["overhead"]["colocated"]["cpu_per_token_s"]
 
 
 def test_the_prefill_replicas_own_cpu_per_request_comes_from_the_poisson_rounds():
