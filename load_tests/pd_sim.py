@@ -22,8 +22,9 @@ ends.
 The other serving processes (proxy, ingress, controller, client) share the cores the replicas
 run on, one core each (pd-interference's layout), using LayoutOverhead.background_cpu cores
 always, cpu_per_request_s per request and cpu_per_token_s per streamed token (a rate averaged
-over SERVING_TAU_S). As a processor-sharing scheduler would: the idle replicas' cores take that
-load first; what is left is spread over the busy replicas' cores, and a step that starts while
+over SERVING_TAU_S). As a processor-sharing scheduler would: the idle replicas' cores, and any
+spare ones no replica runs on (`spare_cores`: the served probe's colocated layout has one), take
+that load first; what is left is spread over the busy replicas' cores, and a step that starts while
 a share s of its core is taken lasts 1 / (1 - s) times its cost (s at most 0.9). A step that
 starts while another replica is mid-step takes longer first (`corun_s`): on one CPU both replicas
 read their weights through the same memory, the other as often as its step is short
