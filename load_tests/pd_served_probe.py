@@ -123,7 +123,7 @@ def mend_actor_names(served: dict) -> dict:
         cpu: dict[str, float] = {}
         misnamed = 0.0
         for name, seconds in entry["cpu_s"].items():
-            actor = name.split(".", 1)[0]
+            actor = actor_of(name)
             cpu[actor] = round(cpu.get(actor, 0.0) + seconds, 3)
             if actor != name and actor in REPLICAS:
                 misnamed += seconds
