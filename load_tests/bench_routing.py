@@ -37,7 +37,7 @@ from pathlib import Path
 from load_tests import hardware
 from load_tests.bench_engine import Target
 from load_tests.common import StepLog, load_note, run_and_report
-from load_tests.routing_bounds import pooled_lru_hit_tokens, pooled_optimal_hit_tokens
+from load_tests.routing_bounds import pooled_lru_hit_tokens, pooled_optimal_hit_tokens, single_home
 from load_tests.routing_metrics import PolicyRun
 from load_tests.routing_sim import CostModel, OracleReplayPolicy, SimConfig, oracle_hit_tokens, simulate
 from load_tests.routing_sweep import (
@@ -351,6 +351,7 @@ def _simulate_cell(p: BenchParams, cost: CostModel, cell: Cell) -> dict:
         "pooled_lru_hit_rate": pooled_lru_hit_tokens(workload, pool_blocks) / total,
         "pooled_optimal_hit_rate": pooled_optimal_hit_tokens(workload, pool_blocks) / total,
     }
+    references["single_home_hit_rate"], references["single_home_load_floor"] = single_home(workload, cell.num_replicas)
     runs = {policy: simulate(workload, policy, config, cost, p.policy_params(policy)) for policy in POLICIES}
     runs[OracleReplayPolicy.name] = simulate(
         workload, OracleReplayPolicy.name, config, cost,

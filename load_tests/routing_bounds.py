@@ -20,6 +20,18 @@ routing and how much is the engines' eviction.
                    which queues start the requests, which differs from arrival by a few
                    requests.
 
+    single home    the most hits any router can reach over any caches: each group's first request
+                   computes its prefix and every later one hits all of it. It is reached only by
+                   computing each prefix once, so on one replica, which then computes every
+                   request of that group: the heaviest group's tokens over the pool's mean are
+                   the least max/mean load of any placement that reaches it. Where the tree's
+                   hit rate is this maximum (the ample cells, whenever it never copies a
+                   prefix), matching it takes that load: in g16-z1.2-r16-c4 364 of the 1,000
+                   requests are of one group, 4.84x the mean, so "hit rate >= the tree's" and
+                   "max/mean load <= 1.3" cannot both hold there (routing_sweep.py reports such
+                   cells). It relies on the sweep's workloads: groups share no prefix block and
+                   every suffix is its request's own (routing_workload.py).
+
 Hits are counted like the engine's: the leading blocks held, at most (tokens - 1) // block_size.
 """
 
@@ -31,7 +43,7 @@ from collections import OrderedDict
 
 from load_tests.routing_workload import Workload
 
-__all__ = ["pooled_lru_hit_tokens", "pooled_optimal_hit_tokens"]
+__all__ = ["pooled_lru_hit_tokens", "pooled_optimal_hit_tokens", "single_home"]
 
 
 def _num_hits(held, block_hashes: list[int], num_tokens: int, block_size: int) -> int:
@@ -83,3 +95,16 @@ def pooled_optimal_hit_tokens(workload: Workload, num_blocks: int) -> int:
             if cached.get(block_hash) == -neg_use:  # else a stale entry: the block was used since
                 del cached[block_hash]
     return hits
+
+
+def single_home(workload: Workload, num_replicas: int) -> tuple[float, float]:
+    """(hit rate, load floor) of the single home (module docstring): the most hits any router can
+    reach on `workload`, and the least max/mean computed-token load of a placement that does."""
+    spec = workload.spec
+    bs = spec.block_size
+    hit = min(spec.prefix_len // bs, (spec.prompt_len - 1) // bs) * bs  # what a later request of a group finds
+    counts = [n for n in workload.group_counts() if n]
+    group_tokens = [n * spec.prompt_len - (n - 1) * hit for n in counts]  # a group's tokens on its one replica
+    hit_rate = sum((n - 1) * hit for n in counts) / (len(workload.requests) * spec.prompt_len)
+    mean = sum(group_tokens) / num_replicas
+    return hit_rate, max(1.0, max(group_tokens) / mean)

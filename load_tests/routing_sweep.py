@@ -26,6 +26,10 @@ of them.
                 max_over_mean_load            worst max/mean computed tokens        target <= 1.3
                 with the cell each worst one came from, and for information the worst hit rate
                 against the replayed oracle, the pooled LRU cache and the pooled optimal one.
+                conflicting_cells: the cells where the two hit-rate and load targets cannot
+                both hold for any router: the tree reaches the single home's hit rate (the
+                most any router can, routing_bounds.single_home), and every placement that
+                does has a max/mean load over the load target (its `single_home_load_floor`)
                 With --num-routers N > 1 every policy runs with N routers (requests alternate
                 between them, each with its own RouterState), ours once more with one
                 (`prefix_cost_one_router`), and
@@ -167,6 +171,17 @@ def _vs_one_router(record: dict) -> float | None:
     return _ratio(record["figures"]["prefix_cost"]["hit_rate"], record["figures"].get(ONE_ROUTER, {}).get("hit_rate"))
 
 
+def _targets_conflict(record: dict) -> bool:
+    """Whether no router can meet both "hit rate >= the tree's" and the load target in this cell
+    (module docstring: conflicting_cells)."""
+    tree = record["figures"].get("char_prefix_tree", {}).get("hit_rate")
+    floor, most = record.get("single_home_load_floor"), record.get("single_home_hit_rate")
+    if tree is None or floor is None or most is None:
+        return False
+    load_target = next(t for t in SWEEP_TARGETS if t.key == "max_over_mean_load")
+    return tree >= most - 1e-12 and not load_target.met(floor)
+
+
 def summarize_sweep(records: list[dict]) -> dict:
     """The summary of the module docstring from the cells' records."""
     def ours(r):
@@ -195,6 +210,7 @@ def summarize_sweep(records: list[dict]) -> dict:
         summary[key], summary[f"{key}_cell"] = _worst(records, figure, pick)
     summary["num_cells"] = sum(1 for r in records if r["skipped"] is None)
     summary["num_cells_skipped"] = sum(1 for r in records if r["skipped"] is not None)
+    summary["conflicting_cells"] = [r["cell"] for r in records if r["skipped"] is None and _targets_conflict(r)]
     summary["targets"] = {t.key: {"target": t.text, "met": t.met(summary[t.key])} for t in SWEEP_TARGETS}
     run = [r for r in records if r["skipped"] is None]
     for t in SWEEP_TARGETS:  # how many cells meet each target on their own
@@ -253,6 +269,10 @@ def format_sweep(records: list[dict], summary: dict, cost: CostModel) -> str:
                        ("min_fraction_of_pooled_optimal", "worst cell: hit rate / pooled MIN's")):
         if summary.get(key) is not None:
             lines.append(f"{label:<40}{_fmt(summary[key], '.3f'):>8}{'(info)':>10}{'':>8}  {summary[key + '_cell']}")
+    conflicting = [r for r in records if r["cell"] in set(summary.get("conflicting_cells", ()))]
+    if conflicting:
+        lines.append("the tree's hit rate and the load target conflict (the tree hits the most any router can, which "
+                     "takes this max/mean load): " + ", ".join(f"{r['cell']} {r['single_home_load_floor']:.2f}" for r in conflicting))
     lines.append(f"cost model: {cost.overhead_s * 1e3:.1f} ms + tokens / {cost.tokens_per_s:.0f}/s "
                  f"+ {cost.attention_pair_s:.2e} s per attention pair")
     return "\n".join(lines)

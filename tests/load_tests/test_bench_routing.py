@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from load_tests.bench_routing import REAL_QUICK, SIM_FULL, SIM_QUICK, params_from_args, policy_figures, summarize
-from load_tests.routing_bounds import pooled_lru_hit_tokens, pooled_optimal_hit_tokens
+from load_tests.routing_bounds import pooled_lru_hit_tokens, pooled_optimal_hit_tokens, single_home
 from load_tests.routing_calibration import CalibrationPoint, fit
 from load_tests.routing_metrics import PolicyRun, RoutedRequest, percentile
 from load_tests.routing_sim import BlockCache, CostModel, SimConfig, SimReplica, oracle_hit_tokens, simulate
@@ -379,3 +379,39 @@ def test_pooled_references_lru_and_offline_optimal():
     assert pooled_optimal_hit_tokens(workload, num_blocks=4) == 3 * 2 * BS
     # Room for everything: both hit all they can (2 blocks of 3: one token is always computed).
     assert pooled_lru_hit_tokens(workload, num_blocks=100) == pooled_optimal_hit_tokens(workload, num_blocks=100) == 3 * 2 * BS
+
+
+def test_single_home_is_the_most_hits_and_its_least_load():
+    # Group 0 three times, group 1 once; prompts of 12 tokens, 8 of them the prefix (2 blocks of 4).
+    # The most any router hits: group 0's second and third requests find its 8 prefix tokens, 16 of
+    # 48 tokens. Reaching it puts group 0 on one replica, which computes 12 + 4 + 4 = 20 tokens
+    # against a mean of 32 / 2 replicas = 16 (1.25x), or 32 / 4 = 8 (2.5x).
+    workload = tiny_workload([(0.0, 0), (1.0, 0), (2.0, 1), (3.0, 0)])
+    assert single_home(workload, 2) == (pytest.approx(16 / 48), pytest.approx(1.25))
+    assert single_home(workload, 4) == (pytest.approx(16 / 48), pytest.approx(2.5))
+    # Nothing to hit: 2 prompts of 12 tokens on 8 replicas put 12 where the mean is 3; 4 on 2
+    # replicas, 12 against 24: a replica holds at least the mean, so the floor is 1.
+    assert single_home(tiny_workload([(0.0, 0), (1.0, 1)]), 8) == (0.0, 4.0)
+    assert single_home(tiny_workload([(0.0, 0), (1.0, 1), (2.0, 2), (3.0, 3)]), 2) == (0.0, 1.0)
+    # the same hits as one cache that never evicts
+    assert pooled_lru_hit_tokens(workload, num_blocks=100) == 16
+
+
+def test_in_one_sweep_cell_the_trees_hit_rate_and_the_load_target_conflict():
+    # g16-z1.2-r16-c4 of the quick sweep: 364 of the 1,000 requests are of group 0. Computing each
+    # prefix once, its replica computes 364 x 64 + 1024 = 24,320 tokens against a mean of
+    # (1,000 x 64 + 16 x 1,024) / 16 = 5,024: 4.84x, when the target is 1.3x.
+    workload = make_workload(WorkloadSpec(num_groups=16, num_requests=1000, request_rate_per_s=1.0, zipf_s=1.2, seed=0))
+    assert max(workload.group_counts()) == 364
+    hit_rate, floor = single_home(workload, 16)
+    assert hit_rate == pytest.approx(984 * 1024 / (1000 * 1088))
+    assert floor == pytest.approx(24320 / 5024)
+    # The tree reached that hit rate there (docs/benchmarks/routing-pressure-sweep-quick-2026-11-28.json):
+    # the summary names the cell; a cell whose tree copied a prefix, or whose floor is within the
+    # target, is not named.
+    def record(name, tree_hit, floor):
+        r = sweep_record(name, 0.93, prefix_cost=(0.91, 200.0, 1.2), char_prefix_tree=(tree_hit, 300.0, floor))
+        return {**r, "single_home_hit_rate": hit_rate, "single_home_load_floor": floor}
+    records = [record("g16-z1.2-r16-c4", hit_rate, floor), record("copied", hit_rate - 0.01, floor), record("even", hit_rate, 1.22)]
+    assert summarize_sweep(records)["conflicting_cells"] == ["g16-z1.2-r16-c4"]
+    assert summarize_sweep([sweep_record("old", 0.9, prefix_cost=(0.9, 1.0, 1.0), char_prefix_tree=(0.9, 1.0, 1.0))])["conflicting_cells"] == []
