@@ -12,6 +12,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import httpx
@@ -20,7 +21,7 @@ import pytest
 from load_tests.app_probe import parse_replica_name
 from load_tests.soak_chaos import Kill, LoadProgress, Target
 from load_tests.soak_client import End, SoakClient, SoakOutcome
-from load_tests.soak_monitor import RssSample, rss_growth
+from load_tests.soak_monitor import Monitor, RssSample, rss_growth
 from load_tests.soak_params import params_from_args
 from load_tests.soak_report import Bounds, EndState, format_report, summarize
 from load_tests.soak_workload import AbortPoint, SoakRequest, WorkloadMix, build_workload
@@ -208,6 +209,29 @@ def test_rss_growth_compares_the_last_window_with_the_one_after_warm_up():
     assert out["rss_growth_fraction"] == 0.5
     assert rss_growth(leaking, 100, warmup_fraction=0.2, window_fraction=0.1, value="rss_bytes")["rss_growth_fraction"] == 0.5
     assert rss_growth(restarted, 100, warmup_fraction=0.2, window_fraction=0.1)["rss_growth_fraction"] is None
+
+
+def test_the_monitor_samples_once_more_as_the_load_ends(monkeypatch):
+    """The last window has a sample even when the run's last requests end within one period: the
+    monitor samples as it stops. (Before, 200 requests on a tiny model ended 178 at the last
+    sample, the last window began at 180, and the growth went unmeasured.)"""
+    from load_tests import soak_monitor
+
+    rss = iter(range(100, 200))
+    monkeypatch.setattr(soak_monitor.app_probe, "process_rss", lambda app: {7: ("DecodeWorker", 4 * (v := next(rss)), v)})
+    monkeypatch.setattr(soak_monitor.app_probe, "list_replicas", lambda app: [])
+    monkeypatch.setattr(soak_monitor.app_probe, "kv_transfer_stats", lambda app: {})
+    monkeypatch.setattr(soak_monitor.app_probe, "kv_transfer_held", lambda app: {})
+    ended = [0]
+    monitor = Monitor("app", num_ended=lambda: ended[0], clock=lambda: float(ended[0]), period_s=3600.0)
+    monitor.start()
+    deadline = time.monotonic() + 30.0
+    while not monitor.samples and time.monotonic() < deadline:  # the first sample; then it waits its period
+        time.sleep(0.01)
+    ended[0] = 200  # the load ends; stop() comes after it
+    monitor.stop()
+    assert [(s.num_ended, s.anon_bytes) for s in monitor.samples] == [(0, 100), (200, 101)]
+    assert monitor.num_read_errors == 0
 
 
 def test_a_replacement_replica_gets_its_own_warm_up():

@@ -204,6 +204,10 @@ def test_an_earlier_probes_misnamed_replica_cpu_is_taken_out_of_the_serving_cpu(
     assert mend_actor_names({"disaggregated": mended}) == {"disaggregated": mended}  # a mended or new probe stays as it is
 
 
+def _step_terms(step) -> list[float]:
+    return [x for line in step.lines for x in (line.base_s, line.token_s, line.row_s)] + [step.pair_s, step.context_s, step.prefix_s]
+
+
 def test_a_refit_of_the_2026_12_03_probe_takes_the_decode_replica_out_of_the_serving_cpu():
     """The stored probe (docs/benchmarks), fitted again without a model or a probe: the steps fit
     as stored, the disaggregated serving CPU as it is once the 8 x 64 round's decode replica,
@@ -212,7 +216,10 @@ def test_a_refit_of_the_2026_12_03_probe_takes_the_decode_replica_out_of_the_ser
     stored = json.loads((docs / "pd-sim-cpu-fit-2026-12-03.json").read_text())["config"]["fits"]["cpu"]
     serve_overhead = json.loads((docs / "serve-overhead-2026-12-03.json").read_text())
     fit = cpu_fit(Path("/nonexistent"), "bfloat16", serve_overhead, earlier=stored)
-    assert fit.step == CostFit.from_json(stored).step and fit.kv_capacity_tokens == stored["kv_capacity_tokens"]
+    # The same fit to the last few bits: a least-squares solve sums in the order its BLAS picks, which
+    # moved base_s from ...96 to ...101 (e-17) on one machine.
+    assert _step_terms(fit.step) == pytest.approx(_step_terms(CostFit.from_json(stored).step), rel=1e-9, abs=1e-15)
+    assert fit.kv_capacity_tokens == stored["kv_capacity_tokens"]
     rounds = fit.info["served_probe"]["disaggregated"]["rounds"]
     assert not [name for r in rounds for name in r["cpu_s"] if "." in name]
     before = stored["overhead"]["disaggregated"]
@@ -220,7 +227,7 @@ def test_a_refit_of_the_2026_12_03_probe_takes_the_decode_replica_out_of_the_ser
     assert after.cpu_per_request_s < 0.5 * before["cpu_per_request_s"]  # 72.9 ms -> 35.4 ms
     assert after.cpu_per_token_s < before["cpu_per_token_s"]  # 2.78 ms -> 1.09 ms
     # the colocated probe had no replica caught in a method (only the controller, serving work either way)
-    assert fit.overhead.colocated.cpu_per_token_s == stored["overhead"]["colocated"]["cpu_per_token_s"]
+    assert fit.overhead.colocated.cpu_per_token_s == pytest.approx(stored["overhead"]["colocated"]["cpu_per_token_s"], rel=1e-9)
 
 
 def test_the_prefill_replicas_own_cpu_per_request_comes_from_the_poisson_rounds():
