@@ -93,6 +93,7 @@ SWEEP_TARGETS = (
     Target("max_over_mean_load", "worst cell: max / mean load", "<=", 1.3),
     Target("min_hit_ratio_vs_one_router", "worst cell: N routers / one", ">=", 0.98),
 )
+_LOAD_TARGET = next(t for t in SWEEP_TARGETS if t.key == "max_over_mean_load")
 
 
 @dataclass(frozen=True)
@@ -178,8 +179,7 @@ def _targets_conflict(record: dict) -> bool:
     floor, most = record.get("single_home_load_floor"), record.get("single_home_hit_rate")
     if tree is None or floor is None or most is None:
         return False
-    load_target = next(t for t in SWEEP_TARGETS if t.key == "max_over_mean_load")
-    return tree >= most - 1e-12 and not load_target.met(floor)
+    return tree >= most - 1e-12 and not _LOAD_TARGET.met(floor)
 
 
 def summarize_sweep(records: list[dict]) -> dict:
@@ -269,7 +269,8 @@ def format_sweep(records: list[dict], summary: dict, cost: CostModel) -> str:
                        ("min_fraction_of_pooled_optimal", "worst cell: hit rate / pooled MIN's")):
         if summary.get(key) is not None:
             lines.append(f"{label:<40}{_fmt(summary[key], '.3f'):>8}{'(info)':>10}{'':>8}  {summary[key + '_cell']}")
-    conflicting = [r for r in records if r["cell"] in set(summary.get("conflicting_cells", ()))]
+    conflicting_names = set(summary.get("conflicting_cells", ()))
+    conflicting = [r for r in records if r["cell"] in conflicting_names]
     if conflicting:
         lines.append("the tree's hit rate and the load target conflict (the tree hits the most any router can, which "
                      "takes this max/mean load): " + ", ".join(f"{r['cell']} {r['single_home_load_floor']:.2f}" for r in conflicting))
