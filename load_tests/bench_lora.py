@@ -112,7 +112,7 @@ def run(p: LoRAParams, *, command: str = "") -> dict:
     import torch
 
     from serving.engine import EngineConfig, LLMEngine
-    from serving.engine.model_loader import load_model_spec, resolve_model_dir
+    from serving.engine.modeling.loader import load_model_spec, resolve_model_dir
 
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(p.threads)

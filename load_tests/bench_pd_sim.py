@@ -80,7 +80,7 @@ def _cpu_fit_of(args, need: bool) -> CostFit | None:
                          "--json` report of this machine) or --cpu-fit FILE (an earlier pd-sim report)")
     from load_tests.pd_probe import cpu_fit
     from load_tests.roofline import resolve_dtype
-    from serving.engine.model_loader import resolve_model_dir
+    from serving.engine.modeling.loader import resolve_model_dir
 
     earlier = json.loads(Path(args.refit).read_text())["config"]["fits"]["cpu"] if args.refit else None
     if earlier:

@@ -257,8 +257,8 @@ def _run_real(p: BenchParams, cost: CostModel, workload: Workload) -> dict:
 
     from load_tests import routing_real
     from load_tests.local_ray import local_ray
-    from serving.engine.kv_cache import kv_bytes_per_token
-    from serving.engine.model_loader import load_model_spec, resolve_model_dir
+    from serving.engine.kv.cache import kv_bytes_per_token
+    from serving.engine.modeling.loader import load_model_spec, resolve_model_dir
 
     model_dir = resolve_model_dir(p.model)
     spec = load_model_spec(model_dir)
@@ -292,7 +292,7 @@ def run(p: BenchParams, *, command: str = "") -> dict:
     machine = hardware.machine_record(num_threads=1)  # torch threads per prefill replica
     if p.dtype == "auto":
         from load_tests.roofline import resolve_dtype
-        from serving.engine.model_loader import resolve_model_dir
+        from serving.engine.modeling.loader import resolve_model_dir
 
         p = dataclasses.replace(p, dtype=resolve_dtype(p.dtype, resolve_model_dir(p.model)).dtype)
     cost, calibration = _cost_model(p)

@@ -395,8 +395,8 @@ def _run_prefix_routing(p: ScenarioParams, model_dir: Path, port: int, w: BenchP
     import torch
 
     from load_tests.scenario_servers import kvrelay_server
-    from serving.engine.kv_cache import kv_bytes_per_token
-    from serving.engine.model_loader import load_model_spec
+    from serving.engine.kv.cache import kv_bytes_per_token
+    from serving.engine.modeling.loader import load_model_spec
 
     spec = load_model_spec(model_dir)
     kv_tokens = PREFIX_KV_TOKENS[p.smoke]
@@ -615,7 +615,7 @@ def run(p: ScenarioParams, *, command: str = "") -> tuple[dict, ScenarioResult]:
     import ray
 
     from load_tests import local_ray
-    from serving.engine.model_loader import resolve_model_dir
+    from serving.engine.modeling.loader import resolve_model_dir
 
     started = time.monotonic()
     machine = hardware.machine_record(httpx_version=httpx.__version__)
@@ -657,7 +657,7 @@ def calibrated_workload(p: ScenarioParams, model_dir: Path) -> tuple[BenchParams
     if p.smoke or p.name == "peers":
         return w, {"calibrated": False, "why": "smoke run" if p.smoke else "closed loop at fixed concurrency"}
     from load_tests import scenario_calibration as cal
-    from serving.engine.model_loader import load_model_spec
+    from serving.engine.modeling.loader import load_model_spec
 
     _progress(f"calibrating to this machine: one replica's prefill and decode rates ({p.dtype}, 1 thread)")
     rates = cal.measure_rates(model_dir, p.dtype)

@@ -164,7 +164,7 @@ def run(p: SoakParams, *, command: str = "") -> dict:
     """The whole soak; prints the report; returns {summary, config, raw, hardware, duration_s}."""
     import ray
 
-    from serving.engine.model_loader import resolve_model_dir
+    from serving.engine.modeling.loader import resolve_model_dir
 
     started = time.monotonic()
     config = soak_config(p, free_port())

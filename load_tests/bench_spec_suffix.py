@@ -54,8 +54,8 @@ def run(*, model: str = "smollm2-135m-instruct", output_len: int = 96, repeats: 
     import torch
 
     from serving.engine import EngineConfig, LLMEngine
-    from serving.engine.model_loader import resolve_model_dir
-    from serving.engine.speculative import build_proposer
+    from serving.engine.modeling.loader import resolve_model_dir
+    from serving.engine.spec.speculative import build_proposer
 
     torch.set_num_threads(threads)
     machine = hardware.machine_record(num_threads=threads)
@@ -156,8 +156,8 @@ def proposer_cost() -> dict:
 
     from serving.engine import SamplingParams
     from serving.engine.request import RequestStatus, Sequence
-    from serving.engine.spec_ngram import NgramProposer
-    from serving.engine.spec_suffix import SuffixProposer
+    from serving.engine.spec.ngram import NgramProposer
+    from serving.engine.spec.suffix import SuffixProposer
 
     gen = torch.Generator().manual_seed(0)
 

@@ -102,7 +102,7 @@ def run(p: StructuredParams, *, command: str = "") -> dict:
     import torch
 
     from serving.engine import EngineConfig, LLMEngine, SamplingParams
-    from serving.engine.model_loader import resolve_model_dir
+    from serving.engine.modeling.loader import resolve_model_dir
     from serving.engine.params import GuidedSpec
 
     saved_threads = torch.get_num_threads()

@@ -1,4 +1,4 @@
-"""xgrammar against llguidance on this CPU: the measurement that chose serving/engine/grammar.py's
+"""xgrammar against llguidance on this CPU: the measurement that chose serving/engine/sampling/grammar.py's
 backend (docs/benchmarks.md). Not a `kvrelay bench` target: llguidance is not a dependency; put
 it on the path to compare (`pip install --target DIR llguidance==1.9.1`, PYTHONPATH=DIR).
 
@@ -129,7 +129,7 @@ def measure(backend: str, tokenizer) -> dict:
 def main(argv: list[str]) -> int:
     import torch
 
-    from serving.engine.model_loader import load_tokenizer, resolve_model_dir
+    from serving.engine.modeling.loader import load_tokenizer, resolve_model_dir
 
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(resolve_model_dir("smollm2-135m-instruct"))

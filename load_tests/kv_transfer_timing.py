@@ -179,7 +179,7 @@ class KVImporter:
         import torch
 
         from serving.deployments.messages import KVSlot
-        from serving.engine.kv_payload import KVPayload
+        from serving.engine.kv.payload import KVPayload
 
         await self.kv.actor(handle.node_id)  # looked up once per process, as a worker does
         answer = await self.kv.claim(handle, self.node_id)

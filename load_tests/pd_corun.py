@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         _worker(int(core), int(rows), Path(model_dir), dtype, Path(directory))
         return
     from load_tests.roofline import resolve_dtype
-    from serving.engine.model_loader import resolve_model_dir
+    from serving.engine.modeling.loader import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
     print(json.dumps(probe_corun(model_dir, resolve_dtype("auto", model_dir).dtype, tuple(int(n) for n in args.rows.split(",")),

@@ -199,8 +199,8 @@ def cpu_fit(model_dir: Path, dtype: str, serve_overhead: dict, *, repeats: int =
     import torch
 
     from load_tests.pd_served_probe import mend_actor_names, probe_served
-    from serving.engine.kv_cache import kv_bytes_per_token
-    from serving.engine.model_loader import load_model_spec
+    from serving.engine.kv.cache import kv_bytes_per_token
+    from serving.engine.modeling.loader import load_model_spec
 
     machine = hardware.machine_record(num_threads=1)
     if earlier:

@@ -36,7 +36,7 @@ DTYPES = ("bfloat16", "float32")
 
 
 class ModelShape(Protocol):
-    """What the FLOP count reads of a model (serving.engine.model_loader.ModelSpec has it all)."""
+    """What the FLOP count reads of a model (serving.engine.modeling.loader.ModelSpec has it all)."""
 
     vocab_size: int
     hidden_size: int
@@ -238,11 +238,11 @@ def torch_threads(num: int):
 
 def resolve_dtype(requested: str, model_dir):
     """The dtype a one-thread kvrelay replica resolves `requested` to on this machine (`auto`
-    measures: serving/engine/dtype_choice.py). Benchmarks run every system in it."""
+    measures: serving/engine/modeling/dtype_choice.py). Benchmarks run every system in it."""
     import torch
 
-    from serving.engine.dtype_choice import choose_dtype
-    from serving.engine.model_loader import load_model_spec
+    from serving.engine.modeling.dtype_choice import choose_dtype
+    from serving.engine.modeling.loader import load_model_spec
 
     with torch_threads(1):
         return choose_dtype(requested, torch.device("cpu"), hidden_size=load_model_spec(model_dir).hidden_size)

@@ -50,7 +50,7 @@ def serve_config(model_dir: Path, dtype: str, policy: str, *, num_replicas: int,
 
 def _request(request_id: str, token_ids: list[int], block_size: int):
     from serving.deployments.messages import WorkerRequest
-    from serving.engine.block_hash import hash_blocks
+    from serving.engine.kv.block_hash import hash_blocks
     from serving.engine.params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from router.char_prefix_tree import token_text
-from serving.engine.block_hash import ROOT_HASH, hash_blocks
+from serving.engine.kv.block_hash import ROOT_HASH, hash_blocks
 
 __all__ = ["WorkloadSpec", "WorkloadRequest", "Workload", "make_workload"]
 

@@ -12,7 +12,7 @@ holds every replica's blocks from the first stats it reads. A snapshot is 8 byte
 block (10k blocks: 80 KB).
 
 A snapshot lists its hashes in eviction order, least recently used first, the way the engine's
-free queue (serving/engine/block_manager.py) takes them: a stored block joins as the most recent,
+free queue (serving/engine/kv/block_manager.py) takes them: a stored block joins as the most recent,
 and when a request ends the worker `touch`es its prompt's blocks, tail first, so the head of a
 shared prefix is the most recent, as the engine frees them. Nothing more crosses the wire than a
 set would; the order is what lets a router price what a placement would evict
@@ -45,7 +45,7 @@ from collections.abc import Collection, Hashable, Iterable, Sequence
 
 import numpy as np
 
-from serving.engine.kv_events import BlockRemoved, BlockStored, KVEvent
+from serving.engine.kv.events import BlockRemoved, BlockStored, KVEvent
 
 __all__ = ["CachedBlockSet", "PrefixIndex", "encode_hashes", "decode_hashes", "eviction_order"]
 
@@ -140,7 +140,7 @@ class CachedBlockSet:
         """A request over these blocks ended: the held ones are now the most recently used. One
         not kept cached (WorkerRequest.keep_cached, the router's admission) leaves the blocks it
         computed at the eviction end instead, tail first out, as the engine frees them
-        (serving/engine/block_manager.py); the blocks it found cached still move."""
+        (serving/engine/kv/block_manager.py); the blocks it found cached still move."""
         changed = self._taken.pop(request_id, None) is not None if request_id is not None else False
         num_hits = self._held_at_take.pop(request_id, len(block_hashes)) if request_id is not None else len(block_hashes)
         if keep:

@@ -61,7 +61,7 @@ class LeastKVPolicy:
         free = {load.replica_id: load.num_free_blocks - load.unreported_blocks for load in loads}
 
         def usage(load: ReplicaLoad) -> float:
-            # the engine's usage is 1 - free / blocks (serving/engine/block_manager.py): in blocks,
+            # the engine's usage is 1 - free / blocks (serving/engine/kv/block_manager.py): in blocks,
             # so that equal counts compare equal (0.14 + 0.07 is not 0.21 in floating point)
             if not load.num_blocks:
                 return load.kv_usage

@@ -44,7 +44,7 @@ replica.
 
 Admission: a prompt's new blocks are computed on the chosen replica whatever happens; whether
 they then stay cached is a second choice (Decision.retain, carried to the engine as the request's
-`keep_cached`, serving/engine/block_manager.py). Kept, they sit at the replica's recent end and
+`keep_cached`, serving/engine/kv/block_manager.py). Kept, they sit at the replica's recent end and
 the next prompt there evicts its oldest cached blocks instead of them; not kept, they go to the
 eviction end and are the next prompt's room. They are kept unless the blocks the next prompt of
 the same size would evict instead are worth more (the reuse value of router/eviction.py, for the

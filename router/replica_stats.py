@@ -60,11 +60,11 @@ class RoutingStats:
     # reported.
     block_reuse: Mapping[int, float] | None = None
     block_reuse_weight: float = 0.0
-    # Speculative decoding (serving/engine/speculative.py), cumulative since the engine started:
+    # Speculative decoding (serving/engine/spec/speculative.py), cumulative since the engine started:
     # the proposer ("": off), proposed tokens a step verified, those kept, and the sequence-steps
     # that verified. And what a decoding sequence gained per step since the previous report
     # (generated / (generated - accepted): 1.0 without speculation; the last figure when idle).
-    # LoRA (serving/engine/lora.py): the adapters in the engine's slots, and what loading one
+    # LoRA (serving/engine/modeling/lora.py): the adapters in the engine's slots, and what loading one
     # costs there (seconds; 0: none loaded yet). A replica that must load a request's adapter
     # first is that much slower to its first token (router/prefix_cost.py).
     lora_resident: tuple[str, ...] = ()

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from cluster.launcher import PROXY_MAX_RESPONSE_BYTES, PROXY_READY_CHECK_TIMEOUT_S
-from serving.engine.model_loader import resolve_model_dir
+from serving.engine.modeling.loader import resolve_model_dir
 from tests.helpers import build_tiny_model, process_state, state_changes
 
 

@@ -30,14 +30,14 @@ from typing import Any, Literal, Protocol
 from serving.api.errors import QueueTimeoutError
 from serving.api.protocol import ChatMessage
 from serving.api.tool_calls import ToolPlan, render_conversation, template_knows_tools
-from serving.engine.block_hash import block_extra_keys, hash_blocks
-from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.errors import ContextLengthError, InvalidRequestError
-from serving.engine.grammar import compiler_for
+from serving.engine.kv.block_hash import block_extra_keys, hash_blocks
 from serving.engine.outputs import RequestOutput, TokenLogprob, merge_outputs
 from serving.engine.params import GuidedSpec, SamplingParams
 from serving.engine.request import RequestStatus
-from serving.engine.stop_checker import StopChecker
+from serving.engine.sampling.detokenizer import IncrementalDetokenizer
+from serving.engine.sampling.grammar import compiler_for
+from serving.engine.sampling.stop_checker import StopChecker
 from serving.engine.validation import ModelInfo, check_request
 from serving.observability.ingress_metrics import RequestRecord
 from serving.observability.tracing import RequestTrace
@@ -221,7 +221,7 @@ class Frontend:
         """Compile a structured output's grammar before the request goes anywhere (off the event
         loop, in the grammar compiler's threads): InvalidRequestError naming `param` (the request's
         field) when it does not compile. The grammar stays in this process's cache, which an
-        in-process engine shares (serving/engine/grammar.py)."""
+        in-process engine shares (serving/engine/sampling/grammar.py)."""
         info = await self.model_info()
         compiler = compiler_for(self.tokenizer, info.vocab_size, info.eos_token_ids)
         try:

@@ -18,7 +18,7 @@ At most one may be set: two (say `response_format` and `guided_json`, or two key
 is always enforced. A schema may be sent as an object or as JSON text (vLLM's `guided_json`).
 
 Validated once, here and in the ingress's `Frontend.check_guided`, which compiles the grammar
-(serving/engine/grammar.py) before anything is generated: a schema, regex or grammar that does
+(serving/engine/sampling/grammar.py) before anything is generated: a schema, regex or grammar that does
 not compile is a 400 naming the field above. The compiled grammar stays in the process's cache
 (an in-process engine uses it as it is; a worker compiles each spec once).
 """

@@ -55,7 +55,7 @@ from serving.deployments.messages import (
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.config import EngineConfig
 from serving.engine.errors import EngineError
-from serving.engine.kv_payload import KVPayload, ShmRange
+from serving.engine.kv.payload import KVPayload, ShmRange
 from serving.engine.outputs import EngineStats, RequestOutput
 from serving.engine.request import RequestStatus
 from serving.engine.validation import ModelInfo
@@ -80,7 +80,7 @@ class EngineWorker:
         self.app_name = app_name
         self.replica = replica  # Serve's replica unique id: the routers' name for this replica
         if engine_config.backend == "vllm":  # vLLM's AsyncLLM behind the same surface
-            from serving.engine.vllm_engine import VLLMEngine
+            from serving.engine.vllm.engine import VLLMEngine
 
             # vLLM's cache is in another process: its KV moves by shared-memory ranges
             self.engine = VLLMEngine(engine_config, kv_handoff=role in ("prefill", "decode"))

@@ -32,7 +32,7 @@ from serving.config import KVTransferConfig
 from serving.deployments.kv_arena import ArenaFile
 from serving.deployments.kv_transfer import ACTOR_ERRORS, get_or_create
 from serving.deployments.messages import ClaimMiss, KVCopy, KVHandle, KVSlot
-from serving.engine.kv_payload import KVPayload, ShmRange
+from serving.engine.kv.payload import KVPayload, ShmRange
 
 __all__ = ["KVHandoff"]
 

@@ -41,7 +41,7 @@ from serving.api.forwarding import ForwardedRequest, ResponseStart
 from serving.api.pipeline import GenerateRequest
 from serving.deployments.kv_arena import Lease
 from serving.engine.errors import ContextLengthError, EngineDeadError, InvalidRequestError, RequestFailedError
-from serving.engine.kv_payload import KVLayout, KVPayload
+from serving.engine.kv.payload import KVLayout, KVPayload
 from serving.engine.outputs import EngineStats, RequestOutput
 from serving.engine.params import SamplingParams
 from serving.engine.validation import ModelInfo

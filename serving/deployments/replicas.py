@@ -115,7 +115,7 @@ class OpenAIIngress:
         from serving.api.usage import ModelPrice
         from serving.deployments.fallback import FallbackClient
         from serving.deployments.serve_backend import ServeBackend
-        from serving.engine.model_loader import load_tokenizer, resolve_model_dir
+        from serving.engine.modeling.loader import load_tokenizer, resolve_model_dir
         from serving.observability.export import export_serve_pools
 
         cfg = ServeConfig.model_validate(config)

@@ -1,6 +1,6 @@
 """kvrelay's inference engine: paged KV cache, continuous batching, prefix caching, sampling.
 
-The names below load on first use (PEP 562), so `import serving.engine.kv_events` or
+The names below load on first use (PEP 562), so `import serving.engine.kv.events` or
 `serving.engine.strict` (the router, the autoscaling policy, the CLI) does not pull in torch and
 the model code."""
 
@@ -18,8 +18,8 @@ _EXPORTS = {
     "InvalidRequestError": "serving.engine.errors",
     "ModelLoadError": "serving.engine.errors",
     "RequestFailedError": "serving.engine.errors",
-    "KVLayout": "serving.engine.kv_payload",
-    "KVPayload": "serving.engine.kv_payload",
+    "KVLayout": "serving.engine.kv.payload",
+    "KVPayload": "serving.engine.kv.payload",
     "CompletionOutput": "serving.engine.outputs",
     "EngineStats": "serving.engine.outputs",
     "RequestOutput": "serving.engine.outputs",
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
         ModelLoadError,
         RequestFailedError,
     )
-    from serving.engine.kv_payload import KVLayout, KVPayload
+    from serving.engine.kv.payload import KVLayout, KVPayload
     from serving.engine.outputs import CompletionOutput, EngineStats, RequestOutput, TokenLogprob
     from serving.engine.params import SamplingParams
 

@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.errors import EngineDeadError
-from serving.engine.kv_events import KVEvent
-from serving.engine.kv_payload import KVPayload
+from serving.engine.kv.events import KVEvent
+from serving.engine.kv.payload import KVPayload
 from serving.engine.outputs import EngineStats, RequestOutput, merge_outputs
 from serving.engine.params import SamplingParams
 

@@ -168,7 +168,7 @@ class SpeculativeConfig(StrictModel):
 
 
 class VLLMOptions(StrictModel):
-    """vLLM's own options where `backend: vllm` (serving/engine/vllm_engine.py); the rest of
+    """vLLM's own options where `backend: vllm` (serving/engine/vllm/engine.py); the rest of
     EngineConfig maps onto vLLM's (model, dtype, block_size, max_model_len, max_num_seqs,
     max_num_batched_tokens, enable_prefix_caching, seed, lora, kv_cache_bytes)."""
 

@@ -18,7 +18,7 @@ chunks that the model runner keeps beside the sampling rows (prompt_logprobs.py)
 the request's first output once the whole prompt is scored. A request with `max_tokens=0` ends
 when its prompt is computed: finish_reason "length", no tokens, every choice.
 
-A structured output (`params.guided`) needs its grammar compiled (serving/engine/grammar.py): a
+A structured output (`params.guided`) needs its grammar compiled (serving/engine/sampling/grammar.py): a
 cached one starts at once; otherwise the request waits, compiling, outside the scheduler while
 the compiler's threads work and the batch goes on; when the grammar is ready it is queued as any
 request (its queue wait counts from its arrival). Each choice has its own matcher, which first
@@ -46,28 +46,28 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serving.engine.block_hash import block_extra_keys
-from serving.engine.block_manager import BlockManager, HybridBlockManager
 from serving.engine.config import EngineConfig
-from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.errors import InvalidRequestError, ModelLoadError, RequestFailedError
-from serving.engine.grammar import GrammarCompiler, GrammarMatcher, PendingGrammars, SpeculativeMask, compiler_for
-from serving.engine.held_kv import HeldKV
-from serving.engine.kv_events import KVEvent
-from serving.engine.kv_payload import KVLayout, KVPayload
-from serving.engine.lora import LoRAManager
-from serving.engine.model_runner import ModelRunner
+from serving.engine.kv.block_hash import block_extra_keys
+from serving.engine.kv.block_manager import BlockManager, HybridBlockManager
+from serving.engine.kv.events import KVEvent
+from serving.engine.kv.held import HeldKV
+from serving.engine.kv.payload import KVLayout, KVPayload
+from serving.engine.modeling.lora import LoRAManager
+from serving.engine.modeling.runner import ModelRunner
 from serving.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob, merge_outputs
 from serving.engine.params import SamplingParams
 from serving.engine.prefill_rate import PrefillRate
-from serving.engine.prompt_logprobs import score_span
 from serving.engine.request import RequestStatus, Sequence
-from serving.engine.sampler import LogitBias, Sampler, SamplingRow
+from serving.engine.sampling.detokenizer import IncrementalDetokenizer
+from serving.engine.sampling.grammar import GrammarCompiler, GrammarMatcher, PendingGrammars, SpeculativeMask, compiler_for
+from serving.engine.sampling.prompt_logprobs import score_span
+from serving.engine.sampling.sampler import LogitBias, Sampler, SamplingRow
+from serving.engine.sampling.stop_checker import StopChecker
 from serving.engine.scheduler import Scheduler
 from serving.engine.setup import build_parts
-from serving.engine.speculative import Speculator
+from serving.engine.spec.speculative import Speculator
 from serving.engine.step_costs import measure_step_costs
-from serving.engine.stop_checker import StopChecker
 from serving.engine.validation import check_request
 
 __all__ = ["LLMEngine"]

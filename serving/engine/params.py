@@ -7,7 +7,7 @@ as it is made; one unpickled on a worker is the ingress's, already checked). Wha
 model (token ids within its vocabulary) is `check_vocab`, which the engine's invariant checks run.
 
 `guided` (a GuidedSpec) constrains the output to a grammar: a JSON schema, any JSON object, a
-regex, one of a list of strings, or an EBNF / Lark grammar (serving/engine/grammar.py compiles it
+regex, one of a list of strings, or an EBNF / Lark grammar (serving/engine/sampling/grammar.py compiles it
 and masks every step's logits to the tokens it allows). The spec is structurally checked here;
 whether it compiles is the grammar module's verdict, which the ingress asks for once, at the edge.
 """

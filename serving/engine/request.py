@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from serving.engine.params import SamplingParams
 
 if TYPE_CHECKING:
-    from serving.engine.kv_payload import KVPayload
+    from serving.engine.kv.payload import KVPayload
     from serving.engine.outputs import TokenLogprob
 
 __all__ = ["RequestStatus", "Sequence"]

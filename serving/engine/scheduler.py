@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from serving.engine.block_manager import BlockManager
+from serving.engine.kv.block_manager import BlockManager
 from serving.engine.request import RequestStatus, Sequence
 
 __all__ = ["Scheduler", "SchedulerOutput"]

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 
 from serving.engine.config import EngineConfig
-from serving.engine.cpu_kernels import KernelPath, KernelStatus, kernel_status
-from serving.engine.dtype_choice import DtypeChoice, choose_dtype
-from serving.engine.kv_cache import KVCache, available_memory_bytes, kv_bytes_per_token
-from serving.engine.model import LlamaModel
-from serving.engine.model_loader import ModelSpec, load_model_spec, load_state_dict, load_tokenizer, resolve_model_dir
+from serving.engine.kv.cache import KVCache, available_memory_bytes, kv_bytes_per_token
+from serving.engine.modeling.cpu_kernels import KernelPath, KernelStatus, kernel_status
+from serving.engine.modeling.dtype_choice import DtypeChoice, choose_dtype
+from serving.engine.modeling.loader import ModelSpec, load_model_spec, load_state_dict, load_tokenizer, resolve_model_dir
+from serving.engine.modeling.model import LlamaModel
 
 __all__ = ["EngineParts", "build_parts"]
 

@@ -42,9 +42,9 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.engine.attention import AttentionMetadata, PrefillChunk
-from serving.engine.kv_cache import KVCache
-from serving.engine.model import LlamaModel
+from serving.engine.kv.cache import KVCache
+from serving.engine.modeling.attention import AttentionMetadata, PrefillChunk
+from serving.engine.modeling.model import LlamaModel
 
 __all__ = ["KNEE_FRACTION", "SHORT_CONTEXT_TOKENS", "StepCosts", "measure_step_costs", "step_costs_from"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from serving.engine.errors import ContextLengthError, InvalidRequestError
-from serving.engine.kv_payload import KVLayout, KVPayload
+from serving.engine.kv.payload import KVLayout, KVPayload
 from serving.engine.params import SamplingParams
 
 __all__ = ["ModelInfo", "check_request"]

@@ -15,7 +15,7 @@ import pytest
 
 from cluster.roles import ROLE_LABEL, node_resources
 from serving.deployments.messages import WorkerStats
-from serving.engine.cpu_kernels import build_dir, kernel_status
+from serving.engine.modeling.cpu_kernels import build_dir, kernel_status
 from tests.cluster.multinode import MAX_TOKENS, three_node_cluster
 
 pytestmark = pytest.mark.integration

@@ -27,8 +27,8 @@ def test_presets_and_overrides():
 def test_the_written_adapter_loads_on_every_projection(tmp_path, tiny_model_dir):
     import torch
 
-    from serving.engine.lora import load_adapter
-    from serving.engine.model_loader import load_model_spec
+    from serving.engine.modeling.loader import load_model_spec
+    from serving.engine.modeling.lora import load_adapter
 
     spec = load_model_spec(tiny_model_dir)
     path = write_random_adapter(tmp_path / "a", spec, rank=4, seed=0)

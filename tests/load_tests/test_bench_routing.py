@@ -22,7 +22,7 @@ from load_tests.routing_workload import Workload, WorkloadRequest, WorkloadSpec,
 from router.char_prefix_tree import token_text
 from serving.cli.dispatch import main
 from serving.cli.parser import build_parser
-from serving.engine.block_hash import hash_blocks
+from serving.engine.kv.block_hash import hash_blocks
 from tests.helpers import REPO as REPO_ROOT
 
 BS = 4  # tokens per block in the hand-built cases

@@ -44,7 +44,7 @@ def test_presets_and_overrides():
 
 
 def test_batch_prompts_alternate_grounded_and_chat():
-    from serving.engine.model_loader import load_tokenizer, resolve_model_dir
+    from serving.engine.modeling.loader import load_tokenizer, resolve_model_dir
 
     tokenizer = load_tokenizer(resolve_model_dir("smollm2-135m-instruct"))
     grounded = [prompt_ids(tokenizer, ask) for ask in GROUNDED_ASKS]

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="the probe pins engines to cores 0 and 1")
 def test_the_probe_times_core_0_alone_and_beside_core_1_and_reports_the_difference():
     from load_tests.roofline import resolve_dtype
-    from serving.engine.model_loader import resolve_model_dir
+    from serving.engine.modeling.loader import resolve_model_dir
 
     model_dir = resolve_model_dir("smollm2-135m-instruct")
     probe = probe_corun(model_dir, resolve_dtype("auto", model_dir).dtype, rows=(1,), cycles=2, phase_s=0.5)

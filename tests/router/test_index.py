@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from router.index import CachedBlockSet, PrefixIndex, decode_hashes, encode_hashes, eviction_order
-from serving.engine.block_hash import hash_blocks
-from serving.engine.block_manager import BlockManager
-from serving.engine.kv_events import BlockRemoved, BlockStored
+from serving.engine.kv.block_hash import hash_blocks
+from serving.engine.kv.block_manager import BlockManager
+from serving.engine.kv.events import BlockRemoved, BlockStored
 from serving.engine.params import SamplingParams
 from serving.engine.request import Sequence
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from serving.deployments.messages import WorkerRequest
-from serving.engine.block_hash import hash_blocks
+from serving.engine.kv.block_hash import hash_blocks
 from serving.engine.params import SamplingParams
 from tests.helpers import served_app, tiny_app_config
 

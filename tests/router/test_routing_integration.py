@@ -11,7 +11,7 @@ import pytest
 
 from load_tests.local_ray import free_port
 from serving.deployments.messages import WorkerRequest
-from serving.engine.block_hash import hash_blocks
+from serving.engine.kv.block_hash import hash_blocks
 from serving.engine.params import SamplingParams
 from tests.helpers import tiny_app_config
 

@@ -25,8 +25,8 @@ from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from serving.engine import EngineConfig, SamplingParams
 from serving.engine.async_engine import AsyncEngine
-from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.outputs import merge_outputs
+from serving.engine.sampling.detokenizer import IncrementalDetokenizer
 from tests.helpers import VirtualClock, single_tokens
 
 MODEL = "tiny"

@@ -22,8 +22,8 @@ from serving.api.pipeline import Frontend
 from serving.api.routes import OpenAIServer
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
-from serving.engine.grammar import compiler_for
 from serving.engine.params import GuidedSpec, SamplingParams
+from serving.engine.sampling.grammar import compiler_for
 
 MODEL = "tiny"
 HELLO = [{"role": "user", "content": "Describe someone."}]

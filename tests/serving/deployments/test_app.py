@@ -430,7 +430,7 @@ def test_kv_lost_before_claim_recomputes(serve_instance, tiny_model_dir, referen
     """The KV is gone (released) when the decode worker claims it: it recomputes, same tokens."""
     import ray
 
-    from serving.engine.model_loader import load_tokenizer
+    from serving.engine.modeling.loader import load_tokenizer
 
     token_ids, _ = reference("Lost KV.")
 
@@ -464,7 +464,7 @@ def test_kv_lost_before_claim_recomputes(serve_instance, tiny_model_dir, referen
 
 
 def test_unclaimed_kv_is_freed_when_its_lease_ends(serve_instance, tiny_model_dir):
-    from serving.engine.model_loader import load_tokenizer
+    from serving.engine.modeling.loader import load_tokenizer
 
     frontend = Frontend(load_tokenizer(tiny_model_dir), None, "tiny")
     ids = frontend.encode_chat([ChatMessage(role="user", content="Nobody claims this KV.")])

@@ -229,7 +229,7 @@ def test_each_first_output_says_what_its_engine_held_as_the_request_arrived(tiny
     from dataclasses import replace
 
     from serving.deployments.messages import WorkerOutput
-    from serving.engine.block_hash import hash_blocks
+    from serving.engine.kv.block_hash import hash_blocks
 
     prefill, decode = workers(tiny_model_dir, arena_mib=1)
     prefill.replica, decode.replica = "p1", "d1"

@@ -5,7 +5,7 @@ answers as it does for kvrelay's engine, and the pools' signals come from vLLM's
               tokens, streaming, /v1/models, a bad request's 400, vLLM's figures at /metrics)
     /vllmpd   disaggregated: two prefill replicas and one decode replica on vLLM; every request's
               KV crosses kvrelay's hand-off (vLLM's cache -> the node's KV arena -> the other
-              vLLM's cache, serving/engine/vllm_connector.py) with no fallback and one engine's
+              vLLM's cache, serving/engine/vllm/connector.py) with no fallback and one engine's
               greedy text, a hand-off lost before its claim is recomputed with the same tokens,
               and the prefix router follows each prefix across the two prefill replicas from
               vLLM's own KV events
@@ -25,7 +25,7 @@ from serving.api.pipeline import Frontend
 from serving.api.protocol import ChatMessage
 from serving.deployments.messages import WorkerRequest, WorkerStats
 from serving.engine import SamplingParams
-from serving.engine.model_loader import load_tokenizer
+from serving.engine.modeling.loader import load_tokenizer
 from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]

@@ -13,7 +13,7 @@ def vllm_engines(default_model_dir, needs_vllm):
     KV each) and the event loop their output handlers run on, shared by this package's vLLM tests
     (each starts in about half a minute) and stopped after them."""
     from serving.engine import EngineConfig
-    from serving.engine.vllm_engine import VLLMEngine
+    from serving.engine.vllm.engine import VLLMEngine
 
     loop = asyncio.new_event_loop()
     config = EngineConfig(model=str(default_model_dir), dtype="float32", kv_cache_bytes=2**29, max_model_len=1024,

@@ -13,7 +13,7 @@ import pytest
 
 from serving.engine import EngineConfig, EngineDeadError, InvalidRequestError, LLMEngine, RequestFailedError, SamplingParams
 from serving.engine.async_engine import AsyncEngine
-from serving.engine.sampler import Sampler
+from serving.engine.sampling.sampler import Sampler
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from serving.engine.attention import AttentionMetadata, _decode_attention_torch
-from serving.engine.cpu_kernels import native_kernels
+from serving.engine.modeling.attention import AttentionMetadata, _decode_attention_torch
+from serving.engine.modeling.cpu_kernels import native_kernels
 
 
 def make_case(dtype, *, num_seqs=5, num_heads=6, num_kv_heads=2, head_dim=64, block_size=4, seed=0):
@@ -109,7 +109,7 @@ def test_small_m_linear_matches_torch_fp32(rows):
 
 
 def test_linear_choice_takes_rows_up_to_the_first_where_native_is_not_faster():
-    from serving.engine.linear_choice import LinearChoice, choose_linear
+    from serving.engine.modeling.linear_choice import LinearChoice, choose_linear
 
     class Lin:
         def __init__(self):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from serving.engine import EngineConfig, LLMEngine, SamplingParams
-from serving.engine.cpu_kernels import native_kernels
+from serving.engine.modeling.cpu_kernels import native_kernels
 from tests.serving.engine.test_engine import random_prompts
 
 pytestmark = pytest.mark.skipif(native_kernels() is None, reason="batch-invariant mode needs the native CPU kernels")
@@ -137,7 +137,7 @@ def test_deterministic_off_or_unsupported_runs_the_usual_path(tiny_model_dir, ca
     assert _engine(tiny_model_dir).model.is_batch_invariant
     assert "batch-invariant" in _engine(tiny_model_dir).stats().linear_path
     assert not _engine(tiny_model_dir, deterministic=False).model.is_batch_invariant
-    with caplog.at_level(logging.WARNING, logger="serving.engine.model"):
+    with caplog.at_level(logging.WARNING, logger="serving.engine.modeling.model"):
         engine = _engine(tiny_model_dir, dtype="float16")
     assert not engine.model.is_batch_invariant
     assert "native linear kernel runs bf16 and fp32, not torch.float16" in caplog.text
@@ -171,7 +171,7 @@ def test_auto_is_on_only_where_it_was_measured_to_cost_nothing(monkeypatch, sett
     no AMX (the packed kernel's cost there: docs/benchmarks.md), and on AMX too for an engine that
     speculates (greedy output must equal decoding without it); true forces it wherever the kernels
     run, false never. The reason is what the engine logs and reports (stats)."""
-    from serving.engine import model as model_module
+    from serving.engine.modeling import model as model_module
 
     monkeypatch.setattr(model_module, "native_kernels", lambda: _Kernels(packed))
     monkeypatch.setattr(model_module, "cpu_has_amx", lambda: amx)
@@ -180,7 +180,7 @@ def test_auto_is_on_only_where_it_was_measured_to_cost_nothing(monkeypatch, sett
 
 
 def _auto_is_on_here() -> bool:
-    from serving.engine import model as model_module
+    from serving.engine.modeling import model as model_module
 
     return model_module._batch_invariance("auto", torch.device("cpu"), torch.bfloat16)[0]
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from serving.engine import cpu_kernels
-from serving.engine.cpu_kernels import DISABLE_ENV, KernelPath, KernelStatus, build_dir, kernel_status
+from serving.engine.modeling import cpu_kernels
+from serving.engine.modeling.cpu_kernels import DISABLE_ENV, KernelPath, KernelStatus, build_dir, kernel_status
 from tests.helpers import REPO
 
 
@@ -37,7 +37,7 @@ def test_a_failed_build_says_why(fresh_process, caplog):
         raise RuntimeError("Error building extension 'kvrelay_kernels': c++: not found\nninja: build stopped")
 
     fresh_process.setattr(cpu_kernels, "_build_or_load", no_compiler)
-    with caplog.at_level(logging.WARNING, logger="serving.engine.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="serving.engine.modeling.cpu_kernels"):
         assert cpu_kernels.native_kernels() is None
     assert kernel_status() == KernelStatus(
         KernelPath.PYTORCH, "the native build failed: Error building extension 'kvrelay_kernels': c++: not found",
@@ -72,7 +72,7 @@ from pathlib import Path
 go = Path(sys.argv[1])
 while not go.exists():
     time.sleep(0.01)
-from serving.engine.cpu_kernels import kernel_status
+from serving.engine.modeling.cpu_kernels import kernel_status
 status = kernel_status()
 print(json.dumps({"path": status.path.value, "reason": status.reason}))
 """

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.engine.sampling.detokenizer import IncrementalDetokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 IM_START, IM_END = 1, 2  # <|im_start|>, <|im_end|> of SmolLM2

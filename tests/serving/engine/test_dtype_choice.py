@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from serving.engine import dtype_choice
-from serving.engine.dtype_choice import DtypeChoice, choose_dtype
+from serving.engine.modeling import dtype_choice
+from serving.engine.modeling.dtype_choice import DtypeChoice, choose_dtype
 
 
 def fake_gemm(seconds: dict):

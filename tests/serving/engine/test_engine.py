@@ -14,9 +14,9 @@ from serving.engine import (
     LLMEngine,
     SamplingParams,
 )
-from serving.engine.kv_events import BlockStored
-from serving.engine.kv_payload import KVPayload
-from serving.engine.sampler import LogitBias
+from serving.engine.kv.events import BlockStored
+from serving.engine.kv.payload import KVPayload
+from serving.engine.sampling.sampler import LogitBias
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -124,7 +124,7 @@ def test_kv_events_report_stored_prompt_blocks(tiny_model_dir):
     events = eng.take_kv_events()
     assert events and all(isinstance(e, BlockStored) for e in events)
     stored = [h for e in events for h in e.block_hashes]
-    from serving.engine.block_hash import hash_blocks
+    from serving.engine.kv.block_hash import hash_blocks
 
     assert stored == hash_blocks(prompt, 16)  # 2 full blocks of the 40-token prompt
 
@@ -419,8 +419,8 @@ def test_prompt_longer_than_context_names_both_numbers(tiny_model_dir):
 
 def test_pytorch_path_matches_native_kernels(tiny_model_dir, monkeypatch, alone_outputs):
     """The plain PyTorch forward (CUDA, or no C++ compiler) gives the same greedy tokens."""
-    import serving.engine.attention as attention
-    import serving.engine.model as model
+    import serving.engine.modeling.attention as attention
+    import serving.engine.modeling.model as model
 
     monkeypatch.setattr(model, "native_kernels", lambda: None)
     monkeypatch.setattr(attention, "native_kernels", lambda: None)
@@ -463,7 +463,7 @@ def test_a_request_not_kept_cached_leaves_its_blocks_first_to_be_reused(tiny_mod
             eng.step()
     bm = eng.block_manager
     cached = {bm.blocks[b].block_hash: position for position, b in enumerate(bm._free) if bm.blocks[b].block_hash is not None}
-    from serving.engine.block_hash import hash_blocks
+    from serving.engine.kv.block_hash import hash_blocks
 
     cold_hashes, kept_hashes = hash_blocks(cold, 16), hash_blocks(kept, 16)
     assert len(cold_hashes) == len(kept_hashes) == 3

@@ -17,8 +17,8 @@ import pytest
 
 from serving.engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
 from serving.engine.async_engine import AsyncEngine
-from serving.engine.grammar import GrammarCompiler
 from serving.engine.params import GuidedSpec
+from serving.engine.sampling.grammar import GrammarCompiler
 from tests.serving.engine.test_engine import random_prompts, tokens_of
 
 SCHEMA = {

@@ -1,4 +1,4 @@
-"""The grammar module (serving/engine/grammar.py) and GuidedSpec: what each kind of spec compiles
+"""The grammar module (serving/engine/sampling/grammar.py) and GuidedSpec: what each kind of spec compiles
 to, token by token, against the default model's real 49,152-token vocabulary.
 
 Expected masks come from a definition, not from the backend: a token may come first in a choice
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from serving.engine.errors import InvalidRequestError
-from serving.engine.grammar import GrammarCompileError, GrammarCompiler, PendingGrammars, allocate_bitmask, compiler_for
 from serving.engine.params import GuidedSpec, SamplingParams
+from serving.engine.sampling.grammar import GrammarCompileError, GrammarCompiler, PendingGrammars, allocate_bitmask, compiler_for
 
 VOCAB = 49152
 EOS = 2

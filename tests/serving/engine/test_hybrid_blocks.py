@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from serving.engine import EngineConfig, LLMEngine, SamplingParams
-from serving.engine.block_manager import NULL_BLOCK, BlockManager, HybridBlockManager
-from serving.engine.kv_cache import KVCache
+from serving.engine.kv.block_manager import NULL_BLOCK, BlockManager, HybridBlockManager
+from serving.engine.kv.cache import KVCache
 from tests.helpers import build_tiny_model
 from tests.serving.engine.test_block_manager import make_seq
 from tests.serving.engine.test_model_parity import engine_greedy, hf_greedy, windowed_run
@@ -245,7 +245,7 @@ def test_qwen_layer_types_with_two_pools_on_every_attention_path(path, tmp_path,
     read the sliding layer's KV through its own pool's tables; transformers' greedy tokens."""
     from transformers import AutoModelForCausalLM
 
-    from serving.engine import attention, model
+    from serving.engine.modeling import attention, model
 
     model_dir = build_tiny_model(tmp_path / "qwen2", default_model_dir, architecture="qwen2", sliding_window=20,
                                  max_window_layers=1)

@@ -251,8 +251,8 @@ def test_the_segmented_kernel_adds_each_rows_own_adapter(dtype, packed):
     """lora_segmented (and its bf16 form with B^T packed by pairs) against float64: each listed
     row gets its own slot's (x A^T) B^T, a slot with an empty range and the unlisted rows keep y;
     a row's result does not depend on the other rows listed with it."""
-    from serving.engine.cpu_kernels import native_kernels
-    from serving.engine.lora import _pack_pairs
+    from serving.engine.modeling.cpu_kernels import native_kernels
+    from serving.engine.modeling.lora import _pack_pairs
 
     kernels = native_kernels()
     if kernels is None or (packed and not kernels.has_packed_linear()):

@@ -154,7 +154,7 @@ def test_missing_model_says_what_is_accepted():
 
 @pytest.mark.slow
 def test_gguf_file_path_is_converted_once_and_cached(tmp_path, monkeypatch, default_model_dir):
-    from serving.engine.model_loader import _builtin_gguf, resolve_model_dir
+    from serving.engine.modeling.loader import _builtin_gguf, resolve_model_dir
 
     monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))
     gguf = _builtin_gguf("smollm2-135m-instruct")

@@ -1,5 +1,5 @@
 """What a model's files say, read through transformers once and remembered under the cache dir
-(serving/engine/model_loader.py, _remembered): the spec and the tokenizer a second process gets
+(serving/engine/modeling/loader.py, _remembered): the spec and the tokenizer a second process gets
 are the ones transformers gives, and it gets them without importing a model's config class."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from serving.engine import model_loader
-from serving.engine.model import _rope_tables
-from serving.engine.model_loader import load_model_spec, load_tokenizer
+from serving.engine.modeling import loader as model_loader
+from serving.engine.modeling.loader import load_model_spec, load_tokenizer
+from serving.engine.modeling.model import _rope_tables
 from tests.helpers import build_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

@@ -1,4 +1,4 @@
-"""Prompt logprobs from the prefill pass (serving/engine/prompt_logprobs.py), and max_tokens=0.
+"""Prompt logprobs from the prefill pass (serving/engine/sampling/prompt_logprobs.py), and max_tokens=0.
 
 The reference is a direct full forward of the tiny model in transformers (fp32): the logits of
 positions 0..n-2, log_softmax, gathered at tokens 1..n-1. The engine's figures, computed chunk by

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from serving.engine.params import SamplingParams
-from serving.engine.sampler import (
+from serving.engine.sampling.sampler import (
     LogitBias,
     Sampler,
     SamplingRow,

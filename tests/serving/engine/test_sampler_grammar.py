@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from serving.engine.params import SamplingParams
-from serving.engine.sampler import Sampler, SamplingRow
-from serving.engine.sampling_ops import apply_token_bitmask
+from serving.engine.sampling.ops import apply_token_bitmask
+from serving.engine.sampling.sampler import Sampler, SamplingRow
 
 VOCAB = 100
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from serving.engine.block_manager import BlockManager
+from serving.engine.kv.block_manager import BlockManager
 from serving.engine.params import SamplingParams
 from serving.engine.request import RequestStatus, Sequence
 from serving.engine.scheduler import Scheduler

@@ -11,7 +11,7 @@ import pytest
 from serving.engine import SamplingParams
 from serving.engine.config import SpeculativeConfig
 from serving.engine.request import Sequence
-from serving.engine.speculative import Speculator, next_k
+from serving.engine.spec.speculative import Speculator, next_k
 from serving.engine.step_costs import KNEE_FRACTION, measure_step_costs, step_costs_from
 from tests.serving.engine.test_engine import make_engine, tokens_of
 from tests.serving.engine.test_speculative import GREEDY, SPEC, plain_outputs, spec_engine, workload  # noqa: F401 - a fixture

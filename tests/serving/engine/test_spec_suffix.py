@@ -12,8 +12,8 @@ import torch
 from serving.engine import SamplingParams
 from serving.engine.config import SpeculativeConfig
 from serving.engine.request import RequestStatus, Sequence
-from serving.engine.spec_suffix import SuffixProposer, SuffixTree
-from serving.engine.speculative import build_proposer
+from serving.engine.spec.speculative import build_proposer
+from serving.engine.spec.suffix import SuffixProposer, SuffixTree
 from tests.serving.engine.test_engine import make_engine, random_prompts, tokens_of
 from tests.serving.engine.test_speculative import spec_engine
 

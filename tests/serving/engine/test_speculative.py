@@ -22,12 +22,12 @@ import torch
 
 from serving.engine import SamplingParams
 from serving.engine.config import EngineConfig, SpeculativeConfig
-from serving.engine.grammar import GrammarCompiler, SpeculativeMask, allocate_bitmask
 from serving.engine.outputs import CompletionOutput
 from serving.engine.params import GuidedSpec
-from serving.engine.spec_ngram import NgramProposer
-from serving.engine.spec_proposer import TokenProposer
-from serving.engine.speculative import num_accepted
+from serving.engine.sampling.grammar import GrammarCompiler, SpeculativeMask, allocate_bitmask
+from serving.engine.spec.ngram import NgramProposer
+from serving.engine.spec.proposer import TokenProposer
+from serving.engine.spec.speculative import num_accepted
 from tests.serving.engine.test_engine import make_engine, random_prompts, tokens_of
 
 # adaptive off: these tests are about verification, with every proposal the proposer makes

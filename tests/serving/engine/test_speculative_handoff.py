@@ -12,7 +12,7 @@ tokens), so the counts of proposed and accepted tokens are known exactly (oracle
 from __future__ import annotations
 
 from serving.engine import SamplingParams
-from serving.engine.kv_payload import KVPayload
+from serving.engine.kv.payload import KVPayload
 from tests.serving.engine.test_engine import make_engine, random_prompts, tokens_of
 from tests.serving.engine.test_speculative import SPEC, spec_engine
 

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.params import SamplingParams
-from serving.engine.stop_checker import StopChecker, StopResult
+from serving.engine.sampling.detokenizer import IncrementalDetokenizer
+from serving.engine.sampling.stop_checker import StopChecker, StopResult
 
 EOS = 2  # <|im_end|> of SmolLM2
 TEXT_TOKEN = 100  # any id that is neither eos nor a stop token

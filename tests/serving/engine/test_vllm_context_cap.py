@@ -1,4 +1,4 @@
-"""The context window a vLLM engine is asked for (serving/engine/vllm_engine.py): capped at what
+"""The context window a vLLM engine is asked for (serving/engine/vllm/engine.py): capped at what
 its KV budget holds, as kvrelay's engine caps it, where vLLM would refuse to start. Needs no vLLM."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from serving.engine import EngineConfig
 from serving.engine.errors import ModelLoadError
-from serving.engine.vllm_engine import _capped_max_model_len
+from serving.engine.vllm.engine import _capped_max_model_len
 
 # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64, a window of 8192
 SPEC = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64, max_position_embeddings=8192)

@@ -1,4 +1,4 @@
-"""`backend: vllm` (serving/engine/vllm_engine.py): vLLM's AsyncLLM behind AsyncEngine's surface,
+"""`backend: vllm` (serving/engine/vllm/engine.py): vLLM's AsyncLLM behind AsyncEngine's surface,
 on the default model, fp32, against transformers; sampling values and structured outputs mapped,
 aborts, stats. Runs in the environment `make test` builds for it (.venv-vllm); anywhere vLLM
 cannot be imported it skips, and CI (CI set) fails instead."""
@@ -14,7 +14,7 @@ import pytest
 from serving.engine import EngineConfig, SamplingParams
 from serving.engine.errors import InvalidRequestError
 from serving.engine.params import GuidedSpec
-from serving.engine.vllm_engine import VLLMEngine, vllm_sampling_params
+from serving.engine.vllm.engine import VLLMEngine, vllm_sampling_params
 from tests.serving.engine.test_model_parity import hf_greedy
 
 pytestmark = pytest.mark.vllm
@@ -224,7 +224,7 @@ def test_vllms_kv_events_fill_the_routers_index_in_kvrelays_hashes_and_predict_i
     import threading
 
     from router.index import CachedBlockSet
-    from serving.engine.block_hash import block_extra_keys, hash_blocks
+    from serving.engine.kv.block_hash import block_extra_keys, hash_blocks
 
     engine, loop = served
     index, lock = CachedBlockSet(), threading.Lock()
@@ -305,9 +305,9 @@ def test_the_relay_hashes_adapters_and_salts_as_the_ingress_does_and_counts_dupl
     """No vLLM needed: vLLM's events as it sends them (extra keys untagged, the adapter's name
     before the salt) become blocks with the ingress's hashes; a hash vLLM holds twice goes only
     when its last block does."""
-    from serving.engine.block_hash import block_extra_keys, hash_blocks
-    from serving.engine.kv_events import BlockRemoved, BlockStored
-    from serving.engine.vllm_events import KVEventRelay
+    from serving.engine.kv.block_hash import block_extra_keys, hash_blocks
+    from serving.engine.kv.events import BlockRemoved, BlockStored
+    from serving.engine.vllm.events import KVEventRelay
 
     relay = KVEventRelay.__new__(KVEventRelay)  # its translation alone, no socket
     relay.block_size, relay._lora_paths, relay._ours = 4, {"tone": "/adapters/tone"}, {}

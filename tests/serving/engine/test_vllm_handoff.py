@@ -15,8 +15,8 @@ import pytest
 
 from serving.engine import SamplingParams
 from serving.engine.errors import InvalidRequestError
-from serving.engine.kv_payload import ShmRange
-from serving.engine.vllm_engine import VLLMEngine
+from serving.engine.kv.payload import ShmRange
+from serving.engine.vllm.engine import VLLMEngine
 
 pytestmark = pytest.mark.vllm
 

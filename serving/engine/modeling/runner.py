@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serving.engine.attention import AttentionMetadata, PrefillChunk
-from serving.engine.cpu_kernels import native_kernels
-from serving.engine.kv_cache import KVCache
-from serving.engine.lora import LoRABatch
-from serving.engine.model import LlamaModel
-from serving.engine.prompt_logprobs import PromptSpan, prompt_spans
+from serving.engine.kv.cache import KVCache
+from serving.engine.modeling.attention import AttentionMetadata, PrefillChunk
+from serving.engine.modeling.cpu_kernels import native_kernels
+from serving.engine.modeling.lora import LoRABatch
+from serving.engine.modeling.model import LlamaModel
 from serving.engine.request import Sequence
+from serving.engine.sampling.prompt_logprobs import PromptSpan, prompt_spans
 
 __all__ = ["ModelRunner", "StepInput"]
 

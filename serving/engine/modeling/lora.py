@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from serving.engine.cpu_kernels import native_kernels
 from serving.engine.errors import InvalidRequestError, ModelLoadError
-from serving.engine.model_loader import permute_qk_rows
+from serving.engine.modeling.cpu_kernels import native_kernels
+from serving.engine.modeling.loader import permute_qk_rows
 
 __all__ = ["LoRAAdapter", "LoRAManager", "LoRABatch", "StackedLinear", "load_adapter", "LoRAError"]
 

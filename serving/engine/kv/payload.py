@@ -7,7 +7,7 @@ engine verifies the tokens, hashes the blocks itself, skips those it already cac
 the rest in its own prefix cache. Importing and continuing gives the same tokens
 as never having moved.
 
-An engine whose KV lives in another process (vLLM's EngineCore: serving/engine/vllm_connector.py)
+An engine whose KV lives in another process (vLLM's EngineCore: serving/engine/vllm/connector.py)
 reads and writes a payload where it lies in shared memory: a ShmRange names that file range, and a
 payload over one carries it (`shm`), so the bytes are copied once, by the process that owns the
 KV cache. The layout's `format` says whose block layout the bytes are in: "kvrelay" (the shape

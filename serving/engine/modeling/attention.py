@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from serving.engine.cpu_kernels import native_kernels
+from serving.engine.modeling.cpu_kernels import native_kernels
 
 __all__ = ["PrefillChunk", "AttentionMetadata", "paged_attention"]
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
-from serving.engine.block_hash import ROOT_HASH, hash_blocks
-from serving.engine.kv_events import BlockRemoved, BlockStored, KVEvent
+from serving.engine.kv.block_hash import ROOT_HASH, hash_blocks
+from serving.engine.kv.events import BlockRemoved, BlockStored, KVEvent
 from serving.engine.request import Sequence
 
 __all__ = ["NULL_BLOCK", "Block", "BlockManager", "HybridBlockManager"]

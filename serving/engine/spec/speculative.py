@@ -99,10 +99,10 @@ from typing import TYPE_CHECKING
 from serving.engine.config import SpeculativeConfig
 from serving.engine.params import SamplingParams
 from serving.engine.request import Sequence
-from serving.engine.spec_draft import DraftModelProposer
-from serving.engine.spec_ngram import NgramProposer
-from serving.engine.spec_proposer import Proposer, TokenProposer
-from serving.engine.spec_suffix import SuffixProposer
+from serving.engine.spec.draft import DraftModelProposer
+from serving.engine.spec.ngram import NgramProposer
+from serving.engine.spec.proposer import Proposer, TokenProposer
+from serving.engine.spec.suffix import SuffixProposer
 from serving.engine.step_costs import StepCosts
 
 if TYPE_CHECKING:

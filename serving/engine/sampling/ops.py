@@ -91,7 +91,7 @@ def apply_penalties(
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, row_ids: Sequence[int]) -> torch.Tensor:
     """Step 4b, in place on float32 `logits` [rows, vocab]: row `row_ids[j]` keeps the tokens whose
     bit is set in `bitmask[j]` (int32 words on the CPU, bit b of word w = token 32 w + b, as
-    serving/engine/grammar.py fills it) and the others become -inf. Returns `logits`. A row with
+    serving/engine/sampling/grammar.py fills it) and the others become -inf. Returns `logits`. A row with
     no bit set raises ValueError: it would have nothing to sample.
 
     The words are read as bytes (little-endian: token order) and each byte looks up its 8 values,

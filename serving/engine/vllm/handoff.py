@@ -27,7 +27,7 @@ import os
 import torch
 
 from serving.engine.errors import InvalidRequestError
-from serving.engine.kv_payload import KVLayout, KVPayload, ShmRange
+from serving.engine.kv.payload import KVLayout, KVPayload, ShmRange
 
 __all__ = ["Handoff", "Handoffs", "payload_bytes"]
 
@@ -78,7 +78,7 @@ class Handoffs:
     def begin(self, prompt: list[int], prior: list[int], hold_kv: bool, kv_payload: KVPayload | None,
               export_into: ShmRange | None, export_until: float | None) -> Handoff | None:
         """What a request asks the connector to do (None: nothing), checked here."""
-        from serving.engine.vllm_connector import HandoffSpec
+        from serving.engine.vllm.connector import HandoffSpec
 
         receipt = f"{self._receipts_dir}/receipt-{next(self._receipts)}"
         if hold_kv:
@@ -111,7 +111,7 @@ class Handoffs:
         """The connector's copy is over (a load's before the first output, a save's by the last):
         its receipt read, a save of a finished request held for export; its staging goes with
         anything else."""
-        from serving.engine.vllm_connector import read_receipt
+        from serving.engine.vllm.connector import read_receipt
 
         spec = handoff.spec
         receipt = read_receipt(spec.receipt)

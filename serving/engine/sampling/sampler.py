@@ -16,7 +16,7 @@ Every row goes through the same pipeline, in this order:
                           presence and frequency over output only
                           (OpenAI: l -= frequency * count + presence * [count > 0])
     4b. grammar           rows with a `grammar` (a structured output): each fills its row of one
-                          int32 bitmask (serving/engine/grammar.py) and the tokens it does not
+                          int32 bitmask (serving/engine/sampling/grammar.py) and the tokens it does not
                           allow become -inf; rows without one are not touched, so a free row
                           samples exactly as it would alone
       v
@@ -58,7 +58,7 @@ import torch
 
 from serving.engine.outputs import TokenLogprob
 from serving.engine.params import SamplingParams
-from serving.engine.sampling_ops import (
+from serving.engine.sampling.ops import (
     _filter,
     _inverse_cdf,
     _put,
@@ -103,7 +103,7 @@ class LogitBias:
 
 
 class TokenConstraint(Protocol):
-    """What step 4b needs of a row's grammar (serving/engine/grammar.py's GrammarMatcher)."""
+    """What step 4b needs of a row's grammar (serving/engine/sampling/grammar.py's GrammarMatcher)."""
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
         """Row `index` of the int32 `bitmask`: bit set = the token may come next."""

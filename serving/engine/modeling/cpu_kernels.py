@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from serving.engine.model_loader import cache_dir
+from serving.engine.modeling.loader import cache_dir
 
 __all__ = ["DISABLE_ENV", "KernelPath", "KernelStatus", "build_dir", "kernel_status", "native_kernels"]
 

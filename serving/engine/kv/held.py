@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import time
 
-from serving.engine.block_manager import BlockManager, HybridBlockManager
-from serving.engine.kv_cache import KVCache
-from serving.engine.kv_payload import KVLayout, KVPayload
+from serving.engine.kv.block_manager import BlockManager, HybridBlockManager
+from serving.engine.kv.cache import KVCache
+from serving.engine.kv.payload import KVLayout, KVPayload
 from serving.engine.request import Sequence
 
 __all__ = ["HeldKV"]

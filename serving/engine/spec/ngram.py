@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from serving.engine.spec_proposer import TokenProposer
+from serving.engine.spec.proposer import TokenProposer
 
 __all__ = ["NgramProposer"]
 

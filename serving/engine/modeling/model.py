@@ -33,12 +33,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from serving.engine.attention import AttentionMetadata, paged_attention
-from serving.engine.cpu_kernels import native_kernels
 from serving.engine.errors import ModelLoadError
-from serving.engine.linear_choice import LinearChoice, choose_linear
-from serving.engine.lora import LoRABatch
-from serving.engine.model_loader import ModelSpec, permute_qk_rows
+from serving.engine.modeling.attention import AttentionMetadata, paged_attention
+from serving.engine.modeling.cpu_kernels import native_kernels
+from serving.engine.modeling.linear_choice import LinearChoice, choose_linear
+from serving.engine.modeling.loader import ModelSpec, permute_qk_rows
+from serving.engine.modeling.lora import LoRABatch
 
 __all__ = ["LlamaModel"]
 

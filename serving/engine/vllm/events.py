@@ -65,8 +65,8 @@ class KVEventRelay:
             socket.close(linger=0)
 
     def translate(self, events) -> list:
-        from serving.engine.block_hash import ROOT_HASH, block_extra_keys, hash_blocks
-        from serving.engine.kv_events import BlockRemoved, BlockStored
+        from serving.engine.kv.block_hash import ROOT_HASH, block_extra_keys, hash_blocks
+        from serving.engine.kv.events import BlockRemoved, BlockStored
 
         out = []
         for event in events:

@@ -1,7 +1,7 @@
 """KVRelayConnector: vLLM's KV moves through kvrelay's hand-off (a vLLM v1 KV connector).
 
 vLLM builds this class twice in its EngineCore process (or its workers'): once beside its scheduler
-and once beside its model runner. The replica (serving/engine/vllm_engine.py) asks for a hand-off
+and once beside its model runner. The replica (serving/engine/vllm/engine.py) asks for a hand-off
 per request in `kv_transfer_params["kvrelay"]`; the bytes go straight between vLLM's paged cache
 and a shared-memory range the replica names (the node's KV arena, or a staging memfd), so they
 are copied once, by the process that holds the cache:
@@ -50,7 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from serving.engine.kv_payload import ShmRange
+from serving.engine.kv.payload import ShmRange
 
 __all__ = ["HANDOFF_KEY", "HandoffSpec", "KVRelayConnector", "read_receipt"]
 

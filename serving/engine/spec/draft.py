@@ -44,13 +44,13 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from serving.engine.block_manager import BlockManager
 from serving.engine.config import SpeculativeConfig
 from serving.engine.errors import ModelLoadError
-from serving.engine.kv_cache import KVCache
-from serving.engine.model import LlamaModel
-from serving.engine.model_loader import ModelSpec, load_model_spec, load_state_dict, load_tokenizer, resolve_model_dir
-from serving.engine.model_runner import ModelRunner
+from serving.engine.kv.block_manager import BlockManager
+from serving.engine.kv.cache import KVCache
+from serving.engine.modeling.loader import ModelSpec, load_model_spec, load_state_dict, load_tokenizer, resolve_model_dir
+from serving.engine.modeling.model import LlamaModel
+from serving.engine.modeling.runner import ModelRunner
 from serving.engine.request import Sequence
 
 if TYPE_CHECKING:

@@ -47,12 +47,12 @@ from pathlib import Path
 
 from serving.engine.config import EngineConfig, VLLMOptions
 from serving.engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError, RequestFailedError
-from serving.engine.kv_payload import KVLayout, KVPayload, ShmRange
+from serving.engine.kv.payload import KVLayout, KVPayload, ShmRange
 from serving.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, TokenLogprob
 from serving.engine.params import SamplingParams
 from serving.engine.prefill_rate import PrefillRate
-from serving.engine.vllm_events import KVEventRelay
-from serving.engine.vllm_handoff import Handoffs, payload_bytes
+from serving.engine.vllm.events import KVEventRelay
+from serving.engine.vllm.handoff import Handoffs, payload_bytes
 
 __all__ = ["VLLMEngine", "vllm_sampling_params"]
 
@@ -228,7 +228,7 @@ def _engine_args(config: EngineConfig, model_dir, events_endpoint: str, kv_hando
     from vllm import AsyncEngineArgs
     from vllm.config import KVEventsConfig, KVTransferConfig
 
-    from serving.engine.kv_cache import available_memory_bytes
+    from serving.engine.kv.cache import available_memory_bytes
 
     options = config.vllm or VLLMOptions()
     lora = {}
@@ -251,7 +251,7 @@ def _engine_args(config: EngineConfig, model_dir, events_endpoint: str, kv_hando
         if options.tensor_parallel_size > 1:
             raise ModelLoadError("vllm.tensor_parallel_size > 1 cannot hand KV off through kvrelay yet (each "
                                  "rank holds a slice of every block); run the P/D pools with 1, or mode: colocated")
-        transfer = KVTransferConfig(kv_connector="KVRelayConnector", kv_connector_module_path="serving.engine.vllm_connector",
+        transfer = KVTransferConfig(kv_connector="KVRelayConnector", kv_connector_module_path="serving.engine.vllm.connector",
                                     kv_role="kv_both", kv_load_failure_policy="recompute")
     return AsyncEngineArgs(
         model=str(model_dir), tokenizer=str(model_dir), dtype="auto" if config.dtype == "auto" else config.dtype,
@@ -272,7 +272,7 @@ class VLLMEngine:
     exports_to_ranges = True  # export_into is a ShmRange: vLLM's cache is in its EngineCore process
 
     def __init__(self, config: EngineConfig, *, kv_handoff: bool = False):
-        from serving.engine.model_loader import environment, load_model_spec, load_tokenizer, resolve_model_dir
+        from serving.engine.modeling.loader import environment, load_model_spec, load_tokenizer, resolve_model_dir
 
         try:
             from vllm.v1.engine.async_llm import AsyncLLM
