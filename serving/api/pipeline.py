@@ -12,8 +12,7 @@ once every choice has ended the backend stream is closed, which aborts the reque
 An engine that refused the request after it waited past its `max_queue_wait_s` (finish_reason
 "queue_timeout", no tokens) makes it a QueueTimeoutError: 503 with Retry-After.
 
-A Backend is where the tokens come from: `LocalBackend` (an in-process AsyncEngine, for tests
-and embedding) or `ServeBackend` (prefill/decode pools behind Serve handles).
+A Backend is where the tokens come from (serving/api/backend.py).
 """
 
 from __future__ import annotations
@@ -24,9 +23,10 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass, replace
+from typing import Literal
 
+from serving.api.backend import Backend, GenerateRequest
 from serving.api.errors import QueueTimeoutError
 from serving.api.protocol import ChatMessage
 from serving.api.tool_calls import ToolPlan, render_conversation, template_knows_tools
@@ -42,57 +42,11 @@ from serving.engine.validation import ModelInfo, check_request
 from serving.observability.ingress_metrics import RequestRecord
 from serving.observability.tracing import RequestTrace
 
-__all__ = ["GenerateRequest", "Backend", "ChoiceDelta", "Usage", "Frontend"]
+__all__ = ["ChoiceDelta", "Usage", "Frontend"]
 
 logger = logging.getLogger(__name__)
 
 _QUEUE_TIMEOUT = RequestStatus.FINISHED_QUEUE_TIMEOUT.value
-
-
-@dataclass
-class GenerateRequest:
-    """What the pipeline asks a Backend to generate: ids and sampling params, no text. The Serve
-    backend sends it to the workers as a WorkerRequest (serving/deployments/messages.py)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
-    cache_salt: str | None = None
-    arrival_time: float = field(default_factory=time.time)  # wall clock, comparable across nodes
-    lora_name: str | None = None  # the LoRA adapter it runs with (EngineConfig.lora); None: the base model
-    # its PEFT directory, as the ingress knows it: a worker registers a name it has not heard of
-    # (an adapter loaded at run time, POST /v1/load_lora_adapter) from here
-    lora_path: str | None = None
-    # Routing: the prompt's chained block hashes, computed once at the ingress with the engines'
-    # block size and extra keys (router/index.py), and the session-affinity key (`user`).
-    block_hashes: list[int] = field(default_factory=list)
-    block_size: int = 16
-    session: str | None = None
-    # Set by the prefill pool's router (router/request_router.py): False when the prompt's new
-    # blocks are worth less than what caching them would evict on the chosen replica.
-    keep_cached: bool = True
-    # The ingress span's W3C context (serving/observability/tracing.py), so workers continue the
-    # trace; None when tracing is off.
-    trace_context: dict[str, str] | None = None
-
-
-class Backend(Protocol):
-    async def model_info(self) -> ModelInfo: ...
-
-    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Token-id outputs; raises engine errors (InvalidRequestError, ...) or APIErrors.
-        Closing the iterator early aborts the request everywhere it runs."""
-        ...
-
-    async def health(self) -> dict[str, Any]:
-        """Per pool, whether a replica is alive; raises NoWorkerError when one is not."""
-        ...
-
-    async def check_adapter(self, name: str, path: str) -> None:
-        """Whether the PEFT LoRA adapter at `path` loads on the workers; raises
-        InvalidRequestError naming `lora_path` (and the file and field) when it does not."""
-        ...
 
 
 @dataclass

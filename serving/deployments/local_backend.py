@@ -12,7 +12,7 @@ from contextlib import aclosing
 from typing import Any
 
 from serving.api.errors import NoWorkerError
-from serving.api.pipeline import GenerateRequest
+from serving.api.backend import GenerateRequest
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.outputs import RequestOutput
 from serving.engine.validation import ModelInfo

@@ -55,7 +55,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from router.disaggregation import PrefillPlace, choose_prefill_place
 from router.replica_stats import RoutingStats
 from serving.api.errors import HealthUnknownError, NoWorkerError, QueueFullError
-from serving.api.pipeline import GenerateRequest
+from serving.api.backend import GenerateRequest
 from serving.config import ServeConfig
 from serving.deployments import faults
 from serving.deployments.caller_watch import this_actor

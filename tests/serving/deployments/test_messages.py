@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from serving.api.pipeline import GenerateRequest
+from serving.api.backend import GenerateRequest
 from serving.deployments.messages import Caller, ClaimMiss, WorkerError, WorkerErrorKind, WorkerRequest
 from serving.engine.errors import ContextLengthError, EngineDeadError, InvalidRequestError, RequestFailedError
 from serving.engine.params import SamplingParams
