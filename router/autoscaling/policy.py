@@ -18,7 +18,7 @@ decision that reads this is `router.autoscaling.decide.decide`; the Serve option
 `router.autoscaling.decide.serve_autoscaling_config`.
 
 `load_policy(path)` raises `PolicyError` naming the file, each bad field, its value and the
-allowed values, in the layout of `serving.config.format_validation_error`, e.g.
+allowed values (serving/engine/config_file.py, the one loader of kvrelay's files), e.g.
 
     deploy/autoscaling/bad.yaml: invalid autoscaling policy
       prefill.max_step = 0: Input should be greater than or equal to 1 (allowed: >= 1 and <= 64)
@@ -29,18 +29,14 @@ from __future__ import annotations
 
 import math
 import os
-import types
-import typing
-from pathlib import Path
 from typing import Any, Literal
 
-import annotated_types
-import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
 from router.autoscaling.errors import FieldError as _FieldError
 from router.autoscaling.errors import PolicyError
 from router.autoscaling.planner_policy import PlannerPolicy
+from serving.engine.config_file import read_yaml_mapping, validate_model
 from serving.engine.strict import StrictModel
 
 __all__ = [
@@ -58,7 +54,6 @@ __all__ = [
     "TARGET_SIGNALS",
     "load_policy",
     "parse_policy",
-    "format_policy_error",
 ]
 
 PoolName = Literal["prefill", "decode", "worker"]
@@ -279,98 +274,11 @@ class AutoscalingPolicyConfig(StrictModel):
 # ---- loading ---------------------------------------------------------------------------------
 def load_policy(path: str | os.PathLike) -> AutoscalingPolicyConfig:
     """Read and validate a policy file; every problem is a PolicyError naming the file."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise PolicyError(f"{path}: cannot read the autoscaling policy ({exc.strerror})") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise PolicyError(f"{path}: not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        kind = "empty" if data is None else type(data).__name__
-        raise PolicyError(f"{path}: the top level must be a mapping with prefill/decode/worker sections, got {kind}")
+    data = read_yaml_mapping(path, what="autoscaling policy", shape="with prefill/decode/worker sections", error=PolicyError)
     return parse_policy(data, str(path))
 
 
 def parse_policy(data: dict[str, Any], where: str = "policy") -> AutoscalingPolicyConfig:
-    try:
-        return AutoscalingPolicyConfig.model_validate(data)
-    except ValidationError as exc:
-        raise PolicyError(format_policy_error(exc, where)) from exc
-
-
-def format_policy_error(exc: ValidationError, where: str) -> str:
-    """serving.config.format_validation_error's layout, plus the allowed values of each field."""
-    lines = [f"{where}: invalid autoscaling policy"]
-    for err in exc.errors():
-        loc = tuple(str(p) for p in err["loc"])
-        field = ".".join(loc) or "(top level)"
-        value = err.get("input")
-        shown = "" if isinstance(value, dict) or err["type"] == "missing" else f" = {value!r}"
-        if err["type"] == "extra_forbidden":
-            keys = _field_names(loc[:-1])
-            hint = "unknown key; remove it or fix its spelling" + (f" (allowed keys: {', '.join(keys)})" if keys else "")
-        elif err["type"] == "value_error" and isinstance(err["ctx"]["error"], _FieldError):
-            error = err["ctx"]["error"]
-            field = ".".join((*loc, error.field))
-            shown, hint = ("" if error.value is None else f" = {error.value!r}"), error.message
-        elif err["type"] == "value_error":
-            hint = str(err["ctx"]["error"])
-        else:
-            hint = err["msg"]
-            allowed = _allowed(loc)
-            if allowed:
-                hint += f" (allowed: {allowed})"
-        lines.append(f"  {field}{shown}: {hint}")
-    return "\n".join(lines)
-
-
-def _resolve(loc: tuple[str, ...]):
-    """The model class at `loc` and the FieldInfo of its last part (None where loc leaves models)."""
-    model: type[BaseModel] | None = AutoscalingPolicyConfig
-    info = None
-    for part in loc:
-        if model is None or part not in model.model_fields:
-            return None, None
-        info = model.model_fields[part]
-        model = _model_in(info.annotation)
-    return model, info
-
-
-def _model_in(annotation) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        for arg in typing.get_args(annotation):
-            found = _model_in(arg)
-            if found is not None:
-                return found
-    return None
-
-
-def _field_names(loc: tuple[str, ...]) -> list[str]:
-    if not loc:
-        return list(AutoscalingPolicyConfig.model_fields)
-    model, _ = _resolve(loc)
-    return list(model.model_fields) if model is not None else []
-
-
-def _allowed(loc: tuple[str, ...]) -> str:
-    # Pydantic appends the failing type to loc for unions ("prefill.targets.ttft_p95_ms.float").
-    for end in range(len(loc), 0, -1):
-        _, info = _resolve(loc[:end])
-        if info is not None:
-            break
-    else:
-        return ""
-    bounds = []
-    for meta in info.metadata:
-        for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
-            value = getattr(meta, attr, None)
-            if isinstance(meta, annotated_types.BaseMetadata) and value is not None:
-                bounds.append(f"{op} {value}")
-    if not bounds:
-        return ""
-    nullable = type(None) in typing.get_args(info.annotation)
-    return " and ".join(bounds) + (", or null" if nullable else "")
+    return validate_model(
+        AutoscalingPolicyConfig, data, where, title="invalid autoscaling policy", error=PolicyError, explain=True,
+    )

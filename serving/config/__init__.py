@@ -45,10 +45,11 @@ from serving.config.sections import (
     RoutingConfig,
 )
 from serving.config.serve_config import ENV_PREFIX, ServeConfig
+from serving.engine.config_file import FieldError, read_yaml_mapping, validate_model
 
 __all__ = [
     "ENV_PREFIX", "MOVED_KEYS", "NON_CONFIG_ENV", "SERVING_ENGINE_DEFAULTS", "APIConfig", "ConfigError", "ContextBudgetConfig", "DegradationConfig",
     "EngineOverrides", "EngineSettings", "FallbackConfig", "HTTPConfig", "IngressConfig", "KVTransferConfig", "PoolConfig",
     "RayConfig", "RoutingConfig", "ServeConfig", "apply_overrides", "format_validation_error", "load_config",
-    "parse_set_items",
+    "parse_set_items", "FieldError", "read_yaml_mapping", "validate_model",
 ]

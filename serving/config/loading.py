@@ -1,5 +1,7 @@
 """Loading the app's config: a YAML file < overrides (`--set`, dotted keys) < `KVRELAY_*` env vars,
-and errors that name the source, the field, the value and the fix."""
+and errors that name the source, the field, the value and the fix. The file is read and its errors
+formatted by the one loader of every file kvrelay reads (serving/engine/config_file.py, re-exported
+here: ConfigError, format_validation_error)."""
 
 from __future__ import annotations
 
@@ -8,19 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
 
 from serving.config.serve_config import ENV_PREFIX, ServeConfig
+from serving.engine.config_file import ConfigError, format_validation_error, read_yaml_mapping, validate_model
 
 __all__ = ["ConfigError", "NON_CONFIG_ENV", "load_config", "format_validation_error", "parse_set_items", "apply_overrides"]
 
 # KVRELAY_* variables that are not config fields.
 NON_CONFIG_ENV = {"KVRELAY_CACHE_DIR", "KVRELAY_DISABLE_NATIVE", "KVRELAY_CONFIG", "KVRELAY_DEV_CLUSTER", "KVRELAY_FAULTS"}
-
-
-class ConfigError(ValueError):
-    """A config file or override is invalid; the message names the source, field, value and fix."""
-
 
 
 def load_config(
@@ -34,17 +31,7 @@ def load_config(
     source = "defaults"
     if path is not None:
         source = str(path)
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read the config file ({exc.strerror})") from exc
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of fields, got {type(loaded).__name__}")
-        data = loaded or {}
+        data = read_yaml_mapping(path, what="config file", shape="of fields", allow_empty=True)
         for key in ("autoscaling_policy", "pricing"):
             value = data.get(key)
             if isinstance(value, str) and value and not Path(value).is_absolute():
@@ -58,30 +45,11 @@ def load_config(
         field_path = [part.lower() for part in name[len(ENV_PREFIX):].split("__")]
         _set_path(data, field_path, _parse_env_value(field_path, raw))
         env_used.append(name)
-    try:
-        return ServeConfig.model_validate(data)
-    except ValidationError as exc:
-        extras = ([f"overrides {', '.join(sorted(overrides))}"] if overrides else []) + (
-            [f"env {', '.join(env_used)}"] if env_used else []
-        )
-        where = source + (f" (with {'; '.join(extras)})" if extras else "")
-        raise ConfigError(format_validation_error(exc, where, env_prefix=ENV_PREFIX)) from exc
-
-
-def format_validation_error(exc: ValidationError, where: str, *, env_prefix: str | None = None) -> str:
-    lines = [f"{where}: invalid configuration"]
-    for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        if err["type"] == "extra_forbidden":
-            hint = "unknown key; remove it or fix its spelling"
-            if env_prefix:
-                hint += f" (env: {env_prefix}{field.upper().replace('.', '__')})"
-        else:
-            hint = err["msg"].removeprefix("Value error, ")
-        value = err.get("input")
-        shown = "" if isinstance(value, dict) else f" = {value!r}"
-        lines.append(f"  {field}{shown}: {hint}")
-    return "\n".join(lines)
+    extras = ([f"overrides {', '.join(sorted(overrides))}"] if overrides else []) + (
+        [f"env {', '.join(env_used)}"] if env_used else []
+    )
+    where = source + (f" (with {'; '.join(extras)})" if extras else "")
+    return validate_model(ServeConfig, data, where, env_prefix=ENV_PREFIX)
 
 
 def parse_set_items(items: list[str]) -> dict[str, Any]:
