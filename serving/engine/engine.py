@@ -49,9 +49,10 @@ import torch
 from serving.engine.config import EngineConfig
 from serving.engine.errors import InvalidRequestError, ModelLoadError, RequestFailedError
 from serving.engine.kv.block_hash import block_extra_keys
-from serving.engine.kv.block_manager import BlockManager, HybridBlockManager
+from serving.engine.kv.block_manager import BlockManager
 from serving.engine.kv.events import KVEvent
 from serving.engine.kv.held import HeldKV
+from serving.engine.kv.hybrid_block_manager import HybridBlockManager
 from serving.engine.kv.payload import KVLayout, KVPayload
 from serving.engine.modeling.lora import LoRAManager
 from serving.engine.modeling.runner import ModelRunner

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import time
 
-from serving.engine.kv.block_manager import BlockManager, HybridBlockManager
+from serving.engine.kv.block_manager import BlockManager
 from serving.engine.kv.cache import KVCache
+from serving.engine.kv.hybrid_block_manager import HybridBlockManager
 from serving.engine.kv.payload import KVLayout, KVPayload
 from serving.engine.request import Sequence
 

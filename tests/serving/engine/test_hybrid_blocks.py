@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from serving.engine import EngineConfig, LLMEngine, SamplingParams
-from serving.engine.kv.block_manager import NULL_BLOCK, BlockManager, HybridBlockManager
+from serving.engine.kv.block_manager import NULL_BLOCK, BlockManager
 from serving.engine.kv.cache import KVCache
+from serving.engine.kv.hybrid_block_manager import HybridBlockManager
 from tests.helpers import build_tiny_model
 from tests.serving.engine.test_block_manager import make_seq
 from tests.serving.engine.test_model_parity import engine_greedy, hf_greedy, windowed_run
