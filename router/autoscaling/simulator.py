@@ -15,22 +15,17 @@ the count chosen at the previous row, starting from min_replicas; new replicas t
 
 from __future__ import annotations
 
-import csv
-import math
 import os
 from dataclasses import dataclass
 
 from router.autoscaling.decide import SIGNALS, Observation, ReplicaSignals, ScaleState, decide
 from router.autoscaling.policy import PoolPolicy
+from router.autoscaling.trace_csv import TraceError, read_csv, trace_number
 
 __all__ = ["TraceError", "TraceRow", "SimStep", "read_trace", "simulate", "POOL_TOTALS"]
 
 POOL_TOTALS = ("queued_prefill_tokens", "num_seqs")  # columns that are the pool's total
 _COLUMNS = ("time_s", *SIGNALS, "age_s")
-
-
-class TraceError(ValueError):
-    """A trace file is invalid; the message names the file, line, column and value."""
 
 
 @dataclass(frozen=True)
@@ -49,13 +44,7 @@ class SimStep:
 
 def read_trace(path: str | os.PathLike, required: tuple[str, ...] = ()) -> list[TraceRow]:
     """Parse a trace; `required` signals must have a column (their cells may still be empty)."""
-    try:
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            header = [name.strip() for name in reader.fieldnames or []]
-            lines = list(reader)
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read the trace ({exc.strerror})") from exc
+    header, lines = read_csv(path, "trace")
     unknown = [name for name in header if name not in _COLUMNS]
     if unknown:
         raise TraceError(f"{path}: unknown column {unknown[0]!r} (allowed: {', '.join(_COLUMNS)})")
@@ -63,9 +52,8 @@ def read_trace(path: str | os.PathLike, required: tuple[str, ...] = ()) -> list[
         if name not in header:
             raise TraceError(f"{path}: no {name} column (the policy needs it; columns: {', '.join(header)})")
     rows: list[TraceRow] = []
-    for number, raw in enumerate(lines, start=2):  # line 1 is the header
-        cells = {name.strip(): (value or "").strip() for name, value in raw.items() if name is not None}
-        values = {name: _number(path, number, name, cells[name]) for name in cells}
+    for number, cells in enumerate(lines, start=2):  # line 1 is the header
+        values = {name: trace_number(path, number, name, cell) if cell else None for name, cell in cells.items()}
         time_s = values.pop("time_s")
         if time_s is None:
             raise TraceError(f"{path}:{number}: time_s is empty")
@@ -74,18 +62,6 @@ def read_trace(path: str | os.PathLike, required: tuple[str, ...] = ()) -> list[
         age_s = values.pop("age_s", None) or 0.0
         rows.append(TraceRow(time_s, {s: values.get(s) for s in SIGNALS}, age_s))
     return rows
-
-
-def _number(path, line: int, column: str, cell: str) -> float | None:
-    if not cell:
-        return None
-    try:
-        value = float(cell)
-    except ValueError:
-        raise TraceError(f"{path}:{line}: {column} = {cell!r} is not a number") from None
-    if not math.isfinite(value) or value < 0:
-        raise TraceError(f"{path}:{line}: {column} = {cell!r} (allowed: a finite number >= 0)")
-    return value
 
 
 def simulate(policy: PoolPolicy, rows: list[TraceRow]) -> list[SimStep]:

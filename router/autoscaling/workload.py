@@ -21,21 +21,18 @@ times increasing; the last row marks the end (its other cells may be empty).
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 import random
 from dataclasses import dataclass
+
+from router.autoscaling.trace_csv import TraceError, read_csv, trace_number
 
 __all__ = ["Segment", "WorkloadTrace", "Request", "TraceError", "BUILTIN_TRACES", "builtin_trace",
            "read_workload", "generate_requests"]
 
 BUILTIN_TRACES = ("steady", "ramp", "diurnal", "burst")
 _COLUMNS = ("time_s", "requests_per_s", "prompt_tokens", "output_tokens")
-
-
-class TraceError(ValueError):
-    """A workload trace is invalid; the message names the file, line, column and value."""
 
 
 @dataclass(frozen=True)
@@ -96,31 +93,17 @@ def _merge(segments: list[Segment]) -> tuple[Segment, ...]:
 
 
 def read_workload(path: str | os.PathLike) -> WorkloadTrace:
-    try:
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            header = [name.strip() for name in reader.fieldnames or []]
-            lines = list(reader)
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read the workload trace ({exc.strerror})") from exc
+    header, lines = read_csv(path, "workload trace")
     if header != list(_COLUMNS):
         raise TraceError(f"{path}: the header must be {','.join(_COLUMNS)} (got {','.join(header) or 'nothing'})")
     if len(lines) < 2:
         raise TraceError(f"{path}: needs at least two rows (a segment and the row marking the end)")
     segments: list[Segment] = []
     end_s = 0.0
-    for number, raw in enumerate(lines, start=2):
-        cells = {name.strip(): (value or "").strip() for name, value in raw.items() if name is not None}
+    for number, cells in enumerate(lines, start=2):
         last = number == len(lines) + 1
-        values = {}
-        for column in _COLUMNS if not last else _COLUMNS[:1]:
-            cell = cells.get(column, "")
-            try:
-                values[column] = float(cell)
-            except ValueError:
-                raise TraceError(f"{path}:{number}: {column} = {cell!r} is not a number") from None
-            if not math.isfinite(values[column]) or values[column] < 0:
-                raise TraceError(f"{path}:{number}: {column} = {cell!r} (allowed: a finite number >= 0)")
+        values = {column: trace_number(path, number, column, cells.get(column, ""))
+                  for column in (_COLUMNS if not last else _COLUMNS[:1])}
         time_s = values["time_s"]
         previous = segments[-1].start_s if segments else None
         if previous is not None and time_s <= previous:
