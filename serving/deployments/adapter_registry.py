@@ -1,5 +1,5 @@
 """LoRA adapters loaded at run time, shared by several ingress replicas: each load or unload
-(POST /v1/load_lora_adapter, serving/api/routes.py) goes to the app's one AdapterRegistry, and
+(POST /v1/load_lora_adapter, serving/api/endpoints/routes.py) goes to the app's one AdapterRegistry, and
 every replica copies the registry's table every `ingress.limits_sync_interval_s`, and at once
 when a request names an adapter it does not know.
 
@@ -16,12 +16,13 @@ adapters, as a vLLM server's restart does.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
 
 from ray import serve
+
+from serving.observability.periodic import PeriodicTask
 
 __all__ = ["AdapterRegistry", "AdapterRegistryDeployment", "AdapterSync"]
 
@@ -66,7 +67,7 @@ class AdapterSync:
         self.adapters = adapters
         self.interval_s = interval_s
         self.version: tuple[str, int] | None = None
-        self._task: asyncio.Task | None = None
+        self._loop = PeriodicTask(self.refresh, interval_s, what="copying the LoRA adapter table")
         self._warned_at = -_WARN_EVERY_S
 
     async def load(self, name: str, path: str) -> str | None:
@@ -96,19 +97,10 @@ class AdapterSync:
         return True
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        self._loop.start()
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
-
-    async def _run(self) -> None:
-        while True:
-            await self.refresh()
-            await asyncio.sleep(self.interval_s)
-
+        self._loop.stop()
 
 @serve.deployment(name="AdapterRegistry", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 class AdapterRegistryDeployment(AdapterRegistry):

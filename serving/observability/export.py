@@ -27,6 +27,7 @@ from prometheus_client.core import Metric
 
 from serving.observability.ingress_metrics import IngressMetrics
 from serving.observability.metrics import BY_NAME, POOL_OF_DEPLOYMENT, live_routers
+from serving.observability.periodic import PeriodicTask
 
 __all__ = ["RoutersCollector", "PoolView", "serve_pool_status", "export_serve_pools"]
 
@@ -108,16 +109,13 @@ class PoolView:
         self.deployments = dict(deployments)
         self.period_s = period_s
         self._fetch = fetch
-        self._task: asyncio.Task | None = None
+        self._loop = PeriodicTask(self.refresh, period_s, what="reading the pools' replica counts")
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        self._loop.start()
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
+        self._loop.stop()
 
     async def refresh(self) -> None:
         status = await asyncio.to_thread(self._fetch, self.app_name)
@@ -125,15 +123,6 @@ class PoolView:
             if name in status:
                 states, target = status[name]
                 self.metrics.set_pool(pool, states, target)
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.refresh()
-            except Exception as exc:  # noqa: BLE001 - a slow controller must not end the task
-                logger.warning("could not read the pools' replica counts (%s)", exc)
-            await asyncio.sleep(self.period_s)
-
 
 def export_serve_pools(metrics: IngressMetrics, app_name: str, handles) -> PoolView | None:
     """At a Serve ingress: GET /metrics gets the routers' view, and a PoolView (returned, to be
