@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from router.autoscaling.bounds import DEFAULT_DOWNSCALE_DELAY_S, DOWNSCALE_DELAY_S, TPOT_MS, TTFT_MS
 from router.autoscaling.errors import FieldError
 from serving.engine.strict import StrictModel
 
@@ -35,11 +36,11 @@ __all__ = ["PlannerTargets", "ForecastConfig", "PrefillProfile", "DecodeProfile"
 
 class PlannerTargets(StrictModel):
     ttft_ms: float = Field(
-        2000.0, gt=0, le=600_000,
+        2000.0, **TTFT_MS,
         description="TTFT bound of a request in ms (arrival to first token): what the prefill pool is sized for.",
     )
     tpot_ms: float = Field(
-        100.0, gt=0, le=60_000,
+        100.0, **TPOT_MS,
         description="TPOT bound of a request in ms ((finish - first token) / (tokens - 1)): what the "
         "decode pool is sized for.",
     )
@@ -144,7 +145,7 @@ class PlannerPolicy(StrictModel):
     profiles: CapacityProfiles = Field(..., description="Each replica's measured capacity.")
     ratio: RatioBound = Field(default_factory=RatioBound, description="Bound on prefill replicas per decode replica.")
     downscale_delay_s: float = Field(
-        120.0, ge=0, le=86_400,
+        DEFAULT_DOWNSCALE_DELAY_S, **DOWNSCALE_DELAY_S,
         description="A pool shrinks only after its plan has stayed lower this long; it then takes "
         "the highest plan of that time.",
     )

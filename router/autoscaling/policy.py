@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from router.autoscaling.bounds import DEFAULT_DOWNSCALE_DELAY_S, DOWNSCALE_DELAY_S, MAX_REPLICAS, REPLICAS, TPOT_MS, TTFT_MS
 from router.autoscaling.errors import FieldError as _FieldError
 from router.autoscaling.errors import PolicyError
 from router.autoscaling.planner_policy import PlannerPolicy
@@ -72,7 +73,7 @@ TARGET_SIGNALS: dict[str, str] = {
 
 # ---- targets ---------------------------------------------------------------------------------
 _TTFT = dict(
-    gt=0, le=600_000,
+    **TTFT_MS,
     description="TTFT p95 per replica in ms (arrival at the engine to first token, over the "
     "replica's recent requests). null: not a scaling signal.",
 )
@@ -90,7 +91,7 @@ _KV = dict(
     description="Fraction of the KV cache blocks in use per replica. null: not a scaling signal.",
 )
 _TPOT = dict(
-    gt=0, le=60_000,
+    **TPOT_MS,
     description="TPOT p95 per replica in ms ((finish - first token) / (tokens - 1) over recent "
     "requests). null: not a scaling signal.",
 )
@@ -134,12 +135,12 @@ class PoolPolicy(StrictModel):
     """Bounds, windows and delays of one pool; `targets` is added per pool below."""
 
     min_replicas: int = Field(
-        1, ge=1, le=256,
+        1, **REPLICAS,
         description="Fewest replicas (also the count at deploy). Scale to zero is not supported: "
         "the signals come from the replicas themselves.",
     )
     max_replicas: int = Field(
-        ..., ge=1, le=256,
+        ..., **REPLICAS,
         description="Most replicas. Each replica reserves its pool's num_cpus/num_gpus, so the "
         "cluster must have room for max_replicas of them.",
     )
@@ -172,7 +173,7 @@ class PoolPolicy(StrictModel):
         "windows refresh before more are added.",
     )
     downscale_delay_s: float = Field(
-        120.0, ge=0, le=86_400,
+        DEFAULT_DOWNSCALE_DELAY_S, **DOWNSCALE_DELAY_S,
         description="Demand must stay below the downscale threshold this long before each "
         "one-replica scale-down; the clock restarts after every scaling action.",
     )
@@ -187,7 +188,7 @@ class PoolPolicy(StrictModel):
         if self.max_replicas < self.min_replicas:
             raise _FieldError(
                 "max_replicas", self.max_replicas,
-                f"below min_replicas = {self.min_replicas} (allowed: >= {self.min_replicas} and <= 256)",
+                f"below min_replicas = {self.min_replicas} (allowed: >= {self.min_replicas} and <= {MAX_REPLICAS})",
             )
         if self.metrics_interval_s >= self.window_s:
             raise _FieldError(
