@@ -1,7 +1,7 @@
 """What the API asks of whoever generates its tokens: the request it sends (GenerateRequest) and the
 Backend protocol it sends it through. Nothing here knows HTTP or Ray.
 
-    serving/api/pipeline.py Frontend ──Backend.generate(GenerateRequest)──▶ RequestOutputs (token ids)
+    serving/api/generation/pipeline.py Frontend ──Backend.generate(GenerateRequest)──▶ RequestOutputs (token ids)
                                                    │
                            LocalBackend (serving/deployments/local_backend.py): an in-process
                            AsyncEngine, for tests and embedding

@@ -6,10 +6,10 @@
     ├── ModelNotFoundError           404 model_not_found
     ├── QueueFullError               429 with Retry-After
     ├── QueueTimeoutError            503 with Retry-After: waited past an engine's max_queue_wait_s
-    ├── RequestTimeoutError          408 timeout: the request's deadline passed (serving/api/deadlines.py)
+    ├── RequestTimeoutError          408 timeout: the request's deadline passed (serving/api/admission/deadlines.py)
     ├── NoWorkerError                503 no replica of a pool is alive
     ├── HealthUnknownError           503 health_unknown: the state /health reports could not be read
-    ├── ShedError                    503 with Retry-After: shed by graceful degradation (serving/api/degradation.py)
+    ├── ShedError                    503 with Retry-After: shed by graceful degradation (serving/api/admission/degradation.py)
     ├── (from RequestFailedError)    500 request_failed: this request alone failed in a step
     ├── (from EngineDeadError)       503 engine_dead: the replica's step loop stopped
     └── AuthenticationError          401 invalid_api_key

@@ -37,7 +37,7 @@ from pathlib import Path
 import yaml
 from pydantic import Field, ValidationError
 
-from serving.api.pipeline import Usage
+from serving.api.generation.pipeline import Usage
 from serving.config import ConfigError, format_validation_error
 from serving.engine.strict import StrictModel
 
@@ -181,7 +181,7 @@ class RequestAccount:
 
     def hand_over(self) -> None:
         """Another app serves this request and bills it there (graceful degradation,
-        serving/api/degradation.py): this account settles nothing."""
+        serving/api/admission/degradation.py): this account settles nothing."""
         assert self._settled is None, "a settled request cannot be handed over"
         self._usage_fn = None
 

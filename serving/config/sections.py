@@ -158,7 +158,7 @@ class IngressConfig(StrictModel):
         1.0, gt=0, le=60,
         description="With several ingress replicas and tiers with limits, how often each replica trades "
         "its keys' admissions with the others (a key's limit may be exceeded by what the others "
-        "admitted in the last two intervals: serving/api/rate_limits.py); also how often each copies "
+        "admitted in the last two intervals: serving/api/admission/rate_limits.py); also how often each copies "
         "the LoRA adapters loaded at run time (an unload reaches the others within it).",
     )
     max_merged_tokens: int = Field(
@@ -181,7 +181,7 @@ TEMPLATE_CALL_KWARGS = frozenset({
 
 class ContextBudgetConfig(StrictModel):
     """How a prompt that does not fit the context window is fitted instead of refused
-    (serving/api/context_budget.py). A request chooses with `truncation` (chat, /v1/responses) and
+    (serving/api/generation/context_budget.py). A request chooses with `truncation` (chat, /v1/responses) and
     `truncate_prompt_tokens` (chat, completions); these are the server's side of it."""
 
     truncation: Literal["disabled", "auto"] = Field(
@@ -200,7 +200,7 @@ class ContextBudgetConfig(StrictModel):
 
 class APIConfig(StrictModel):
     """What one API request may ask for. Each limit refused is a 400 whose `param` names the field
-    and whose message gives the limit (serving/api/limits.py, serving/api/chat_template.py). The
+    and whose message gives the limit (serving/api/admission/limits.py, serving/api/generation/chat_template.py). The
     defaults sit above what OpenAI and vLLM clients send, and bound what one request costs."""
 
     max_prompts_per_request: int = Field(
@@ -249,7 +249,7 @@ class APIConfig(StrictModel):
     context_budget: ContextBudgetConfig = Field(
         default_factory=ContextBudgetConfig,
         description="Fitting a prompt that exceeds the context window instead of refusing it: the "
-        "default `truncation` of a chat and the tokens reserved for the output (serving/api/context_budget.py).",
+        "default `truncation` of a chat and the tokens reserved for the output (serving/api/generation/context_budget.py).",
     )
     render_timeout_s: float = Field(
         10.0, gt=0, le=600,
@@ -275,7 +275,7 @@ class APIConfig(StrictModel):
 
 
 class ToolCallingConfig(StrictModel):
-    """How the served model is shown tools and how its tool calls are read (serving/api/tool_calls.py)."""
+    """How the served model is shown tools and how its tool calls are read (serving/api/generation/tool_calls.py)."""
 
     parser: Literal["hermes", "json"] = Field(
         "hermes",
@@ -405,7 +405,7 @@ class FallbackConfig(StrictModel):
 
 class DegradationConfig(StrictModel):
     """What the ingress does when its pools refuse a request before its first token
-    (serving/api/degradation.py): route it to a fallback app, or shed it if its priority is low."""
+    (serving/api/admission/degradation.py): route it to a fallback app, or shed it if its priority is low."""
 
     when: list[Literal["saturated", "down"]] = Field(
         default_factory=lambda: ["saturated", "down"], min_length=1,

@@ -128,13 +128,13 @@ class ServeConfig(StrictModel):
     request_timeout_s: float | None = Field(
         600.0, gt=0, allow_inf_nan=False,
         description="A completion request's deadline, from when the ingress receives it, unless it sends "
-        "its own `timeout` (serving/api/deadlines.py); capped per tier by its max_timeout_s. A request out of "
+        "its own `timeout` (serving/api/admission/deadlines.py); capped per tier by its max_timeout_s. A request out of "
         "time is aborted everywhere: 408 (with the partial output), or an SSE error event once streaming. "
         "Without a tier max_timeout_s, also the longest `timeout` a request may ask for. null: no deadline.",
     )
     degradation: DegradationConfig | None = Field(
         None,
-        description="Graceful degradation when a pool is saturated or down (serving/api/degradation.py): "
+        description="Graceful degradation when a pool is saturated or down (serving/api/admission/degradation.py): "
         "a fallback app, shedding low-priority requests, or both. null: off (429 / 503).",
     )
 

@@ -1,6 +1,6 @@
 """The fallback's transport: a Serve handle to another kvrelay app's ingress, checked for a running
-replica before each call (serving/api/forwarding.py has the request and response shapes, and
-how each app runs and relays them; serving/api/degradation.py decides when).
+replica before each call (serving/api/admission/forwarding.py has the request and response shapes, and
+how each app runs and relays them; serving/api/admission/degradation.py decides when).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from serving.api.forwarding import FallbackUnavailable, ForwardedRequest, ResponseStart
+from serving.api.admission.forwarding import FallbackUnavailable, ForwardedRequest, ResponseStart
 from serving.observability.export import serve_pool_status
 
 __all__ = ["INGRESS_DEPLOYMENT", "FallbackClient"]

@@ -1,5 +1,5 @@
 """Per-key limits held across ingress replicas: each replica trades its admissions with the app's
-one LimitsExchange deployment every `ingress.limits_sync_interval_s` (serving/api/rate_limits.py says
+one LimitsExchange deployment every `ingress.limits_sync_interval_s` (serving/api/admission/rate_limits.py says
 what that bounds).
 
     ingress replica ──every interval: trade(replica id, what it admitted)──▶ LimitsExchange
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 from ray import serve
 
-from serving.api.rate_limits import LimitReport, LimitsExchange, RateLimiter
+from serving.api.admission.rate_limits import LimitReport, LimitsExchange, RateLimiter
 from serving.config.access import APIKey
 
 __all__ = ["LimitsSync", "LimitsExchangeDeployment"]
@@ -72,7 +72,7 @@ class LimitsSync:
 
 @serve.deployment(name="LimitsExchange", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 class LimitsExchangeDeployment:
-    """The app's shared per-key counters (serving/api/rate_limits.py LimitsExchange)."""
+    """The app's shared per-key counters (serving/api/admission/rate_limits.py LimitsExchange)."""
 
     def __init__(self, stale_s: float):
         self.exchange = LimitsExchange(stale_s=stale_s)

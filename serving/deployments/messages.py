@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 from router.autoscaling.decide import ReplicaSignals
 from router.replica_stats import RoutingStats
-from serving.api.forwarding import ForwardedRequest, ResponseStart
+from serving.api.admission.forwarding import ForwardedRequest, ResponseStart
 from serving.api.backend import GenerateRequest
 from serving.deployments.kv_arena import Lease
 from serving.engine.errors import ContextLengthError, EngineDeadError, InvalidRequestError, RequestFailedError

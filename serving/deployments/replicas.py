@@ -1,6 +1,6 @@
 """The Serve deployments: OpenAIIngress, PrefillWorker, DecodeWorker and (colocated) Worker.
 
-Each is a thin shell: the ingress wraps OpenAIServer (serving/api/routes.py) around a Frontend
+Each is a thin shell: the ingress wraps OpenAIServer (serving/api/endpoints/routes.py) around a Frontend
 and a ServeBackend; the workers wrap EngineWorker (serving/deployments/engine_worker.py). Their options (replicas,
 CPUs, queue limits) are set by `serving.deployments.app.build_app` from the ServeConfig.
 """
@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from serving.api.forwarding import ForwardedRequest, serve_forwarded
-from serving.api.pipeline import Frontend
+from serving.api.admission.forwarding import ForwardedRequest, serve_forwarded
+from serving.api.generation.pipeline import Frontend
 from serving.config import ServeConfig
 from serving.deployments.cpu_pinning import cores_for_rank, pin_process
 from serving.deployments.messages import KVHandle, ModelInfo, PrefillResult, WorkerError, WorkerRequest, WorkerStats
@@ -111,7 +111,7 @@ class Worker(_WorkerDeployment):
 @serve.ingress()
 class OpenAIIngress:
     def __init__(self, config: dict, prefill, decode, price: dict | None = None, limits=None, adapters=None):
-        from serving.api.routes import OpenAIServer
+        from serving.api.endpoints.routes import OpenAIServer
         from serving.api.usage import ModelPrice
         from serving.deployments.fallback import FallbackClient
         from serving.deployments.serve_backend import ServeBackend

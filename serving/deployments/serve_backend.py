@@ -91,7 +91,7 @@ def _replica_lost(exc: BaseException | None) -> bool:
 def _serve_status(app_name: str) -> dict[str, dict[str, int]]:
     """This app's deployment name → replica states, from the Serve controller (blocking; call in a
     thread). Only this app's: every kvrelay app has a DecodeWorker (or Worker), and a fallback
-    app's (serving/api/degradation.py) must not stand for ours. Read from the controller's details
+    app's (serving/api/admission/degradation.py) must not stand for ours. Read from the controller's details
     as they come (`serve_pool_status`), not through `serve.status()`, which counts the same replicas
     after validating the details into pydantic models: 12.8 ms of the ingress's CPU a call against
     1.4 (and 4.0 ms of the controller's against 2.8), once a second while requests flow."""

@@ -90,7 +90,7 @@ class RequestRecord:
 
     def hold(self) -> None:
         """Keep the next finish() instead of recording it, until release(): graceful degradation
-        (serving/api/degradation.py) may still send a request the pools refused elsewhere."""
+        (serving/api/admission/degradation.py) may still send a request the pools refused elsewhere."""
         self._is_holding = True
 
     def release(self, *, keep: bool = True) -> None:

@@ -436,8 +436,8 @@ def test_client_against_the_kvrelay_openai_api(tiny_model_dir):
     """kvrelay's stream parses as the fake one does: usage counts every token (ignore_eos), chat
     and completions (token ids) both work, and a multi-turn history goes through the chat
     template. httpx.ASGITransport delivers the body at the end, so no timing is checked here."""
-    from serving.api.pipeline import Frontend
-    from serving.api.routes import OpenAIServer
+    from serving.api.generation.pipeline import Frontend
+    from serving.api.endpoints.routes import OpenAIServer
     from serving.config import ServeConfig
     from serving.deployments.local_backend import LocalBackend
     from serving.engine import EngineConfig

@@ -1,4 +1,4 @@
-"""Chat templates from requests, over HTTP (serving/api/chat_template.py): a request's own template is
+"""Chat templates from requests, over HTTP (serving/api/generation/chat_template.py): a request's own template is
 refused unless the operator allows it, only allow-listed scalar template variables pass, and a
 template renders in a thread with a time limit while the event loop serves everyone else.
 
@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
-from serving.api.pipeline import Frontend
-from serving.api.routes import OpenAIServer
+from serving.api.generation.pipeline import Frontend
+from serving.api.endpoints.routes import OpenAIServer
 from serving.config import APIConfig, ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from serving.engine import EngineConfig

@@ -1,4 +1,4 @@
-"""Fitting prompts into the context window (serving/api/context_budget.py): which turns go, the
+"""Fitting prompts into the context window (serving/api/generation/context_budget.py): which turns go, the
 tokens kept, and what the response says was dropped; over HTTP against a tiny model whose context
 window is 128 tokens."""
 
@@ -9,9 +9,9 @@ import json
 import httpx
 import pytest
 
-from serving.api.context_budget import budget_for, fit_chat, split_turns
-from serving.api.pipeline import Frontend
-from serving.api.routes import OpenAIServer
+from serving.api.generation.context_budget import budget_for, fit_chat, split_turns
+from serving.api.generation.pipeline import Frontend
+from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ContextBudgetConfig, ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from serving.engine import EngineConfig, SamplingParams

@@ -1,4 +1,4 @@
-"""Deadlines and queue limits over HTTP (serving/api/deadlines.py): a request out of time is
+"""Deadlines and queue limits over HTTP (serving/api/admission/deadlines.py): a request out of time is
 aborted on the engine (its blocks come back), answers 408 with what it got, or ends its stream
 with a `timeout` error event; a request an engine's queue held past max_queue_wait_s gets 503.
 
@@ -17,9 +17,9 @@ from contextlib import aclosing
 import httpx
 import pytest
 
-from serving.api.deadlines import timeout_for
-from serving.api.pipeline import Frontend
-from serving.api.routes import OpenAIServer
+from serving.api.admission.deadlines import timeout_for
+from serving.api.generation.pipeline import Frontend
+from serving.api.endpoints.routes import OpenAIServer
 from serving.cli.status import parse_metrics
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend

@@ -24,12 +24,12 @@ import httpx
 import pytest
 import yaml
 
-from serving.api.degradation import Action, Decision, DegradationPolicy, Reason, refusal_reason
+from serving.api.admission.degradation import Action, Decision, DegradationPolicy, Reason, refusal_reason
 from serving.api.errors import NoWorkerError, QueueFullError, QueueTimeoutError
-from serving.api.forwarding import ForwardedRequest, ResponseStart, serve_forwarded
-from serving.api.pipeline import Frontend
-from serving.api.protocol import ChatMessage
-from serving.api.routes import OpenAIServer
+from serving.api.admission.forwarding import ForwardedRequest, ResponseStart, serve_forwarded
+from serving.api.generation.pipeline import Frontend
+from serving.api.protocol.wire import ChatMessage
+from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ConfigError, DegradationConfig, ServeConfig, load_config
 from serving.deployments.fallback import FallbackClient
 from serving.deployments.local_backend import LocalBackend

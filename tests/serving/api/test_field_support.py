@@ -1,4 +1,4 @@
-"""Unknown versus unsupported fields (serving/api/field_support.py): unknown ones are accepted and
+"""Unknown versus unsupported fields (serving/api/protocol/field_support.py): unknown ones are accepted and
 named in `x-kvrelay-ignored-fields`, known ones kvrelay does not implement are a 400 naming them,
 and the tables cover every field the installed openai SDK can send."""
 
@@ -13,11 +13,11 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
 
-from serving.api.field_support import CHAT_FIELDS, COMPLETION_FIELDS, MAX_HEADER_CHARS, RESPONSES_FIELDS, NoOp, screen
-from serving.api.pipeline import Frontend
-from serving.api.protocol import ChatCompletionRequest, CompletionRequest
-from serving.api.responses_api import ResponsesRequest
-from serving.api.routes import OpenAIServer
+from serving.api.protocol.field_support import CHAT_FIELDS, COMPLETION_FIELDS, MAX_HEADER_CHARS, RESPONSES_FIELDS, NoOp, screen
+from serving.api.generation.pipeline import Frontend
+from serving.api.protocol.wire import ChatCompletionRequest, CompletionRequest
+from serving.api.endpoints.responses import ResponsesRequest
+from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 
@@ -51,7 +51,7 @@ async def post(app, path: str, body: dict) -> httpx.Response:
 def test_every_field_the_openai_sdk_sends_is_implemented_or_in_the_table(params, model, table, theirs):
     sdk_fields = set(params.__annotations__)
     undecided = sdk_fields - set(model.model_fields) - set(table) - theirs
-    assert undecided == set(), "decide each: a wire-model field, Unsupported or NoOp (serving/api/field_support.py)"
+    assert undecided == set(), "decide each: a wire-model field, Unsupported or NoOp (serving/api/protocol/field_support.py)"
     assert set(table) - sdk_fields == set()  # no entry for a field OpenAI does not have
     assert set(table) & set(model.model_fields) == set()
 

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from load_tests.hostile_requests import hostile_cases
-from serving.api.pipeline import Frontend
-from serving.api.routes import OpenAIServer
+from serving.api.generation.pipeline import Frontend
+from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 

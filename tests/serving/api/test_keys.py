@@ -7,7 +7,7 @@ import hashlib
 import pytest
 from pydantic import ValidationError
 
-from serving.api.keys import KeyRing
+from serving.api.admission.keys import KeyRing
 from serving.config import ServeConfig
 from serving.config.access import hash_key, key_hint
 

@@ -1,4 +1,4 @@
-"""What one request may ask for, over HTTP (serving/api/limits.py): prompts, n, logprobs, logit_bias,
+"""What one request may ask for, over HTTP (serving/api/admission/limits.py): prompts, n, logprobs, logit_bias,
 stop strings and ids, the default max_tokens and the request's total, each refused with a 400 that
 names the field and the limit; each limit is the config's (`api:`).
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from serving.api.pipeline import Frontend
-from serving.api.routes import OpenAIServer
+from serving.api.generation.pipeline import Frontend
+from serving.api.endpoints.routes import OpenAIServer
 from serving.config import APIConfig, ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from serving.engine import EngineConfig

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import schemathesis
 
-from serving.api.pipeline import Frontend
-from serving.api.routes import OpenAIServer
+from serving.api.generation.pipeline import Frontend
+from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from tests.openapi_fuzz import fuzz

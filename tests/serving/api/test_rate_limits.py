@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.api.rate_limits import LimitReport, LimitsExchange, RateLimiter, RateLimitError, format_reset
+from serving.api.admission.rate_limits import LimitReport, LimitsExchange, RateLimiter, RateLimitError, format_reset
 from serving.config.access import TierConfig, hash_key
 from serving.engine.errors import InvalidRequestError
 from tests.helpers import VirtualClock

@@ -1,4 +1,4 @@
-"""POST /v1/responses (serving/api/responses_api.py) through the official openai SDK and over raw
+"""POST /v1/responses (serving/api/endpoints/responses.py) through the official openai SDK and over raw
 HTTP: the response object and the streamed events in OpenAI's shapes, carrying the engine's own
 greedy text, and the 400s for what kvrelay does not implement."""
 
@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from serving.api.pipeline import Frontend
-from serving.api.routes import OpenAIServer
+from serving.api.generation.pipeline import Frontend
+from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from serving.engine import SamplingParams

@@ -22,8 +22,8 @@ import openai
 import pytest
 
 from serving.api.errors import NoWorkerError
-from serving.api.pipeline import Frontend
-from serving.api.routes import OpenAIServer
+from serving.api.generation.pipeline import Frontend
+from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from serving.engine import EngineConfig, SamplingParams
@@ -906,11 +906,11 @@ async def test_json_nested_too_deeply_to_parse_is_a_400(stack, nesting):
 async def test_unknown_fields_are_accepted_and_ignored(stack, caplog):
     plain = await chat(stack.app, temperature=0, max_tokens=5)
 
-    with caplog.at_level(logging.DEBUG, logger="serving.api.http_io"):
+    with caplog.at_level(logging.DEBUG, logger="serving.api.endpoints.http_io"):
         extra = await chat(stack.app, temperature=0, max_tokens=5, foo=1, service_tier="auto", metadata={"a": "b"})
 
     assert extra["choices"] == plain["choices"] and extra["usage"] == plain["usage"]
-    assert [r.getMessage() for r in caplog.records if r.name == "serving.api.http_io"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "serving.api.endpoints.http_io"] == [
         "request fields ignored: foo, metadata, service_tier",
     ]
 
@@ -1140,7 +1140,7 @@ class _FailingBackend:
 async def test_an_unexpected_error_is_a_generic_500_naming_the_request_id_the_log_has(stack, caplog):
     app = OpenAIServer(Frontend(stack.tokenizer, _FailingBackend(stack.frontend.backend), MODEL), stack.config).build_app()
 
-    with caplog.at_level(logging.ERROR, logger="serving.api.routes"):
+    with caplog.at_level(logging.ERROR, logger="serving.api.endpoints.routes"):
         chat_response = await post(app, "/v1/chat/completions", {**CHAT, "max_tokens": 5})
         completion = await post(app, "/v1/completions", {"model": MODEL, "prompt": FOX, "max_tokens": 5, "stream": True})
 
@@ -1151,7 +1151,7 @@ async def test_an_unexpected_error_is_a_generic_500_naming_the_request_id_the_lo
         assert response.json() == error_body(
             f"The server had an error while processing this request. (request id: {request_id})", None, None, type="internal_error",
         )
-    logged = [r for r in caplog.records if r.name == "serving.api.routes"]
+    logged = [r for r in caplog.records if r.name == "serving.api.endpoints.routes"]
     assert [r.getMessage() for r in logged] == [f"request {i} failed (500 internal_error)" for i in ids]
     assert all(str(r.exc_info[1]) == "secret: /opt/models/weights.safetensors" for r in logged)  # with its traceback
 
@@ -1160,11 +1160,11 @@ async def test_an_unexpected_error_is_a_generic_500_naming_the_request_id_the_lo
 async def test_a_health_check_that_fails_unexpectedly_is_a_503_without_its_text(stack, caplog):
     app = OpenAIServer(Frontend(stack.tokenizer, _FailingBackend(stack.frontend.backend), MODEL), stack.config).build_app()
 
-    with caplog.at_level(logging.ERROR, logger="serving.api.routes"):
+    with caplog.at_level(logging.ERROR, logger="serving.api.endpoints.routes"):
         async with client(app) as c:
             health = await c.get("/health")
 
-    [record] = [r for r in caplog.records if r.name == "serving.api.routes"]
+    [record] = [r for r in caplog.records if r.name == "serving.api.endpoints.routes"]
     check_id = record.getMessage().removeprefix("health check ").removesuffix(" failed")
     assert check_id.startswith("health-") and str(record.exc_info[1]) == "secret: controller at 10.0.0.7:6379"
     assert health.status_code == 503

@@ -6,9 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from serving.api.pipeline import Frontend
-from serving.api.protocol import ChatCompletionRequest, sampling_params
-from serving.api.routes import OpenAIServer
+from serving.api.generation.pipeline import Frontend
+from serving.api.protocol.wire import ChatCompletionRequest, sampling_params
+from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from serving.engine import EngineConfig

@@ -1,4 +1,4 @@
-"""Structured outputs over HTTP (serving/api/structured.py): every way to ask for one, on both
+"""Structured outputs over HTTP (serving/api/protocol/structured.py): every way to ask for one, on both
 endpoints, through the openai SDK and httpx, against the tiny random model, whose output is valid
 only because of the mask; and every way to ask wrongly, each a 400 naming the field.
 
@@ -18,8 +18,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from serving.api.pipeline import Frontend
-from serving.api.routes import OpenAIServer
+from serving.api.generation.pipeline import Frontend
+from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from serving.engine.params import GuidedSpec, SamplingParams

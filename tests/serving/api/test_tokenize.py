@@ -1,4 +1,4 @@
-"""POST /tokenize and /detokenize (serving/api/tokenize_routes.py) in vLLM's shapes, with the
+"""POST /tokenize and /detokenize (serving/api/endpoints/tokenize.py) in vLLM's shapes, with the
 completion routes' auth, tier model allow-list, body limit and error shapes; and /v1/models'
 max_model_len."""
 
@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from serving.api.pipeline import Frontend
-from serving.api.routes import OpenAIServer
+from serving.api.generation.pipeline import Frontend
+from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from serving.api.protocol import ChatCompletionRequest, ChatMessage
-from serving.api.tool_calls import (
+from serving.api.protocol.wire import ChatCompletionRequest, ChatMessage
+from serving.api.generation.tool_calls import (
     ArgumentsDelta,
     CallStart,
     ContentDelta,

@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from serving.api.pipeline import Frontend
-from serving.api.routes import OpenAIServer
+from serving.api.generation.pipeline import Frontend
+from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from serving.engine.outputs import CompletionOutput, RequestOutput

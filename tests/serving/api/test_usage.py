@@ -17,10 +17,10 @@ import httpx
 import pytest
 
 from serving.api.errors import NoWorkerError
-from serving.api.keys import KeyRing
-from serving.api.pipeline import Frontend, Usage
-from serving.api.protocol import ChatMessage
-from serving.api.routes import OpenAIServer
+from serving.api.admission.keys import KeyRing
+from serving.api.generation.pipeline import Frontend, Usage
+from serving.api.protocol.wire import ChatMessage
+from serving.api.endpoints.routes import OpenAIServer
 from serving.api.usage import (
     ModelPrice,
     RequestAccount,

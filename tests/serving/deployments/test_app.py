@@ -29,8 +29,8 @@ import openai
 import pytest
 
 from load_tests.local_ray import free_port
-from serving.api.pipeline import Frontend
-from serving.api.protocol import ChatMessage
+from serving.api.generation.pipeline import Frontend
+from serving.api.protocol.wire import ChatMessage
 from serving.cli.status import parse_metrics
 from serving.deployments import faults, kv_transfer
 from serving.deployments.messages import KVTransferStats, WorkerRequest, WorkerStats

@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from load_tests.local_ray import free_port
-from serving.api.pipeline import Frontend
-from serving.api.protocol import ChatMessage
+from serving.api.generation.pipeline import Frontend
+from serving.api.protocol.wire import ChatMessage
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.params import SamplingParams

@@ -102,8 +102,8 @@ def test_health_over_http_is_503_while_the_controller_cannot_be_read():
     """Before, /health said ok (with empty pools) when the controller could not be read."""
     import httpx
 
-    from serving.api.pipeline import Frontend
-    from serving.api.routes import OpenAIServer
+    from serving.api.generation.pipeline import Frontend
+    from serving.api.endpoints.routes import OpenAIServer
 
     def broken():
         raise ConnectionError("controller unreachable at 10.0.0.7:6379")
@@ -324,7 +324,7 @@ def test_worker_error_value_becomes_the_engine_exception():
 
 # ---- the controller's view is this app's -------------------------------------------------------
 def test_replica_states_are_read_for_this_app_only(monkeypatch):
-    """Every kvrelay app has a DecodeWorker: a fallback app's (serving/api/degradation.py) running
+    """Every kvrelay app has a DecodeWorker: a fallback app's (serving/api/admission/degradation.py) running
     replicas must not hide that ours are gone. The states come from the controller's details, one
     replica each, as `serve.status()` would count them."""
     from types import SimpleNamespace
@@ -461,8 +461,8 @@ def test_over_http_a_disaggregated_stream_refused_by_the_decode_pool_is_a_429_no
     import httpx
     from transformers import AutoTokenizer
 
-    from serving.api.pipeline import Frontend
-    from serving.api.routes import OpenAIServer
+    from serving.api.generation.pipeline import Frontend
+    from serving.api.endpoints.routes import OpenAIServer
     from serving.engine.validation import ModelInfo
 
     info = ModelInfo(vocab_size=49152, max_model_len=2048, eos_token_ids=(2,), block_size=16)

@@ -21,8 +21,8 @@ import openai
 import pytest
 
 from load_tests.local_ray import free_port
-from serving.api.pipeline import Frontend
-from serving.api.protocol import ChatMessage
+from serving.api.generation.pipeline import Frontend
+from serving.api.protocol.wire import ChatMessage
 from serving.deployments.messages import WorkerRequest, WorkerStats
 from serving.engine import SamplingParams
 from serving.engine.modeling.loader import load_tokenizer

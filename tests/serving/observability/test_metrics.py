@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.replica_stats import RoutingStats
 from serving.api.errors import QueueFullError, error_status
-from serving.api.pipeline import ChoiceDelta, Frontend
-from serving.api.routes import OpenAIServer
+from serving.api.generation.pipeline import ChoiceDelta, Frontend
+from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from serving.engine import EngineConfig
@@ -139,7 +139,7 @@ async def scrape(app) -> Samples:
 
 
 def prompt_len(stack, content: str) -> int:
-    from serving.api.protocol import ChatMessage
+    from serving.api.protocol.wire import ChatMessage
 
     return len(stack.frontend.encode_chat([ChatMessage(role="user", content=content)]))
 
@@ -262,7 +262,7 @@ async def test_a_failure_while_generating_counts_once_with_its_status():
 
 @pytest.mark.asyncio
 async def test_a_held_refusal_counts_once_whatever_degradation_decides():
-    """serving/api/degradation.py holds a refused request's record until it knows who answers."""
+    """serving/api/admission/degradation.py holds a refused request's record until it knows who answers."""
     metrics = IngressMetrics(MODEL, use_ray=False)
     kept, forgotten, shed = metrics.start(), metrics.start(), metrics.start()
     for record in (kept, forgotten, shed):

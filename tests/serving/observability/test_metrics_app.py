@@ -23,8 +23,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from load_tests.local_ray import free_port
-from serving.api.pipeline import Frontend
-from serving.api.protocol import ChatMessage
+from serving.api.generation.pipeline import Frontend
+from serving.api.protocol.wire import ChatMessage
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.outputs import EngineStats

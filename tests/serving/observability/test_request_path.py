@@ -180,8 +180,8 @@ def test_a_check_is_a_plain_value():
 # ---- in process, over a real engine ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def app(tiny_model_dir):
-    from serving.api.pipeline import Frontend
-    from serving.api.routes import OpenAIServer
+    from serving.api.generation.pipeline import Frontend
+    from serving.api.endpoints.routes import OpenAIServer
     from serving.config import ServeConfig
     from serving.deployments.local_backend import LocalBackend
     from serving.engine import EngineConfig

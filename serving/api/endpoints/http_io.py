@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from serving.api.errors import APIError, to_api_error, with_request_id
-from serving.api.pipeline import ChoiceDelta
+from serving.api.generation.pipeline import ChoiceDelta
 
 __all__ = [
     "read_json", "parse_body", "param_name", "split_prompts", "error_response", "finite_logprob",
@@ -76,7 +76,7 @@ def _content_length(request: Request) -> int | None:
 
 def parse_body(model, body: dict):
     """The request as `model`; a 400 naming the first bad field. Unknown top-level fields are
-    kept as the model's extras (serving/api/field_support.py names them in a response header) and
+    kept as the model's extras (serving/api/protocol/field_support.py names them in a response header) and
     in a debug log line."""
     try:
         request = model.model_validate(body)
@@ -188,7 +188,7 @@ def sse_response(
     once the stream has ended, however it ended. A late failure's event is what a 5xx body would
     be (errors.py: no exception text, the request id); the log has the exception.
 
-    `typed_events` (the Responses API's framing, serving/api/responses_api.py): each event also
+    `typed_events` (the Responses API's framing, serving/api/endpoints/responses.py): each event also
     gets an `event: <its type>` line, a late failure is `failure_event(error body)`, and there is no
     closing `data: [DONE]`."""
 

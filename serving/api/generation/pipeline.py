@@ -28,8 +28,8 @@ from typing import Literal
 
 from serving.api.backend import Backend, GenerateRequest
 from serving.api.errors import QueueTimeoutError
-from serving.api.protocol import ChatMessage
-from serving.api.tool_calls import ToolPlan, render_conversation, template_knows_tools
+from serving.api.protocol.wire import ChatMessage
+from serving.api.generation.tool_calls import ToolPlan, render_conversation, template_knows_tools
 from serving.engine.errors import ContextLengthError, InvalidRequestError
 from serving.engine.kv.block_hash import block_extra_keys, hash_blocks
 from serving.engine.outputs import RequestOutput, TokenLogprob, merge_outputs
@@ -66,7 +66,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    # What fitting the prompt into the context window dropped (serving/api/context_budget.py);
+    # What fitting the prompt into the context window dropped (serving/api/generation/context_budget.py);
     # None when the request asked for no fitting, and then not reported.
     dropped_messages: int | None = None
     dropped_tokens: int | None = None
@@ -129,7 +129,7 @@ class Frontend:
         tool_prompt: Literal["auto", "template", "kvrelay"] = "auto",
     ) -> list[int]:
         """The prompt's token ids; `tools`: the request's tool plan, shown by the template or by
-        kvrelay's tool prompt (`tool_prompt`, serving/api/tool_calls.py)."""
+        kvrelay's tool prompt (`tool_prompt`, serving/api/generation/tool_calls.py)."""
         template = getattr(self.tokenizer, "chat_template", None)
         if template is None:
             raise InvalidRequestError(

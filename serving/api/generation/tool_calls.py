@@ -32,7 +32,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
-from serving.api.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, TokenizeChatRequest, ToolDefinition, message_text
+from serving.api.protocol.wire import ChatCompletionRequest, ChatMessage, NamedToolChoice, TokenizeChatRequest, ToolDefinition, message_text
 from serving.engine.errors import InvalidRequestError
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The API's OpenAPI 3.1 document, built from the wire models (serving/api/protocol.py), served at
+"""The API's OpenAPI 3.1 document, built from the wire models (serving/api/protocol/wire.py), served at
 GET /openapi.json: what clients generate code from, and what the property-based tests
 (schemathesis) generate requests from. Bodies are parsed by http_io, not by FastAPI, so FastAPI's
 own document would describe none of them."""
@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from serving.api.protocol import (
+from serving.api.protocol.wire import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from serving.api.responses_api import ResponsesRequest
+from serving.api.endpoints.responses import ResponsesRequest
 
 __all__ = ["openapi_document"]
 

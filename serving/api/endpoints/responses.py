@@ -12,14 +12,14 @@ Auth, the priority a key's tier allows and graceful degradation come from the ro
 chat. An error before generation that names a chat field names the Responses field instead
 (`max_tokens` → `max_output_tokens`, `messages` → `input`). What the API has and kvrelay does not
 do (tools, stored responses, `text.format` other than text, ...) is a 400 naming the field
-(serving/api/field_support.py RESPONSES_FIELDS); an input item other than a message, or a content
+(serving/api/protocol/field_support.py RESPONSES_FIELDS); an input item other than a message, or a content
 part other than text, is a 400 naming `input[i]...`.
 
 The response: `status` "completed", or "incomplete" with `incomplete_details.reason`
 "max_output_tokens" when the output was cut at max_output_tokens (or at the context window);
 `output` is one assistant message with one `output_text` part; `usage` has input_tokens (with
 `input_tokens_details.cached_tokens`, and what fitting the context dropped:
-serving/api/context_budget.py), output_tokens and total_tokens. Streamed, OpenAI's events, each
+serving/api/generation/context_budget.py), output_tokens and total_tokens. Streamed, OpenAI's events, each
 `event: <type>` + `data: {..., "type", "sequence_number"}`, numbered from 0:
 
     response.created, response.in_progress        the response, status in_progress, no output yet
@@ -48,11 +48,11 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from serving.api.errors import APIError, RequestTimeoutError, to_api_error
-from serving.api.field_support import RESPONSES_FIELDS, screen
-from serving.api.http_io import chain_deltas, first_delta, parse_body, sse_response
-from serving.api.pipeline import ChoiceDelta
-from serving.api.protocol import ChatCompletionRequest
-from serving.api.tool_calls import ToolPlan
+from serving.api.protocol.field_support import RESPONSES_FIELDS, screen
+from serving.api.endpoints.http_io import chain_deltas, first_delta, parse_body, sse_response
+from serving.api.generation.pipeline import ChoiceDelta
+from serving.api.protocol.wire import ChatCompletionRequest
+from serving.api.generation.tool_calls import ToolPlan
 from serving.config import ContextBudgetConfig
 from serving.engine.errors import InvalidRequestError
 from serving.engine.params import SamplingParams

@@ -23,7 +23,7 @@ A rank is 1 + how many tokens the model found strictly more likely. Logprobs of 
 
 from __future__ import annotations
 
-from serving.api.http_io import finite_logprob
+from serving.api.endpoints.http_io import finite_logprob
 from serving.engine.outputs import TokenLogprob
 
 __all__ = ["echoed_logprobs", "legacy_top", "vllm_prompt_logprobs", "joined"]

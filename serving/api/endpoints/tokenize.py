@@ -8,7 +8,7 @@
 
 A body with `messages` is a chat request: rendered by the chat template exactly as
 /v1/chat/completions renders it (same allow-listed `chat_template_kwargs`, in a thread with the
-same time limit: serving/api/chat_template.py), so `count` is what a chat completion's
+same time limit: serving/api/generation/chat_template.py), so `count` is what a chat completion's
 `usage.prompt_tokens` will be. A prompt is tokenized as /v1/completions tokenizes it. Detokenizing
 decodes special tokens too (vLLM's default); an id outside the tokenizer's vocabulary is a 400
 naming `tokens`.
@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from serving.api.chat_template import render_off_loop, template_kwargs
+from serving.api.generation.chat_template import render_off_loop, template_kwargs
 from serving.api.errors import to_api_error, with_request_id
-from serving.api.http_io import error_response, parse_body, read_json
-from serving.api.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
-from serving.api.tool_calls import plan_tools
+from serving.api.endpoints.http_io import error_response, parse_body, read_json
+from serving.api.protocol.wire import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from serving.api.generation.tool_calls import plan_tools
 from serving.engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from serving.api.routes import OpenAIServer
+    from serving.api.endpoints.routes import OpenAIServer
 
 __all__ = ["add_tokenize_routes"]
 

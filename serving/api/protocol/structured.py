@@ -34,13 +34,13 @@ from serving.engine.errors import InvalidRequestError
 from serving.engine.params import GuidedSpec
 
 if TYPE_CHECKING:
-    from serving.api.protocol import ChatCompletionRequest, CompletionRequest
+    from serving.api.protocol.wire import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["JSONSchemaFormat", "ResponseFormat", "StructuredOutputs", "guided_param", "guided_spec"]
 
 
 class _Lenient(BaseModel):
-    # Unknown keys accepted and ignored, as the top-level request's (serving/api/protocol.py).
+    # Unknown keys accepted and ignored, as the top-level request's (serving/api/protocol/wire.py).
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
 

@@ -1,7 +1,7 @@
 """OpenAI wire models for requests, and their translation to the engine's SamplingParams.
 
 Unknown fields are accepted, as OpenAI does, and never silently: the response names them in its
-`x-kvrelay-ignored-fields` header (serving/api/field_support.py; nested ones by path, e.g.
+`x-kvrelay-ignored-fields` header (serving/api/protocol/field_support.py; nested ones by path, e.g.
 `messages[0].foo`). A known OpenAI field is one of three kinds, tabled in field_support.py and in
 README's API section: implemented (the fields of these models); not implemented, refused with a 400
 naming it whenever it asks for something (`audio`, `store: true`, `prediction`, ...; also image
@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serving.api.structured import ResponseFormat, StructuredOutputs, guided_spec
+from serving.api.protocol.structured import ResponseFormat, StructuredOutputs, guided_spec
 from serving.engine.errors import InvalidRequestError
 from serving.engine.params import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -115,19 +115,19 @@ class _SamplingFields(_Lenient):
     priority: int = 0
     cache_salt: str | None = None
     prompt_logprobs: int | None = None  # each prompt token's logprob and top k (not with stream)
-    # kvrelay's: seconds until the request is aborted (serving/api/deadlines.py)
+    # kvrelay's: seconds until the request is aborted (serving/api/admission/deadlines.py)
     timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
     # kvrelay's: false opts this request out of speculative decoding where the engine has it on
     # (vLLM has no per-request field; its proposed `disable_spec_decode` was not merged)
     speculative: bool = True
-    # Structured outputs, at most one (serving/api/structured.py): OpenAI's, vLLM's, vLLM's older ones
+    # Structured outputs, at most one (serving/api/protocol/structured.py): OpenAI's, vLLM's, vLLM's older ones
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: Any = None  # a schema, or its JSON text: checked by guided_spec, naming the field
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # vLLM's: keep the last k prompt tokens, -1 what fits (serving/api/context_budget.py)
+    # vLLM's: keep the last k prompt tokens, -1 what fits (serving/api/generation/context_budget.py)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
 
 
@@ -143,7 +143,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     # kvrelay's, with the Responses API's name and values: "auto" drops the oldest turns to fit the
-    # context window (serving/api/context_budget.py); None: the server's default
+    # context window (serving/api/generation/context_budget.py); None: the server's default
     truncation: Literal["auto", "disabled"] | None = None
 
 

@@ -1,19 +1,19 @@
 """The OpenAI-compatible HTTP API: its routes, and what every request passes before its endpoint
 (authentication, its key's limits and priority, its body read, the error mapping and headers).
 
-    POST /v1/chat/completions   chat.completion / chat.completion.chunk (SSE): serving/api/chat_route.py
-    POST /v1/completions        text_completion (SSE when stream): serving/api/completions_route.py
+    POST /v1/chat/completions   chat.completion / chat.completion.chunk (SSE): serving/api/endpoints/chat.py
+    POST /v1/completions        text_completion (SSE when stream): serving/api/endpoints/completions.py
     POST /v1/responses          response (SSE events when stream): text in and out, on chat's
-                                pipeline (serving/api/responses_api.py)
+                                pipeline (serving/api/endpoints/responses.py)
     GET  /v1/models             the served model, with its max_model_len
-    POST /tokenize, /detokenize vLLM's tokenization endpoints (serving/api/tokenize_routes.py)
+    POST /tokenize, /detokenize vLLM's tokenization endpoints (serving/api/endpoints/tokenize.py)
     GET  /v1/usage              totals for the caller's API key, or every key's for an admin key
     GET  /health                200 when every pool has a live replica; 503 when one has none, or
                                 when what it reports cannot be read (the Serve controller's replica
                                 states: a read that failed or did not finish, health_unknown)
     GET  /metrics               Prometheus exposition (serving/observability/metrics.py, serving/observability/export.py)
 
-Bodies are parsed by serving/api/http_io.py, not by FastAPI, so every failure has OpenAI's error shape:
+Bodies are parsed by serving/api/endpoints/http_io.py, not by FastAPI, so every failure has OpenAI's error shape:
 malformed JSON is a 422 with a `detail` list as FastAPI would give; a field of the wrong type or
 out of range is a 400 whose `param` names it. A streaming request is answered with an HTTP error
 status if it fails before its first token; after that, failures arrive as an SSE `error` event
@@ -22,13 +22,13 @@ followed by `data: [DONE]`.
 Every completion response carries `x-request-id`, its `id`. A 5xx body has a generic message
 naming that id and never an exception's text; the exception and its traceback are logged under it.
 A request's unknown fields are named in `x-kvrelay-ignored-fields`, and a known field kvrelay does
-not implement is a 400 naming it (serving/api/field_support.py). A prompt over the context window
+not implement is a 400 naming it (serving/api/protocol/field_support.py). A prompt over the context window
 is fitted when the request asks (`truncation`, `truncate_prompt_tokens`), and what was dropped is
-in `x-kvrelay-dropped-*` and `usage.prompt_tokens_details` (serving/api/context_budget.py).
+in `x-kvrelay-dropped-*` and `usage.prompt_tokens_details` (serving/api/generation/context_budget.py).
 
 A prompt is rendered (chat template) and tokenized in a thread with a time limit, so no request
 holds up the event loop, and a request's `chat_template_kwargs` reach the template only as
-allow-listed scalar variables (serving/api/chat_template.py, `api:` in the config).
+allow-listed scalar variables (serving/api/generation/chat_template.py, `api:` in the config).
 
 Each request is billed to its API key (serving/api/usage.py) when its tokens are final: answered 200,
 or ended early (the client left, or it failed mid-generation) after its first token, for the
@@ -38,7 +38,7 @@ tokens are known), in the `x-kvrelay-cost` header. With tracing on (serving/obse
 request is one trace: the `ingress` span covers it until its response or stream ends.
 
 A completion has a deadline (its `timeout`, else `request_timeout_s`, bounded by its key's tier:
-serving/api/deadlines.py): out of time, it is aborted and answers 408, with its partial output
+serving/api/admission/deadlines.py): out of time, it is aborted and answers 408, with its partial output
 when it is not streamed; a stream that had begun ends with an SSE `error` event (`timeout`).
 """
 
@@ -55,10 +55,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from serving.api.calls import Call
-from serving.api.chat_route import ChatEndpoint
-from serving.api.completions_route import CompletionsEndpoint
-from serving.api.degradation import DEGRADED_HEADER, Degrader
+from serving.api.endpoints.calls import Call
+from serving.api.endpoints.chat import ChatEndpoint
+from serving.api.endpoints.completions import CompletionsEndpoint
+from serving.api.admission.degradation import DEGRADED_HEADER, Degrader
 from serving.api.errors import (
     APIError,
     AuthenticationError,
@@ -67,14 +67,14 @@ from serving.api.errors import (
     to_api_error,
     with_request_id,
 )
-from serving.api.forwarding import Forwarder
-from serving.api.http_io import error_response, read_json
-from serving.api.keys import ANONYMOUS, KeyRing
-from serving.api.openapi import openapi_document
-from serving.api.pipeline import Frontend
-from serving.api.rate_limits import RateLimiter
-from serving.api.responses_api import ResponsesEndpoint
-from serving.api.tokenize_routes import add_tokenize_routes
+from serving.api.admission.forwarding import Forwarder
+from serving.api.endpoints.http_io import error_response, read_json
+from serving.api.admission.keys import ANONYMOUS, KeyRing
+from serving.api.protocol.openapi import openapi_document
+from serving.api.generation.pipeline import Frontend
+from serving.api.admission.rate_limits import RateLimiter
+from serving.api.endpoints.responses import ResponsesEndpoint
+from serving.api.endpoints.tokenize import add_tokenize_routes
 from serving.api.usage import ModelPrice, RequestAccount, UsageLedger, load_pricing
 from serving.config import ServeConfig
 from serving.config.access import APIKey
@@ -95,7 +95,7 @@ REQUEST_ID_HEADER = "x-request-id"  # as OpenAI's responses: the id to quote, al
 class OpenAIServer:
     """`price`: the served model's prices; default: from `config.pricing` (the deployment
     passes them parsed, so replicas need not read the file). `fallback`: the transport to the
-    degradation fallback's app (serving/api/forwarding.py), None without one."""
+    degradation fallback's app (serving/api/admission/forwarding.py), None without one."""
 
     def __init__(self, frontend: Frontend, config: ServeConfig, price: ModelPrice | None = None,
                  fallback: Forwarder | None = None):
@@ -119,9 +119,9 @@ class OpenAIServer:
         self._created = int(time.time())
         self.metrics = IngressMetrics(self.model_name)
         self.degrader = Degrader(config.degradation, self.model_name, self.metrics, fallback=fallback)
-        self.clock = time.monotonic  # of request deadlines (serving/api/deadlines.py)
-        self.chat = ChatEndpoint(self)  # serving/api/chat_route.py
-        self.completions = CompletionsEndpoint(self)  # serving/api/completions_route.py
+        self.clock = time.monotonic  # of request deadlines (serving/api/admission/deadlines.py)
+        self.chat = ChatEndpoint(self)  # serving/api/endpoints/chat.py
+        self.completions = CompletionsEndpoint(self)  # serving/api/endpoints/completions.py
         self.responses = ResponsesEndpoint(self.chat.start, self.model_name, config.api.context_budget)
 
     # ---- the ASGI app ------------------------------------------------------------------------

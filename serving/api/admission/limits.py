@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from serving.api.protocol import ChatCompletionRequest, CompletionRequest
+from serving.api.protocol.wire import ChatCompletionRequest, CompletionRequest
 from serving.config import APIConfig
 from serving.engine.errors import InvalidRequestError
 from serving.engine.params import SamplingParams

@@ -1,7 +1,7 @@
 """POST /v1/completions: one or several prompts (text or token ids), each fitted by
 `truncate_prompt_tokens`, answered as text_completion or its stream; with `echo` each choice
 starts with its prompt and, with `logprobs`, the prompt's scores from the prefill pass
-(serving/api/prompt_scores.py). The ingress's checks before it are serving/api/routes.py's."""
+(serving/api/protocol/prompt_scores.py). The ingress's checks before it are serving/api/endpoints/routes.py's."""
 
 from __future__ import annotations
 
@@ -10,22 +10,23 @@ from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse, Response
 
-from serving.api import context_budget, limits
-from serving.api.calls import Call, with_partial
-from serving.api.chat_template import render_off_loop
-from serving.api.deadlines import bounded, deadline_for
+from serving.api.generation import context_budget
+from serving.api.admission import limits
+from serving.api.endpoints.calls import Call, with_partial
+from serving.api.generation.chat_template import render_off_loop
+from serving.api.admission.deadlines import bounded, deadline_for
 from serving.api.errors import RequestTimeoutError, error_status
-from serving.api.field_support import COMPLETION_FIELDS, screen
-from serving.api.http_io import chain_deltas, finite_logprob, first_delta, merge_deltas, parse_body, split_prompts, sse_response
-from serving.api.pipeline import Usage
-from serving.api.prompt_scores import echoed_logprobs, joined, legacy_top, vllm_prompt_logprobs
-from serving.api.protocol import CompletionRequest, sampling_params
-from serving.api.structured import guided_param
+from serving.api.protocol.field_support import COMPLETION_FIELDS, screen
+from serving.api.endpoints.http_io import chain_deltas, finite_logprob, first_delta, merge_deltas, parse_body, split_prompts, sse_response
+from serving.api.generation.pipeline import Usage
+from serving.api.protocol.prompt_scores import echoed_logprobs, joined, legacy_top, vllm_prompt_logprobs
+from serving.api.protocol.wire import CompletionRequest, sampling_params
+from serving.api.protocol.structured import guided_param
 from serving.engine.outputs import TokenLogprob
 from serving.observability import tracing
 
 if TYPE_CHECKING:
-    from serving.api.routes import OpenAIServer
+    from serving.api.endpoints.routes import OpenAIServer
 
 __all__ = ["CompletionsEndpoint"]
 

@@ -1,16 +1,16 @@
 """One API request at the ingress, from its admission to its response: who pays for it, its
 trace, its metrics record, its hold on its key's limits, its priority and deadline, and the
-headers its response will carry. serving/api/routes.py makes one per completion request and
-hands it to the endpoint (serving/api/chat_route.py, completions_route.py, responses_api.py)."""
+headers its response will carry. serving/api/endpoints/routes.py makes one per completion request and
+hands it to the endpoint (serving/api/endpoints/chat.py, completions_route.py, responses_api.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from serving.api.deadlines import Deadline
+from serving.api.admission.deadlines import Deadline
 from serving.api.errors import RequestTimeoutError
-from serving.api.keys import ANONYMOUS
-from serving.api.rate_limits import Ticket
+from serving.api.admission.keys import ANONYMOUS
+from serving.api.admission.rate_limits import Ticket
 from serving.api.usage import RequestAccount
 from serving.config.access import APIKey
 from serving.observability import tracing

@@ -47,7 +47,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from serving.api.errors import NoWorkerError, QueueFullError, QueueTimeoutError, ShedError
-from serving.api.forwarding import FORWARDED_SCOPE_KEY, FallbackUnavailable, ForwardedRequest, Forwarder, forward_headers, relay
+from serving.api.admission.forwarding import FORWARDED_SCOPE_KEY, FallbackUnavailable, ForwardedRequest, Forwarder, forward_headers, relay
 from serving.config import DegradationConfig
 from serving.engine.errors import EngineDeadError
 

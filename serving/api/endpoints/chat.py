@@ -1,8 +1,8 @@
 """POST /v1/chat/completions: a chat request rendered through the model's chat template (with its
-tools, serving/api/tool_calls.py), fitted into the context window (serving/api/context_budget.py),
+tools, serving/api/generation/tool_calls.py), fitted into the context window (serving/api/generation/context_budget.py),
 admitted by its key's limits, and answered as chat.completion or a stream of chat.completion.chunk.
 `ChatEndpoint.start` takes a request up to its deltas; /v1/responses runs through it too
-(serving/api/responses_api.py). The ingress's checks before it are serving/api/routes.py's."""
+(serving/api/endpoints/responses.py). The ingress's checks before it are serving/api/endpoints/routes.py's."""
 
 from __future__ import annotations
 
@@ -13,19 +13,20 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, Response
 
-from serving.api import context_budget, limits
-from serving.api.calls import Call, with_partial
-from serving.api.chat_template import render_off_loop, template_kwargs
-from serving.api.deadlines import bounded, deadline_for
+from serving.api.generation import context_budget
+from serving.api.admission import limits
+from serving.api.endpoints.calls import Call, with_partial
+from serving.api.generation.chat_template import render_off_loop, template_kwargs
+from serving.api.admission.deadlines import bounded, deadline_for
 from serving.api.errors import RequestTimeoutError, error_status
-from serving.api.field_support import CHAT_FIELDS, screen
-from serving.api.http_io import chain_deltas, finite_logprob, first_delta, parse_body, sse_response
-from serving.api.pipeline import ChoiceDelta, Usage
-from serving.api.prompt_scores import vllm_prompt_logprobs
-from serving.api.protocol import ChatCompletionRequest, sampling_params
-from serving.api.responses_api import StartedChat
-from serving.api.structured import guided_param
-from serving.api.tool_calls import ToolCallStream, ToolPlan, plan_tools, tool_chunk_choices, tool_finish_reason, tool_message
+from serving.api.protocol.field_support import CHAT_FIELDS, screen
+from serving.api.endpoints.http_io import chain_deltas, finite_logprob, first_delta, parse_body, sse_response
+from serving.api.generation.pipeline import ChoiceDelta, Usage
+from serving.api.protocol.prompt_scores import vllm_prompt_logprobs
+from serving.api.protocol.wire import ChatCompletionRequest, sampling_params
+from serving.api.endpoints.responses import StartedChat
+from serving.api.protocol.structured import guided_param
+from serving.api.generation.tool_calls import ToolCallStream, ToolPlan, plan_tools, tool_chunk_choices, tool_finish_reason, tool_message
 from serving.api.usage import RequestAccount
 from serving.engine.errors import InvalidRequestError
 from serving.engine.outputs import TokenLogprob
@@ -33,7 +34,7 @@ from serving.engine.params import GuidedSpec
 from serving.observability import tracing
 
 if TYPE_CHECKING:
-    from serving.api.routes import OpenAIServer
+    from serving.api.endpoints.routes import OpenAIServer
 
 __all__ = ["ChatEndpoint"]
 

@@ -5,7 +5,7 @@
                                                           └─▶ x-kvrelay-ignored-fields: the unknown fields,
                                                               and the known ones it accepts without effect
 
-A field of a wire model (serving/api/protocol.py, serving/api/responses_api.py) is implemented. Any
+A field of a wire model (serving/api/protocol/wire.py, serving/api/endpoints/responses.py) is implemented. Any
 other field lands in the model's extras and is looked up in its endpoint's table below:
 
     Unsupported(reason, accepts)  refused with a 400 naming it, unless its value asks nothing of the
