@@ -84,18 +84,24 @@ lint: install
 # mostly downloads: minutes of a fresh machine's run hidden), then the vLLM tests run in it. Both
 # suites run whatever the other's outcome; make test fails if either failed (or, under CI, if
 # the venv could not be built). The main suite's failures are printed again as the very last
-# lines, so a log that keeps only its tail (CI's) still names them.
+# lines, so a log that keeps only its tail (CI's) still names them, after the seed of its random
+# order (pytest-randomly; `make test PYTEST_ARGS=--randomly-seed=N` repeats it). On SIGINT (.ci/run's
+# time bound) the recipe's shell and tee live on: pytest stops and prints its summary, naming the
+# test it was running, and this summary still comes last.
 test: install lint
-	@log=$$(mktemp); main=$$log.main; { $(MAKE) --no-print-directory vllm-env >$$log 2>&1; echo $$? >$$log.rc; } & \
-	{ $(PY) -m pytest -m "not vllm" $(PYTEST_ARGS); echo $$? >$$main.rc; } 2>&1 | tee $$main; rc=$$(cat $$main.rc); \
-	wait; cat $$log; built=$$(cat $$log.rc); rm -f $$log $$log.rc; \
-	if [ "$$built" = 0 ]; then \
+	@stopped=; trap 'stopped=1; kill $$bg 2>/dev/null' INT; \
+	log=$$(mktemp); main=$$log.main; { $(MAKE) --no-print-directory vllm-env >$$log 2>&1; echo $$? >$$log.rc; } & bg=$$!; \
+	{ $(PY) -m pytest -m "not vllm" $(PYTEST_ARGS); echo $$? >$$main.rc; } 2>&1 | tee -i $$main; \
+	wait; mrc=$$(cat $$main.rc 2>/dev/null || echo 2); rc=$$mrc; cat $$log; built=$$(cat $$log.rc 2>/dev/null); rm -f $$log $$log.rc; \
+	if [ -n "$$stopped" ]; then rc=1; echo "make test: interrupted: the vLLM engine's tests did not run"; \
+	elif [ "$$built" = 0 ]; then \
 	  if [ -f $(VLLM_STAMP) ]; then $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS) $(VLLM_TESTS); \
 	  else $(PY) -m pytest -m vllm $(PYTEST_ARGS) $(VLLM_TESTS); fi; vrc=$$?; \
 	  [ $$vrc -eq 0 ] || [ $$vrc -eq 5 ] || rc=1; \
 	else rc=1; fi; \
-	echo "make test: the main suite (not vllm) exited $$(cat $$main.rc):"; \
-	grep -E '^(FAILED|ERROR) |^=+ .*(passed|failed|error).* in [0-9.]+s' $$main | tail -n 15; \
+	echo "make test: the main suite (not vllm) exited $$mrc:"; \
+	grep -E '^Using --randomly-seed=' $$main; \
+	grep -E '^(FAILED|ERROR|INTERRUPTED) |^=+ .*(passed|failed|error|interrupted).* in [0-9.]+s' $$main | tail -n 15; \
 	rm -f $$main $$main.rc; exit $$rc  # vrc 5: PYTEST_ARGS (-k ...) left no vLLM test
 
 test-fast: install lint

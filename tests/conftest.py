@@ -11,6 +11,10 @@ Also the suite's hygiene, so a test passes on a fresh machine whatever ran befor
 - `_no_leaks` (module, autouse): after a module's fixtures are torn down, the environment, the
   working directory and Ray's connection are as they were before it; a leak fails the module's
   last test, naming what leaked.
+- random order (pytest-randomly, its seed in the header): a module with integration tests keeps
+  its file order; under CI a skip off tests/ci_skips.py's allow-list fails the run; the summary
+  names the kernel paths this CPU left untested (tests/kernel_paths.py) and, after an interrupt,
+  the test that was running.
 
 Plain helpers (tiny-model builder, free ports, waiting, required tools) are in tests/helpers.py.
 """
@@ -28,7 +32,11 @@ import torch
 
 from cluster.launcher import PROXY_MAX_RESPONSE_BYTES, PROXY_READY_CHECK_TIMEOUT_S
 from serving.engine.modeling.loader import resolve_model_dir
+from tests import kernel_paths
+from tests.ci_skips import SkipGate
 from tests.helpers import build_tiny_model, process_state, state_changes
+
+pytest_plugins = ["pytester"]  # tests/test_helpers.py runs the suite's own plugins on small suites
 
 
 @pytest.fixture(scope="session")
@@ -82,13 +90,52 @@ def tiny_fallback_model_dir(tmp_path_factory, default_model_dir) -> Path:
     return out
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    """Around pytest-randomly's shuffle (its wrapper is tryfirst too; a conftest registers after
+    it, so this one is the outer: it sees the file order first and has the last word): a module
+    with integration tests keeps its tests in file order (they share one cluster and may build on
+    each other), in the place the shuffle gave the module; every other test runs in the random
+    order. Without CUDA the gpu tests skip."""
+    file_order = {item.nodeid: i for i, item in enumerate(items)}
+    result = yield
+    ordered = {item.module.__name__ for item in items if "integration" in item.keywords and getattr(item, "module", None)}
+    for name in ordered:
+        places = [i for i, item in enumerate(items) if getattr(item, "module", None) and item.module.__name__ == name]
+        in_file_order = sorted((items[i] for i in places), key=lambda item: file_order[item.nodeid])
+        for place, item in zip(places, in_file_order):
+            items[place] = item
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    return result
+
+
+_RUNNING: dict[str, str | None] = {"nodeid": None, "interrupted": None}
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _RUNNING["nodeid"] = nodeid
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _RUNNING["nodeid"] = None
+
+
+def pytest_keyboard_interrupt(excinfo):
+    _RUNNING["interrupted"] = _RUNNING["nodeid"]
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The kernel paths this CPU let the tests run (tests/kernel_paths.py), and on an interrupt
+    (.ci/run's time bound sends SIGINT) the test that was running, on a line `make test` repeats."""
+    line = kernel_paths.summary_line()
+    if line:
+        terminalreporter.write_line(line)
+    if _RUNNING["interrupted"]:
+        terminalreporter.write_line(f"INTERRUPTED {_RUNNING['interrupted']} (running when the run was stopped)")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -130,6 +177,7 @@ def pytest_configure(config):
       vLLM venv builds beside the suite (`serve.start` then fails on the proxy its controller
       killed), and its 4 MiB made a larger response a 500.
     """
+    config.pluginmanager.register(SkipGate(ci=bool(os.environ.get("CI"))), "kvrelay-ci-skips")
     root = Path(tempfile.mkdtemp(prefix="kvt-"))
     (root / "ray").mkdir()
     config.kvrelay_ray_root = root

@@ -7,7 +7,22 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 
-__all__ = ["fuzz"]
+__all__ = ["fuzz", "openai_error_problem"]
+
+ERROR_FIELDS = {"message": (str,), "type": (str,), "param": (str, type(None)), "code": (str, type(None))}
+
+
+def openai_error_problem(body, also: frozenset[str] = frozenset()) -> str | None:
+    """What keeps `body` from being exactly OpenAI's error shape, `{"error": {"message": str,
+    "type": str, "param": str | None, "code": str | None}}` and nothing else (but the top-level
+    keys `also`); None when it is."""
+    if not isinstance(body, dict) or not {"error"} <= set(body) <= {"error", *also}:
+        return f"keys {sorted(body) if isinstance(body, dict) else type(body).__name__}, not ['error']"
+    error = body["error"]
+    if not isinstance(error, dict) or set(error) != set(ERROR_FIELDS):
+        return f"error keys {sorted(error) if isinstance(error, dict) else type(error).__name__}, not {sorted(ERROR_FIELDS)}"
+    wrong = [name for name, kinds in ERROR_FIELDS.items() if not isinstance(error[name], kinds)]
+    return f"wrong types of {wrong}" if wrong else None
 
 
 def fuzz(schema, max_examples: int, **call_kwargs) -> tuple[list[str], dict[str, set[int]]]:
@@ -29,9 +44,10 @@ def fuzz(schema, max_examples: int, **call_kwargs) -> tuple[list[str], dict[str,
                 failures.append(f"{case.method} {case.path} {response.status_code}: {response.text[:200]} <- {case.body!r:.300}")
             elif 400 <= response.status_code < 500:
                 body = response.json()
-                error = body.get("error") if isinstance(body, dict) else None
-                if not isinstance(error, dict) or set(error) < {"message", "type", "param", "code"}:
-                    failures.append(f"{case.method} {case.path} {response.status_code} not OpenAI-shaped: {body!r:.200}")
+                # a 408 after some tokens also carries what was generated (serving/api/admission/deadlines.py)
+                problem = openai_error_problem(body, frozenset({"partial"}) if response.status_code == 408 else frozenset())
+                if problem:
+                    failures.append(f"{case.method} {case.path} {response.status_code} not OpenAI-shaped ({problem}): {body!r:.200}")
 
         check()
     return failures, statuses

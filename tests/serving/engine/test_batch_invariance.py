@@ -12,10 +12,16 @@ import pytest
 import torch
 
 from serving.engine import EngineConfig, LLMEngine, SamplingParams
-from serving.engine.modeling.cpu_kernels import native_kernels
+from tests.kernel_paths import native_kernels_or_skip
 from tests.serving.engine.test_engine import random_prompts
 
-pytestmark = pytest.mark.skipif(native_kernels() is None, reason="batch-invariant mode needs the native CPU kernels")
+
+@pytest.fixture(autouse=True)
+def _native_kernels():
+    """Batch-invariant mode needs the native CPU kernels: without them every test here skips,
+    and the summary's kernel paths line says the path went untested."""
+    native_kernels_or_skip()
+
 
 # SmolLM2-135M's linear layers, [N, K]: qkv, o, gate|up, down, lm_head.
 SMOLLM2_LINEARS = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
@@ -33,9 +39,7 @@ KERNELS = [
 def test_linear_row_does_not_depend_on_the_other_rows(kernel, dtype, shape):
     """Row i of x @ W^T is bitwise the same computed alone or among M rows, for M across the row
     tiles (6 packed, 8 small_m) and 64-column weight blocks (and an odd K and N: the tails)."""
-    kernels = native_kernels()
-    if kernel == "packed" and not kernels.has_packed_linear():
-        pytest.skip("packed_linear needs AVX512-BF16")
+    kernels = native_kernels_or_skip(packed=kernel == "packed")
     n, k = shape
     gen = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)

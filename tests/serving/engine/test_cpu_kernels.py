@@ -14,6 +14,7 @@ import pytest
 from serving.engine.modeling import cpu_kernels
 from serving.engine.modeling.cpu_kernels import DISABLE_ENV, KernelPath, KernelStatus, build_dir, kernel_status
 from tests.helpers import REPO
+from tests.kernel_paths import native_kernels_or_skip
 
 
 @pytest.fixture
@@ -83,8 +84,7 @@ def test_replicas_building_into_one_empty_cache_at_once_all_get_the_kernels(tmp_
     """Three processes start building together into an empty cache that also holds the lock file
     of a build that died half-way (torch waits on such a file forever): all get the native kernels,
     one builds and the others load its build."""
-    if kernel_status().path is not KernelPath.NATIVE:
-        pytest.skip(f"no native kernels on this machine: {kernel_status().reason}")
+    native_kernels_or_skip()
     cache = tmp_path / "cache"
     monkeypatch.setenv("KVRELAY_CACHE_DIR", str(cache))
     target = build_dir()
@@ -122,9 +122,7 @@ def test_native_kernels_let_other_python_threads_run():
 
     import torch
 
-    kernels = cpu_kernels.native_kernels()
-    if kernels is None:
-        pytest.skip(f"no native kernels here: {kernel_status()}")
+    kernels = native_kernels_or_skip()
     x, w = torch.randn(64, 2048), torch.randn(8192, 2048)
     kernels.small_m_linear(x, w, None)  # the first call's setup is not a call's own time
     for _ in range(8):  # rows until one call takes long enough to tell, whatever the CPU

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from serving.engine import EngineConfig, InvalidRequestError, LLMEngine, ModelLoadError, SamplingParams
+from tests.kernel_paths import native_kernels_or_skip
 from tests.serving.engine.test_model_parity import hf_greedy
 
 peft = pytest.importorskip("peft")
@@ -251,12 +252,9 @@ def test_the_segmented_kernel_adds_each_rows_own_adapter(dtype, packed):
     """lora_segmented (and its bf16 form with B^T packed by pairs) against float64: each listed
     row gets its own slot's (x A^T) B^T, a slot with an empty range and the unlisted rows keep y;
     a row's result does not depend on the other rows listed with it."""
-    from serving.engine.modeling.cpu_kernels import native_kernels
     from serving.engine.modeling.lora import _pack_pairs
 
-    kernels = native_kernels()
-    if kernels is None or (packed and not kernels.has_packed_linear()):
-        pytest.skip("the native kernels (with AVX512-BF16 for the packed form) are not loaded")
+    kernels = native_kernels_or_skip(packed=packed)
     gen = torch.Generator().manual_seed(0)
     tokens, fan_in, fan_out = 37, 70, 45  # not multiples of the vector width
     ranks = [16, 0, 4, 33]  # slot 1 leaves this linear alone
