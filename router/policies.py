@@ -30,12 +30,12 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import types
-import typing
 from collections.abc import Sequence
+from typing import Any
 
 from router.char_prefix_tree import CharPrefixTree, token_text
 from router.index import PrefixIndex
+from router.policy_params import parse_params
 from router.prefix_cost import PrefixCostPolicy
 from router.route_types import Decision, ReplicaLoad, RouteRequest
 
@@ -55,6 +55,9 @@ __all__ = [
 
 class LeastKVPolicy:
     name = "least_kv"
+
+    def __init__(self, **params: Any) -> None:
+        parse_params(self.name, params)  # none: refuses any
 
     def choose(self, request: RouteRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex | None = None) -> Decision:
         assert loads, "choose() needs at least one candidate"
@@ -82,7 +85,8 @@ class LeastKVPolicy:
 class RoundRobinPolicy:
     name = "round_robin"
 
-    def __init__(self) -> None:
+    def __init__(self, **params: Any) -> None:
+        parse_params(self.name, params)  # none: refuses any
         self._counter = itertools.count()
 
     def choose(self, request: RouteRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex | None = None) -> Decision:
@@ -94,8 +98,9 @@ class RoundRobinPolicy:
 class PowerOfTwoPolicy:
     name = "pow2"
 
-    def __init__(self, seed: int | None = None) -> None:
-        self._rng = random.Random(seed)
+    def __init__(self, **params: Any) -> None:
+        """`params`: PowerOfTwoParams' fields (router/policy_params.py)."""
+        self._rng = random.Random(parse_params(self.name, params).seed)
 
     def choose(self, request: RouteRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex | None = None) -> Decision:
         pair = self._rng.sample(list(loads), min(2, len(loads)))
@@ -107,17 +112,13 @@ class PowerOfTwoPolicy:
 class CharPrefixTreePolicy:
     name = "char_prefix_tree"
 
-    def __init__(
-        self, *, match_rate_threshold: float = 0.1, imbalanced_threshold: float = math.inf, seed: int | None = None,
-    ) -> None:
-        if not 0 <= match_rate_threshold <= 1:
-            raise ValueError(f"match_rate_threshold must be in [0, 1], got {match_rate_threshold}")
-        if imbalanced_threshold < 0:
-            raise ValueError(f"imbalanced_threshold must be >= 0, got {imbalanced_threshold}")
-        self.match_rate_threshold = match_rate_threshold
-        self.imbalanced_threshold = imbalanced_threshold
+    def __init__(self, **params: Any) -> None:
+        """`params`: CharPrefixTreeParams' fields (router/policy_params.py)."""
+        p = parse_params(self.name, params)
+        self.match_rate_threshold = p.match_rate_threshold
+        self.imbalanced_threshold = math.inf if p.imbalanced_threshold is None else p.imbalanced_threshold
         self.tree = CharPrefixTree()
-        self._rng = random.Random(seed)
+        self._rng = random.Random(p.seed)
         self._pow2 = PowerOfTwoPolicy(seed=self._rng.randrange(2**32))
 
     def choose(self, request: RouteRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex | None = None) -> Decision:
@@ -150,36 +151,8 @@ POLICIES = {
 
 
 def build_policy(name: str, **params):
-    """A policy by its name, with its documented parameters (unknown ones, and values of the wrong
-    type, are errors: YAML's `admission: "off"` is a string, which Python would take as true)."""
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}") from None
-    for key, value in params.items():
-        _check_type(name, cls, key, value)
-    try:
-        return cls(**params)
-    except TypeError as exc:
-        raise ValueError(f"routing policy {name!r}: {exc}") from exc
-
-
-def _check_type(name: str, cls: type, key: str, value) -> None:
-    """`value` fits the parameter's annotation: bool, int, float (an int too) or str, or None
-    where the annotation allows it. Parameters without such an annotation are not checked."""
-    hints = typing.get_type_hints(cls.__init__)
-    if key not in hints:
-        return  # unknown: the constructor says so
-    hint = hints[key]
-    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
-    allowed = typing.get_args(hint) if union else (hint,)
-    if value is None and type(None) in allowed:
-        return
-    kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}
-    accepted = [kinds[t] for t in allowed if t in kinds]
-    if not accepted:
-        return
-    ok = any(isinstance(value, k) and not (isinstance(value, bool) and bool not in k) for k in accepted)
-    if not ok:
-        wanted = " or ".join(t.__name__ for t in allowed if t is not type(None)) + (" or null" if type(None) in allowed else "")
-        raise ValueError(f"routing policy {name!r}: {key} must be {wanted}, got {value!r} ({type(value).__name__})")
+    """A policy by its name, with its parameters (router/policy_params.py types and checks them:
+    unknown ones and values of the wrong type are errors)."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}")
+    return POLICIES[name](**params)

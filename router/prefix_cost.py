@@ -101,9 +101,11 @@ import math
 import statistics
 import time
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 from router.eviction import BlockReuse
 from router.index import PrefixIndex
+from router.policy_params import parse_params
 from router.pool_load import PoolLoad
 from router.route_types import Decision, ReplicaLoad, RouteRequest
 
@@ -124,57 +126,24 @@ LORA_NO_SLOT_S = 1.0
 class PrefixCostPolicy:
     name = "prefix_cost"
 
-    def __init__(
-        self,
-        *,
-        default_prefill_tokens_per_s: float = 2000.0,
-        tie_tolerance: float = 0.25,
-        max_imbalance_tokens: int = 16384,
-        max_imbalance_ratio: float | None = None,
-        min_imbalance_tokens: int = 512,
-        max_load_ratio: float | None = 1.25,
-        load_window_per_replica: int = 64,
-        session_affinity: bool = False,
-        affinity_slack_s: float = 0.05,
-        price_evictions: bool = True,
-        price_delay: bool = True,
-        reuse_window_requests: int = 2048,
-        admission: bool = True,
-        rate_spread: float | None = 2.0,
-    ):
-        if default_prefill_tokens_per_s <= 0:
-            raise ValueError(f"default_prefill_tokens_per_s must be > 0, got {default_prefill_tokens_per_s}")
-        if not 0 <= tie_tolerance < 1:
-            raise ValueError(f"tie_tolerance must be in [0, 1), got {tie_tolerance}")
-        if max_imbalance_tokens < 0:
-            raise ValueError(f"max_imbalance_tokens must be >= 0, got {max_imbalance_tokens}")
-        if max_imbalance_ratio is not None and max_imbalance_ratio < 1:
-            raise ValueError(f"max_imbalance_ratio must be >= 1 (or None: no relative guard), got {max_imbalance_ratio}")
-        if min_imbalance_tokens < 0:
-            raise ValueError(f"min_imbalance_tokens must be >= 0, got {min_imbalance_tokens}")
-        if max_load_ratio is not None and max_load_ratio < 1:
-            raise ValueError(f"max_load_ratio must be >= 1 (or None: no bound), got {max_load_ratio}")
-        if load_window_per_replica < 1:
-            raise ValueError(f"load_window_per_replica must be >= 1, got {load_window_per_replica}")
-        if rate_spread is not None and rate_spread < 1:
-            raise ValueError(f"rate_spread must be >= 1 (or None: every replica's own rate), got {rate_spread}")
-        if reuse_window_requests < 1:
-            raise ValueError(f"reuse_window_requests must be >= 1, got {reuse_window_requests}")
-        self.default_prefill_tokens_per_s = default_prefill_tokens_per_s
-        self.tie_tolerance = tie_tolerance
-        self.max_imbalance_tokens = max_imbalance_tokens
-        self.max_imbalance_ratio = max_imbalance_ratio
-        self.min_imbalance_tokens = min_imbalance_tokens
-        self.max_load_ratio = max_load_ratio
-        self.load_window_per_replica = load_window_per_replica
-        self.session_affinity = session_affinity
-        self.affinity_slack_s = affinity_slack_s
-        self.price_evictions = price_evictions
-        self.price_delay = price_delay
-        self.reuse = BlockReuse(reuse_window_requests)
-        self.admission = admission
-        self.rate_spread = rate_spread
-        self.pool = PoolLoad(load_window_per_replica)  # what the replicas report they computed
+    def __init__(self, **params: Any):
+        """`params`: PrefixCostParams' fields (router/policy_params.py declares and checks them)."""
+        self.params = p = parse_params(self.name, params)
+        self.default_prefill_tokens_per_s = p.default_prefill_tokens_per_s
+        self.tie_tolerance = p.tie_tolerance
+        self.max_imbalance_tokens = p.max_imbalance_tokens
+        self.max_imbalance_ratio = p.max_imbalance_ratio
+        self.min_imbalance_tokens = p.min_imbalance_tokens
+        self.max_load_ratio = p.max_load_ratio
+        self.load_window_per_replica = p.load_window_per_replica
+        self.session_affinity = p.session_affinity
+        self.affinity_slack_s = p.affinity_slack_s
+        self.price_evictions = p.price_evictions
+        self.price_delay = p.price_delay
+        self.reuse = BlockReuse(p.reuse_window_requests)
+        self.admission = p.admission
+        self.rate_spread = p.rate_spread
+        self.pool = PoolLoad(p.load_window_per_replica)  # what the replicas report they computed
         self.routed_tokens: dict[Hashable, float] = {}  # replica -> decayed uncached tokens sent
         self.routed_requests: dict[Hashable, float] = {}  # replica -> decayed requests sent
         # (replica, LoRA adapter) -> when this router last sent it a request for the adapter: the

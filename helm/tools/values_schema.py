@@ -73,10 +73,13 @@ def _type_schema(annotation: Any) -> dict:
 def _bound(value: Any, schema: dict) -> Any:
     """A bound written as its field's type: `ge=0` and `ge=0.0` are equal and hash alike, so
     whichever a process met first is the one `typing.Annotated`'s cache hands every field with
-    that constraint; the schema must not depend on what was imported before it."""
-    if schema.get("type") == "number":
+    that constraint; the schema must not depend on what was imported before it. A nullable
+    field's type is a list (["number", "null"]): its bounds are its number's."""
+    kinds = schema.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if "number" in kinds:
         return float(value)
-    if schema.get("type") == "integer" and float(value).is_integer():
+    if "integer" in kinds and float(value).is_integer():
         return int(value)
     return value
 
@@ -103,7 +106,7 @@ def _constraints(metadata: list, schema: dict) -> dict:
 def _model_schema(model: type[BaseModel], *, exclude: set[str] = frozenset()) -> dict:
     properties = {}
     for name, field in model.model_fields.items():
-        if name in exclude:
+        if name in exclude or field.exclude:  # e.g. a union's discriminator the YAML does not repeat
             continue
         schema = _type_schema(field.annotation)
         if model is ServeConfig and field.annotation is PoolConfig:

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 import annotated_types
 from pydantic import Field, create_model, model_serializer, model_validator
 
+from router.policy_params import DecodeParams, LeastKVParams, PrefillParams, PrefixCostParams, parse_params
 from serving.engine.config import EngineConfig
 from serving.engine.params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 from serving.engine.strict import StrictModel
@@ -336,13 +337,16 @@ class RoutingConfig(StrictModel):
         description="Policy of the prefill pool (and the colocated Worker pool); pow2, round_robin "
         "and char_prefix_tree are the baselines of `kvrelay bench routing`.",
     )
-    prefill_params: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Parameters of the prefill policy (router/prefix_cost.py documents them), e.g. "
-        "{max_load_ratio: 1.25, session_affinity: true}.",
+    prefill_params: PrefillParams = Field(
+        default_factory=PrefixCostParams,
+        description="Parameters of the prefill policy, those of its name's model in router/policy_params.py "
+        "(router/prefix_cost.py documents them), e.g. {max_load_ratio: 1.25, session_affinity: true}.",
     )
     decode_policy: Literal["least_kv", "pow2", "round_robin"] = Field("least_kv", description="Policy of the decode pool.")
-    decode_params: dict[str, Any] = Field(default_factory=dict, description="Parameters of the decode policy.")
+    decode_params: DecodeParams = Field(
+        default_factory=LeastKVParams,
+        description="Parameters of the decode policy, those of its name's model in router/policy_params.py.",
+    )
     stats_period_s: float = Field(
         0.5, gt=0, le=60,
         description="How often replicas report routing stats (cached block hashes, queued prefill "
@@ -351,18 +355,30 @@ class RoutingConfig(StrictModel):
         "one router's in 62 of 69 cells, worst 0.89; at 0.1 s worst 0.91; docs/benchmarks.md).",
     )
 
-    @model_validator(mode="after")
-    def _check_params(self) -> RoutingConfig:
-        from router.policies import build_policy
+    @model_validator(mode="before")
+    @classmethod
+    def _typed_params(cls, data: Any) -> Any:
+        """Each `*_params` as its policy's model: the policy's name is the union's discriminator,
+        which the YAML does not repeat inside the params."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for pool in ("prefill", "decode"):
+            policy = data.get(f"{pool}_policy", cls.model_fields[f"{pool}_policy"].default)
+            params = data.get(f"{pool}_params", {})
+            if isinstance(params, dict) and isinstance(policy, str):
+                try:
+                    data[f"{pool}_params"] = parse_params(policy, params)
+                except ValueError as exc:
+                    raise ValueError(f"{pool}_params: {exc}") from None
+        return data
 
-        for field_name, policy, params in (
-            ("prefill_params", self.prefill_policy, self.prefill_params),
-            ("decode_params", self.decode_policy, self.decode_params),
-        ):
-            try:
-                build_policy(policy, **params)
-            except ValueError as exc:
-                raise ValueError(f"{field_name}: {exc}") from None
+    @model_validator(mode="after")
+    def _params_match_policy(self) -> RoutingConfig:
+        for pool, policy, params in (("prefill", self.prefill_policy, self.prefill_params),
+                                     ("decode", self.decode_policy, self.decode_params)):
+            if params.policy != policy:
+                raise ValueError(f"{pool}_params are {params.policy}'s, but {pool}_policy is {policy}")
         return self
 
 

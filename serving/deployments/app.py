@@ -17,6 +17,7 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from router.autoscaling.decide import serve_autoscaling_config
 from router.autoscaling.policy import load_policy
+from router.policy_params import PolicyParams
 from router.request_router import KVAwareRequestRouter, PrefixAwareRequestRouter
 from serving.api.usage import ModelPrice, load_pricing
 from serving.config import PoolConfig, RoutingConfig, ServeConfig, load_config
@@ -85,7 +86,7 @@ def build_app(args: dict[str, Any] | ServeConfig | None = None) -> Application:
 
 def build_prefill_pool(config: ServeConfig) -> Application:
     """The prefill pool alone, routed as in build_app, with no ingress and no decode pool: for a
-    benchmark that sends WorkerRequests to it by handle (load_tests/routing_real.py), which then
+    benchmark that sends WorkerRequests to it by handle (load_tests/routing/real.py), which then
     starts half the replicas per app."""
     return _pool(PrefillWorker, config, config.prefill, _prefill_router(config.routing)).bind(config.model_dump(mode="json"))
 
@@ -133,10 +134,10 @@ def _prefill_router(routing: RoutingConfig) -> RequestRouterConfig:
     return _router(PrefixAwareRequestRouter, routing.prefill_policy, routing.prefill_params, routing)
 
 
-def _router(cls, policy: str, params: dict, routing: RoutingConfig) -> RequestRouterConfig:
+def _router(cls, policy: str, params: PolicyParams, routing: RoutingConfig) -> RequestRouterConfig:
     return RequestRouterConfig(
         request_router_class=cls,
-        request_router_kwargs={"policy": policy, **params},
+        request_router_kwargs={"policy": policy, **params.model_dump()},
         request_routing_stats_period_s=routing.stats_period_s,
         request_routing_stats_timeout_s=max(5.0, 4 * routing.stats_period_s),
     )

@@ -21,6 +21,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -594,6 +595,16 @@ def test_values_schema_is_generated_from_the_models():
     assert module.SCHEMA_PATH.read_text() == module.render(), (
         "helm/kvrelay/values.schema.json is stale: run .venv/bin/python helm/tools/values_schema.py"
     )
+
+
+@pytest.mark.parametrize("first", ["router.autoscaling.policy", "serving.config", "serving.engine.config"])
+def test_values_schema_does_not_depend_on_what_was_imported_first(first):
+    """A bound is written as its field's type (`ge=0` of a float, or a float or null, is 0.0), however
+    `typing.Annotated`'s cache met it first: the generator alone, in a fresh process, writes the file."""
+    script = (f"import sys, {first}; sys.path.insert(0, 'helm/tools'); import values_schema; "
+              "sys.exit(values_schema.main(['--check']))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 MONITORING_FILES = [("prometheus", "kvrelay-alerts.yaml"), ("grafana", "*.json")]

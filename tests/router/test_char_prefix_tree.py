@@ -81,5 +81,5 @@ def test_policy_uses_token_ids_without_text_and_is_built_by_name():
     second = policy.choose(RouteRequest("r2", 64, token_ids=ids[:60] + [1, 2, 3, 4]), loads(a=0, b=0))
     assert second.chosen == first.chosen and second.reason == "prefix_match"
     assert policy.tree.num_chars[first.chosen] == 68
-    with pytest.raises(ValueError, match="match_rate_threshold must be in"):
+    with pytest.raises(ValueError, match="match_rate_threshold must be <= 1, got 2"):
         build_policy("char_prefix_tree", match_rate_threshold=2)

@@ -281,6 +281,21 @@ def test_a_routing_parameter_of_the_wrong_type_names_the_section_and_the_fix(tmp
     assert "prefill_params: routing policy 'prefix_cost': admission must be bool, got 'off' (str)" in str(info.value)
 
 
+def test_routing_params_are_typed_by_their_policy_and_dumped_as_written(tmp_path):
+    path = write(tmp_path, "routing:\n  prefill_params: {max_load_ratio: null}\n  decode_policy: pow2\n"
+                           "  decode_params: {seed: 3}\n")
+    routing = load_config(path, env={}).routing
+    assert (routing.prefill_params.max_load_ratio, routing.prefill_params.rate_spread) == (None, 2.0)
+    assert (routing.decode_params.policy, routing.decode_params.seed) == ("pow2", 3)
+    dumped = routing.model_dump(mode="json")
+    assert (dumped["prefill_params"], dumped["decode_params"]) == ({"max_load_ratio": None}, {"seed": 3})
+    assert ServeConfig().model_dump(mode="json")["routing"]["prefill_params"] == {}
+    path = write(tmp_path, "routing:\n  decode_policy: round_robin\n  decode_params: {seed: 3}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert "decode_params: routing policy 'round_robin': unknown parameter 'seed' (allowed: none)" in str(info.value)
+
+
 def test_speculation_is_for_the_pools_that_decode():
     """`engine.speculative` reaches the decode and worker pools' engines, never the prefill pool's
     (it generates one token per request); setting it on the prefill pool is an error naming the fix."""
