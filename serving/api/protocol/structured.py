@@ -26,17 +26,15 @@ not compile is a 400 naming the field above. The compiled grammar stays in the p
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from serving.engine.errors import InvalidRequestError
 from serving.engine.params import GuidedSpec
 
-if TYPE_CHECKING:
-    from serving.api.protocol.wire import ChatCompletionRequest, CompletionRequest
-
-__all__ = ["JSONSchemaFormat", "ResponseFormat", "StructuredOutputs", "guided_param", "guided_spec"]
+__all__ = ["AsksStructured", "JSONSchemaFormat", "ResponseFormat", "StructuredOutputs", "guided_param", "guided_spec"]
 
 
 class _Lenient(BaseModel):
@@ -66,7 +64,19 @@ class StructuredOutputs(_Lenient):
     json_object: bool | None = None
 
 
-def guided_spec(request: ChatCompletionRequest | CompletionRequest) -> GuidedSpec | None:
+class AsksStructured(Protocol):
+    """The fields a request asks for a structured output with: those of both endpoints' wire models
+    (serving/api/protocol/wire.py), which this module reads and does not import."""
+
+    response_format: ResponseFormat | None
+    structured_outputs: StructuredOutputs | None
+    guided_json: Any
+    guided_regex: str | None
+    guided_choice: list[str] | None
+    guided_grammar: str | None
+
+
+def guided_spec(request: AsksStructured) -> GuidedSpec | None:
     """The request's structured output, or None; InvalidRequestError naming the field."""
     asked = _asked(request)
     if not asked:
@@ -81,14 +91,15 @@ def guided_spec(request: ChatCompletionRequest | CompletionRequest) -> GuidedSpe
         raise InvalidRequestError(param, exc.message) from None
 
 
-def guided_param(request: ChatCompletionRequest | CompletionRequest) -> str:
+def guided_param(request: AsksStructured) -> str:
     """The field the request's structured output came from (guided_spec found exactly one)."""
     return _asked(request)[0][0]
 
 
-def _asked(request) -> list[tuple[str, Any]]:
-    """(field, a builder of its GuidedSpec) for each structured output the request sets."""
-    asked: list[tuple[str, Any]] = []
+def _asked(request: AsksStructured) -> list[tuple[str, Callable[[], GuidedSpec]]]:
+    """(field, a builder of its GuidedSpec) for each structured output the request sets, in the
+    order of the table above."""
+    asked: list[tuple[str, Callable[[], GuidedSpec]]] = []
     fmt: ResponseFormat | None = request.response_format
     if fmt is not None and fmt.type == "json_object":
         asked.append(("response_format", lambda: GuidedSpec("json_object")))
@@ -99,26 +110,27 @@ def _asked(request) -> list[tuple[str, Any]]:
         schema = fmt.json_schema.schema_
         asked.append((param, lambda: _schema_spec(schema, text=False)))
     so: StructuredOutputs | None = request.structured_outputs
-    if so is not None:
-        if so.json_ is not None:
-            asked.append(("structured_outputs.json", lambda: _schema_spec(so.json_)))
-        if so.regex is not None:
-            asked.append(("structured_outputs.regex", lambda: GuidedSpec("regex", so.regex)))
-        if so.choice is not None:
-            asked.append(("structured_outputs.choice", lambda: GuidedSpec.choice(so.choice)))
-        if so.grammar is not None:
-            asked.append(("structured_outputs.grammar", lambda: GuidedSpec("grammar", so.grammar)))
-        if so.json_object:
-            asked.append(("structured_outputs.json_object", lambda: GuidedSpec("json_object")))
-    if request.guided_json is not None:
-        asked.append(("guided_json", lambda: _schema_spec(request.guided_json)))
-    if request.guided_regex is not None:
-        asked.append(("guided_regex", lambda: GuidedSpec("regex", request.guided_regex)))
-    if request.guided_choice is not None:
-        asked.append(("guided_choice", lambda: GuidedSpec.choice(request.guided_choice)))
-    if request.guided_grammar is not None:
-        asked.append(("guided_grammar", lambda: GuidedSpec("grammar", request.guided_grammar)))
-    return asked
+    vllm: list[tuple[str, str, Any]] = [] if so is None else [
+        ("structured_outputs.json", "json", so.json_), ("structured_outputs.regex", "regex", so.regex),
+        ("structured_outputs.choice", "choice", so.choice), ("structured_outputs.grammar", "grammar", so.grammar),
+        ("structured_outputs.json_object", "json_object", so.json_object or None),
+    ]
+    vllm += [
+        ("guided_json", "json", request.guided_json), ("guided_regex", "regex", request.guided_regex),
+        ("guided_choice", "choice", request.guided_choice), ("guided_grammar", "grammar", request.guided_grammar),
+    ]
+    return asked + [(param, _builder(kind, value)) for param, kind, value in vllm if value is not None]
+
+
+def _builder(kind: str, value: Any) -> Callable[[], GuidedSpec]:
+    """The GuidedSpec of one of vLLM's fields or keys, built when called (so its errors name it)."""
+    if kind == "json":
+        return lambda: _schema_spec(value)
+    if kind == "choice":
+        return lambda: GuidedSpec.choice(value)
+    if kind == "json_object":
+        return lambda: GuidedSpec("json_object")
+    return lambda: GuidedSpec(kind, value)
 
 
 def _schema_spec(schema: Any, *, text: bool = True) -> GuidedSpec:
