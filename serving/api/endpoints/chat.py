@@ -13,20 +13,21 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, Response
 
-from serving.api.generation import context_budget
 from serving.api.admission import limits
-from serving.api.endpoints.calls import Call, with_partial
-from serving.api.generation.chat_template import render_off_loop, template_kwargs
 from serving.api.admission.deadlines import bounded, deadline_for
-from serving.api.errors import RequestTimeoutError, error_status
-from serving.api.protocol.field_support import CHAT_FIELDS, screen
+from serving.api.endpoints.calls import Call, with_partial
 from serving.api.endpoints.http_io import chain_deltas, finite_logprob, first_delta, parse_body, sse_response
-from serving.api.generation.pipeline import ChoiceDelta, Usage
-from serving.api.protocol.prompt_scores import vllm_prompt_logprobs
-from serving.api.protocol.wire import ChatCompletionRequest, sampling_params
 from serving.api.endpoints.responses import StartedChat
+from serving.api.errors import RequestTimeoutError, error_status
+from serving.api.generation import context_budget
+from serving.api.generation.chat_template import render_off_loop, template_kwargs
+from serving.api.generation.pipeline import ChoiceDelta, Usage
+from serving.api.generation.tool_calls import ToolPlan, plan_tools
+from serving.api.generation.tool_parsing import ToolCallStream, tool_chunk_choices, tool_finish_reason, tool_message
+from serving.api.protocol.field_support import CHAT_FIELDS, screen
+from serving.api.protocol.prompt_scores import vllm_prompt_logprobs
 from serving.api.protocol.structured import guided_param
-from serving.api.generation.tool_calls import ToolCallStream, ToolPlan, plan_tools, tool_chunk_choices, tool_finish_reason, tool_message
+from serving.api.protocol.wire import ChatCompletionRequest, sampling_params
 from serving.api.usage import RequestAccount
 from serving.engine.errors import InvalidRequestError
 from serving.engine.outputs import TokenLogprob

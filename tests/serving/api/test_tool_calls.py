@@ -8,20 +8,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from serving.api.protocol.wire import ChatCompletionRequest, ChatMessage
-from serving.api.generation.tool_calls import (
+from serving.api.generation.tool_calls import plan_tools, render_conversation, template_knows_tools, tool_prompt
+from serving.api.generation.tool_parsing import (
     ArgumentsDelta,
     CallStart,
     ContentDelta,
     ToolCallStream,
-    plan_tools,
-    render_conversation,
-    template_knows_tools,
     tool_chunk_choices,
     tool_finish_reason,
     tool_message,
-    tool_prompt,
 )
+from serving.api.protocol.wire import ChatCompletionRequest, ChatMessage
 from serving.engine.errors import InvalidRequestError
 
 WEATHER = {
