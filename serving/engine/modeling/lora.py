@@ -39,7 +39,7 @@ import torch
 
 from serving.engine.errors import InvalidRequestError, ModelLoadError
 from serving.engine.modeling.cpu_kernels import native_kernels
-from serving.engine.modeling.loader import permute_qk_rows
+from serving.engine.modeling.model_spec import permute_qk_rows
 
 __all__ = ["LoRAAdapter", "LoRAManager", "LoRABatch", "StackedLinear", "load_adapter", "LoRAError"]
 

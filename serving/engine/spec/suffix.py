@@ -217,35 +217,30 @@ class _LiveTree:
         return None
 
 
+@dataclass(eq=False, kw_only=True)
 class SuffixProposer:
-    """Proposes up to `k` tokens per sequence from its own tree and the recent requests' tree."""
+    """Proposes up to `k` tokens per sequence from its own tree and the recent requests' tree
+    (the parameters: SpeculativeConfig's suffix_* fields)."""
 
     name = "suffix"
 
-    def __init__(
-        self,
-        *,
-        k: int,
-        max_depth: int,
-        max_cached_requests: int,
-        max_cached_tokens: int,
-        min_probability: float,
-        max_spec_factor: float,
-        cache_prompts: bool,
-    ):
-        assert k >= 1 and max_depth > k, (k, max_depth)
-        self.k = k
-        self.max_depth = max_depth
-        self.max_cached_requests = max_cached_requests
-        self.max_cached_tokens = max_cached_tokens
-        self.min_probability = min_probability
-        self.max_spec_factor = max_spec_factor
-        self.cache_prompts = cache_prompts
-        self.live: dict[int, _LiveTree] = {}  # by seq_id
-        self.cached = SuffixTree(max_depth)
-        self.cached_texts: collections.deque[list[int]] = collections.deque()
-        self.num_cached_tokens = 0
-        self.num_matches = {"request": 0, "global": 0}  # proposals made from each tree
+    k: int
+    max_depth: int
+    max_cached_requests: int
+    max_cached_tokens: int
+    min_probability: float
+    max_spec_factor: float
+    cache_prompts: bool
+    live: dict[int, _LiveTree] = field(default_factory=dict, init=False, repr=False)  # by seq_id
+    cached: SuffixTree = field(init=False, repr=False)
+    cached_texts: collections.deque[list[int]] = field(default_factory=collections.deque, init=False, repr=False)
+    num_cached_tokens: int = field(default=0, init=False)
+    # proposals made from each tree
+    num_matches: dict[str, int] = field(default_factory=lambda: {"request": 0, "global": 0}, init=False)
+
+    def __post_init__(self) -> None:
+        assert self.k >= 1 and self.max_depth > self.k, (self.k, self.max_depth)
+        self.cached = SuffixTree(self.max_depth)
 
     def propose_batch(self, seqs: list[Sequence], max_ks: list[int]) -> list[list[int]]:
         return [self.propose(seq, max_k) for seq, max_k in zip(seqs, max_ks)]

@@ -175,18 +175,19 @@ def test_auto_is_on_only_where_it_was_measured_to_cost_nothing(monkeypatch, sett
     no AMX (the packed kernel's cost there: docs/benchmarks.md), and on AMX too for an engine that
     speculates (greedy output must equal decoding without it); true forces it wherever the kernels
     run, false never. The reason is what the engine logs and reports (stats)."""
-    from serving.engine.modeling import model as model_module
+    from serving.engine.modeling import batch_invariance as invariance
 
-    monkeypatch.setattr(model_module, "native_kernels", lambda: _Kernels(packed))
-    monkeypatch.setattr(model_module, "cpu_has_amx", lambda: amx)
-    got_on, got_why = model_module._batch_invariance(setting, torch.device("cpu"), dtype, speculative=speculative)
+    monkeypatch.setattr(invariance, "cpu_has_amx", lambda: amx)
+    got_on, got_why = invariance.batch_invariance(setting, torch.device("cpu"), dtype, _Kernels(packed),
+                                                  speculative=speculative)
     assert (got_on, got_why.startswith(why)) == (on, True), got_why
 
 
 def _auto_is_on_here() -> bool:
-    from serving.engine.modeling import model as model_module
+    from serving.engine.modeling.batch_invariance import batch_invariance
+    from serving.engine.modeling.cpu_kernels import native_kernels
 
-    return model_module._batch_invariance("auto", torch.device("cpu"), torch.bfloat16)[0]
+    return batch_invariance("auto", torch.device("cpu"), torch.bfloat16, native_kernels())[0]
 
 
 @pytest.mark.slow

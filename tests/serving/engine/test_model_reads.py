@@ -16,7 +16,7 @@ import torch
 
 from serving.engine.modeling import loader as model_loader
 from serving.engine.modeling.loader import load_model_spec, load_tokenizer
-from serving.engine.modeling.model import _rope_tables
+from serving.engine.modeling.rope import rope_tables
 from tests.helpers import build_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -45,7 +45,7 @@ def _not_transformers(*args, **kwargs):
 
 def _rope(spec):
     types = sorted(set(spec.layer_rope_types)) or [None]
-    return {t: _rope_tables(spec, torch.device("cpu"), torch.float32, t) for t in types}
+    return {t: rope_tables(spec, torch.device("cpu"), torch.float32, t) for t in types}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -53,7 +53,7 @@ def test_a_remembered_spec_equals_transformers_reading(variant, tmp_path, cache,
     model_dir = build_tiny_model(tmp_path / variant, default_model_dir, **VARIANTS[variant])
     read = load_model_spec(model_dir)
     assert [p.name for p in (cache / "model-reads").iterdir()] == [next((cache / "model-reads").iterdir()).name]
-    monkeypatch.setattr(model_loader, "_read_model_spec", _not_transformers)
+    monkeypatch.setattr(model_loader, "read_model_spec", _not_transformers)
     again = load_model_spec(model_dir)
     assert again == read and again.rope_parameters == read.rope_parameters and again.path == model_dir
     assert "hf_config" not in again.__dict__  # not read back: only a RoPE other than the default one reads it
