@@ -31,7 +31,7 @@ print("random-weight model of the default model's shape in", out)
 PY
 timeout 150 python3 -c "
 import json, sys
-from load_tests import bench_lora as b
+from load_tests.engine import lora as b
 r = b.run(b.LoRAParams(model='/tmp/smollm2-shape', dtype='bfloat16', device='cuda', output_len=64, repeats=3), command='gpu_check')
 json.dump(r, open('$OUT/lora-cuda.json', 'w'), indent=1)
 " 2>&1 | tail -12

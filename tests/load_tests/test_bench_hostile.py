@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from load_tests.bench_hostile import FULL, QUICK, CaseResult, format_table, params_from_args, summarize
+from load_tests.hostile.bench import FULL, QUICK, CaseResult, format_table, params_from_args, summarize
 from serving.cli.parser import build_parser
 
 

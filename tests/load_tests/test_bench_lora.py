@@ -1,4 +1,4 @@
-"""`kvrelay bench engine --lora` (load_tests/bench_lora.py): presets, the adapters it writes (PEFT's
+"""`kvrelay bench engine --lora` (load_tests/engine/lora.py): presets, the adapters it writes (PEFT's
 format, loadable and applied), and a smoke run on the tiny model (the figures' arithmetic, not
 their values)."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from load_tests.bench_lora import FULL, QUICK, LoRAParams, params_from_args, write_random_adapter
+from load_tests.engine.lora import FULL, QUICK, LoRAParams, params_from_args, write_random_adapter
 from serving.cli import main
 from serving.cli.parser import build_parser
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from load_tests.pd_costs import CostFit, CostLine, HandoffCost, StepCost, StepShape, chunk_pairs
-from load_tests.pd_probe import probe_steps
+from load_tests.pd.costs import CostFit, CostLine, HandoffCost, StepCost, StepShape, chunk_pairs
+from load_tests.pd.probe import probe_steps
 from serving.cli.dispatch import main
 
 CPU_FIT = CostFit("cpu", StepCost((CostLine(0.012, 0.0012, 0.0001),), 1e-6, 5e-6), HandoffCost(0.0, 23040, 3e9))
@@ -73,7 +73,7 @@ def test_the_co_run_term_comes_from_a_probe_file_or_milliseconds_and_a_bad_value
                      "--no-sweep", "--json", str(out)]) == 0
         cpu = json.loads(out.read_text())["config"]["fits"]["cpu"]
         assert (cpu["corun_s"], cpu["corun_ref_s"]) == expected
-    with pytest.raises(SystemExit, match="--corun wants milliseconds or a `python -m load_tests.pd_corun` JSON file; 'fast'"):
+    with pytest.raises(SystemExit, match="--corun wants milliseconds or a `python -m load_tests.pd.corun` JSON file; 'fast'"):
         main(["bench", "pd-sim", "--cpu-fit", str(fit_report), "--corun", "fast", "--no-sweep"])
 
 

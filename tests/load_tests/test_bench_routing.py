@@ -12,13 +12,13 @@ import sys
 
 import pytest
 
-from load_tests.bench_routing import REAL_QUICK, SIM_FULL, SIM_QUICK, params_from_args, policy_figures, summarize
-from load_tests.routing_bounds import pooled_lru_hit_tokens, pooled_optimal_hit_tokens, single_home
-from load_tests.routing_calibration import CalibrationPoint, fit
-from load_tests.routing_metrics import PolicyRun, RoutedRequest, percentile
-from load_tests.routing_sim import BlockCache, CostModel, SimConfig, SimReplica, oracle_hit_tokens, simulate
-from load_tests.routing_sweep import ONE_ROUTER, SWEEP_FULL, SWEEP_QUICK, SweepGrid, cells, summarize_sweep
-from load_tests.routing_workload import Workload, WorkloadRequest, WorkloadSpec, make_workload
+from load_tests.routing.bench import REAL_QUICK, SIM_FULL, SIM_QUICK, params_from_args, policy_figures, summarize
+from load_tests.routing.bounds import pooled_lru_hit_tokens, pooled_optimal_hit_tokens, single_home
+from load_tests.routing.calibration import CalibrationPoint, fit
+from load_tests.routing.metrics import PolicyRun, RoutedRequest, percentile
+from load_tests.routing.sim import BlockCache, CostModel, SimConfig, SimReplica, oracle_hit_tokens, simulate
+from load_tests.routing.sweep import ONE_ROUTER, SWEEP_FULL, SWEEP_QUICK, SweepGrid, cells, summarize_sweep
+from load_tests.routing.workload import Workload, WorkloadRequest, WorkloadSpec, make_workload
 from router.char_prefix_tree import token_text
 from serving.cli.dispatch import main
 from serving.cli.parser import build_parser

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from load_tests.bench_scenario import (
+from load_tests.scenario.bench import (
     ScenarioParams,
     default_mode,
     format_summary,
@@ -25,9 +25,9 @@ from load_tests.bench_scenario import (
     summarize_prefix_routing,
     workload,
 )
-from load_tests.bench_serve import RateRun, build_specs
-from load_tests.serve_client import RequestRecord
-from load_tests.serve_load import schedule
+from load_tests.serve.bench import RateRun, build_specs
+from load_tests.serve.client import RequestRecord
+from load_tests.serve.load import schedule
 from serving.cli.parser import build_parser
 from tests.helpers import REPO as REPO_ROOT
 
@@ -334,8 +334,8 @@ def test_peers_smoke_without_the_peers_venv(tiny_model_dir, tmp_path):
 
 
 def test_set_overrides_every_kvrelay_config_after_the_scenarios_own(tmp_path):
-    from load_tests.bench_scenario import kvrelay_config
-    from load_tests.scenario_servers import ScenarioError
+    from load_tests.scenario.bench import kvrelay_config
+    from load_tests.scenario.servers import ScenarioError
 
     args = build_parser().parse_args(["bench", "scenario", "peers", "--set", "engine.long_prefill_token_threshold=512",
                                       "--set", "worker.engine.num_threads=2"])

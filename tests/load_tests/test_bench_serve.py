@@ -19,10 +19,10 @@ import httpx
 import numpy as np
 import pytest
 
-from load_tests.bench_serve import BenchParams, format_table, run_rates
 from load_tests.local_ray import free_port
-from load_tests.serve_client import RequestSpec, ServeClient
-from load_tests.serve_datasets import (
+from load_tests.serve.bench import BenchParams, format_table, run_rates
+from load_tests.serve.client import RequestSpec, ServeClient
+from load_tests.serve.datasets import (
     arrival_times,
     chat_burst,
     multi_turn,
@@ -30,9 +30,9 @@ from load_tests.serve_datasets import (
     random_dataset,
     shared_prefix,
 )
-from load_tests.serve_load import run_load, schedule
-from load_tests.serve_metrics import parse_slo, percentile, stats_ms, summarize_records
-from load_tests.serve_params import params_from_args
+from load_tests.serve.load import run_load, schedule
+from load_tests.serve.metrics import parse_slo, percentile, stats_ms, summarize_records
+from load_tests.serve.params import params_from_args
 from serving.cli.parser import build_parser
 from tests.helpers import REPO as REPO_ROOT
 
@@ -436,8 +436,8 @@ def test_client_against_the_kvrelay_openai_api(tiny_model_dir):
     """kvrelay's stream parses as the fake one does: usage counts every token (ignore_eos), chat
     and completions (token ids) both work, and a multi-turn history goes through the chat
     template. httpx.ASGITransport delivers the body at the end, so no timing is checked here."""
-    from serving.api.generation.pipeline import Frontend
     from serving.api.endpoints.routes import OpenAIServer
+    from serving.api.generation.pipeline import Frontend
     from serving.config import ServeConfig
     from serving.deployments.local_backend import LocalBackend
     from serving.engine import EngineConfig

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from load_tests.bench_serve_overhead import (
+from load_tests.serve_overhead.bench import (
     FULL,
     QUICK,
     PathResult,
@@ -21,7 +21,7 @@ from load_tests.bench_serve_overhead import (
     summarize,
     timing_from_sse,
 )
-from load_tests.kv_transfer_timing import KVTransferResult
+from load_tests.serve_overhead.kv_transfer_timing import KVTransferResult
 from serving.cli.parser import build_parser
 from tests.helpers import REPO as REPO_ROOT
 
@@ -159,7 +159,7 @@ def test_presets_and_overrides():
 
 
 def test_transport_reaches_the_apps_config(tmp_path):
-    from load_tests.bench_serve_overhead import serve_config
+    from load_tests.serve_overhead.bench import serve_config
 
     parse = build_parser().parse_args
     assert FULL.transport == "grpc"

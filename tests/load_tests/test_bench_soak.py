@@ -18,13 +18,13 @@ from collections import Counter
 import httpx
 import pytest
 
-from load_tests.app_probe import parse_replica_name
-from load_tests.soak_chaos import Kill, LoadProgress, Target
-from load_tests.soak_client import End, SoakClient, SoakOutcome
-from load_tests.soak_monitor import Monitor, RssSample, rss_growth
-from load_tests.soak_params import params_from_args
-from load_tests.soak_report import Bounds, EndState, format_report, summarize
-from load_tests.soak_workload import AbortPoint, SoakRequest, WorkloadMix, build_workload
+from load_tests.soak.app_probe import parse_replica_name
+from load_tests.soak.chaos import Kill, LoadProgress, Target
+from load_tests.soak.client import End, SoakClient, SoakOutcome
+from load_tests.soak.monitor import Monitor, RssSample, rss_growth
+from load_tests.soak.params import params_from_args
+from load_tests.soak.report import Bounds, EndState, format_report, summarize
+from load_tests.soak.workload import AbortPoint, SoakRequest, WorkloadMix, build_workload
 from serving.cli.parser import build_parser
 from tests.helpers import REPO as REPO_ROOT
 
@@ -215,7 +215,7 @@ def test_the_monitor_samples_once_more_as_the_load_ends(monkeypatch):
     """The last window has a sample even when the run's last requests end within one period: the
     monitor samples as it stops. (Before, 200 requests on a tiny model ended 178 at the last
     sample, the last window began at 180, and the growth went unmeasured.)"""
-    from load_tests import soak_monitor
+    from load_tests.soak import monitor as soak_monitor
 
     rss = iter(range(100, 200))
     monkeypatch.setattr(soak_monitor.app_probe, "process_rss", lambda app: {7: ("DecodeWorker", 4 * (v := next(rss)), v)})
@@ -364,7 +364,7 @@ def test_cli_parses_bench_soak_without_importing_ray():
 
 
 def test_the_app_config_is_the_default_one_disaggregated_with_fixed_pools():
-    from load_tests.bench_soak import soak_config
+    from load_tests.soak.bench import soak_config
 
     p = params_from_args(build_parser().parse_args(["bench", "soak", "--set", "kv_transfer.lease_s=60"]))
     config = soak_config(p, 8123)

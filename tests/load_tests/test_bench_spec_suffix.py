@@ -1,11 +1,11 @@
-"""load_tests/bench_spec_suffix.py: a smoke run on the tiny model (the report's arithmetic and the
+"""load_tests/engine/spec_suffix.py: a smoke run on the tiny model (the report's arithmetic and the
 lossless check, not the figures' values) and the proposer-cost run's deterministic tree sizes."""
 
 from __future__ import annotations
 
 import torch
 
-from load_tests.bench_spec_suffix import VARIANTS, main, proposer_cost, run
+from load_tests.engine.spec_suffix import VARIANTS, main, proposer_cost, run
 
 
 def test_tiny_model_run_reports_each_engine_and_same_tokens(tiny_model_dir, tmp_path):

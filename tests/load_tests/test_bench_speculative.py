@@ -1,4 +1,4 @@
-"""`kvrelay bench engine --speculative` (load_tests/bench_speculative.py): presets, the table, and a
+"""`kvrelay bench engine --speculative` (load_tests/engine/speculative.py): presets, the table, and a
 smoke run on the tiny model (the figures' arithmetic and the lossless check, not their values)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from load_tests.bench_speculative import (
+from load_tests.engine.speculative import (
     CHAT_PROMPTS,
     FULL,
     GROUNDED_ASKS,

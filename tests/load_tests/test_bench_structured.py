@@ -1,4 +1,4 @@
-"""`kvrelay bench engine --structured` (load_tests/bench_structured.py): presets, the table, and a
+"""`kvrelay bench engine --structured` (load_tests/engine/structured.py): presets, the table, and a
 smoke run on the tiny model (the figures' arithmetic and the equal-work check, not their values)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from load_tests.bench_structured import FULL, QUICK, StructuredParams, format_table, params_from_args
+from load_tests.engine.structured import FULL, QUICK, StructuredParams, format_table, params_from_args
 from serving.cli import main
 from serving.cli.parser import build_parser
 

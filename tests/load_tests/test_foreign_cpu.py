@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from load_tests.foreign_cpu import ForeignSampler, _foreign_seconds, is_benchmark, main, mean_cores
+from load_tests.scenario.foreign_cpu import ForeignSampler, _foreign_seconds, is_benchmark, main, mean_cores
 
 
 def test_the_benchmarks_own_processes_do_not_count():

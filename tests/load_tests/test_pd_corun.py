@@ -1,4 +1,4 @@
-"""The co-run probe (load_tests/pd_corun.py) on this machine's two cores, briefly: both engines
+"""The co-run probe (load_tests/pd/corun.py) on this machine's two cores, briefly: both engines
 come up pinned, core 0's steps are told apart by phase, and the figures are what the fit reads."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from load_tests.pd_corun import probe_corun
+from load_tests.pd.corun import probe_corun
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from load_tests.pd_costs import (
+from load_tests.pd.costs import (
     DISTSERVE_OPT13B_A100,
     CostFit,
     CostLine,
@@ -23,9 +23,9 @@ from load_tests.pd_costs import (
     fit_step_cost,
     gpu_fit,
 )
-from load_tests.pd_probe import cpu_fit, handoff_of, overhead_of, step_shape
-from load_tests.pd_served_probe import actor_of, cpu_delta, fit_overhead, mend_actor_names, prefill_replica_s, request_overhead_s, serving_cpu
-from load_tests.pd_sim import SimRequest, simulate
+from load_tests.pd.probe import cpu_fit, handoff_of, overhead_of, step_shape
+from load_tests.pd.served_probe import actor_of, cpu_delta, fit_overhead, mend_actor_names, prefill_replica_s, request_overhead_s, serving_cpu
+from load_tests.pd.sim import SimRequest, simulate
 
 SHAPES = [StepShape(t, r, p, c, k) for t, r, p, c, k in [
     (1, 1, 0, 100, 0), (4, 4, 0, 800, 0), (16, 16, 0, 4000, 0), (64, 1, 2080, 0, 0), (256, 1, 32896, 0, 0),

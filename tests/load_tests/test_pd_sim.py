@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from load_tests.pd_costs import CostFit, CostLine, HandoffCost, LayoutOverhead, ServeOverhead, StepCost, chunk_pairs
-from load_tests.pd_routing import KvrelayRouters, measure_step, routing_stats
-from load_tests.pd_sim import SimRequest, simulate, summarize, ttft_split_ms
+from load_tests.pd.costs import CostFit, CostLine, HandoffCost, LayoutOverhead, ServeOverhead, StepCost, chunk_pairs
+from load_tests.pd.routing import KvrelayRouters, measure_step, routing_stats
+from load_tests.pd.sim import SimRequest, simulate, summarize, ttft_split_ms
 from serving.engine.prefill_rate import PrefillRate
 
 BASE, TOKEN, ROW, PAIR, CONTEXT = 2**-6, 2**-10, 2**-9, 2**-20, 2**-16

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from load_tests.pd_costs import CostFit, CostLine, HandoffCost, StepCost
-from load_tests.pd_sweep import Cell, crossovers, goodput, search_splits, slos_for
-from load_tests.pd_validate import METRICS, TOLERANCE, compare, compare_median, simulate_scenario
-from load_tests.pd_workload import MIXES, Lengths, Mix, generate, scenario_requests
+from load_tests.pd.costs import CostFit, CostLine, HandoffCost, StepCost
+from load_tests.pd.sweep import Cell, crossovers, goodput, search_splits, slos_for
+from load_tests.pd.validate import METRICS, TOLERANCE, compare, compare_median, simulate_scenario
+from load_tests.pd.workload import MIXES, Lengths, Mix, generate, scenario_requests
 
 FIT = CostFit("test", StepCost((CostLine(2**-6, 2**-10, 2**-9),), 2**-20, 2**-16), HandoffCost(2**-7, 4, 2**12))
 

@@ -1,11 +1,11 @@
-"""load_tests/peer_configs.py: the configuration table, the environment each gets, and which
+"""load_tests/peers/configs.py: the configuration table, the environment each gets, and which
 configuration a peer is compared in."""
 
 from __future__ import annotations
 
 import pytest
 
-from load_tests.peer_configs import (
+from load_tests.peers.configs import (
     PEER_CONFIGS,
     applies,
     best_config,

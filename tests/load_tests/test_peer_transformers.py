@@ -1,4 +1,4 @@
-"""The plain-transformers peer server (load_tests/peer_transformers.py) on the tiny model, over real
+"""The plain-transformers peer server (load_tests/peers/transformers_peer.py) on the tiny model, over real
 HTTP: the SSE shape the benchmark client reads, exact token counts per request, greedy output equal
 to `model.generate`, static batches with left padding, 400s naming the field, and a disconnect."""
 
@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from load_tests.local_ray import free_port
-from load_tests.peer_transformers import (
+from load_tests.peers.transformers_peer import (
     BatchRunner,
     GenRequest,
     _BatchStreamer,

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from load_tests.bench_scenario import _PD_FULL, _PREFIX_FULL
-from load_tests.scenario_calibration import MachineRates, calibrate_pd, calibrate_prefix
+from load_tests.scenario.bench import _PD_FULL, _PREFIX_FULL
+from load_tests.scenario.calibration import MachineRates, calibrate_pd, calibrate_prefix
 
 # one core prefills 500 tok/s; decode steps of 20 ms at batch 1 and 40 ms at batch 4 (10 ms a token)
 RATES = MachineRates(prefill_tokens_per_s=500.0, decode_step_s={1: 0.02, 4: 0.04}, probe_len=1024, dtype="float32")

@@ -1,4 +1,4 @@
-"""load_tests/scenario_servers.py: a server counts as ready when the path it is asked about
+"""load_tests/scenario/servers.py: a server counts as ready when the path it is asked about
 answers 200 (kvrelay's /health: every pool has a live replica, which its /v1/models does not say)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from load_tests.scenario_servers import ScenarioError, wait_ready
+from load_tests.scenario.servers import ScenarioError, wait_ready
 
 
 @pytest.fixture

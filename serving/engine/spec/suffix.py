@@ -48,7 +48,7 @@ single-occurrence chains of this trie into pointers into the text would give the
 is the next step if memory matters.
 
 Cost (AMD EPYC, AVX-512 BF16, no AMX; CPython, one core; max_depth 16, k 4, a global tree of 64
-finished 128-token outputs; random text over 2000 distinct tokens; load_tests/bench_spec_suffix.py --cost):
+finished 128-token outputs; random text over 2000 distinct tokens; load_tests/engine/spec_suffix.py --cost):
 
     sequence of          300 tokens    3000 tokens
     a step (append 1,       33 us         31 us      (n-gram prompt lookup, same run: 13 / 91 us)

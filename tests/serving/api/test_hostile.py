@@ -10,9 +10,9 @@ import json
 import httpx
 import pytest
 
-from load_tests.hostile_requests import hostile_cases
-from serving.api.generation.pipeline import Frontend
+from load_tests.hostile.cases import hostile_cases
 from serving.api.endpoints.routes import OpenAIServer
+from serving.api.generation.pipeline import Frontend
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 
