@@ -67,7 +67,7 @@ def choose_prefill_place(
 ) -> PrefillChoice:
     """The place for a prompt with `num_uncached_tokens` left to compute, from the newest stats
     of the decode and prefill pools' replicas. `local_sent_at`: when (wall clock, as
-    RoutingStats.time) this ingress sent prompts to be prefilled on the decode pool; those sent
+    RoutingStats.wall_time_s) this ingress sent prompts to be prefilled on the decode pool; those sent
     after a replica's stats were taken count on it (a burst arrives faster than the stats)."""
     imports = [s.kv_import_s for s in decode if s.kv_import_s > 0]
     prefill_rates = [s.prefill_tokens_per_s for s in prefill if s.prefill_tokens_per_s > 0]
@@ -76,7 +76,7 @@ def choose_prefill_place(
     for stats in decode:
         rate = stats.prefill_tokens_per_s or pool_rate
         if rate > 0:
-            unseen = sum(1 for sent in local_sent_at if sent > stats.time)
+            unseen = sum(1 for sent in local_sent_at if sent > stats.wall_time_s)
             costs.append((stats.num_running + stats.num_waiting + unseen) * num_uncached_tokens / rate)
     if not imports or not costs:
         return PrefillChoice(PrefillPlace.REMOTE, "unmeasured")

@@ -104,7 +104,7 @@ class PowerOfTwoPolicy:
 
     def choose(self, request: RouteRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex | None = None) -> Decision:
         pair = self._rng.sample(list(loads), min(2, len(loads)))
-        best = min(pair, key=lambda load: load.queued_prefill_tokens + load.num_running + load.num_waiting)
+        best = min(pair, key=lambda load: load.num_queued_prefill_tokens + load.num_running + load.num_waiting)
         rest = [load.replica_id for load in loads if load is not best]
         return Decision([best.replica_id] + rest, "pow2")
 

@@ -163,7 +163,7 @@ class PrefixCostPolicy:
         rates = self._rates(loads)
         loading = self._lora_load_s(request, loads)
         ttfts = {
-            load.replica_id: (uncached[load.replica_id] + load.queued_prefill_tokens) / rates[load.replica_id]
+            load.replica_id: (uncached[load.replica_id] + load.num_queued_prefill_tokens) / rates[load.replica_id]
             + load.queue_wait_s + loading.get(load.replica_id, 0.0)
             for load in loads
         }
@@ -174,7 +174,7 @@ class PrefixCostPolicy:
         costs = {r: ttft + delays.get(r, 0.0) + evictions.get(r, 0.0) for r, ttft in ttfts.items()}
 
         eligible = self._within_load_bound(loads, recent, uncached, self._exempt(request, loads, index, matched_blocks))
-        by_cost = sorted(eligible, key=lambda load: (costs[load.replica_id], load.queued_prefill_tokens))
+        by_cost = sorted(eligible, key=lambda load: (costs[load.replica_id], load.num_queued_prefill_tokens))
         best = by_cost[0]
         reason = "prefix_hit" if matched[best.replica_id] > 0 else "least_cost"
         if costs[best.replica_id] > min(costs.values()):
@@ -191,17 +191,17 @@ class PrefixCostPolicy:
             key = request.block_hashes[num] if num < len(request.block_hashes) else request.request_id
             weight = _rendezvous_weights(key, [load.replica_id for load in ties])
             best = min(ties, key=lambda load: (
-                load.queued_prefill_tokens, self.routed_tokens.get(load.replica_id, 0.0), -weight[load.replica_id]))
+                load.num_queued_prefill_tokens, self.routed_tokens.get(load.replica_id, 0.0), -weight[load.replica_id]))
             if reason != "load_bound":
                 reason = "tie_break" if matched[best.replica_id] == 0 else reason
 
-        least = min(loads, key=lambda load: (load.queued_prefill_tokens, costs[load.replica_id]))
-        mean_queued = sum(load.queued_prefill_tokens for load in loads) / len(loads)
-        lead = best.queued_prefill_tokens - least.queued_prefill_tokens
+        least = min(loads, key=lambda load: (load.num_queued_prefill_tokens, costs[load.replica_id]))
+        mean_queued = sum(load.num_queued_prefill_tokens for load in loads) / len(loads)
+        lead = best.num_queued_prefill_tokens - least.num_queued_prefill_tokens
         if best is not least and (
             lead > self.max_imbalance_tokens
             or (self.max_imbalance_ratio is not None and lead > self.min_imbalance_tokens
-                and best.queued_prefill_tokens > self.max_imbalance_ratio * mean_queued)
+                and best.num_queued_prefill_tokens > self.max_imbalance_ratio * mean_queued)
         ):
             best, reason = least, "imbalance_guard"
 
@@ -217,7 +217,7 @@ class PrefixCostPolicy:
         self.reuse.observe(request.block_hashes, new_blocks[best.replica_id])
         retain = not self.admission or self._admit(
             request, loads, index, best.replica_id, matched_blocks[best.replica_id], new_blocks[best.replica_id])
-        rest = sorted((load for load in loads if load is not best), key=lambda load: (costs[load.replica_id], load.queued_prefill_tokens))
+        rest = sorted((load for load in loads if load is not best), key=lambda load: (costs[load.replica_id], load.num_queued_prefill_tokens))
         ranked = [best.replica_id] + [load.replica_id for load in rest]
         return Decision(ranked, reason, ttfts, matched[best.replica_id], delays, evictions, retain=retain)
 
@@ -303,7 +303,7 @@ class PrefixCostPolicy:
         computed for this router since its counters; else, where the replicas report no
         counters, what this router sent it."""
         if self.pool.reported:
-            return {load.replica_id: self.pool.tokens(load.replica_id) + load.queued_prefill_tokens
+            return {load.replica_id: self.pool.tokens(load.replica_id) + load.num_queued_prefill_tokens
                     + load.unreported_done_tokens for load in loads}
         return {load.replica_id: self.routed_tokens.get(load.replica_id, 0.0) for load in loads}
 

@@ -27,7 +27,7 @@ MetricFamily = tuple[str, str, str, list[tuple[str, dict[str, str], float]]]
 @dataclass(frozen=True)
 class RoutingStats:
     epoch: int = 0  # orders an engine's snapshots after those of the engine it replaced
-    time: float = 0.0  # wall clock when taken: tokens routed after it are not in its queue yet
+    wall_time_s: float = 0.0  # time.time() when taken: tokens routed after it are not in its queue yet
     # The exact set of block hashes the engine holds (router/index.py CachedBlockSet), versioned.
     kv_version: int = 0
     # Encoded (router/index.py encode_hashes), in eviction order (least recently used first); a
@@ -41,7 +41,7 @@ class RoutingStats:
     num_waiting: int = 0
     num_free_blocks: int = 0
     num_blocks: int = 0
-    kv_cache_usage: float = 0.0
+    kv_usage: float = 0.0
     # A decode replica's recent KV hand-offs: claim to payload in hand, seconds (an average that
     # weighs recent imports most); 0 before its first (router/disaggregation.py).
     kv_import_s: float = 0.0

@@ -16,7 +16,7 @@ class ReplicaLoad:
     """What a policy knows of one replica (from its routing stats, plus local accounting)."""
 
     replica_id: Hashable
-    queued_prefill_tokens: int = 0
+    num_queued_prefill_tokens: int = 0
     prefill_tokens_per_s: float = 0.0  # 0: not measured yet
     queue_wait_s: float = 0.0
     num_running: int = 0
@@ -29,7 +29,7 @@ class ReplicaLoad:
     num_computed_tokens: int = -1
     num_requests: int = -1
     # What this router sent the replica after its stats were taken, net of what it saw complete
-    # that the stats still count (router/routing_state.py): queued_prefill_tokens already includes
+    # that the stats still count (router/routing_state.py): num_queued_prefill_tokens already includes
     # their prompt tokens; these are their KV blocks and their number, for policies that rank on
     # held KV and sequences (least_kv); negative where the stats overcount.
     unreported_blocks: int = 0

@@ -55,13 +55,13 @@ def load_from_stats(replica_id: Hashable, stats: RoutingStats | None) -> Replica
     stats = stats or RoutingStats()
     return ReplicaLoad(
         replica_id=replica_id,
-        queued_prefill_tokens=stats.num_queued_prefill_tokens,
+        num_queued_prefill_tokens=stats.num_queued_prefill_tokens,
         prefill_tokens_per_s=stats.prefill_tokens_per_s,
         num_running=stats.num_running,
         num_waiting=stats.num_waiting,
         num_free_blocks=stats.num_free_blocks,
         num_blocks=stats.num_blocks,
-        kv_usage=stats.kv_cache_usage,
+        kv_usage=stats.kv_usage,
         requests_per_s=stats.requests_per_s,
         num_computed_tokens=stats.num_computed_tokens,
         num_requests=stats.num_requests,
@@ -219,16 +219,16 @@ class RouterState:
         the replica since (its prefill tokens, KV blocks and requests)."""
         if stats is not None and stats.kv_hashes is not None:
             if self.index.update(replica_id, stats.kv_version, stats.kv_hashes, epoch=stats.epoch, num_blocks=stats.num_blocks):
-                for block_hashes in self.pending.unsettled(replica_id, stats.time, now):
+                for block_hashes in self.pending.unsettled(replica_id, stats.wall_time_s, now):
                     self.index.note_routed(replica_id, block_hashes)
-        if stats is not None and stats.block_reuse is not None and self._reuse_seen.get(replica_id) != (stats.epoch, stats.time):
+        if stats is not None and stats.block_reuse is not None and self._reuse_seen.get(replica_id) != (stats.epoch, stats.wall_time_s):
             reuse = getattr(self.policy, "reuse", None)  # the prefill policy's (router/eviction.py)
             if reuse is not None:
                 reuse.absorb(replica_id, stats.block_reuse, stats.block_reuse_weight)
-            self._reuse_seen[replica_id] = (stats.epoch, stats.time)
+            self._reuse_seen[replica_id] = (stats.epoch, stats.wall_time_s)
         load = load_from_stats(replica_id, stats)
-        tokens, blocks, sequences, done = self.inflight.unreported_load(replica_id, stats.time if stats is not None else 0.0, now)
-        load.queued_prefill_tokens = max(0, load.queued_prefill_tokens + tokens)
+        tokens, blocks, sequences, done = self.inflight.unreported_load(replica_id, stats.wall_time_s if stats is not None else 0.0, now)
+        load.num_queued_prefill_tokens = max(0, load.num_queued_prefill_tokens + tokens)
         # (what completed since is taken off, down to nothing: never below what the stats hold)
         load.unreported_blocks = max(blocks, load.num_free_blocks - load.num_blocks)
         load.unreported_sequences = max(sequences, -(load.num_running + load.num_waiting))

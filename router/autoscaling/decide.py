@@ -50,6 +50,8 @@ from serving.observability.metrics import record_autoscaler_decision
 
 __all__ = [
     "SIGNALS",
+    "SIGNAL_NAMES",
+    "signal_name",
     "WORKLOAD_SIGNALS",
     "WIRE_SIGNALS",
     "ReplicaSignals",
@@ -76,11 +78,11 @@ _EPS = 1e-9
 class ReplicaSignals:
     """One running replica's signals (means over the window); None: no sample in the window."""
 
-    updated_at: float | None = None  # newest sample, on the clock of `now`; None: never reported
-    queued_prefill_tokens: float | None = None
+    updated_at_s: float | None = None  # newest sample, on the clock of `now`; None: never reported
+    num_queued_prefill_tokens: float | None = None
     ttft_p95_ms: float | None = None
     num_seqs: float | None = None  # running + waiting sequences
-    kv_utilization: float | None = None
+    kv_usage: float | None = None
     tpot_p95_ms: float | None = None
     # The workload and capacity the planner reads (router/autoscaling/planner.py), over the window:
     requests_per_s: float | None = None  # requests that arrived here
@@ -113,10 +115,14 @@ class ReplicaSignals:
 
 # What every replica reports (record_autoscaling_stats keys), all per replica: the signals the
 # reactive targets bound, and the planner's.
-SIGNALS = ("queued_prefill_tokens", "ttft_p95_ms", "num_seqs", "kv_utilization", "tpot_p95_ms")
+SIGNALS = ("num_queued_prefill_tokens", "ttft_p95_ms", "num_seqs", "kv_usage", "tpot_p95_ms")
 WORKLOAD_SIGNALS = ("requests_per_s", "prompt_tokens_per_request", "output_tokens_per_request", "output_tokens_per_s",
                     "prefill_tokens_per_s", "decode_tokens_per_step", "requests_total", "decode_steps_per_s",
                     "decode_rows_per_s", "decode_busy")
+# The names users know two signals by, the policy YAML's (its targets' keys spell them so): the
+# columns of a `kvrelay policy simulate` trace and the decisions' reasons. In code every signal is
+# its ReplicaSignals field, named as the engine's stats name the quantity.
+SIGNAL_NAMES = {"num_queued_prefill_tokens": "queued_prefill_tokens", "kv_usage": "kv_utilization"}
 COUNTER_SIGNALS = ("requests_total",)  # read as the newest point, not the window's mean
 WIRE_SIGNALS = SIGNALS + WORKLOAD_SIGNALS
 
@@ -167,10 +173,10 @@ def decide(policy: PoolPolicy, observation: Observation, state: ScaleState, now:
     if problem:
         return ScaleDecision(current, reset, f"hold: {problem}")
 
-    demand, signal = max(
-        (sum(getattr(r, s) for r in observation.replicas) / target, s) for s, target in targets.items()
+    demand, name = max(
+        (sum(getattr(r, s) for r in observation.replicas) / target, signal_name(s)) for s, target in targets.items()
     )
-    why = f"demand {demand:.2f} ({signal})"
+    why = f"demand {demand:.2f} ({name})"
 
     # 3. up
     if demand > current + _EPS:
@@ -215,15 +221,20 @@ def data_problem(
     if not replicas:
         return "no running replica"
     for i, replica in enumerate(replicas):
-        if replica.updated_at is None:
+        if replica.updated_at_s is None:
             return f"replica {i} has not reported yet"
-        age = now - replica.updated_at
+        age = now - replica.updated_at_s
         if age > stale_after_s + _EPS:
             return f"replica {i} last reported {age:.1f}s ago (stale_after_s {stale_after_s:g})"
         for signal in targets:
             if getattr(replica, signal) is None:
-                return f"replica {i} has no {signal} in the window"
+                return f"replica {i} has no {signal_name(signal)} in the window"
     return None
+
+
+def signal_name(signal: str) -> str:
+    """The name users know `signal` by (SIGNAL_NAMES)."""
+    return SIGNAL_NAMES.get(signal, signal)
 
 
 # ---- Ray Serve -------------------------------------------------------------------------------
@@ -260,7 +271,7 @@ def observation_from_serve(
     window_s: float, now: float,
 ) -> Observation:
     """Serve's per-replica time series (points with .timestamp and .value) as an Observation:
-    each signal the mean of its points in the last window_s, updated_at the newest point."""
+    each signal the mean of its points in the last window_s, updated_at_s the newest point."""
     replicas = []
     for replica_id in running_replicas:
         values: dict[str, float] = {}
@@ -277,7 +288,7 @@ def observation_from_serve(
             recent = [point.value for point in series if point.timestamp >= now - window_s]
             if recent:
                 values[signal] = sum(recent) / len(recent)
-        replicas.append(ReplicaSignals(updated_at=newest, replica=str(replica_id), **values))
+        replicas.append(ReplicaSignals(updated_at_s=newest, replica=str(replica_id), **values))
     return Observation(num_replicas, tuple(replicas))
 
 

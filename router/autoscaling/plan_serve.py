@@ -43,7 +43,7 @@ __all__ = ["APP_POLICY_FUNCTION", "app_autoscaling_policy", "pool_load", "plan_p
 
 APP_POLICY_FUNCTION = f"{__name__}:plan_policy"
 # What a pool's replicas must have reported for the planner (ReplicaSignals fields).
-_NEEDED = {"prefill": ("requests_per_s", "prompt_tokens_per_request", "queued_prefill_tokens"),
+_NEEDED = {"prefill": ("requests_per_s", "prompt_tokens_per_request", "num_queued_prefill_tokens"),
            "decode": ("requests_per_s", "output_tokens_per_request", "num_seqs", "output_tokens_per_s")}
 _serve_logger = logging.getLogger("ray.serve")
 _parsed: dict[str, tuple[PoolPolicy, PlannerPolicy]] = {}
@@ -56,7 +56,7 @@ def app_autoscaling_policy(config: AutoscalingPolicyConfig) -> dict[str, Any] | 
 
 def pool_load(pool: str, replicas: tuple[ReplicaSignals, ...]) -> PoolLoad | None:
     """A pool's load for the planner from its replicas' signals (None: nothing to plan with yet)."""
-    if not replicas or any(r.updated_at is None or r.requests_per_s is None for r in replicas):
+    if not replicas or any(r.updated_at_s is None or r.requests_per_s is None for r in replicas):
         return None
     rate = sum(r.requests_per_s or 0.0 for r in replicas)
     # Each replica's arrival counter, where every replica reports one (the planner counts from them).
@@ -65,7 +65,7 @@ def pool_load(pool: str, replicas: tuple[ReplicaSignals, ...]) -> PoolLoad | Non
     if pool == "prefill":
         measured = [r.prefill_tokens_per_s for r in replicas if r.prefill_tokens_per_s]
         return PoolLoad(rate, _weighted(replicas, "prompt_tokens_per_request"),
-                        backlog=sum(r.queued_prefill_tokens or 0.0 for r in replicas),
+                        backlog=sum(r.num_queued_prefill_tokens or 0.0 for r in replicas),
                         measured_tokens_per_s=sum(measured) / len(measured) if measured else None,
                         request_totals=totals)
     tokens = _weighted(replicas, "output_tokens_per_request")

@@ -63,10 +63,10 @@ PoolName = Literal["prefill", "decode", "worker"]
 # Target field -> the per-replica signal it bounds (the keys replicas report; see
 # serving/observability/worker_metrics.py). Every target is "this much per replica".
 TARGET_SIGNALS: dict[str, str] = {
-    "queued_prefill_tokens_per_replica": "queued_prefill_tokens",
+    "queued_prefill_tokens_per_replica": "num_queued_prefill_tokens",
     "ttft_p95_ms": "ttft_p95_ms",
     "num_seqs_per_replica": "num_seqs",
-    "kv_utilization": "kv_utilization",
+    "kv_utilization": "kv_usage",
     "tpot_p95_ms": "tpot_p95_ms",
 }
 

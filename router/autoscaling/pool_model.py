@@ -11,7 +11,7 @@ A replica asked for at t takes `cold_start_s` before it accepts work, and counts
 replica removed stops accepting at once and counts until its work is done (Serve drains it); one
 still starting goes first. Each running replica reports its signals (`ReplicaSignals`, the same
 fields live replicas report) every metrics_interval_s; a policy sees each signal's mean over
-window_s, as Serve's look_back_period_s gives it. `kv_utilization` is not modelled (0).
+window_s, as Serve's look_back_period_s gives it. `kv_usage` is not modelled (0).
 
 The defaults are this machine's engine, one thread, float32 (`CALIBRATION`): from
 docs/benchmarks/scenario-pd-interference-2026-11-24.json, config.calibration.rates:
@@ -95,9 +95,9 @@ class _Replica:
         for name in ReplicaSignals.__dataclass_fields__:
             if name in COUNTER_SIGNALS:
                 values[name] = getattr(self.samples[-1][1], name)
-            elif name not in ("updated_at", "replica"):
+            elif name not in ("updated_at_s", "replica"):
                 values[name] = sum(getattr(s, name) or 0.0 for _, s in self.samples) / len(self.samples)
-        return ReplicaSignals(updated_at=self.samples[-1][0], replica=self.replica_id, **values)
+        return ReplicaSignals(updated_at_s=self.samples[-1][0], replica=self.replica_id, **values)
 
 
 class PrefillReplica(_Replica):
@@ -127,8 +127,8 @@ class PrefillReplica(_Replica):
         # TTFTs are known at placement: count only those already over by t.
         ttfts = [ms for end, ms in self.latencies if end <= t]
         return ReplicaSignals(
-            queued_prefill_tokens=max(0.0, self.free_at - t) * self.tokens_per_s,
-            ttft_p95_ms=percentile(ttfts, 95), num_seqs=float(self.ongoing(t)), kv_utilization=0.0,
+            num_queued_prefill_tokens=max(0.0, self.free_at - t) * self.tokens_per_s,
+            ttft_p95_ms=percentile(ttfts, 95), num_seqs=float(self.ongoing(t)), kv_usage=0.0,
             tpot_p95_ms=0.0, requests_per_s=len(self.arrivals) / window_s,
             prompt_tokens_per_request=_mean(n for _, n in self.arrivals), output_tokens_per_request=0.0,
             output_tokens_per_s=0.0, prefill_tokens_per_s=self.tokens_per_s if self.has_run else 0.0,
@@ -200,7 +200,7 @@ class DecodeReplica(_Replica):
         busy = (self.busy_s - busy_then) / span if span > 0 else 0.0
         self.last_sample = (t, self.generated, self.progress, self.busy_s)
         return ReplicaSignals(
-            queued_prefill_tokens=0.0, ttft_p95_ms=0.0, num_seqs=float(len(self.active)), kv_utilization=0.0,
+            num_queued_prefill_tokens=0.0, ttft_p95_ms=0.0, num_seqs=float(len(self.active)), kv_usage=0.0,
             tpot_p95_ms=percentile((ms for _, ms in self.latencies), 95), requests_per_s=len(self.arrivals) / window_s,
             prompt_tokens_per_request=0.0, output_tokens_per_request=_mean(n for _, n in self.finished),
             output_tokens_per_s=tokens_per_s, prefill_tokens_per_s=0.0, requests_total=float(self.num_arrived),

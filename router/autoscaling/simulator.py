@@ -18,14 +18,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from router.autoscaling.decide import SIGNALS, Observation, ReplicaSignals, ScaleState, decide
+from router.autoscaling.decide import SIGNALS, Observation, ReplicaSignals, ScaleState, decide, signal_name
 from router.autoscaling.policy import PoolPolicy
 from router.autoscaling.trace_csv import TraceError, read_csv, trace_number
 
 __all__ = ["TraceError", "TraceRow", "SimStep", "read_trace", "simulate", "POOL_TOTALS"]
 
-POOL_TOTALS = ("queued_prefill_tokens", "num_seqs")  # columns that are the pool's total
-_COLUMNS = ("time_s", *SIGNALS, "age_s")
+POOL_TOTALS = ("num_queued_prefill_tokens", "num_seqs")  # signals whose columns are the pool's total
+_COLUMNS = ("time_s", *map(signal_name, SIGNALS), "age_s")  # as users know them (SIGNAL_NAMES)
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def read_trace(path: str | os.PathLike, required: tuple[str, ...] = ()) -> list[
     unknown = [name for name in header if name not in _COLUMNS]
     if unknown:
         raise TraceError(f"{path}: unknown column {unknown[0]!r} (allowed: {', '.join(_COLUMNS)})")
-    for name in ("time_s", *required):
+    for name in ("time_s", *map(signal_name, required)):
         if name not in header:
             raise TraceError(f"{path}: no {name} column (the policy needs it; columns: {', '.join(header)})")
     rows: list[TraceRow] = []
@@ -60,7 +60,7 @@ def read_trace(path: str | os.PathLike, required: tuple[str, ...] = ()) -> list[
         if rows and time_s <= rows[-1].time_s:
             raise TraceError(f"{path}:{number}: time_s = {time_s:g} is not after {rows[-1].time_s:g}")
         age_s = values.pop("age_s", None) or 0.0
-        rows.append(TraceRow(time_s, {s: values.get(s) for s in SIGNALS}, age_s))
+        rows.append(TraceRow(time_s, {s: values.get(signal_name(s)) for s in SIGNALS}, age_s))
     return rows
 
 
@@ -72,7 +72,7 @@ def simulate(policy: PoolPolicy, rows: list[TraceRow]) -> list[SimStep]:
         shares = {
             s: (v / num_replicas if s in POOL_TOTALS and v is not None else v) for s, v in row.values.items()
         }
-        replica = ReplicaSignals(updated_at=row.time_s - row.age_s, **shares)
+        replica = ReplicaSignals(updated_at_s=row.time_s - row.age_s, **shares)
         observation = Observation(num_replicas, (replica,) * num_replicas)
         num_replicas, state, reason = decide(policy, observation, state, row.time_s)
         steps.append(SimStep(row.time_s, num_replicas, reason))

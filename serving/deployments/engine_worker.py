@@ -133,7 +133,7 @@ class EngineWorker:
         self.recorder.refresh(stats)
         return RoutingStats(
             epoch=self._epoch,
-            time=time.time(),
+            wall_time_s=time.time(),
             kv_version=kv_version,
             kv_hashes=kv_hashes,
             block_size=self.engine.engine.config.block_size,
@@ -143,7 +143,7 @@ class EngineWorker:
             num_waiting=stats.num_waiting,
             num_free_blocks=stats.num_free_blocks,
             num_blocks=stats.num_blocks,
-            kv_cache_usage=stats.kv_cache_usage,
+            kv_usage=stats.kv_usage,
             kv_import_s=self.recorder.kv_import_s,
             requests_per_s=self._requests.per_s(time.monotonic()),
             num_computed_tokens=stats.num_computed_tokens,
@@ -417,10 +417,10 @@ def replica_signals(stats: EngineStats, latencies: RequestLatencies) -> ReplicaS
     requests_per_s, prompt_tokens, output_tokens, made_per_s = latencies.workload.report()
     steps, rows, busy = latencies.decode_steps.report(stats.decode_steps, stats.decode_step_rows, stats.decode_step_s)
     return ReplicaSignals(
-        queued_prefill_tokens=float(stats.num_queued_prefill_tokens),
+        num_queued_prefill_tokens=float(stats.num_queued_prefill_tokens),
         ttft_p95_ms=latencies.ttft_ms.percentile(95) or 0.0,
         num_seqs=float(stats.num_running + stats.num_waiting),
-        kv_utilization=float(stats.kv_cache_usage),
+        kv_usage=float(stats.kv_usage),
         tpot_p95_ms=latencies.tpot_ms.percentile(95) or 0.0,
         requests_per_s=requests_per_s,
         prompt_tokens_per_request=prompt_tokens,

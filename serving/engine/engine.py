@@ -771,7 +771,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting) + len(self.compiling) + len(self.lora_waiting),
             num_blocks=bm.num_blocks,
             num_free_blocks=bm.num_free_blocks,
-            kv_cache_usage=bm.usage,
+            kv_usage=bm.usage,
             num_preemptions=self.scheduler.num_preemptions,
             num_expired_imports=self.scheduler.num_expired_imports,
             num_queue_timeouts=self.scheduler.num_queue_timeouts,

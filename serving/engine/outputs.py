@@ -94,7 +94,7 @@ class EngineStats:
     num_waiting: int
     num_blocks: int
     num_free_blocks: int
-    kv_cache_usage: float
+    kv_usage: float
     num_preemptions: int
     prefix_cache_query_tokens: int
     prefix_cache_hit_tokens: int

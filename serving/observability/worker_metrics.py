@@ -285,7 +285,7 @@ class WorkerRecorder:
         ins = self.instruments
         ins.set("kvrelay_num_requests_running", float(stats.num_running))
         ins.set("kvrelay_num_requests_waiting", float(stats.num_waiting))
-        ins.set("kvrelay_kv_cache_usage_ratio", float(stats.kv_cache_usage))
+        ins.set("kvrelay_kv_cache_usage_ratio", float(stats.kv_usage))
         ins.set("kvrelay_engine_kernel_info", 1.0, kernel_path=stats.kernel_path, reason=stats.kernel_reason)
         for field_name, metric in _ENGINE_COUNTERS.items():
             value = getattr(stats, field_name)

@@ -250,7 +250,7 @@ def test_a_simulated_replicas_stats_are_what_its_worker_reports():
     stats = routing_stats(2.0, queued_prompt=300, prefill_rate=500.0, num_running=3, num_waiting=1, kv_held=33,
                           kv_capacity_tokens=1600, requests_per_s=0.5)
     # 33 tokens hold 3 blocks of 16, of 100
-    assert (stats.time, stats.num_blocks, stats.num_free_blocks, stats.kv_cache_usage) == (2.0, 100, 97, 0.03)
+    assert (stats.wall_time_s, stats.num_blocks, stats.num_free_blocks, stats.kv_usage) == (2.0, 100, 97, 0.03)
     assert (stats.num_queued_prefill_tokens, stats.prefill_tokens_per_s, stats.num_running, stats.num_waiting) == (300, 500.0, 3, 1)
     # the engine's measured rate (serving/engine/prefill_rate.py): the median of its steps, from the third
     rate = PrefillRate()

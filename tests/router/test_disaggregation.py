@@ -36,12 +36,12 @@ def test_the_cheapest_replica_counts_and_the_hand_off_is_the_pools_average():
 
 def test_local_prefills_sent_after_a_replicas_stats_count_on_it():
     # a burst: the stats (taken at t=10) say idle, but this ingress sent 3 local prefills since
-    idle = RoutingStats(time=10.0, prefill_tokens_per_s=1000.0, kv_import_s=0.05)
+    idle = RoutingStats(wall_time_s=10.0, prefill_tokens_per_s=1000.0, kv_import_s=0.05)
     assert choose_prefill_place(100, [idle], local_sent_at=[8.0, 9.5]).place is PrefillPlace.LOCAL  # in the stats
     choice = choose_prefill_place(100, [idle], local_sent_at=[9.5, 10.5, 11.0, 12.0])  # 3 x 100 / 1000 = 0.3 s
     assert choice.place is PrefillPlace.REMOTE and choice.local_cost_s == 0.3
     # per replica: a newer snapshot already shows them
-    newer = RoutingStats(time=12.5, num_running=0, prefill_tokens_per_s=1000.0, kv_import_s=0.05)
+    newer = RoutingStats(wall_time_s=12.5, num_running=0, prefill_tokens_per_s=1000.0, kv_import_s=0.05)
     assert choose_prefill_place(100, [idle, newer], local_sent_at=[10.5, 11.0, 12.0]).local_cost_s == 0.0
 
 

@@ -22,7 +22,7 @@ REQUEST = RouteRequest("r", num_prompt_tokens=80, block_hashes=PREFIX + [105], b
 
 
 def loads(**queued) -> list[ReplicaLoad]:
-    return [ReplicaLoad(name, queued_prefill_tokens=q, prefill_tokens_per_s=1000.0) for name, q in queued.items()]
+    return [ReplicaLoad(name, num_queued_prefill_tokens=q, prefill_tokens_per_s=1000.0) for name, q in queued.items()]
 
 
 def index_with(**held) -> PrefixIndex:
@@ -55,7 +55,7 @@ def test_measured_rate_counts():
 
 
 def test_unmeasured_rate_uses_the_pool_median_then_the_default():
-    state = [ReplicaLoad("a"), ReplicaLoad("b", queued_prefill_tokens=100)]
+    state = [ReplicaLoad("a"), ReplicaLoad("b", num_queued_prefill_tokens=100)]
     decision = PrefixCostPolicy(default_prefill_tokens_per_s=400.0).choose(REQUEST, state, PrefixIndex())
     assert decision.estimated_ttft_s == {"a": 0.2, "b": 0.45}
     state = [ReplicaLoad("a"), ReplicaLoad("b", prefill_tokens_per_s=800.0), ReplicaLoad("c", prefill_tokens_per_s=1600.0)]
@@ -103,8 +103,8 @@ def test_ties_are_broken_by_load_not_by_order():
     # The load bound off: repeating one request would otherwise spread it by its own history.
     policy = PrefixCostPolicy(tie_tolerance=0.5, max_load_ratio=None)
     # a and b within 50% of each other; the pair is always {a, b} -> the less loaded one.
-    state = [ReplicaLoad("a", queued_prefill_tokens=30, prefill_tokens_per_s=1000.0),
-             ReplicaLoad("b", queued_prefill_tokens=10, prefill_tokens_per_s=1000.0)]
+    state = [ReplicaLoad("a", num_queued_prefill_tokens=30, prefill_tokens_per_s=1000.0),
+             ReplicaLoad("b", num_queued_prefill_tokens=10, prefill_tokens_per_s=1000.0)]
     choices = Counter(policy.choose(REQUEST, state, PrefixIndex()).chosen for _ in range(20))
     assert choices == Counter({"b": 20})
     equal = loads(a=0, b=0, c=0, d=0)
@@ -121,7 +121,7 @@ def test_session_affinity_within_slack():
     for _ in range(10):  # stable
         assert policy.choose(session_request, state, PrefixIndex()).chosen == preferred
     # Beyond the slack the cheaper replica wins.
-    busy = [ReplicaLoad(r, queued_prefill_tokens=1000 if r == preferred else 0, prefill_tokens_per_s=1000.0) for r in "abc"]
+    busy = [ReplicaLoad(r, num_queued_prefill_tokens=1000 if r == preferred else 0, prefill_tokens_per_s=1000.0) for r in "abc"]
     assert policy.choose(session_request, busy, PrefixIndex()).chosen != preferred
 
 

@@ -15,7 +15,7 @@ PREFIX = [1, 2, 3, 4]  # 4 blocks of 16 tokens
 
 
 def load(name: str, queued: int = 0, rate: float = 1000.0, requests_per_s: float = 0.0) -> ReplicaLoad:
-    return ReplicaLoad(name, queued_prefill_tokens=queued, prefill_tokens_per_s=rate, requests_per_s=requests_per_s)
+    return ReplicaLoad(name, num_queued_prefill_tokens=queued, prefill_tokens_per_s=rate, requests_per_s=requests_per_s)
 
 
 def policy(**params) -> PrefixCostPolicy:
@@ -113,7 +113,7 @@ def test_ties_break_by_queue_then_routed_load_among_equal_holders():
 
 def counted(name: str, computed: int, requests: int, queued: int = 0) -> ReplicaLoad:
     """A replica's load with the cumulative counters of its stats."""
-    return ReplicaLoad(name, queued_prefill_tokens=queued, prefill_tokens_per_s=1000.0,
+    return ReplicaLoad(name, num_queued_prefill_tokens=queued, prefill_tokens_per_s=1000.0,
                        num_computed_tokens=computed, num_requests=requests)
 
 
@@ -200,7 +200,7 @@ def test_a_lora_request_prices_the_adapter_load_where_it_is_not_resident():
     request = RouteRequest("r", num_prompt_tokens=80, block_hashes=[60, 61, 62, 63, 64], block_size=16, lora_name="sql")
 
     def with_lora(name: str, resident: bool, queued: int = 0) -> ReplicaLoad:
-        return ReplicaLoad(name, queued_prefill_tokens=queued, prefill_tokens_per_s=1000.0,
+        return ReplicaLoad(name, num_queued_prefill_tokens=queued, prefill_tokens_per_s=1000.0,
                            lora_resident=frozenset({"sql"} if resident else ()), lora_load_s=0.05)
 
     decision = policy().choose(request, [with_lora("a", False), with_lora("b", True), with_lora("c", False)], PrefixIndex())

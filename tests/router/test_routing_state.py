@@ -12,15 +12,15 @@ PREFIX = [11, 12, 13, 14]  # 4 blocks of 16 tokens
 
 def stats(time_s: float, queued: int = 0, hashes=(), version: int = 1, **more) -> RoutingStats:
     return RoutingStats(
-        kv_version=version, kv_hashes=encode_hashes(hashes), time=time_s,
+        kv_version=version, kv_hashes=encode_hashes(hashes), wall_time_s=time_s,
         num_queued_prefill_tokens=queued, prefill_tokens_per_s=1000.0, num_running=1, **more,
     )
 
 
 def test_load_from_stats_defaults_and_fields():
-    assert load_from_stats("a", None).queued_prefill_tokens == 0
-    load = load_from_stats("a", stats(0.0, queued=7, num_free_blocks=3, kv_cache_usage=0.5))
-    assert (load.queued_prefill_tokens, load.prefill_tokens_per_s, load.num_running) == (7, 1000.0, 1)
+    assert load_from_stats("a", None).num_queued_prefill_tokens == 0
+    load = load_from_stats("a", stats(0.0, queued=7, num_free_blocks=3, kv_usage=0.5))
+    assert (load.num_queued_prefill_tokens, load.prefill_tokens_per_s, load.num_running) == (7, 1000.0, 1)
     assert (load.num_free_blocks, load.kv_usage) == (3, 0.5)
 
 
@@ -49,24 +49,24 @@ def test_a_completed_request_leaves_the_sent_count_or_the_stats_that_still_count
         request = RouteRequest(f"r{i}", num_prompt_tokens=80, block_hashes=PREFIX + [20 + i], block_size=16)
         return state.route(request, [("a", stats(0.0)), ("b", holder_stats)], now=at, key=f"serve-{i}").chosen
 
-    assert send(0, 1.0, holder) == "b" and state.load("b", holder, now=1.01).queued_prefill_tokens == 16
+    assert send(0, 1.0, holder) == "b" and state.load("b", holder, now=1.01).num_queued_prefill_tokens == 16
     state.completed("serve-0", 1.05)  # before any stats covered it: out of the sent count
     load = state.load("b", holder, now=1.06)
-    assert (load.queued_prefill_tokens, load.unreported_done_tokens) == (0, 16)  # computed: load its counters lack
+    assert (load.num_queued_prefill_tokens, load.unreported_done_tokens) == (0, 16)  # computed: load its counters lack
     assert state.index.num_matched_blocks("b", PREFIX + [20]) == 5  # its blocks stay until a snapshot should show them
     assert send(1, 1.1, holder) == "b"
     running = stats(1.15, queued=16, hashes=PREFIX, version=2)  # taken while r1 ran: it counts it
-    assert state.load("b", running, now=1.2).queued_prefill_tokens == 16
+    assert state.load("b", running, now=1.2).num_queued_prefill_tokens == 16
     state.completed("serve-1", 1.3)
     load = state.load("b", running, now=1.35)
-    assert (load.queued_prefill_tokens, load.unreported_done_tokens) == (0, 16)  # the stale stats' 16 taken off
-    assert state.load("b", stats(1.15, queued=5, hashes=PREFIX, version=2), now=1.35).queued_prefill_tokens == 0  # never below 0
+    assert (load.num_queued_prefill_tokens, load.unreported_done_tokens) == (0, 16)  # the stale stats' 16 taken off
+    assert state.load("b", stats(1.15, queued=5, hashes=PREFIX, version=2), now=1.35).num_queued_prefill_tokens == 0  # never below 0
     later = stats(1.4, queued=3, hashes=PREFIX, version=3)  # taken after they completed: as they are
     load = state.load("b", later, now=1.45)
-    assert (load.queued_prefill_tokens, load.unreported_done_tokens) == (3, 0)
+    assert (load.num_queued_prefill_tokens, load.unreported_done_tokens) == (3, 0)
     state.completed("serve-1", 1.5)  # again, and a key never sent: nothing
     state.completed("nobody", 1.5)
-    assert state.load("b", later, now=1.55).queued_prefill_tokens == 3
+    assert state.load("b", later, now=1.55).num_queued_prefill_tokens == 3
 
 
 def test_a_sequence_that_completed_leaves_the_decode_pools_counts():
@@ -80,7 +80,7 @@ def test_a_sequence_that_completed_leaves_the_decode_pools_counts():
 
 
 def decode_stats(time_s: float, used_blocks: int, running: int) -> RoutingStats:
-    return RoutingStats(time=time_s, num_blocks=100, num_free_blocks=100 - used_blocks, kv_cache_usage=used_blocks / 100,
+    return RoutingStats(wall_time_s=time_s, num_blocks=100, num_free_blocks=100 - used_blocks, kv_usage=used_blocks / 100,
                         num_running=running)
 
 
@@ -111,10 +111,10 @@ def test_route_follows_the_snapshot_then_counts_what_it_sent():
     decision = state.route(request, candidates, now=1.0)
     assert decision.chosen == "b" and decision.num_matched_tokens == 64
     # b now carries the 16 uncached tokens it was sent after its stats, and the request's hashes.
-    assert state.load("b", stats(0.0, hashes=PREFIX), now=1.5).queued_prefill_tokens == 16
+    assert state.load("b", stats(0.0, hashes=PREFIX), now=1.5).num_queued_prefill_tokens == 16
     assert state.index.num_matched_blocks("b", PREFIX + [15]) == 5
     # Newer stats cover the request: its tokens are no longer added; the snapshot replaces the guess.
-    assert state.load("b", stats(2.0, queued=3, hashes=PREFIX, version=2), now=2.5).queued_prefill_tokens == 3
+    assert state.load("b", stats(2.0, queued=3, hashes=PREFIX, version=2), now=2.5).num_queued_prefill_tokens == 3
     assert state.index.num_matched_blocks("b", PREFIX + [15]) == 4
     assert state.decisions == {"prefix_hit": 1}
 

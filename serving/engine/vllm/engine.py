@@ -347,7 +347,7 @@ class VLLMEngine:
         return EngineStats(
             num_running=s.num_running, num_waiting=s.num_waiting, num_blocks=self._num_blocks,
             num_free_blocks=round((1.0 - s.kv_cache_usage) * self._num_blocks),
-            kv_cache_usage=s.kv_cache_usage, num_preemptions=s.num_preemptions,
+            kv_usage=s.kv_cache_usage, num_preemptions=s.num_preemptions,
             prefix_cache_query_tokens=s.prefix_queries, prefix_cache_hit_tokens=s.prefix_hits,
             num_computed_tokens=s.num_prompt + s.num_generated, num_generated_tokens=s.num_generated,
             num_held_exports=self._handoffs.num_held if self._handoffs else 0,

@@ -33,7 +33,7 @@ def pool(**overrides) -> PrefillPoolPolicy:
 
 def even(n: int, total: float, now: float, **signals) -> Observation:
     """n fresh replicas sharing `total` queued prefill tokens evenly."""
-    replica = ReplicaSignals(updated_at=now, queued_prefill_tokens=total / n, **signals)
+    replica = ReplicaSignals(updated_at_s=now, num_queued_prefill_tokens=total / n, **signals)
     return Observation(n, (replica,) * n)
 
 
@@ -137,7 +137,7 @@ def test_stale_data_holds_and_restarts_the_upscale_delay():
     state = ScaleState()
     counts, reasons = [], []
     for now, age in ((0, 0), (5, 0), (10, 20), (15, 0), (20, 0), (25, 0)):
-        observation = Observation(1, (ReplicaSignals(updated_at=now - age, queued_prefill_tokens=500),))
+        observation = Observation(1, (ReplicaSignals(updated_at_s=now - age, num_queued_prefill_tokens=500),))
         n, state, reason = decide(policy, observation, state, now)
         counts.append(n)
         reasons.append(reason)
@@ -148,11 +148,11 @@ def test_stale_data_holds_and_restarts_the_upscale_delay():
 
 def test_missing_data_holds():
     policy = pool(upscale_delay_s=0)
-    fresh = ReplicaSignals(updated_at=0.0, queued_prefill_tokens=500)
+    fresh = ReplicaSignals(updated_at_s=0.0, num_queued_prefill_tokens=500)
     cases = {
         (): "hold: no running replica",
         (fresh, ReplicaSignals()): "hold: replica 1 has not reported yet",
-        (fresh, ReplicaSignals(updated_at=0.0, ttft_p95_ms=10.0)): "hold: replica 1 has no queued_prefill_tokens in the window",
+        (fresh, ReplicaSignals(updated_at_s=0.0, ttft_p95_ms=10.0)): "hold: replica 1 has no queued_prefill_tokens in the window",
     }
     for replicas, reason in cases.items():
         n = max(1, len(replicas))
@@ -164,8 +164,8 @@ def test_missing_data_holds():
 def test_the_most_pressed_signal_decides():
     policy = WorkerPoolPolicy(max_replicas=8, upscale_delay_s=0)  # targets: 2000, 4096, 32, 0.85, 250 ms
     replicas = (
-        ReplicaSignals(updated_at=0.0, queued_prefill_tokens=0, ttft_p95_ms=0, num_seqs=40, kv_utilization=0.85, tpot_p95_ms=300),
-        ReplicaSignals(updated_at=0.0, queued_prefill_tokens=0, ttft_p95_ms=0, num_seqs=8, kv_utilization=0.85, tpot_p95_ms=450),
+        ReplicaSignals(updated_at_s=0.0, num_queued_prefill_tokens=0, ttft_p95_ms=0, num_seqs=40, kv_usage=0.85, tpot_p95_ms=300),
+        ReplicaSignals(updated_at_s=0.0, num_queued_prefill_tokens=0, ttft_p95_ms=0, num_seqs=8, kv_usage=0.85, tpot_p95_ms=450),
     )
     # num_seqs 48/32 = 1.5, kv 1.7/0.85 = 2.0, tpot 750/250 = 3.0 replicas
     assert decide(policy, Observation(2, replicas), ScaleState(), 0.0)[::2] == (3, "up: 2 -> 3, demand 3.00 (tpot_p95_ms)")
@@ -181,7 +181,7 @@ def test_state_round_trips_through_serve_policy_state():
 # ---- Ray Serve adapter -----------------------------------------------------------------------
 def test_observation_from_serve_means_over_the_window_and_newest_timestamp():
     raw = {
-        "queued_prefill_tokens": {"r1": [Point(90.0, 10.0), Point(95.0, 20.0), Point(99.0, 30.0)], "r2": [Point(50.0, 5.0)]},
+        "num_queued_prefill_tokens": {"r1": [Point(90.0, 10.0), Point(95.0, 20.0), Point(99.0, 30.0)], "r2": [Point(50.0, 5.0)]},
         "num_seqs": {"r1": [Point(98.0, 4.0)]},
         # a counter: its newest point, even one older than the window
         "requests_total": {"r1": [Point(95.0, 40.0), Point(99.0, 42.0), Point(97.0, 41.0)], "r2": [Point(50.0, 7.0)]},
@@ -189,8 +189,8 @@ def test_observation_from_serve_means_over_the_window_and_newest_timestamp():
     }
     observation = observation_from_serve(raw, ["r1", "r2", "r3"], 3, window_s=8.0, now=100.0)
     assert observation == Observation(3, (
-        ReplicaSignals(updated_at=99.0, queued_prefill_tokens=25.0, num_seqs=4.0, requests_total=42.0, replica="r1"),
-        ReplicaSignals(updated_at=50.0, requests_total=7.0, replica="r2"),  # only samples older than the window
+        ReplicaSignals(updated_at_s=99.0, num_queued_prefill_tokens=25.0, num_seqs=4.0, requests_total=42.0, replica="r1"),
+        ReplicaSignals(updated_at_s=50.0, requests_total=7.0, replica="r2"),  # only samples older than the window
         ReplicaSignals(replica="r3"),  # never reported
     ))
 
@@ -201,7 +201,7 @@ def serve_context(config: dict, *, queued: float, now: float = 100.0, policy_sta
     return AutoscalingContext(
         deployment_id=None, deployment_name="PrefillWorker", app_name="kvrelay", current_num_replicas=1,
         target_num_replicas=1, running_replicas=["r1"], total_num_requests=4.0, total_queued_requests=0.0,
-        aggregated_metrics=None, raw_metrics=lambda: {"queued_prefill_tokens": {"r1": [Point(now - 1, queued)]}},
+        aggregated_metrics=None, raw_metrics=lambda: {"num_queued_prefill_tokens": {"r1": [Point(now - 1, queued)]}},
         capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4, policy_state=policy_state or {},
         last_scale_up_time=None, last_scale_down_time=None, current_time=now, config=AutoscalingConfig(**config),
     )

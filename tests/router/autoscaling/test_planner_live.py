@@ -52,7 +52,7 @@ def test_declarative_app_runs_the_joint_plan(tmp_path, tmp_path_factory):
         client = serve_start(http_options={"host": "127.0.0.1", "port": free_port()})
         args = {
             "policy": policy_file(tmp_path),
-            "prefill": {"requests_per_s": 1.5, "prompt_tokens_per_request": 256, "queued_prefill_tokens": 0,
+            "prefill": {"requests_per_s": 1.5, "prompt_tokens_per_request": 256, "num_queued_prefill_tokens": 0,
                         "prefill_tokens_per_s": 296.4},
             "decode": {"requests_per_s": 0.0, "output_tokens_per_request": 63.0, "num_seqs": 0.0, "output_tokens_per_s": 0.0},
         }

@@ -37,7 +37,7 @@ def test_defaults_fill_a_minimal_pool():
         upscale_delay_s=10, upscale_cooldown_s=30, downscale_delay_s=120, downscale_threshold=0.7,
         targets={"ttft_p95_ms": 2000, "queued_prefill_tokens_per_replica": 4096},
     )
-    assert policy.prefill.target_by_signal() == {"ttft_p95_ms": 2000.0, "queued_prefill_tokens": 4096.0}
+    assert policy.prefill.target_by_signal() == {"ttft_p95_ms": 2000.0, "num_queued_prefill_tokens": 4096.0}
     decode = DecodePoolPolicy(max_replicas=2, targets={"kv_utilization": None, "tpot_p95_ms": None})
     assert decode.target_by_signal() == {"num_seqs": 32.0}
 
@@ -117,7 +117,7 @@ def test_shipped_policies_load():
 
 # ---- traces and simulation -------------------------------------------------------------------
 def test_example_trace_through_the_cluster_policy():
-    rows = read_trace(POLICIES / "example-trace.csv", required=("queued_prefill_tokens", "ttft_p95_ms"))
+    rows = read_trace(POLICIES / "example-trace.csv", required=("num_queued_prefill_tokens", "ttft_p95_ms"))
     steps = simulate(load_policy(POLICIES / "cluster.yaml").prefill, rows)
     counts = [s.num_replicas for s in steps]
     # step at t=75 -> 3 at t=90 -> 5 at t=120; the 15 s spike at t=240 and the stale gap at
@@ -144,7 +144,7 @@ def test_example_trace_through_the_cluster_policy():
 def test_bad_traces_name_the_line_column_and_value(tmp_path, text, message):
     path = write(tmp_path, "t.csv", text)
     with pytest.raises(TraceError) as info:
-        read_trace(path, required=("queued_prefill_tokens",))
+        read_trace(path, required=("num_queued_prefill_tokens",))
     assert str(info.value) == f"{path}{'' if message.startswith(':') else ': '}{message}"
 
 

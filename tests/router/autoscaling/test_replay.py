@@ -88,7 +88,7 @@ def test_prefill_replica_is_fcfs_at_its_rate():
     assert replica.ongoing(1.5) == 1
     signals = replica.signals(1.5, window_s=10.0)
     # 0.5 s of the second prompt left; only the first TTFT (1 s) is over by 1.5 s.
-    assert (signals.queued_prefill_tokens, signals.ttft_p95_ms, signals.requests_per_s) == (50.0, 1000.0, 0.2)
+    assert (signals.num_queued_prefill_tokens, signals.ttft_p95_ms, signals.requests_per_s) == (50.0, 1000.0, 0.2)
     assert replica.take(3.0, 50) == 3.5  # idle since 2 s
 
 
@@ -196,35 +196,35 @@ def test_ray_defaults_are_ray_serves():
 
 # ---- the Serve hooks ---------------------------------------------------------------------------
 def test_pool_load_from_replica_signals():
-    prefill = (ReplicaSignals(updated_at=1.0, requests_per_s=1.0, prompt_tokens_per_request=100.0, queued_prefill_tokens=50.0,
+    prefill = (ReplicaSignals(updated_at_s=1.0, requests_per_s=1.0, prompt_tokens_per_request=100.0, num_queued_prefill_tokens=50.0,
                               prefill_tokens_per_s=300.0),
-               ReplicaSignals(updated_at=1.0, requests_per_s=3.0, prompt_tokens_per_request=200.0, queued_prefill_tokens=0.0,
+               ReplicaSignals(updated_at_s=1.0, requests_per_s=3.0, prompt_tokens_per_request=200.0, num_queued_prefill_tokens=0.0,
                               prefill_tokens_per_s=0.0))
     assert pool_load("prefill", prefill) == PoolLoad(4.0, 175.0, backlog=50.0, measured_tokens_per_s=300.0)
-    decode = (ReplicaSignals(updated_at=1.0, requests_per_s=2.0, output_tokens_per_request=30.0, num_seqs=3.0,
+    decode = (ReplicaSignals(updated_at_s=1.0, requests_per_s=2.0, output_tokens_per_request=30.0, num_seqs=3.0,
                              output_tokens_per_s=20.0),)
     assert pool_load("decode", decode) == PoolLoad(2.0, 30.0, backlog=3.0, measured_decode=((3.0, 20.0),))
     # Speculating replicas: sequence-steps/s are tokens/s over tokens per step (0: not reported,
     # 1); the pool's tokens per step is its tokens over its steps, (30 + 20) / (10 + 20).
-    speculating = (ReplicaSignals(updated_at=1.0, requests_per_s=1.0, output_tokens_per_request=50.0, num_seqs=3.0,
+    speculating = (ReplicaSignals(updated_at_s=1.0, requests_per_s=1.0, output_tokens_per_request=50.0, num_seqs=3.0,
                                   output_tokens_per_s=30.0, decode_tokens_per_step=3.0),
-                   ReplicaSignals(updated_at=1.0, requests_per_s=1.0, output_tokens_per_request=50.0, num_seqs=2.0,
+                   ReplicaSignals(updated_at_s=1.0, requests_per_s=1.0, output_tokens_per_request=50.0, num_seqs=2.0,
                                   output_tokens_per_s=20.0, decode_tokens_per_step=0.0))
     assert pool_load("decode", speculating) == PoolLoad(2.0, 50.0, backlog=5.0, measured_decode=((3.0, 10.0), (2.0, 20.0)),
                                                         tokens_per_step=50.0 / 30.0)
     # The engines' decode step accounts, summed over the replicas that counted steps (an idle
     # one, or vLLM's engine, reports none).
-    stepping = (ReplicaSignals(updated_at=1.0, requests_per_s=1.0, output_tokens_per_request=50.0, num_seqs=3.0,
+    stepping = (ReplicaSignals(updated_at_s=1.0, requests_per_s=1.0, output_tokens_per_request=50.0, num_seqs=3.0,
                                output_tokens_per_s=30.0, decode_steps_per_s=10.0, decode_rows_per_s=30.0, decode_busy=0.75),
-                ReplicaSignals(updated_at=1.0, requests_per_s=1.0, output_tokens_per_request=50.0, num_seqs=0.0),
-                ReplicaSignals(updated_at=1.0, requests_per_s=1.0, output_tokens_per_request=50.0, num_seqs=1.0,
+                ReplicaSignals(updated_at_s=1.0, requests_per_s=1.0, output_tokens_per_request=50.0, num_seqs=0.0),
+                ReplicaSignals(updated_at_s=1.0, requests_per_s=1.0, output_tokens_per_request=50.0, num_seqs=1.0,
                                output_tokens_per_s=20.0, decode_steps_per_s=20.0, decode_rows_per_s=20.0, decode_busy=0.5))
     assert pool_load("decode", stepping).decode_steps == (30.0, 50.0, 1.25)
     assert pool_load("decode", speculating).decode_steps is None
-    unfinished = (ReplicaSignals(updated_at=1.0, requests_per_s=2.0, output_tokens_per_request=0.0, num_seqs=3.0),)
+    unfinished = (ReplicaSignals(updated_at_s=1.0, requests_per_s=2.0, output_tokens_per_request=0.0, num_seqs=3.0),)
     assert pool_load("decode", unfinished) is None
-    idle = (ReplicaSignals(updated_at=1.0, requests_per_s=0.0, output_tokens_per_request=40.0, num_seqs=0.0),
-            ReplicaSignals(updated_at=1.0, requests_per_s=0.0, output_tokens_per_request=0.0, num_seqs=0.0))
+    idle = (ReplicaSignals(updated_at_s=1.0, requests_per_s=0.0, output_tokens_per_request=40.0, num_seqs=0.0),
+            ReplicaSignals(updated_at_s=1.0, requests_per_s=0.0, output_tokens_per_request=0.0, num_seqs=0.0))
     assert pool_load("decode", idle).tokens_per_request == 40.0  # lengths of earlier requests
     assert pool_load("decode", (ReplicaSignals(),)) is None
 
@@ -257,7 +257,7 @@ def test_planner_serve_configs():
 
 def test_application_policy_plans_both_pools_from_both_contexts():
     config = load_policy(PLANNER_YAML)
-    prefill_raw = reported(100.0, requests_per_s=3.0, prompt_tokens_per_request=256.0, queued_prefill_tokens=0.0,
+    prefill_raw = reported(100.0, requests_per_s=3.0, prompt_tokens_per_request=256.0, num_queued_prefill_tokens=0.0,
                            prefill_tokens_per_s=296.4)
     decode_raw = reported(100.0, requests_per_s=0.5, output_tokens_per_request=63.0, num_seqs=2.0, output_tokens_per_s=20.0)
     contexts = {

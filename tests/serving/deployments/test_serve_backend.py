@@ -389,7 +389,7 @@ def test_auto_counts_the_local_prefills_sent_after_the_decode_replicas_stats():
 
     backend_, prefill, decode, kv = pools()
     backend_.config = ServeConfig(min_remote_prefill_tokens="auto")
-    stats = RoutingStats(time=time.time() - 1.0, num_running=0, prefill_tokens_per_s=1000.0, kv_import_s=0.05)
+    stats = RoutingStats(wall_time_s=time.time() - 1.0, num_running=0, prefill_tokens_per_s=1000.0, kv_import_s=0.05)
     backend_._pool_stats = lambda: ([stats], [])
     request = WorkerRequest("r", list(range(1, 101)), SamplingParams(max_tokens=3))
     for _ in range(3):

@@ -288,7 +288,7 @@ async def test_a_held_refusal_counts_once_whatever_degradation_decides():
 # ---- the workers -----------------------------------------------------------------------------
 def engine_stats(**counts) -> EngineStats:
     base = {
-        "num_running": 0, "num_waiting": 0, "num_blocks": 10, "num_free_blocks": 10, "kv_cache_usage": 0.0,
+        "num_running": 0, "num_waiting": 0, "num_blocks": 10, "num_free_blocks": 10, "kv_usage": 0.0,
         "num_preemptions": 0, "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0,
         "num_computed_tokens": 0, "num_generated_tokens": 0, "num_held_exports": 0,
     }
@@ -305,9 +305,9 @@ def test_worker_metrics_record_exact_times_bytes_and_engine_deltas():
     assert wm.kv_import_s == 0.25  # the first import is the average
     wm.kv_exported(400)
     wm.kv_fallback("timeout")
-    wm.refresh(engine_stats(prefix_cache_query_tokens=100, prefix_cache_hit_tokens=32, num_preemptions=1, num_running=2, num_waiting=3, kv_cache_usage=0.5,
+    wm.refresh(engine_stats(prefix_cache_query_tokens=100, prefix_cache_hit_tokens=32, num_preemptions=1, num_running=2, num_waiting=3, kv_usage=0.5,
                             decode_steps=10, decode_step_rows=25, decode_step_s=0.5))
-    wm.refresh(engine_stats(prefix_cache_query_tokens=150, prefix_cache_hit_tokens=48, num_preemptions=1, num_running=1, num_waiting=0, kv_cache_usage=0.25,
+    wm.refresh(engine_stats(prefix_cache_query_tokens=150, prefix_cache_hit_tokens=48, num_preemptions=1, num_running=1, num_waiting=0, kv_usage=0.25,
                             decode_steps=14, decode_step_rows=33, decode_step_s=0.75))
     s = registry_samples(wm.instruments.registry)
     mine = {"model": MODEL, "pool": "decode", "replica": "r1"}
@@ -419,7 +419,7 @@ def test_the_autoscaler_counts_the_decisions_that_change_a_pool(monkeypatch):
         ctx = AutoscalingContext(
             deployment_id=None, deployment_name="PrefillWorker", app_name="kvrelay", current_num_replicas=target,
             target_num_replicas=target, running_replicas=["r1"], total_num_requests=0.0, total_queued_requests=0.0,
-            aggregated_metrics=None, raw_metrics=lambda: {"queued_prefill_tokens": {"r1": [point(now - 1, queued)]}},
+            aggregated_metrics=None, raw_metrics=lambda: {"num_queued_prefill_tokens": {"r1": [point(now - 1, queued)]}},
             capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4, policy_state={},
             last_scale_up_time=None, last_scale_down_time=None, current_time=now, config=config,
         )

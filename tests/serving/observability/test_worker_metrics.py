@@ -73,13 +73,13 @@ def test_aborted_and_single_token_requests_give_no_tpot():
 
 def test_replica_signals_report_every_signal_on_the_wire():
     stats = EngineStats(
-        num_running=3, num_waiting=2, num_blocks=100, num_free_blocks=40, kv_cache_usage=0.6, num_preemptions=0,
+        num_running=3, num_waiting=2, num_blocks=100, num_free_blocks=40, kv_usage=0.6, num_preemptions=0,
         prefix_cache_query_tokens=0, prefix_cache_hit_tokens=0, num_computed_tokens=0, num_generated_tokens=0,
         num_held_exports=0, num_queued_prefill_tokens=1234,
     )
     latencies = RequestLatencies()
     assert replica_signals(replace(stats, prefill_tokens_per_s=296.5), latencies).to_wire() == {
-        "queued_prefill_tokens": 1234.0, "ttft_p95_ms": 0.0, "num_seqs": 5.0, "kv_utilization": 0.6, "tpot_p95_ms": 0.0,
+        "num_queued_prefill_tokens": 1234.0, "ttft_p95_ms": 0.0, "num_seqs": 5.0, "kv_usage": 0.6, "tpot_p95_ms": 0.0,
         "requests_per_s": 0.0, "prompt_tokens_per_request": 0.0, "output_tokens_per_request": 0.0,
         "output_tokens_per_s": 0.0, "prefill_tokens_per_s": 296.5, "decode_tokens_per_step": 1.0,
         "requests_total": 0.0, "decode_steps_per_s": 0.0, "decode_rows_per_s": 0.0, "decode_busy": 0.0,
@@ -117,7 +117,7 @@ def test_decode_step_rates_are_the_accounts_increments_over_the_time_between_rep
 
 def test_replica_signals_carry_the_engines_decode_step_account(monkeypatch):
     stats = EngineStats(
-        num_running=4, num_waiting=0, num_blocks=100, num_free_blocks=40, kv_cache_usage=0.6, num_preemptions=0,
+        num_running=4, num_waiting=0, num_blocks=100, num_free_blocks=40, kv_usage=0.6, num_preemptions=0,
         prefix_cache_query_tokens=0, prefix_cache_hit_tokens=0, num_computed_tokens=0, num_generated_tokens=0,
         num_held_exports=0,
     )
@@ -149,7 +149,7 @@ def test_tokens_per_step_is_generated_over_generated_less_accepted_between_repor
 
 def test_replica_signals_carry_the_decode_tokens_per_step():
     stats = EngineStats(
-        num_running=1, num_waiting=0, num_blocks=100, num_free_blocks=90, kv_cache_usage=0.1, num_preemptions=0,
+        num_running=1, num_waiting=0, num_blocks=100, num_free_blocks=90, kv_usage=0.1, num_preemptions=0,
         prefix_cache_query_tokens=0, prefix_cache_hit_tokens=0, num_computed_tokens=0, num_generated_tokens=0,
         num_held_exports=0, spec_method="ngram",
     )
