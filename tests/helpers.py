@@ -1,9 +1,11 @@
 """What tests share besides fixtures (those are in conftest.py): the repository root, a tiny random
-model builder, a free TCP port, waiting for a condition, a required binary, and the process state
-a module must leave as it found it."""
+model builder, the tiny engine's and tiny app's configs, waiting for a condition (polled with a
+deadline), a required binary, and the process state a module must leave as it found it. Driving
+an API app in-process (client, POST, SSE) is in tests/asgi.py."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import sys
@@ -21,6 +23,24 @@ T = TypeVar("T")
 
 
 TINY_KV_BYTES = 16 * 2**20  # KV per replica of the tiny apps: ~1k tokens of the tiny model
+# The in-process engines of the tests: float32 (greedy comparisons exact), 4 MiB of KV
+TINY_ENGINE = {"dtype": "float32", "kv_cache_bytes": 4 * 2**20}
+
+
+def tiny_engine_config(model_dir, **overrides):
+    """An EngineConfig of `model_dir` as the in-process tests run it (`TINY_ENGINE`); `overrides`
+    replace or add fields."""
+    from serving.engine import EngineConfig
+
+    return EngineConfig(**{"model": str(model_dir), **TINY_ENGINE, **overrides})
+
+
+def tiny_async_engine(model_dir, **overrides):
+    """An AsyncEngine as the API tests run one: `tiny_engine_config`, no prefix caching (every
+    request computes its whole prompt, so counts do not depend on what ran before), one thread."""
+    from serving.engine.async_engine import AsyncEngine
+
+    return AsyncEngine(tiny_engine_config(model_dir, **{"enable_prefix_caching": False, "num_threads": 1, **overrides}))
 
 
 def tiny_app_config(model_dir, name: str, **overrides):
@@ -47,17 +67,30 @@ class VirtualClock:
         return self.now
 
 
-def wait_until(predicate: Callable[[], T], *, timeout_s: float = 60.0, interval_s: float = 0.1) -> T:
-    """The first truthy value of `predicate()`, polled every `interval_s`; AssertionError naming
-    the last value after `timeout_s`."""
+def wait_until(predicate: Callable[[], T], timeout_s: float = 60.0, what: str = "condition", *, interval_s: float = 0.1) -> T:
+    """The first truthy value of `predicate()`, polled every `interval_s`: a test waits for what
+    it asserts, never a fixed sleep. AssertionError naming `what` and the last value after
+    `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s}s (last value {value!r})")
+            raise AssertionError(f"{what} not met within {timeout_s}s (last value {value!r})")
         time.sleep(interval_s)
+
+
+async def await_until(predicate: Callable[[], T], timeout_s: float = 10.0, what: str = "condition", *, interval_s: float = 0.01) -> T:
+    """`wait_until` inside an event loop: the loop runs on between the polls."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not met within {timeout_s}s (last value {value!r})")
+        await asyncio.sleep(interval_s)
 
 
 def build_tiny_model(

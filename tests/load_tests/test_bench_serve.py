@@ -34,7 +34,9 @@ from load_tests.serve.load import run_load, schedule
 from load_tests.serve.metrics import parse_slo, percentile, stats_ms, summarize_records
 from load_tests.serve.params import params_from_args
 from serving.cli.parser import build_parser
+from tests.asgi import local_app
 from tests.helpers import REPO as REPO_ROOT
+from tests.helpers import tiny_engine_config
 
 
 # ---- the scripted fake server ----------------------------------------------------------------
@@ -436,18 +438,13 @@ def test_client_against_the_kvrelay_openai_api(tiny_model_dir):
     """kvrelay's stream parses as the fake one does: usage counts every token (ignore_eos), chat
     and completions (token ids) both work, and a multi-turn history goes through the chat
     template. httpx.ASGITransport delivers the body at the end, so no timing is checked here."""
-    from serving.api.endpoints.routes import OpenAIServer
-    from serving.api.generation.pipeline import Frontend
     from serving.config import ServeConfig
-    from serving.deployments.local_backend import LocalBackend
-    from serving.engine import EngineConfig
     from serving.engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20,
-                                      max_model_len=1024, num_threads=1))
+    engine = AsyncEngine(tiny_engine_config(tiny_model_dir, max_model_len=1024, num_threads=1))
     try:
         config = ServeConfig(model=str(tiny_model_dir), served_model_name="tiny")
-        app = OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), config.model_name), config).build_app()
+        app = local_app(engine, config, config.model_name)
         common = {"base_url": "http://test", "input_len": "8", "output_len": "4", "ignore_eos": True,
                   "is_progress_shown": False}
 

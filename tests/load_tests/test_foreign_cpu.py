@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from load_tests.scenario.foreign_cpu import ForeignSampler, _foreign_seconds, is_benchmark, main, mean_cores
 
@@ -39,8 +40,14 @@ def test_foreign_seconds_count_other_processes_only_and_new_ones_whole():
     assert _foreign_seconds(before, after) == {"make -j2": 1.5, "cc1plus x.c": 0.5}
 
 
-def test_the_sampler_reports_mean_cores_after_its_block():
-    with ForeignSampler(period_s=0.05) as foreign:
+def test_the_sampler_reports_mean_cores_after_its_block(monkeypatch):
+    from load_tests.scenario import foreign_cpu
+
+    snapshots = iter([{7: ("make -j2", 1.0)}, {7: ("make -j2", 1.5), 8: ("cc1plus x.c", 0.25)}])
+    monkeypatch.setattr(foreign_cpu, "_snapshot", lambda: next(snapshots))
+    with ForeignSampler(period_s=60.0) as foreign:  # no tick in the block: one reading at its end
         pass
-    assert foreign.cores >= 0.0 and isinstance(foreign.top, dict)
+    ended = time.monotonic()
+    assert foreign.top == {"make -j2": 0.5, "cc1plus x.c": 0.25}
+    assert foreign.cores >= 0.75 / (ended - foreign._started)  # those CPU seconds over the block's wall time
     assert not foreign._thread.is_alive()

@@ -41,15 +41,17 @@ def test_avx2_only_arm_and_empty_cpuinfo():
     assert hardware.cpu_flags("") == frozenset()
 
 
-def test_machine_record_has_the_isa_cores_and_threads():
+def test_machine_record_has_the_isa_cores_and_threads(monkeypatch):
+    loads = [(0.5, 0.4, 0.3), (1.25, 0.5, 0.3)]  # at the start, then at the end and after
+    monkeypatch.setattr(hardware.os, "getloadavg", lambda: loads.pop(0) if len(loads) > 1 else loads[0])
     record = hardware.machine_record(num_threads=2, ray_version="x")
     assert set(record["isa"]) == set(hardware.ISA_FLAGS)
     assert all(isinstance(v, bool) for v in record["isa"].values())
     assert record["num_threads"] == 2 and record["ray_version"] == "x"
     assert 1 <= record["nproc"] <= record["num_cores"]
-    assert record["load_avg_1m_at_start"] >= 0 and "load_avg_1m_at_end" not in record
+    assert record["load_avg_1m_at_start"] == 0.5 and "load_avg_1m_at_end" not in record
     assert hardware.finish_machine_record(record, cores_pinned=[[0]]) is record
-    assert record["load_avg_1m_at_end"] >= 0 and record["cores_pinned"] == [[0]]
+    assert record["load_avg_1m_at_end"] == 1.25 and record["cores_pinned"] == [[0]]
     assert hardware.machine_record()["num_threads"] is None
 
 

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from serving.engine import EngineConfig
-from serving.engine.async_engine import AsyncEngine
+from tests.helpers import tiny_async_engine
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    engine = AsyncEngine(EngineConfig(
-        model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20, enable_prefix_caching=False, num_threads=1,
-    ))
+    engine = tiny_async_engine(tiny_model_dir)
     yield engine
     engine.shutdown()

@@ -15,12 +15,12 @@ import time
 import httpx
 import pytest
 
-from serving.api.generation.pipeline import Frontend
 from serving.api.endpoints.routes import OpenAIServer
+from serving.api.generation.pipeline import Frontend
 from serving.config import APIConfig, ServeConfig
 from serving.deployments.local_backend import LocalBackend
-from serving.engine import EngineConfig
-from serving.engine.async_engine import AsyncEngine
+from tests.asgi import post
+from tests.helpers import tiny_async_engine
 
 MODEL = "tiny"
 HELLO = [{"role": "user", "content": "Hello there"}]
@@ -61,10 +61,7 @@ class _BlockingTemplate:
 
 class Stack:
     def __init__(self, tiny_model_dir):
-        self.engine = AsyncEngine(EngineConfig(
-            model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20, max_model_len=512,
-            enable_prefix_caching=False, num_threads=1,
-        ))
+        self.engine = tiny_async_engine(tiny_model_dir, max_model_len=512)
         self.tokenizer = self.engine.tokenizer
         self.backend = LocalBackend(self.engine)
         self.config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL)
@@ -80,11 +77,6 @@ def stack(tiny_model_dir):
     stack = Stack(tiny_model_dir)
     yield stack
     stack.engine.shutdown()
-
-
-async def post(app, path: str, body: dict) -> httpx.Response:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
-        return await c.post(path, json=body)
 
 
 def error_body(message: str, param: str | None, code: str | None) -> dict:

@@ -4,20 +4,21 @@ window is 128 tokens."""
 
 from __future__ import annotations
 
+import functools
 import json
 
-import httpx
 import pytest
 
+from serving.api.endpoints.routes import OpenAIServer
 from serving.api.generation.context_budget import budget_for, fit_chat, split_turns
 from serving.api.generation.pipeline import Frontend
-from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ContextBudgetConfig, ServeConfig
 from serving.deployments.local_backend import LocalBackend
-from serving.engine import EngineConfig, SamplingParams
-from serving.engine.async_engine import AsyncEngine
+from serving.engine import SamplingParams
 from serving.engine.errors import ContextLengthError, InvalidRequestError
 from serving.engine.outputs import merge_outputs
+from tests.asgi import post as asgi_post
+from tests.helpers import tiny_async_engine
 
 MODEL = "tiny"
 WINDOW = 128
@@ -36,10 +37,7 @@ HISTORY = [SYSTEM, *turn(1), *turn(2), *turn(3), *turn(4), LAST]
 
 class Stack:
     def __init__(self, model_dir):
-        self.engine = AsyncEngine(EngineConfig(
-            model=str(model_dir), dtype="float32", kv_cache_bytes=4 * 2**20, max_model_len=WINDOW,
-            enable_prefix_caching=False, num_threads=1,
-        ))
+        self.engine = tiny_async_engine(model_dir, max_model_len=WINDOW)
         self.tokenizer = self.engine.tokenizer
         self.frontend = Frontend(self.tokenizer, LocalBackend(self.engine), MODEL)
         self.config = ServeConfig(model=str(model_dir), served_model_name=MODEL)
@@ -67,9 +65,7 @@ def stack(tiny_model_dir):
     stack.engine.shutdown()
 
 
-async def post(app, path: str, body: dict) -> httpx.Response:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-        return await client.post(path, json={"model": MODEL, **body})
+post = functools.partial(asgi_post, model=MODEL)  # every body names the served model
 
 
 # ---- turns, without a model ------------------------------------------------------------------

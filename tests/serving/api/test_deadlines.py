@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from serving.api.admission.deadlines import timeout_for
-from serving.api.generation.pipeline import Frontend
 from serving.api.endpoints.routes import OpenAIServer
+from serving.api.generation.pipeline import Frontend
 from serving.cli.status import parse_metrics
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
@@ -27,6 +27,8 @@ from serving.engine import EngineConfig, SamplingParams
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.outputs import merge_outputs
 from serving.engine.sampling.detokenizer import IncrementalDetokenizer
+from tests.asgi import post as asgi_post
+from tests.asgi import sse_events
 from tests.helpers import VirtualClock, single_tokens
 
 MODEL = "tiny"
@@ -81,10 +83,8 @@ def jump_to_10_ms_before(clock: VirtualClock, timeout_s: float):
 
 
 async def post(app, path: str, body: dict, key: str | None = None) -> httpx.Response:
-    headers = {"authorization": f"Bearer {key}"} if key else {}
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-        # A guard, not a measurement: a request whose deadline is not enforced would stall for good.
-        return await asyncio.wait_for(client.post(path, json=body, headers=headers), 120)
+    # A guard, not a measurement: a request whose deadline is not enforced would stall for good.
+    return await asyncio.wait_for(asgi_post(app, path, body, key=key), 120)
 
 
 async def get(app, path: str) -> httpx.Response:
@@ -92,16 +92,7 @@ async def get(app, path: str) -> httpx.Response:
         return await client.get(path)
 
 
-def sse_data(response: httpx.Response) -> list:
-    import json
-
-    assert response.headers["content-type"].startswith("text/event-stream")
-    events = []
-    for block in response.text.split("\n\n"):
-        if block:
-            payload = block.removeprefix("data: ")
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
+sse_data = sse_events
 
 
 async def requests_by_status(app) -> dict[str, float]:

@@ -16,28 +16,29 @@ own chat template, never from the API under test.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
 from serving.api.admission.degradation import Action, Decision, DegradationPolicy, Reason, refusal_reason
-from serving.api.errors import NoWorkerError, QueueFullError, QueueTimeoutError
 from serving.api.admission.forwarding import ForwardedRequest, ResponseStart, serve_forwarded
+from serving.api.endpoints.routes import OpenAIServer
+from serving.api.errors import NoWorkerError, QueueFullError, QueueTimeoutError
 from serving.api.generation.pipeline import Frontend
 from serving.api.protocol.wire import ChatMessage
-from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ConfigError, DegradationConfig, ServeConfig, load_config
 from serving.deployments.fallback import FallbackClient
 from serving.deployments.local_backend import LocalBackend
-from serving.engine import EngineConfig, SamplingParams
-from serving.engine.async_engine import AsyncEngine
+from serving.engine import SamplingParams
 from serving.engine.errors import EngineDeadError, InvalidRequestError
 from serving.engine.outputs import merge_outputs
-from tests.helpers import REPO
+from tests.asgi import post as asgi_post
+from tests.asgi import sse_events
+from tests.helpers import REPO, tiny_async_engine
 
 KEY = "sk-degrade-test-0001"
 FALLBACK_LEN = 512  # the fallback's context window (tests/conftest.py; the primary's: 2048)
@@ -261,10 +262,7 @@ class Clock:
 class Apps:
     def __init__(self, primary_dir: Path, fallback_dir: Path):
         def engine(model_dir):
-            return AsyncEngine(EngineConfig(
-                model=str(model_dir), dtype="float32", kv_cache_bytes=4 * 2**20,
-                enable_prefix_caching=False, num_threads=1,
-            ))
+            return tiny_async_engine(model_dir)
 
         # The fallback is smaller in every way: another model, another template, a shorter context.
         self.primary_engine, self.fallback_engine = engine(primary_dir), engine(fallback_dir)
@@ -318,16 +316,8 @@ def apps(tiny_model_dir, tiny_fallback_model_dir):
     apps.fallback_engine.shutdown()
 
 
-async def post(app, path: str, body: dict) -> httpx.Response:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
-                                 headers={"Authorization": f"Bearer {KEY}"}) as client:
-        return await client.post(path, json=body)
-
-
-def sse(response: httpx.Response) -> list:
-    assert response.headers["content-type"].startswith("text/event-stream")
-    payloads = [b.removeprefix("data: ") for b in response.text.split("\n\n") if b]
-    return [p if p == "[DONE]" else json.loads(p) for p in payloads]
+post = functools.partial(asgi_post, key=KEY)
+sse = sse_events
 
 
 def sample(server: OpenAIServer, name: str, **labels) -> float:

@@ -4,22 +4,21 @@ and the tables cover every field the installed openai SDK can send."""
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
-import httpx
 import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
 
-from serving.api.protocol.field_support import CHAT_FIELDS, COMPLETION_FIELDS, MAX_HEADER_CHARS, RESPONSES_FIELDS, NoOp, screen
-from serving.api.generation.pipeline import Frontend
-from serving.api.protocol.wire import ChatCompletionRequest, CompletionRequest
 from serving.api.endpoints.responses import ResponsesRequest
-from serving.api.endpoints.routes import OpenAIServer
+from serving.api.protocol.field_support import CHAT_FIELDS, COMPLETION_FIELDS, MAX_HEADER_CHARS, RESPONSES_FIELDS, NoOp, screen
+from serving.api.protocol.wire import ChatCompletionRequest, CompletionRequest
 from serving.config import ServeConfig
-from serving.deployments.local_backend import LocalBackend
+from tests.asgi import local_app
+from tests.asgi import post as asgi_post
 
 MODEL = "tiny"
 HELLO = [{"role": "user", "content": "Hello there"}]
@@ -31,12 +30,10 @@ README = Path(__file__).parents[3] / "README.md"
 @pytest.fixture(scope="module")
 def app(engine, tiny_model_dir):
     config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL)
-    return OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config).build_app()
+    return local_app(engine, config, MODEL)
 
 
-async def post(app, path: str, body: dict) -> httpx.Response:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-        return await client.post(path, json={"model": MODEL, **body})
+post = functools.partial(asgi_post, model=MODEL)  # every body names the served model
 
 
 # ---- the tables ------------------------------------------------------------------------------

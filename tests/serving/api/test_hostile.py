@@ -11,10 +11,8 @@ import httpx
 import pytest
 
 from load_tests.hostile.cases import hostile_cases
-from serving.api.endpoints.routes import OpenAIServer
-from serving.api.generation.pipeline import Frontend
 from serving.config import ServeConfig
-from serving.deployments.local_backend import LocalBackend
+from tests.asgi import local_app
 
 MODEL = "tiny"
 STREAM = {"model": MODEL, "prompt": list(range(100, 120)), "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -24,7 +22,7 @@ MAX_BODY_BYTES = 64 * 1024
 @pytest.fixture(scope="module")
 def served(engine, tiny_model_dir):
     config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL, max_request_body_bytes=MAX_BODY_BYTES)
-    return engine, OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config).build_app()
+    return engine, local_app(engine, config, MODEL)
 
 
 def _text(events: str) -> str:

@@ -7,15 +7,14 @@ names the field and the limit; each limit is the config's (`api:`).
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
-from serving.api.generation.pipeline import Frontend
 from serving.api.endpoints.routes import OpenAIServer
+from serving.api.generation.pipeline import Frontend
 from serving.config import APIConfig, ServeConfig
 from serving.deployments.local_backend import LocalBackend
-from serving.engine import EngineConfig
-from serving.engine.async_engine import AsyncEngine
+from tests.asgi import post
+from tests.helpers import tiny_async_engine
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 256
@@ -25,10 +24,7 @@ COMPLETION = {"model": MODEL, "prompt": [1, 2, 3], "temperature": 0, "max_tokens
 
 class Stack:
     def __init__(self, tiny_model_dir):
-        self.engine = AsyncEngine(EngineConfig(
-            model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20, max_model_len=MAX_MODEL_LEN,
-            enable_prefix_caching=False, num_threads=1,
-        ))
+        self.engine = tiny_async_engine(tiny_model_dir, max_model_len=MAX_MODEL_LEN)
         self.tokenizer = self.engine.tokenizer
         self.config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL)
         self.frontend = Frontend(self.tokenizer, LocalBackend(self.engine), MODEL)
@@ -43,11 +39,6 @@ def stack(tiny_model_dir):
     stack = Stack(tiny_model_dir)
     yield stack
     stack.engine.shutdown()
-
-
-async def post(app, path: str, body: dict) -> httpx.Response:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
-        return await c.post(path, json=body)
 
 
 def invalid(message: str, param: str) -> dict:

@@ -7,12 +7,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from serving.api.generation.pipeline import Frontend
-from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ServeConfig
-from serving.deployments.local_backend import LocalBackend
-from serving.engine import EngineConfig, LLMEngine, SamplingParams
+from serving.engine import LLMEngine, SamplingParams
 from serving.engine.async_engine import AsyncEngine
+from tests.asgi import local_app, local_server
+from tests.helpers import tiny_engine_config
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.asyncio
@@ -27,13 +26,12 @@ def served(tmp_path_factory, tiny_model_dir):
 
     path = tmp_path_factory.mktemp("lora") / "sql"
     make_adapter(tiny_model_dir, path, 8, 16, ["q_proj", "v_proj", "down_proj"], False, seed=11)
-    engine_config = dict(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20, num_threads=1,
-                         lora={"adapters": {"sql": str(path)}})
-    engine = AsyncEngine(EngineConfig(**engine_config))
+    engine_config = tiny_engine_config(tiny_model_dir, num_threads=1, lora={"adapters": {"sql": str(path)}})
+    engine = AsyncEngine(engine_config)
     config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL,
                          engine={"lora": {"adapters": {"sql": str(path)}}})
-    app = OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config).build_app()
-    reference = LLMEngine(EngineConfig(**engine_config))
+    app = local_app(engine, config, MODEL)
+    reference = LLMEngine(engine_config)
     yield app, reference, str(path)
     engine.shutdown()
 
@@ -94,13 +92,11 @@ def runtime(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("runtime-lora")
     make_adapter(tiny_model_dir, root / "late", 4, 8, ["q_proj", "o_proj", "up_proj"], False, seed=12)
     lora = {"adapters": {}, "allow_runtime_updates": True}
-    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20,
-                                      num_threads=1, lora=lora))
+    engine = AsyncEngine(tiny_engine_config(tiny_model_dir, num_threads=1, lora=lora))
     config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL, engine={"lora": lora},
                          api_keys=[USER], admin_api_keys=[ADMIN])
-    app = OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config).build_app()
-    reference = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20,
-                                       num_threads=1, lora={"adapters": {"late": str(root / "late")}}))
+    app = local_app(engine, config, MODEL)
+    reference = LLMEngine(tiny_engine_config(tiny_model_dir, num_threads=1, lora={"adapters": {"late": str(root / "late")}}))
     yield app, reference, root
     engine.shutdown()
 
@@ -213,11 +209,10 @@ async def test_several_ingress_replicas_share_runtime_adapters_through_the_regis
 
     registry = Remote(AdapterRegistry())
     lora = {"adapters": {}, "allow_runtime_updates": True}
-    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20,
-                                      num_threads=1, lora=lora))
+    engine = AsyncEngine(tiny_engine_config(tiny_model_dir, num_threads=1, lora=lora))
     config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL, engine={"lora": lora},
                          ingress={"num_replicas": 2})
-    servers = [OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config) for _ in range(2)]
+    servers = [local_server(engine, config, MODEL) for _ in range(2)]
     for server in servers:
         server.adapter_sync = AdapterSync(registry, server.runtime_adapters, interval_s=60.0)
     apps = [server.build_app() for server in servers]
@@ -251,10 +246,9 @@ def test_pools_that_disagree_on_adapters_are_refused_naming_both(tiny_model_dir)
 async def test_an_adapter_of_the_serve_config_is_not_unloaded_at_run_time(served, tiny_model_dir):
     _, _, path = served
     lora = {"adapters": {"sql": path}, "allow_runtime_updates": True}
-    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20,
-                                      num_threads=1, lora=lora))
+    engine = AsyncEngine(tiny_engine_config(tiny_model_dir, num_threads=1, lora=lora))
     config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL, engine={"lora": lora})
-    app = OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config).build_app()
+    app = local_app(engine, config, MODEL)
     try:
         async with client(app, None) as c:
             response = await c.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})

@@ -7,10 +7,8 @@ from __future__ import annotations
 import pytest
 import schemathesis
 
-from serving.api.generation.pipeline import Frontend
-from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ServeConfig
-from serving.deployments.local_backend import LocalBackend
+from tests.asgi import local_app
 from tests.openapi_fuzz import fuzz
 
 MODEL = "tiny"
@@ -21,7 +19,7 @@ EXAMPLES_PER_OPERATION = 40
 def app(engine, tiny_model_dir):
     # Small output caps keep each generated request short; the limits are what is under test.
     config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL, api={"default_max_tokens": 8})
-    return OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config).build_app()
+    return local_app(engine, config, MODEL)
 
 
 def test_the_document_describes_the_generation_and_tokenization_endpoints(app):

@@ -11,13 +11,15 @@ import httpx
 import openai
 import pytest
 
-from serving.api.generation.pipeline import Frontend
 from serving.api.endpoints.routes import OpenAIServer
+from serving.api.generation.pipeline import Frontend
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from serving.engine import SamplingParams
 from serving.engine.errors import EngineDeadError
 from serving.engine.outputs import merge_outputs
+from tests.asgi import local_app
+from tests.asgi import post as asgi_post
 
 MODEL = "tiny"
 INSTRUCTIONS = "Answer in one word."
@@ -27,7 +29,7 @@ QUESTION = "Hello there"
 @pytest.fixture(scope="module")
 def app(engine, tiny_model_dir):
     config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL)
-    return OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config).build_app()
+    return local_app(engine, config, MODEL)
 
 
 def sdk(app) -> openai.AsyncOpenAI:
@@ -38,8 +40,7 @@ def sdk(app) -> openai.AsyncOpenAI:
 
 
 async def post(app, body: dict) -> httpx.Response:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-        return await client.post("/v1/responses", json={"model": MODEL, **body})
+    return await asgi_post(app, "/v1/responses", body, model=MODEL)
 
 
 def prompt_ids(engine, messages: list[dict]) -> list[int]:

@@ -21,15 +21,16 @@ import httpx
 import openai
 import pytest
 
+from serving.api.endpoints.routes import OpenAIServer
 from serving.api.errors import NoWorkerError
 from serving.api.generation.pipeline import Frontend
-from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
-from serving.engine import EngineConfig, SamplingParams
-from serving.engine.async_engine import AsyncEngine
+from serving.engine import SamplingParams
 from serving.engine.errors import EngineDeadError
 from serving.engine.outputs import CompletionOutput, merge_outputs
+from tests.asgi import post, sse_events
+from tests.helpers import tiny_async_engine
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 2048  # long enough that a request a client left could not have run to its end
@@ -42,10 +43,7 @@ _request_ids = itertools.count()
 
 class Stack:
     def __init__(self, tiny_model_dir):
-        self.engine = AsyncEngine(EngineConfig(
-            model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20,
-            max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False, num_threads=1,
-        ))
+        self.engine = tiny_async_engine(tiny_model_dir, max_model_len=MAX_MODEL_LEN)
         self.tokenizer = self.engine.tokenizer
         self.config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL)
         self.frontend = Frontend(self.tokenizer, LocalBackend(self.engine), self.config.model_name)
@@ -74,13 +72,6 @@ def sdk(app, api_key: str = "unused") -> openai.AsyncOpenAI:
     )
 
 
-async def post(app, path: str, body, **headers) -> httpx.Response:
-    async with client(app, **headers) as c:
-        if isinstance(body, (str, bytes)):
-            return await c.post(path, content=body, headers={"content-type": "application/json"})
-        return await c.post(path, json=body)
-
-
 async def chat(app, **body) -> dict:
     response = await post(app, "/v1/chat/completions", {**CHAT, **body})
     assert response.status_code == 200, response.text
@@ -93,16 +84,7 @@ async def complete(app, **body) -> dict:
     return response.json()
 
 
-def sse_data(response: httpx.Response) -> list:
-    """The `data:` payloads of an SSE body, JSON-decoded; the closing "[DONE]" kept as is."""
-    assert response.headers["content-type"].startswith("text/event-stream")
-    events = []
-    for block in response.text.split("\n\n"):
-        if block:
-            assert block.startswith("data: "), block
-            payload = block.removeprefix("data: ")
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
+sse_data = sse_events
 
 
 def chat_ids(stack: Stack, messages: list[dict]) -> list[int]:

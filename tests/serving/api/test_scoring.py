@@ -8,15 +8,16 @@ the tokenizer's own, written out.
 
 from __future__ import annotations
 
+import functools
+
 import httpx
 import openai
 import pytest
 import torch
 
-from serving.api.generation.pipeline import Frontend
-from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ServeConfig
-from serving.deployments.local_backend import LocalBackend
+from tests.asgi import local_app, sse_events
+from tests.asgi import post as asgi_post
 
 MODEL = "tiny"
 FOX = "The quick brown fox"
@@ -28,7 +29,7 @@ TOLERANCE = 1e-4
 @pytest.fixture(scope="module")
 def app(engine, tiny_model_dir):
     config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL)
-    return OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config).build_app()
+    return local_app(engine, config, MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -50,17 +51,14 @@ def full_forward(tiny_model_dir):
     return run
 
 
-async def post(app, path: str, body: dict) -> httpx.Response:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
-        return await c.post(path, json={"model": MODEL, **body})
+post = functools.partial(asgi_post, model=MODEL)  # every body names the served model
 
 
 def sse_data(response: httpx.Response) -> list:
-    import json
-
-    events = [block.removeprefix("data: ") for block in response.text.split("\n\n") if block]
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
+    """The stream's JSON events, after checking it closes with [DONE]."""
+    *events, done = sse_events(response)
+    assert done == "[DONE]"
+    return events
 
 
 def expected_scores(full_forward, prompt: list[int]) -> list[float]:

@@ -6,13 +6,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from serving.api.generation.pipeline import Frontend
 from serving.api.protocol.wire import ChatCompletionRequest, sampling_params
-from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ServeConfig
-from serving.deployments.local_backend import LocalBackend
-from serving.engine import EngineConfig
-from serving.engine.async_engine import AsyncEngine
+from tests.asgi import local_app
+from tests.helpers import tiny_async_engine
 
 MODEL = "tiny"
 # Greedy over three biased tokens: the tiny model falls into loops prompt lookup predicts.
@@ -24,12 +21,9 @@ BODY = {
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir):
-    engine = AsyncEngine(EngineConfig(
-        model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20, enable_prefix_caching=False,
-        num_threads=1, speculative={"num_speculative_tokens": 4, "verify_row_cost": 0.1, "max_batch_rows": 64},
-    ))
+    engine = tiny_async_engine(tiny_model_dir, speculative={"num_speculative_tokens": 4, "verify_row_cost": 0.1, "max_batch_rows": 64})
     config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL)
-    app = OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config).build_app()
+    app = local_app(engine, config, MODEL)
     yield engine, app
     engine.shutdown()
 

@@ -8,6 +8,7 @@ only because of the mask; and every way to ask wrongly, each a 400 naming the fi
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 from typing import Literal
@@ -18,12 +19,11 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from serving.api.generation.pipeline import Frontend
-from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ServeConfig
-from serving.deployments.local_backend import LocalBackend
 from serving.engine.params import GuidedSpec, SamplingParams
 from serving.engine.sampling.grammar import compiler_for
+from tests.asgi import local_app
+from tests.asgi import post as asgi_post
 
 MODEL = "tiny"
 HELLO = [{"role": "user", "content": "Describe someone."}]
@@ -48,12 +48,10 @@ class Person(BaseModel):
 @pytest.fixture(scope="module")
 def app(engine):
     config = ServeConfig(model="unused", served_model_name=MODEL)
-    return OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), config).build_app()
+    return local_app(engine, config, MODEL)
 
 
-async def post(app, path: str, body: dict) -> httpx.Response:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-        return await client.post(path, json={"model": MODEL, **body})
+post = functools.partial(asgi_post, model=MODEL)  # every body names the served model
 
 
 async def chat(app, **body) -> dict:

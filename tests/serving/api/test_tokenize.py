@@ -9,10 +9,9 @@ import time
 import httpx
 import pytest
 
-from serving.api.generation.pipeline import Frontend
 from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ServeConfig
-from serving.deployments.local_backend import LocalBackend
+from tests.asgi import local_server, post
 
 MODEL = "tiny"
 FOX = "The quick brown fox"
@@ -23,20 +22,12 @@ GOLD, FREE = "sk-gold-0123456789ab", "sk-free-0123456789ab"
 
 def build(engine, tiny_model_dir, **config) -> OpenAIServer:
     cfg = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL, **config)
-    return OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), cfg)
+    return local_server(engine, cfg, MODEL)
 
 
 @pytest.fixture(scope="module")
 def app(engine, tiny_model_dir):
     return build(engine, tiny_model_dir).build_app()
-
-
-async def post(app, path: str, body, key: str | None = None) -> httpx.Response:
-    headers = {"authorization": f"Bearer {key}"} if key else {}
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
-        if isinstance(body, bytes):
-            return await c.post(path, content=body, headers={**headers, "content-type": "application/json"})
-        return await c.post(path, json=body, headers=headers)
 
 
 def error(message: str, param: str | None, code: str, type: str = "invalid_request_error") -> dict:

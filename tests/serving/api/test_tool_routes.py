@@ -10,11 +10,12 @@ import httpx
 import openai
 import pytest
 
-from serving.api.generation.pipeline import Frontend
 from serving.api.endpoints.routes import OpenAIServer
+from serving.api.generation.pipeline import Frontend
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from serving.engine.outputs import CompletionOutput, RequestOutput
+from tests.asgi import local_app
 from tests.helpers import streamed_tool_calls
 
 MODEL = "tiny"
@@ -130,7 +131,7 @@ async def test_bad_tool_requests_get_400s_naming_the_field(engine, tiny_model_di
 
 def engine_client(engine, tiny_model_dir) -> openai.AsyncOpenAI:
     cfg = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL)
-    app = OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), cfg).build_app()
+    app = local_app(engine, cfg, MODEL)
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
     return openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0)
 

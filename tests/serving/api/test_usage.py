@@ -9,18 +9,17 @@ every cost below is written out by hand: 0.15 per million input tokens, 0.60 per
 from __future__ import annotations
 
 import asyncio
-import json
 from contextlib import aclosing
 from decimal import Decimal
 
 import httpx
 import pytest
 
-from serving.api.errors import NoWorkerError
 from serving.api.admission.keys import KeyRing
+from serving.api.endpoints.routes import OpenAIServer
+from serving.api.errors import NoWorkerError
 from serving.api.generation.pipeline import Frontend, Usage
 from serving.api.protocol.wire import ChatMessage
-from serving.api.endpoints.routes import OpenAIServer
 from serving.api.usage import (
     ModelPrice,
     RequestAccount,
@@ -32,6 +31,7 @@ from serving.api.usage import (
 from serving.config import ConfigError, ServeConfig, load_config
 from serving.deployments.local_backend import LocalBackend
 from serving.engine import EngineDeadError
+from tests.asgi import local_server, sse_events
 from tests.helpers import single_tokens
 
 MODEL = "tiny"
@@ -45,7 +45,7 @@ ALICE, BOB, ADMIN = "sk-alice-0123456789", "sk-bob-9876543210ab", "sk-admin-0000
 
 def server(engine, tiny_model_dir, price: ModelPrice | None = PRICE, **config) -> OpenAIServer:
     cfg = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL, **config)
-    return OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), MODEL), cfg, price)
+    return local_server(engine, cfg, MODEL, price)
 
 
 async def call(app, method: str, path: str, body: dict | None = None, key: str | None = None) -> httpx.Response:
@@ -55,7 +55,8 @@ async def call(app, method: str, path: str, body: dict | None = None, key: str |
 
 
 def sse(response: httpx.Response) -> list:
-    return [json.loads(b[6:]) for b in response.text.split("\n\n") if b.startswith("data: {")]
+    """The stream's JSON events, without the closing [DONE]."""
+    return [event for event in sse_events(response) if event != "[DONE]"]
 
 
 # ---- the pricing file and the formula --------------------------------------------------------

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from serving.deployments.caller_watch import Caller, CallerWatch
+from tests.helpers import await_until
 
 LIVE, DEAD = Caller("SERVE_REPLICA::app#OpenAIIngress#live", "serve"), Caller("SERVE_REPLICA::app#OpenAIIngress#dead", "serve")
 
@@ -25,15 +26,11 @@ async def test_only_the_requests_of_a_dead_caller_are_aborted_and_each_once():
 
     watch = CallerWatch(abort, period_s=0.01, is_alive=is_alive)
     with watch.watch(LIVE, "a"), watch.watch(DEAD, "b"), watch.watch(DEAD, "c"), watch.watch(None, "d"):
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if len(aborted) == 2 and checked.count(LIVE) >= 3:
-                break
+        await await_until(lambda: len(aborted) == 2 and checked.count(LIVE) >= 3, 5, "the dead caller's requests aborted")
     assert sorted(aborted) == ["b", "c"] and watch.num_aborted == 2
     assert checked.count(DEAD) == 1  # forgotten once its requests are aborted
-    await asyncio.sleep(0.05)
-    assert watch._requests == {}  # nothing left to watch: the loop has ended
-    assert watch._task.done()
+    await await_until(lambda: watch._task.done(), 5, "the watch loop to end")  # nothing left to watch
+    assert watch._requests == {}
 
 
 @pytest.mark.asyncio

@@ -17,7 +17,8 @@ from serving.deployments import engine_worker, kv_handoff, kv_transfer
 from serving.deployments.engine_worker import EngineWorker
 from serving.deployments.kv_transfer import KVTransfer
 from serving.deployments.messages import WorkerRequest
-from serving.engine import EngineConfig, LLMEngine, SamplingParams
+from serving.engine import LLMEngine, SamplingParams
+from tests.helpers import tiny_engine_config
 
 
 class _Ref:
@@ -79,7 +80,7 @@ def actors(monkeypatch):
 
 
 def workers(model_dir, arena_mib: int, decode_node: str = "node-a") -> tuple[EngineWorker, EngineWorker]:
-    config = EngineConfig(model=str(model_dir), dtype="float32", kv_cache_bytes=4 * 2**20)
+    config = tiny_engine_config(model_dir)
     kv = KVTransferConfig(lease_s=30.0, timeout_s=5.0, arena_mib=arena_mib)
     prefill, decode = EngineWorker("prefill", config, kv, "app"), EngineWorker("decode", config, kv, "app")
     prefill._node_id, decode._node_id = "node-a", decode_node
@@ -91,7 +92,7 @@ PARAMS = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
 
 
 def expected_tokens(model_dir) -> list[int]:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_bytes=4 * 2**20))
+    engine = LLMEngine(tiny_engine_config(model_dir))
     return engine.generate([PROMPT], PARAMS)[0].outputs[0].token_ids
 
 

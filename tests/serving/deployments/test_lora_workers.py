@@ -13,7 +13,8 @@ from router.replica_stats import RoutingStats
 from serving.config import KVTransferConfig
 from serving.deployments.engine_worker import EngineWorker
 from serving.deployments.messages import WorkerErrorKind, WorkerRequest
-from serving.engine import EngineConfig, LLMEngine
+from serving.engine import LLMEngine
+from tests.helpers import tiny_engine_config
 from tests.serving.deployments.test_kv_arena_handoff import PARAMS, PROMPT, actors
 
 __all__ = ["actors"]  # the fixture, used by name
@@ -26,9 +27,8 @@ def test_an_adapter_loaded_at_run_time_crosses_the_hand_off(tiny_model_dir, acto
 
     path = str(tmp_path / "late")
     make_adapter(tiny_model_dir, path, 8, 16, ["q_proj", "v_proj", "gate_proj"], False, seed=21)
-    settings = dict(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20)
-    config = EngineConfig(**settings, lora={"allow_runtime_updates": True})
-    reference = LLMEngine(EngineConfig(**settings, lora={"adapters": {"late": path}}))
+    config = tiny_engine_config(tiny_model_dir, lora={"allow_runtime_updates": True})
+    reference = LLMEngine(tiny_engine_config(tiny_model_dir, lora={"adapters": {"late": path}}))
     reference.add_request("ref", params=PARAMS, prompt_token_ids=PROMPT, lora_name="late")
     expected = []
     while reference.has_unfinished_requests():

@@ -8,8 +8,8 @@ import asyncio
 
 from serving.config import KVTransferConfig
 from serving.deployments.engine_worker import EngineWorker
-from serving.engine import EngineConfig
 from serving.engine.config import SpeculativeConfig
+from tests.helpers import tiny_engine_config
 from tests.serving.deployments.test_kv_arena_handoff import PARAMS, PROMPT, actors, expected_tokens, hand_off
 from tests.serving.engine.test_speculative import OracleProposer
 from tests.serving.engine.test_speculative_handoff import oracle_counts
@@ -18,7 +18,7 @@ __all__ = ["actors"]  # the fixture, used by name
 
 
 def test_a_speculating_decode_worker_reports_what_it_accepted(tiny_model_dir, actors):
-    config = EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20)
+    config = tiny_engine_config(tiny_model_dir)
     kv = KVTransferConfig(lease_s=30.0, timeout_s=5.0, arena_mib=1)
     prefill = EngineWorker("prefill", config, kv, "app")
     decode = EngineWorker("decode", config.model_copy(update={"speculative": SpeculativeConfig(adaptive=False)}), kv, "app")

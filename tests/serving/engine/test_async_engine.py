@@ -15,12 +15,13 @@ from serving.engine import EngineConfig, EngineDeadError, InvalidRequestError, L
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.sampling.sampler import Sampler
 
+from tests.helpers import tiny_engine_config
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture()
 def async_engine(tiny_model_dir):
-    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20))
+    engine = AsyncEngine(tiny_engine_config(tiny_model_dir))
     yield engine
     engine.shutdown()
 

@@ -9,7 +9,6 @@ import torch
 
 from serving.engine import (
     ContextLengthError,
-    EngineConfig,
     InvalidRequestError,
     LLMEngine,
     SamplingParams,
@@ -17,14 +16,13 @@ from serving.engine import (
 from serving.engine.kv.events import BlockStored
 from serving.engine.kv.payload import KVPayload
 from serving.engine.sampling.sampler import LogitBias
+from tests.helpers import tiny_engine_config
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 def make_engine(model_dir, **overrides) -> LLMEngine:
-    config = dict(model=str(model_dir), dtype="float32", kv_cache_bytes=4 * 2**20)
-    config.update(overrides)
-    return LLMEngine(EngineConfig(**config))
+    return LLMEngine(tiny_engine_config(model_dir, **overrides))
 
 
 def random_prompts(lengths, seed=0) -> list[list[int]]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from serving.engine import EngineConfig, InvalidRequestError, LLMEngine, ModelLoadError, SamplingParams
+from tests.helpers import wait_until
 from tests.kernel_paths import native_kernels_or_skip
 from tests.serving.engine.test_model_parity import hf_greedy
 
@@ -375,14 +376,21 @@ def test_waiting_for_a_slot_is_first_come_first_served_and_ends_after_max_queue_
     long = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
     engine.add_request("a", params=long, prompt_token_ids=[5, 6, 7], lora_name="attn-qv")
     engine.step()
+    queued_at = time.monotonic()
     engine.add_request("c", params=GREEDY, prompt_token_ids=[5, 6, 7], lora_name="mlp-r16")
     engine.add_request("a2", params=GREEDY, prompt_token_ids=[8, 9], lora_name="attn-qv")  # resident, but behind c
     engine.step()
     assert list(engine.lora_waiting) == ["c", "a2"] and engine.stats().lora_slots_free == 0
     assert engine.stats().num_queued_prefill_tokens >= 5  # the waiting prompts count for the routers
-    time.sleep(0.6)
-    finished = {out.request_id: out.outputs[0].finish_reason for out in engine.step() if out.finished}
-    assert finished == {"c": "queue_timeout", "a2": "queue_timeout"} and engine.lora_waiting == {}
+    finished: dict[str, str] = {}
+
+    def waited_out() -> bool:
+        finished.update({out.request_id: out.outputs[0].finish_reason for out in engine.step() if out.finished})
+        return not engine.lora_waiting
+
+    wait_until(waited_out, 30, "the requests waiting for a slot to end", interval_s=0.05)
+    assert time.monotonic() - queued_at >= 0.5  # not before max_queue_wait_s
+    assert finished == {"c": "queue_timeout", "a2": "queue_timeout"}
     assert engine.loras.resident["attn-qv"].num_running == 1  # a runs on
     engine.abort_request("a")
     engine.step()

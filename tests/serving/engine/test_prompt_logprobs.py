@@ -11,14 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serving.engine import EngineConfig, LLMEngine, SamplingParams
+from serving.engine import LLMEngine, SamplingParams
 from serving.engine.outputs import merge_outputs
+from tests.helpers import tiny_engine_config
 
 TOLERANCE = 1e-4
 
 
 def make_engine(model_dir, **overrides) -> LLMEngine:
-    return LLMEngine(EngineConfig(**{"model": str(model_dir), "dtype": "float32", "kv_cache_bytes": 4 * 2**20, **overrides}))
+    return LLMEngine(tiny_engine_config(model_dir, **overrides))
 
 
 def random_prompts(lengths, seed=0) -> list[list[int]]:

@@ -20,19 +20,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.replica_stats import RoutingStats
+from serving.api.endpoints.routes import OpenAIServer
 from serving.api.errors import QueueFullError, error_status
 from serving.api.generation.pipeline import ChoiceDelta, Frontend
-from serving.api.endpoints.routes import OpenAIServer
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
-from serving.engine import EngineConfig
-from serving.engine.async_engine import AsyncEngine
 from serving.engine.outputs import EngineStats, RequestMetrics
 from serving.observability.export import PoolView, RoutersCollector
 from serving.observability.ingress_metrics import IngressMetrics
 from serving.observability.metrics import METRICS, series_names
 from serving.observability.worker_metrics import WorkerRecorder
-from tests.helpers import REPO
+from tests.helpers import REPO, tiny_async_engine
 
 MODEL = "tiny"
 MAX_TOKENS = 5
@@ -115,10 +113,7 @@ def test_the_readme_lists_every_metric_with_its_type_and_labels():
 # ---- the API over a real engine: exact amounts -----------------------------------------------
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir):
-    engine = AsyncEngine(EngineConfig(
-        model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20,
-        enable_prefix_caching=False, num_threads=1,
-    ))
+    engine = tiny_async_engine(tiny_model_dir)
     config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL)
     frontend = Frontend(engine.tokenizer, LocalBackend(engine), MODEL)
     server = OpenAIServer(frontend, config)

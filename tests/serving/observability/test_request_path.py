@@ -20,6 +20,7 @@ from serving.observability.request_path import (
     record_prediction,
     split_between,
 )
+from tests.helpers import tiny_engine_config
 
 
 def admission(held: int, pending: int | None = None, *, replica: str = "r1", offset: float = 0.0, imported: bool = False) -> Admission:
@@ -180,14 +181,13 @@ def test_a_check_is_a_plain_value():
 # ---- in process, over a real engine ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def app(tiny_model_dir):
-    from serving.api.generation.pipeline import Frontend
     from serving.api.endpoints.routes import OpenAIServer
+    from serving.api.generation.pipeline import Frontend
     from serving.config import ServeConfig
     from serving.deployments.local_backend import LocalBackend
-    from serving.engine import EngineConfig
     from serving.engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20, num_threads=1))
+    engine = AsyncEngine(tiny_engine_config(tiny_model_dir, num_threads=1))
     server = OpenAIServer(Frontend(engine.tokenizer, LocalBackend(engine), "tiny"), ServeConfig(model=str(tiny_model_dir), served_model_name="tiny"))
     yield server.build_app()
     engine.shutdown()

@@ -25,15 +25,14 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from load_tests.local_ray import free_port
-from serving.api.generation.pipeline import Frontend
 from serving.api.endpoints.routes import OpenAIServer
+from serving.api.generation.pipeline import Frontend
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
-from serving.engine import EngineConfig
-from serving.engine.async_engine import AsyncEngine
 from serving.engine.outputs import RequestMetrics
 from serving.observability import tracing
-from tests.helpers import tiny_app_config, wait_until
+from tests.asgi import post
+from tests.helpers import tiny_app_config, tiny_async_engine, wait_until
 
 MODEL = "tiny"
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -90,9 +89,7 @@ def test_setup_without_otel_variables_leaves_tracing_off():
 # ---- in process ------------------------------------------------------------------------------
 class Stack:
     def __init__(self, tiny_model_dir):
-        self.engine = AsyncEngine(EngineConfig(
-            model=str(tiny_model_dir), dtype="float32", kv_cache_bytes=4 * 2**20, enable_prefix_caching=False, num_threads=1,
-        ))
+        self.engine = tiny_async_engine(tiny_model_dir)
         config = ServeConfig(model=str(tiny_model_dir), served_model_name=MODEL)
         self.backend = SpyBackend(LocalBackend(self.engine))
         self.app = OpenAIServer(Frontend(self.engine.tokenizer, self.backend, MODEL), config).build_app()
@@ -132,11 +129,6 @@ def exporter():
     yield exporter
     tracing.use_provider(None)
     provider.shutdown()
-
-
-async def post(app, path: str, body: dict, **headers) -> httpx.Response:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-        return await client.post(path, json=body, headers=headers)
 
 
 def by_name(spans) -> dict[str, list]:
