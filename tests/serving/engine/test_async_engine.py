@@ -14,8 +14,8 @@ import pytest
 from serving.engine import EngineConfig, EngineDeadError, InvalidRequestError, LLMEngine, RequestFailedError, SamplingParams
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.sampling.sampler import Sampler
-
 from tests.helpers import tiny_engine_config
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
