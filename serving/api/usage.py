@@ -32,13 +32,11 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
-from pathlib import Path
 
-import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from serving.api.generation.pipeline import Usage
-from serving.config import ConfigError, format_validation_error
+from serving.config import ConfigError, read_yaml_mapping, validate_model
 from serving.engine.strict import StrictModel
 
 __all__ = [
@@ -82,18 +80,8 @@ class PricingConfig(StrictModel):
 
 def load_pricing(path: str | os.PathLike) -> PricingConfig:
     """The pricing YAML; errors name the file, the field, the value and the fix."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the pricing file ({exc.strerror})") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping with `models:`, got {type(data).__name__}")
-    try:
-        return PricingConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, str(path))) from exc
+    data = read_yaml_mapping(path, what="pricing file", shape="with `models:`")
+    return validate_model(PricingConfig, data, str(path))
 
 
 def request_cost(price: ModelPrice, prompt_tokens: int, completion_tokens: int) -> Decimal:

@@ -13,7 +13,6 @@ its own share.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Mapping
@@ -22,6 +21,7 @@ from ray import serve
 
 from serving.api.admission.rate_limits import LimitReport, LimitsExchange, RateLimiter
 from serving.config.access import APIKey
+from serving.observability.periodic import PeriodicTask
 
 __all__ = ["LimitsSync", "LimitsExchangeDeployment"]
 
@@ -39,7 +39,7 @@ class LimitsSync:
         self.exchange = exchange  # a handle (or anything) whose `trade.remote(replica, report)` is awaitable
         self.replica_id = replica_id
         self.interval_s = interval_s
-        self._task: asyncio.Task | None = None
+        self._loop = PeriodicTask(self.trade_once, interval_s, what="trading the rate limits", wait_first=True)
         self._warned_at = -_WARN_EVERY_S
 
     async def trade_once(self) -> bool:
@@ -56,19 +56,10 @@ class LimitsSync:
         return True
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        self._loop.start()
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await self.trade_once()
-
+        self._loop.stop()
 
 @serve.deployment(name="LimitsExchange", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 class LimitsExchangeDeployment:
