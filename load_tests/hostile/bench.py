@@ -36,7 +36,16 @@ from load_tests.hostile.cases import HostileCase, hostile_cases
 from load_tests.local_ray import RAY_NUM_CPUS, free_port, local_ray
 from load_tests.roofline import resolve_dtype
 
-__all__ = ["BenchParams", "FULL", "QUICK", "TARGETS", "CaseResult", "format_table", "params_from_args", "run", "run_from_args", "summarize"]
+__all__ = ["DESCRIPTION", "FULL", "QUICK", "TARGETS", "BenchParams", "CaseResult", "add_arguments", "format_table", "params_from_args", "run",
+           "run_from_args", "summarize"]
+
+DESCRIPTION = (
+    "Start the app (kvrelay serve's defaults, one replica) on a local Ray, time a normal "
+    "stream's TTFT alone, then while ten clients loop issue 17's hostile requests (oversized "
+    "and chunked bodies, nested JSON, a request's own template, fan-out, logit_bias, stop "
+    "strings, unknown model, malformed JSON); report the TTFT ratio (target <= 2x) and every "
+    "hostile answer's status and latency (load_tests/hostile/bench.py)."
+)
 
 HTTP_TIMEOUT_S = 300.0
 STREAM_DELAY_S = 0.05  # the hostile clients are already sending when the stream starts
@@ -245,6 +254,20 @@ def run(p: BenchParams, *, command: str = "") -> dict:
         "raw": {"ttft_s_idle": idle, "ttft_s_hostile": hostile, "cases": [c.to_json() for c in cases], "wall_s": time.monotonic() - started},
         "hardware": machine,
     }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="smaller preset: 3 rounds x 16 output tokens")
+    p.add_argument("--json", metavar="PATH", help="write summary, config, raw results and hardware here")
+    p.add_argument("--model", help="built-in name or model directory [smollm2-135m-instruct]")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], help="weights and KV dtype [auto]")
+    p.add_argument("--mode", choices=["colocated", "disaggregated"], help="served mode [colocated]")
+    p.add_argument("--num-rounds", type=int, metavar="N", help="normal streams per phase [8; quick 3]")
+    p.add_argument("--prompt-len", type=int, metavar="TOKENS", help="normal stream's prompt length [256]")
+    p.add_argument("--output-len", type=int, metavar="TOKENS", help="normal stream's output tokens [32; quick 16]")
+    p.add_argument("--num-warmup", type=int, metavar="N", help="untimed streams first [2]")
+    p.add_argument("--kv-cache-mib", type=int, metavar="MIB", help="KV cache per replica [256]")
+    p.add_argument("--seed", type=int, help="seed of the random prompt token ids [0]")
 
 
 def params_from_args(args: argparse.Namespace) -> BenchParams:

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["FITS", "MIX_NAMES", "add_arguments"]
+__all__ = ["DESCRIPTION", "FITS", "MIX_NAMES", "add_arguments"]
+
+DESCRIPTION = (
+    "A discrete-event simulator of prefill and decode pools (load_tests/pd/sim.py) with step costs fitted "
+    "to this machine's engine (probed now, or --cpu-fit) and to published GPU figures (DistServe's OPT-13B "
+    "profile on A100): colocated against disaggregated goodput per replica over pool sizes and workload "
+    "mixes at a tight and a loose SLO, and the crossover pool size. --validate replays a measured "
+    "pd-interference run with the cpu fit and reports each figure's error (load_tests/pd/bench.py)."
+)
 
 FITS = ("cpu", "gpu")
 MIX_NAMES = ("chat", "chat-bursts", "long-prompt", "long-output")  # load_tests/pd/workload.py MIXES

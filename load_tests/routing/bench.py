@@ -55,9 +55,20 @@ from load_tests.routing.sweep import (
 from load_tests.routing.workload import Workload, WorkloadSpec, make_workload
 
 __all__ = [
+    "DESCRIPTION", "add_arguments",
     "BenchParams", "SIM_FULL", "SIM_QUICK", "REAL_FULL", "REAL_QUICK", "POLICIES", "TARGETS",
     "policy_figures", "summarize", "format_table", "params_from_args", "run", "run_from_args",
 ]
+
+DESCRIPTION = (
+    "Send a shared-prefix workload (prefix groups, fresh suffixes, Poisson arrivals) to the "
+    "prefill pool under each policy: ours (prefix_cost), round_robin, pow2 and an approximate "
+    "character prefix tree in the manner of Ray Serve's PrefixCacheAffinityRouter. Report "
+    "prefix hit rate (vs the oracle's), TTFT p50/p95 and max/mean computed tokens per "
+    "replica. Real (default): 2 PrefillWorker replicas on a local Ray. --simulate: the same "
+    "policy code against 16 (then 8, 32, 64) simulated replicas whose prefill time is "
+    "calibrated on the real engine. Unset knobs take the preset."
+)
 
 POLICIES = ("prefix_cost", "round_robin", "pow2", "char_prefix_tree")
 LABELS = {"prefix_cost": "ours (prefix_cost)"}
@@ -390,6 +401,51 @@ def _run_sweep(p: BenchParams, cost: CostModel, calibration: dict, machine: dict
         "raw": {"cells": records, "wall_s": time.monotonic() - started},
         "hardware": machine,
     }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--simulate", action="store_true", help="simulated replicas instead of a real pool (seconds, no Ray)")
+    p.add_argument(
+        "--pressure-sweep", action="store_true",
+        help="with --simulate: every policy over a grid of prefix groups (16-256), Zipf skew (0-1.2), replicas (8-64) "
+        "and cache sizes (ample to a quarter of the working set); summary: ours' worst cell against the oracle and the "
+        "tree (load_tests/routing/sweep.py; ~minutes, --quick a smaller grid)",
+    )
+    p.add_argument("--quick", action="store_true", help="smaller preset (simulate: 800 requests, no sweep; real: 4 prefixes, 24 requests)")
+    p.add_argument("--json", metavar="PATH", help="write summary, config (with the calibration), raw results and hardware here")
+    p.add_argument("--grid-groups", metavar="N,N,...", help="--pressure-sweep: prefix groups [16,64,256]")
+    p.add_argument("--grid-zipf", metavar="S,S,...", help="--pressure-sweep: Zipf skews [0,0.6,1.2; quick 0,1.2]")
+    p.add_argument("--grid-replicas", metavar="N,N,...", help="--pressure-sweep: replica counts [8,16,64; quick 8,16]")
+    p.add_argument("--grid-cache", metavar="R,R,...",
+                   help="--pressure-sweep: pool KV / working set, the first one 'ample' [4,1,0.5,0.25; quick 4,0.5,0.25]")
+    p.add_argument("--grid-requests-per-group", type=int, metavar="N",
+                   help="--pressure-sweep: requests per prefix group, at least --grid-min-requests [12; quick 8]")
+    p.add_argument("--grid-min-requests", type=int, metavar="N", help="--pressure-sweep: requests per cell at least [2000; quick 1000]")
+    p.add_argument("--num-groups", type=int, metavar="N", help="prefix groups [simulate 16; real 8]")
+    p.add_argument("--prefix-len", type=int, metavar="TOKENS", help="shared prefix length [simulate 1024; real 512]")
+    p.add_argument("--suffix-len", type=int, metavar="TOKENS", help="fresh tokens after the prefix [simulate 64; real 32]")
+    p.add_argument("--num-requests", type=int, metavar="N", help="requests per policy [simulate 4000; real 60]")
+    p.add_argument("--load", type=float, metavar="FRACTION", help="arrival rate as a fraction of the pool's capacity for uncached prompts [0.5]")
+    p.add_argument("--request-rate", type=float, metavar="PER_S", help="arrival rate in requests/s (overrides --load)")
+    p.add_argument("--zipf", type=float, metavar="S", help="group popularity ~ 1/(rank^S) [0: uniform]")
+    p.add_argument("--num-replicas", type=int, metavar="N", help="prefill replicas [simulate 16; real 2]")
+    p.add_argument("--sweep", metavar="N,N,...", help="further simulated replica counts, or 'none' [8,32,64; quick none]")
+    p.add_argument("--kv-cache-tokens", type=int, metavar="TOKENS", help="KV cache per replica [simulate 4096; real 2560]")
+    p.add_argument("--stats-period-s", type=float, metavar="S", help="routing stats period [0.5]")
+    p.add_argument("--num-routers", type=int, metavar="N", help="simulated routers (ingress replicas), requests alternate [1]")
+    p.add_argument("--router-seeds", type=int, metavar="N",
+                   help="--pressure-sweep with --num-routers: compare ours with N routers and with one over N seeds [1]")
+    p.add_argument("--model", help="model to calibrate on and serve [smollm2-135m-instruct]")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], help="weights and KV dtype [auto: as kvrelay picks on this machine]")
+    p.add_argument("--rate-tokens-per-s", type=float, metavar="TOKENS", help="simulated prefill rate; skips the calibration")
+    p.add_argument("--overhead-ms", type=float, metavar="MS", help="simulated per-prefill overhead with --rate-tokens-per-s [0]")
+    p.add_argument("--calibration", metavar="FILE", help="reuse the calibration of an earlier --json report")
+    p.add_argument("--calibration-repeats", type=int, metavar="N", help="timed prefills per prompt shape [3; quick 1]")
+    p.add_argument(
+        "--param", metavar="KEY=VALUE", action="append",
+        help="a parameter of ours (PrefixCostPolicy, router/policies.py), YAML value; repeatable, e.g. --param max_load_ratio=null",
+    )
+    p.add_argument("--seed", type=int, help="seed of the workload and the policies [0]")
 
 
 def params_from_args(args: argparse.Namespace) -> BenchParams:

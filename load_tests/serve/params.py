@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["DATASETS", "BenchParams", "LengthDist", "add_arguments", "params_from_args", "parse_length"]
+__all__ = ["DESCRIPTION", "DATASETS", "BenchParams", "LengthDist", "add_arguments", "params_from_args", "parse_length"]
+
+DESCRIPTION = (
+    "Stream a dataset (random, shared-prefix, multi-turn, chat-burst) to --base-url at each "
+    "request rate (Poisson, or gamma with --burstiness) or under --max-concurrency; report "
+    "TTFT, TPOT, ITL, E2E (mean, p50, p90, p95, p99), request and token throughput and "
+    "goodput under --slo; JSON with --json, a PNG report next to it (load_tests/serve/bench.py)."
+)
 
 DATASETS = ("random", "shared-prefix", "multi-turn", "chat-burst")
 

@@ -45,6 +45,7 @@ from load_tests.roofline import resolve_dtype
 from load_tests.serve_overhead.kv_transfer_timing import KV_PATHS, KVTransferResult, measure_kv_transfer
 
 __all__ = [
+    "DESCRIPTION", "add_arguments",
     "BenchParams",
     "FULL",
     "PathResult",
@@ -58,6 +59,15 @@ __all__ = [
     "summarize",
     "timing_from_sse",
 ]
+
+DESCRIPTION = (
+    "Send the same seeded random-token prompts, one at a time and streamed, to an engine in "
+    "this process and over HTTP to the app (disaggregated and colocated, one torch thread "
+    "per replica) on a local Ray started for the run; report the TTFT and TPOT the serving "
+    "path adds (p50). Then move a prompt's exported KV through ray.put and the KVTransfer "
+    "actor into a second engine's cache and compare with a memcpy of the same bytes. Unset "
+    "knobs take the full (or --quick) preset."
+)
 
 MODES = ("disaggregated", "colocated")
 HTTP_TIMEOUT_S = 300.0
@@ -445,6 +455,27 @@ def run(p: BenchParams, *, command: str = "") -> dict:
         },
         "hardware": machine,
     }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="smaller preset: 4 prompts x 16 output tokens, 5 KV repeats")
+    p.add_argument("--json", metavar="PATH", help="write summary, config, raw results and hardware here")
+    p.add_argument("--model", help="built-in name or model directory [smollm2-135m-instruct]")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], help="weights and KV dtype [auto: as kvrelay picks on this machine]")
+    p.add_argument(
+        "--mode", action="append", choices=["disaggregated", "colocated"],
+        help="served mode to measure; repeat for both [both]",
+    )
+    p.add_argument("--num-prompts", type=int, metavar="N", help="timed requests per path [8; quick 4]")
+    p.add_argument("--prompt-len", type=int, metavar="TOKENS", help="prompt length [256]")
+    p.add_argument("--output-len", type=int, metavar="TOKENS", help="output tokens per request [64; quick 16]")
+    p.add_argument("--num-warmup", type=int, metavar="N", help="untimed requests per path first [2]")
+    p.add_argument("--transport", choices=["grpc", "objects"],
+                   help="Serve's hops (proxy -> ingress -> workers): gRPC (ray.grpc_transport) or Ray's object streams [grpc]")
+    p.add_argument("--kv-tokens", type=int, metavar="TOKENS", help="prompt length of the KV transfer [1024]")
+    p.add_argument("--kv-repeats", type=int, metavar="N", help="KV transfers and memcpys timed, median reported; 0 skips [10; quick 5]")
+    p.add_argument("--kv-cache-mib", type=int, metavar="MIB", help="KV cache per engine [256]")
+    p.add_argument("--seed", type=int, help="seed of the random prompt token ids [0]")
 
 
 def params_from_args(args: argparse.Namespace) -> BenchParams:

@@ -8,7 +8,17 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SoakParams", "add_arguments", "params_from_args"]
+__all__ = ["DESCRIPTION", "SoakParams", "add_arguments", "params_from_args"]
+
+DESCRIPTION = (
+    "Start the app (deploy/local.yaml, disaggregated, two replicas per pool) on a Ray of its own, send "
+    "--requests mixed requests (streamed and not, n > 1, stop strings, shared prefixes, long prompts, "
+    "client aborts at random points) at --concurrency, then check that every engine's free blocks are "
+    "back at their baseline, the KVTransfer actors hold nothing, every request ended within its "
+    "deadline and replica memory stayed flat. --chaos kills a decode replica, a prefill replica and the "
+    "KVTransfer actor along the way and reports what each kill did. Exit 1 if a check failed "
+    "(load_tests/soak/bench.py)."
+)
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -29,15 +29,9 @@ from __future__ import annotations
 import importlib
 import sys
 
-from serving.cli.parser import build_parser
+from serving.cli.parser import NO_BENCHMARKS, build_parser, load_benchmarks
 
-__all__ = ["BENCH_MODULES", "main"]
-
-BENCH_MODULES = {  # `kvrelay bench TARGET` -> its load_tests module
-    "engine": "engine.bench", "serve-overhead": "serve_overhead.bench", "routing": "routing.bench",
-    "serve": "serve.bench", "scenario": "scenario.bench", "soak": "soak.bench", "hostile": "hostile.bench",
-    "pd-sim": "pd.bench",
-}
+__all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
             args.message, url=args.url, model=args.model, max_tokens=args.max_tokens,
             temperature=args.temperature, system=args.system, api_key=args.api_key,
         )
-    if args.command == "bench":  # the benchmarks are imported only when one runs
-        return importlib.import_module(f"load_tests.{BENCH_MODULES[args.target]}").run_from_args(args, argv)
+    if args.command == "bench":
+        return _bench(args, argv)
     if args.command == "policy" and args.action == "apply":
         return _ops(args)
     if args.command == "policy":
@@ -83,6 +77,15 @@ def _hash_key(args) -> int:
     return 0
 
 
+def _bench(args, argv: list[str]) -> int:
+    """Run a benchmark: its module (load_tests/registry.py) is imported only now."""
+    benchmarks = load_benchmarks()
+    if benchmarks is None:
+        print(f"kvrelay bench: {NO_BENCHMARKS}", file=sys.stderr)
+        return 2
+    return importlib.import_module(benchmarks[args.target].module).run_from_args(args, argv)
+
+
 def _failed(command: str, exc: Exception) -> int:
     """A command refused (bad config, policy, trace, ...): say why on stderr, exit status 2."""
     print(f"{command}: {exc}", file=sys.stderr)
@@ -93,11 +96,7 @@ def _serve(args) -> int:
     from serving.config import ConfigError, load_config, parse_set_items
 
     try:
-        overrides = parse_set_items(args.set)
-    except ConfigError as exc:
-        return _failed("kvrelay serve", exc)
-    try:
-        config = load_config(args.config, overrides=overrides)
+        config = load_config(args.config, overrides=parse_set_items(args.set))
     except ConfigError as exc:
         return _failed("kvrelay serve", exc)
     if config.autoscaling_policy:  # fail before starting Ray
@@ -171,7 +170,6 @@ def _k8s(args) -> int:
 def _simulate_workload(args, config) -> int:
     import json
 
-    from load_tests.hardware import finish_machine_record, machine_record
     from router.autoscaling.pool_model import Capacity
     from router.autoscaling.replay import compare, format_table
     from router.autoscaling.workload import BUILTIN_TRACES, TraceError, builtin_trace, read_workload
@@ -190,14 +188,16 @@ def _simulate_workload(args, config) -> int:
             traces = [builtin_trace(name) for name in (BUILTIN_TRACES if args.workload == "all" else (args.workload,))]
     except TraceError as exc:
         return _failed("kvrelay policy", exc)
-    machine = machine_record()
+    # the machine it ran on, as the benchmarks record it (none where they are not installed)
+    hardware = importlib.import_module("load_tests.hardware") if load_benchmarks() is not None else None
+    machine = hardware.machine_record() if hardware else None
     report = compare(config, traces, capacity=Capacity(cold_start_s=args.cold_start_s), seed=args.seed)
     print(f"# policy {config.name!r} ({args.file}): reactive (its prefill/decode sections), planner, ray-default")
     print(format_table(report))
     if args.json:
         report["config"] = {"command": " ".join(sys.argv), "policy_file": args.file,
                             "policy": config.model_dump(mode="json"), "traces": [t.name for t in traces]}
-        report["hardware"] = finish_machine_record(machine)
+        report["hardware"] = hardware.finish_machine_record(machine) if hardware else None
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
