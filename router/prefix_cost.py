@@ -195,21 +195,12 @@ class PrefixCostPolicy:
             if reason != "load_bound":
                 reason = "tie_break" if matched[best.replica_id] == 0 else reason
 
-        least = min(loads, key=lambda load: (load.num_queued_prefill_tokens, costs[load.replica_id]))
-        mean_queued = sum(load.num_queued_prefill_tokens for load in loads) / len(loads)
-        lead = best.num_queued_prefill_tokens - least.num_queued_prefill_tokens
-        if best is not least and (
-            lead > self.max_imbalance_tokens
-            or (self.max_imbalance_ratio is not None and lead > self.min_imbalance_tokens
-                and best.num_queued_prefill_tokens > self.max_imbalance_ratio * mean_queued)
-        ):
+        least = self._least_if_imbalanced(best, loads, costs)
+        if least is not None:
             best, reason = least, "imbalance_guard"
-
-        if self.session_affinity and request.session:
-            preferred = _rendezvous(request.session, [load.replica_id for load in eligible])
-            if preferred != best.replica_id and costs[preferred] <= costs[best.replica_id] + self.affinity_slack_s:
-                best = next(load for load in loads if load.replica_id == preferred)
-                reason = "session_affinity"
+        preferred = self._session_replica(request, loads, eligible, best, costs)
+        if preferred is not None:
+            best, reason = preferred, "session_affinity"
 
         self._account(best.replica_id, uncached[best.replica_id], len(loads))
         if request.lora_name is not None:
@@ -220,6 +211,32 @@ class PrefixCostPolicy:
         rest = sorted((load for load in loads if load is not best), key=lambda load: (costs[load.replica_id], load.num_queued_prefill_tokens))
         ranked = [best.replica_id] + [load.replica_id for load in rest]
         return Decision(ranked, reason, ttfts, matched[best.replica_id], delays, evictions, retain=retain)
+
+    def _least_if_imbalanced(self, best: ReplicaLoad, loads: Sequence[ReplicaLoad],
+                             costs: dict[Hashable, float]) -> ReplicaLoad | None:
+        """The least-loaded candidate where `best`'s queue leads it past the imbalance guard
+        (module docstring); None where it does not."""
+        least = min(loads, key=lambda load: (load.num_queued_prefill_tokens, costs[load.replica_id]))
+        mean_queued = sum(load.num_queued_prefill_tokens for load in loads) / len(loads)
+        lead = best.num_queued_prefill_tokens - least.num_queued_prefill_tokens
+        if best is not least and (
+            lead > self.max_imbalance_tokens
+            or (self.max_imbalance_ratio is not None and lead > self.min_imbalance_tokens
+                and best.num_queued_prefill_tokens > self.max_imbalance_ratio * mean_queued)
+        ):
+            return least
+        return None
+
+    def _session_replica(self, request: RouteRequest, loads: Sequence[ReplicaLoad], eligible: Sequence[ReplicaLoad],
+                         best: ReplicaLoad, costs: dict[Hashable, float]) -> ReplicaLoad | None:
+        """The session's replica instead of `best`, where session affinity is on and it costs at most
+        affinity_slack_s more; None otherwise."""
+        if not (self.session_affinity and request.session):
+            return None
+        preferred = _rendezvous(request.session, [load.replica_id for load in eligible])
+        if preferred != best.replica_id and costs[preferred] <= costs[best.replica_id] + self.affinity_slack_s:
+            return next(load for load in loads if load.replica_id == preferred)
+        return None
 
     def _admit(self, request: RouteRequest, loads: Sequence[ReplicaLoad], index: PrefixIndex, replica_id: Hashable,
                num_matched: int, num_new: int) -> bool:

@@ -244,19 +244,26 @@ def replay(config: AutoscalingPolicyConfig, trace: WorkloadTrace, policy: str, *
             r.advance(end, finished)
         prefill.settle(end)
         t = end
-        for name, pool in pools.items():
-            while next_sample[name] <= t:
-                pool.sample(t, window[name])
-                next_sample[name] += interval[name]
-        counts = controller.decide(pools, t)
-        for name, pool in pools.items():
-            if counts[name] != pool.target:
-                result.num_scale_events += 1
-                pool.scale_to(counts[name], t)
-                result.max_replicas[name] = max(result.max_replicas[name], pool.target)
+        _sample_and_scale(controller, pools, t, next_sample, window, interval, result)
     result.replica_seconds = {name: pool.replica_seconds(trace.end_s) for name, pool in pools.items()}
     result.ttft_p95_ms, result.tpot_p95_ms = percentile(ttfts, 95), percentile(tpots, 95)
     return result
+
+
+def _sample_and_scale(controller, pools: dict[str, Pool], t: float, next_sample: dict[str, float],
+                      window: dict[str, float], interval: dict[str, float], result: PolicyResult) -> None:
+    """The pools' replicas report what their metrics interval has come to, and the controller
+    scales the pools on it."""
+    for name, pool in pools.items():
+        while next_sample[name] <= t:
+            pool.sample(t, window[name])
+            next_sample[name] += interval[name]
+    counts = controller.decide(pools, t)
+    for name, pool in pools.items():
+        if counts[name] != pool.target:
+            result.num_scale_events += 1
+            pool.scale_to(counts[name], t)
+            result.max_replicas[name] = max(result.max_replicas[name], pool.target)
 
 
 def model_floor(config: AutoscalingPolicyConfig, trace: WorkloadTrace, capacity: Capacity) -> dict[str, float]:
