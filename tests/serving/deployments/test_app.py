@@ -37,6 +37,7 @@ from serving.deployments.messages import KVTransferStats, WorkerRequest, WorkerS
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.params import SamplingParams
+from tests.asgi import sse_events
 from tests.helpers import TINY_KV_BYTES, tiny_app_config, wait_until
 
 pytestmark = pytest.mark.integration
@@ -120,22 +121,19 @@ def stats(app: str, deployment: str) -> WorkerStats:
 
 
 def kv_actor_stats(app: str) -> KVTransferStats:
+    """The stats of the app's KVTransfer actor on this node: all zeros before its first hand-off
+    (a worker starts the actor on its first KV export; a test run alone reads it before that)."""
     import ray
 
     from serving.deployments import kv_transfer
 
     node_id = ray.get_runtime_context().get_node_id()
-    actor = ray.get_actor(kv_transfer.actor_name(app, node_id), namespace=kv_transfer.NAMESPACE)
+    try:
+        actor = ray.get_actor(kv_transfer.actor_name(app, node_id), namespace=kv_transfer.NAMESPACE)
+    except ValueError:  # no such actor (yet)
+        return KVTransferStats(node_id, num_held=0, bytes_held=0, num_offered=0, num_claimed=0, num_released=0,
+                               num_expired=0, num_missed=0, bytes_offered=0)
     return ray.get(actor.stats.remote(), timeout=30)
-
-
-def sse_events(lines) -> list:
-    events = []
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 # ---- real clients ----------------------------------------------------------------------------

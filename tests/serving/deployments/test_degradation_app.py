@@ -27,6 +27,7 @@ from serving.api.protocol.wire import ChatMessage
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.params import SamplingParams
+from tests.asgi import sse_events
 from tests.helpers import tiny_app_config, wait_until
 
 pytestmark = pytest.mark.integration
@@ -94,11 +95,6 @@ def fallback_text(tiny_fallback_model_dir):
 
 def chat(content: str, **fields) -> dict:
     return {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS, "temperature": 0, **fields}
-
-
-def sse_events(text: str) -> list:
-    payloads = [block.removeprefix("data: ") for block in text.split("\n\n") if block]
-    return [p if p == "[DONE]" else json.loads(p) for p in payloads]
 
 
 def metric(url: str, app: str, name: str, **labels) -> float:
