@@ -20,6 +20,7 @@ serving wants another default than the engine alone, it is set in SERVING_ENGINE
 the one place.
 """
 
+from serving.config.api_limits import APIConfig, ContextBudgetConfig
 from serving.config.loading import (
     NON_CONFIG_ENV,
     ConfigError,
@@ -31,8 +32,6 @@ from serving.config.loading import (
 from serving.config.sections import (
     MOVED_KEYS,
     SERVING_ENGINE_DEFAULTS,
-    APIConfig,
-    ContextBudgetConfig,
     DegradationConfig,
     EngineOverrides,
     EngineSettings,

@@ -9,11 +9,11 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from serving.config.access import DEFAULT_TIER, APIKey, TierConfig, parse_key_entries
+from serving.config.api_limits import APIConfig, ToolCallingConfig
 from serving.config.layout import auto_mode, node_cores
 from serving.config.sections import (
     MOVED_KEYS,
     POOLS,
-    APIConfig,
     DegradationConfig,
     EngineSettings,
     HTTPConfig,
@@ -22,7 +22,6 @@ from serving.config.sections import (
     PoolConfig,
     RayConfig,
     RoutingConfig,
-    ToolCallingConfig,
 )
 from serving.engine.config import EngineConfig
 from serving.engine.strict import StrictModel

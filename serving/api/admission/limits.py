@@ -13,7 +13,7 @@ many characters of the stream are held back), logprobs are a top-k per token, an
 applied at every step (the engine applies it from tensors built once per request, serving/engine
 /sampler.py, so a step costs O(entries) of each row that has one).
 
-The defaults (serving/config/sections.py APIConfig) are above what OpenAI's and vLLM's clients
+The defaults (serving/config/api_limits.py APIConfig) are above what OpenAI's and vLLM's clients
 send: n <= 16, 64 prompts, 16 stop strings of 256 characters, 20 logprobs, 1024 logit_bias
 entries; a request without max_tokens may generate default_max_tokens (4096) or up to the context
 window if that is fewer.
