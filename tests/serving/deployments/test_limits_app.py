@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import served_app, tiny_app_config
+from tests.helpers import TINY_ENGINE, served_app, tiny_app_config, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +26,7 @@ def app_url(tmp_path_factory, tiny_model_dir):
         ingress={"num_replicas": 2, "num_cpus": 0.1, "limits_sync_interval_s": 0.2},
         api_keys=[{"key": KEY, "name": "team", "tier": "small"}], tiers={"small": {"requests_per_minute": 3}},
         admin_api_keys=[{"key": ADMIN["Authorization"].split()[1], "name": "ops"}],
-        engine={"dtype": "float32", "kv_cache_bytes": 4 * 2**20, "num_threads": 1, "lora": {"allow_runtime_updates": True}},
+        engine={**TINY_ENGINE, "num_threads": 1, "lora": {"allow_runtime_updates": True}},
     )
     with served_app(config, tmp_path_factory.mktemp("ray")) as url:
         yield url
@@ -69,5 +69,6 @@ def test_a_lora_adapter_loaded_on_one_ingress_replica_serves_on_both(app_url, tm
         assert [a.status_code for a in answers] == [200] * 6, answers[-1].text
         assert len({a.json()["choices"][0]["text"] for a in answers}) == 1
         assert client.post(f"{app_url}/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
-        time.sleep(1.0)  # 5 refreshes of the other replica's copy
-        assert [client.post(f"{app_url}/v1/completions", json=body).status_code for _ in range(6)] == [404] * 6
+        # the other replica's copy refreshes every 0.2 s: both soon refuse the adapter
+        wait_until(lambda: [client.post(f"{app_url}/v1/completions", json=body).status_code for _ in range(6)] == [404] * 6,
+                   10, "both ingress replicas to refuse the unloaded adapter", interval_s=0.2)
