@@ -13,7 +13,7 @@ every decode replica holds, per the decode router's prefix index (router/index.p
 conversation finds the turns before it there). Every replica, because the decode policies place
 by load, not by prefix. Before the router has seen the pool's stats nothing counts as cached.
 
-Failures, each with one outcome:
+Failures, each with one outcome (what a handle call's errors mean: handle_calls.py):
 - a pool's queues are full (Serve's BackPressureError)        → QueueFullError (429). The
   prefill's first token is held until Serve has placed the decode call on a replica, so a full
   decode pool refuses a disaggregated stream before its first byte: the same 429 as colocated,
@@ -48,17 +48,17 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
-import grpc
 import ray
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
+from ray.serve.exceptions import BackPressureError
 
 from router.disaggregation import PrefillPlace, choose_prefill_place
 from router.replica_stats import RoutingStats
-from serving.api.errors import HealthUnknownError, NoWorkerError, QueueFullError
 from serving.api.backend import GenerateRequest
+from serving.api.errors import HealthUnknownError, NoWorkerError, QueueFullError
 from serving.config import ServeConfig
 from serving.deployments import faults
 from serving.deployments.caller_watch import this_actor
+from serving.deployments.handle_calls import await_call, cancel, placed, replica_lost, routed
 from serving.deployments.kv_handoff import KVHandoff
 from serving.deployments.messages import KVHandle, PrefillResult, WorkerError, WorkerOutput, WorkerRequest
 from serving.engine.outputs import RequestOutput
@@ -66,26 +66,10 @@ from serving.engine.validation import ModelInfo
 from serving.observability.export import serve_pool_status
 from serving.observability.metrics import live_routers
 from serving.observability.request_path import PATHS, RequestPath
-from serving.observability.tracing import ROUTE_START_KEY
 
 __all__ = ["ServeBackend"]
 
 logger = logging.getLogger(__name__)
-
-_ACTOR_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, DeploymentUnavailableError)
-# On Serve's gRPC transport (ray.grpc_transport) Serve maps only UNAVAILABLE to
-# ActorUnavailableError; a call the replica's end broke otherwise (its server cancelling on
-# shutdown, a reset stream) surfaces as the raw AioRpcError. A replica's own exceptions come
-# back inside the response, never as one of these.
-_LOST_CALL_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
-                              grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED})
-
-
-def _replica_lost(exc: BaseException | None) -> bool:
-    """Whether a worker call ended because its replica (or the channel to it) went away."""
-    if isinstance(exc, _ACTOR_ERRORS):
-        return True
-    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _LOST_CALL_CODES
 
 
 def _serve_status(app_name: str) -> dict[str, dict[str, int]]:
@@ -148,7 +132,7 @@ class ServeBackend:
     async def model_info(self) -> ModelInfo:
         for pool, handle in self._pools.items():  # a handle call waits for a replica that may never come
             await self._check_alive(pool, handle)
-        infos = [await self._call(handle.model_info.remote(), pool) for pool, handle in self._pools.items()]
+        infos = [await await_call(handle.model_info.remote(), pool) for pool, handle in self._pools.items()]
         limit = min(info.max_model_len for info in infos)
         return replace(infos[0], max_model_len=limit)
 
@@ -157,7 +141,7 @@ class ServeBackend:
         checks it; every replica registers it from the first request that names it)."""
         for pool, handle in self._pools.items():
             await self._check_alive(pool, handle)
-            error = await self._call(handle.check_adapter.remote(name, path), pool)
+            error = await await_call(handle.check_adapter.remote(name, path), pool)
             if isinstance(error, WorkerError):
                 raise error.to_exception()
 
@@ -195,11 +179,11 @@ class ServeBackend:
             return
 
         await self._check_alive("prefill", self.prefill)
-        response = self.prefill.prefill.remote(_routed(request))
+        response = self.prefill.prefill.remote(routed(request))
         try:
-            result = await self._call(response, "prefill", on_cancel=lambda r: self._abandon_prefill(r, request.request_id))
+            result = await await_call(response, "prefill", on_cancel=lambda r: self._abandon_prefill(r, request.request_id))
         except NoWorkerError as exc:
-            if not _replica_lost(exc.__cause__):
+            if not replica_lost(exc.__cause__):
                 raise
             # The replica died with the request, before its first token: the decode pool
             # computes the prompt (its engine prefills as in colocated mode).
@@ -293,11 +277,11 @@ class ServeBackend:
         generated: list[int] = []
         attempts = 2 if request.params.n == 1 else 1
         for attempt in range(attempts):
-            stream = self.decode.options(stream=True).generate.remote(_routed(request), kv, prior + generated)
+            stream = self.decode.options(stream=True).generate.remote(routed(request), kv, prior + generated)
             is_open = True  # the handle call has not ended on its own: cancel it when we leave
             try:
                 if first is not None:
-                    await _placed(stream)
+                    await placed(stream)
                     if path is not None:
                         path.placed(self._clock())
                     yield first
@@ -316,7 +300,7 @@ class ServeBackend:
                 is_open = False
                 raise QueueFullError(pool) from exc
             except Exception as exc:
-                if not _replica_lost(exc):
+                if not replica_lost(exc):
                     raise
                 is_open = False
                 if attempt + 1 == attempts:
@@ -330,7 +314,7 @@ class ServeBackend:
                 kv = None  # recompute from the tokens
             finally:
                 if is_open:
-                    _cancel(stream)
+                    cancel(stream)
 
     def _first_output(self, path: RequestPath, pool: str, output: WorkerOutput) -> None:
         """A decode or colocated worker's first output: after a KV import it starts the second
@@ -340,26 +324,13 @@ class ServeBackend:
         else:
             path.computed(pool, output, output.admission, self._clock())
 
-    async def _call(self, response, pool: str, on_cancel: Callable[[Any], None] | None = None):
-        try:
-            return await response
-        except BackPressureError as exc:
-            raise QueueFullError(pool) from exc
-        except (asyncio.CancelledError, RequestCancelledError):
-            (on_cancel or _cancel)(response)
-            raise
-        except Exception as exc:
-            if not _replica_lost(exc):
-                raise
-            raise NoWorkerError(pool, type(exc).__name__) from exc
-
     def _abandon_prefill(self, response, request_id: str) -> None:
         """The client left while its prefill ran. Cancelling aborts it if it still runs (the
         worker then frees its KV). If it had finished, its KV is on offer, and only its result
         says where; a cancelled response may not give the result back. So, in the background:
         release it where the result says, or else under its id at every node's actor this
         ingress has seen KV on (a release that comes first drops the offer when it comes)."""
-        _cancel(response)
+        cancel(response)
 
         async def release_if_finished() -> None:
             try:
@@ -424,28 +395,3 @@ def _running(pool: str, states: dict[str, int]) -> dict[str, int]:
         raise NoWorkerError(pool, detail)
     return states
 
-
-def _routed(request: WorkerRequest) -> WorkerRequest:
-    """With tracing, a copy stamped with when this handle call starts: the worker ends the
-    route span when the call reaches it (serving/observability/tracing.py)."""
-    if request.trace_context is None:
-        return request
-    return replace(request, trace_context={**request.trace_context, ROUTE_START_KEY: str(time.time_ns())})
-
-
-async def _placed(stream) -> None:
-    """Wait until Serve has placed a streamed handle call on a replica (a free slot, or a place in
-    its queue); raises BackPressureError when the pool's queue is full. A private method of
-    DeploymentResponseGenerator: it has no public one that waits for only this (the DeveloperAPI
-    `_to_object_ref_gen` needs by-reference calls); tests/serving/deployments/test_serve_backend.py
-    checks that the pinned Ray has it."""
-    await stream._fetch_future_result_async()
-
-
-def _cancel(response) -> None:
-    """Cancel a handle call we are abandoning (the replica aborts it and frees its blocks).
-    Best effort: a call that already failed re-raises its error from cancel()."""
-    try:
-        response.cancel()
-    except Exception as exc:  # noqa: BLE001 - it ended on its own; nothing left to cancel
-        logger.debug("cancel of %s: %s", response, exc)
