@@ -27,26 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrelay", description="kvrelay: LLM serving with disaggregated prefill/decode and KV transfer.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    serve = commands.add_parser(
-        "serve", help="start a local Ray (or join one) and serve the OpenAI API",
-        description="Deploy the app described by a config file (see deploy/local.yaml) and run until "
-        "Ctrl-C. KVRELAY_* environment variables override the file (KVRELAY_HTTP__PORT=8001).",
-    )
-    serve.add_argument("--config", metavar="FILE", help="ServeConfig YAML [built-in defaults]")
-    serve.add_argument(
-        "--set", metavar="KEY=VALUE", action="append", default=[],
-        help="override one field by its dotted path, e.g. --set mode=colocated --set decode.num_replicas=2",
-    )
-
-    chat = commands.add_parser("chat", help="stream one chat completion from a running server")
-    chat.add_argument("message", help="the user message")
-    chat.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL [%(default)s]")
-    chat.add_argument("--model", help="model name [the server's default]")
-    chat.add_argument("--max-tokens", type=int, help="maximum tokens to generate")
-    chat.add_argument("--temperature", type=float, help="sampling temperature (0: greedy)")
-    chat.add_argument("--system", help="a system message")
-    chat.add_argument("--api-key", help="API key [$OPENAI_API_KEY]")
-
+    _add_serve(commands)
     _add_bench(commands)
     _add_policy(commands)
     _add_ops(commands)
@@ -93,6 +74,26 @@ def _add_k8s(commands) -> None:
     status.add_argument("--namespace", default="default", help="namespace [%(default)s]")
     status.add_argument("--context", help="kubeconfig context [the current one]")
 
+
+def _add_serve(commands) -> None:
+    serve = commands.add_parser(
+        "serve", help="start a local Ray (or join one) and serve the OpenAI API",
+        description="Deploy the app described by a config file (see deploy/local.yaml) and run until "
+        "Ctrl-C. KVRELAY_* environment variables override the file (KVRELAY_HTTP__PORT=8001).",
+    )
+    serve.add_argument("--config", metavar="FILE", help="ServeConfig YAML [built-in defaults]")
+    serve.add_argument(
+        "--set", metavar="KEY=VALUE", action="append", default=[],
+        help="override one field by its dotted path, e.g. --set mode=colocated --set decode.num_replicas=2",
+    )
+    chat = commands.add_parser("chat", help="stream one chat completion from a running server")
+    chat.add_argument("message", help="the user message")
+    chat.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL [%(default)s]")
+    chat.add_argument("--model", help="model name [the server's default]")
+    chat.add_argument("--max-tokens", type=int, help="maximum tokens to generate")
+    chat.add_argument("--temperature", type=float, help="sampling temperature (0: greedy)")
+    chat.add_argument("--system", help="a system message")
+    chat.add_argument("--api-key", help="API key [$OPENAI_API_KEY]")
 
 def _add_policy(commands) -> None:
     policy = commands.add_parser(
