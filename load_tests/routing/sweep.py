@@ -28,7 +28,7 @@ of them.
                 against the replayed oracle, the pooled LRU cache and the pooled optimal one.
                 conflicting_cells: the cells where the two hit-rate and load targets cannot
                 both hold for any router: the tree reaches the single home's hit rate (the
-                most any router can, routing_bounds.single_home), and every placement that
+                most any router can, bounds.single_home), and every placement that
                 does has a max/mean load over the load target (its `single_home_load_floor`)
                 With --num-routers N > 1 every policy runs with N routers (requests alternate
                 between them, each with its own RouterState), ours once more with one
