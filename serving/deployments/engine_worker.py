@@ -3,7 +3,7 @@
 A prefill worker is the same engine asked for one token and a KV export:
 
     prefill(request)   reserve a range of the node's shared-memory arena (None: no room)
-                       add_request(max_tokens=1, hold_kv=True, export_into=the range) → first
+                       generate(max_tokens=1, hold_kv=True, export_into=the range) → first
                        token; the engine gathers the KV blocks into the range as it finishes
                        → PrefillResult(first token output, KVHandle)      (returned now)
                        then, in the background: export_kv → offer_slot(range) to this node's
@@ -12,24 +12,26 @@ A prefill worker is the same engine asked for one token and a KV export:
     generate(request, kv, prior)
                        claim(kv) from its KVTransfer actor, which waits for the offer (bounded
                        by kv_transfer.timeout_s): a range of this node's arena, read in place
-                       → add_request(kv_payload=..., prior_output_token_ids=prior) → stream outputs
+                       → generate(kv_payload=..., prior_output_token_ids=prior) → stream outputs
                        (the engine scatters the range into its blocks when it schedules the
                        request; then the range is done)
-                       claim failed or timed out → add_request(prior_output_token_ids=prior):
+                       claim failed or timed out → generate(prior_output_token_ids=prior):
                        the prompt is recomputed here, with the same tokens (counted)
 
-Errors travel back as `WorkerError` values; the ingress maps them to HTTP statuses.
+The worker talks to its engine through the engine contract only (serving/engine/contract.py:
+kvrelay's AsyncEngine or VLLMEngine), handing it one EngineRequest built from the WorkerRequest
+(messages.engine_request); the KV hand-off's steps are worker_kv.py's. Errors travel back as
+`WorkerError` values; the ingress maps them to HTTP statuses.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import ray
 
@@ -41,9 +43,7 @@ from serving.config import KVTransferConfig
 from serving.deployments import faults
 from serving.deployments.caller_watch import CallerWatch
 from serving.deployments.kv_handoff import KVHandoff
-from serving.deployments.kv_transfer import ACTOR_ERRORS
 from serving.deployments.messages import (
-    ClaimMiss,
     KVHandle,
     KVSlot,
     PrefillResult,
@@ -51,17 +51,20 @@ from serving.deployments.messages import (
     WorkerOutput,
     WorkerRequest,
     WorkerStats,
+    engine_request,
 )
+from serving.deployments.worker_kv import WorkerKV
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.config import EngineConfig
+from serving.engine.contract import EngineClient
 from serving.engine.errors import EngineError
-from serving.engine.kv.payload import KVPayload, ShmRange
 from serving.engine.outputs import EngineStats, RequestOutput
+from serving.engine.params import SamplingParams
 from serving.engine.request import RequestStatus
 from serving.engine.validation import ModelInfo
 from serving.observability import tracing
 from serving.observability.request_path import Admission, clock_offset_s
-from serving.observability.worker_metrics import RequestLatencies, TokensPerStep, WorkerRecorder
+from serving.observability.worker_metrics import RequestLatencies, RequestTracker, TokensPerStep, WorkerRecorder
 
 __all__ = ["EngineWorker", "replica_signals"]
 
@@ -83,14 +86,15 @@ class EngineWorker:
             from serving.engine.vllm.engine import VLLMEngine
 
             # vLLM's cache is in another process: its KV moves by shared-memory ranges
-            self.engine = VLLMEngine(engine_config, kv_handoff=role in ("prefill", "decode"))
+            self.engine: EngineClient = VLLMEngine(engine_config, kv_handoff=role in ("prefill", "decode"))
         else:
             self.engine = AsyncEngine(engine_config)
         # Metrics, counters and latency windows (serving/observability/worker_metrics.py); the
         # engine is sampled in routing_stats.
         self.recorder = recorder or WorkerRecorder(engine_config.model, role, "")
         self.kv = KVHandoff(app_name, kv_config)
-        self._offers: set[asyncio.Task] = set()  # background exports, referenced until done
+        self.handoff = WorkerKV(self.engine, self.kv, self.recorder, self._this_node)  # its side of the hand-off
+        self._offers = self.handoff.offers  # background exports, referenced until done
         # The exact set of block hashes this engine holds, for the routers (router/index.py).
         self._cached_blocks = CachedBlockSet()
         self._cached_blocks_lock = threading.Lock()  # written on the engine thread
@@ -107,7 +111,7 @@ class EngineWorker:
 
     # ---- queries -----------------------------------------------------------------------------
     def model_info(self) -> ModelInfo:
-        return ModelInfo.of(self.engine.engine)
+        return self.engine.model_info()
 
     async def check_adapter(self, name: str, path: str) -> WorkerError | None:
         """Whether the PEFT adapter at `path` loads here (POST /v1/load_lora_adapter)."""
@@ -136,7 +140,7 @@ class EngineWorker:
             wall_time_s=time.time(),
             kv_version=kv_version,
             kv_hashes=kv_hashes,
-            block_size=self.engine.engine.config.block_size,
+            block_size=self.engine.model_info().block_size,
             num_queued_prefill_tokens=stats.num_queued_prefill_tokens,
             prefill_tokens_per_s=stats.prefill_tokens_per_s,
             num_running=stats.num_running,
@@ -196,132 +200,64 @@ class EngineWorker:
 
     # ---- prefill side ------------------------------------------------------------------------
     async def prefill(self, request: WorkerRequest) -> PrefillResult | WorkerError:
-        trace = tracing.continue_trace(request.trace_context, self.role, request.request_id)
-        if trace is not None:
-            trace.route_done()
-        params = request.params
-        # One token, or none when it only scores its prompt (max_tokens 0: nothing to decode). Its
-        # prompt logprobs, if asked for, come with the first output.
-        scores_only = params.max_tokens == 0
-        one = replace(params, max_tokens=0 if scores_only else 1, min_tokens=min(params.min_tokens, 1), n=1)
-        last: RequestOutput | None = None
-        handed_off = False
-        ran = False  # the engine finished the request (its last output is then rewritten)
-        tracker = self.recorder.track()
-        slot: KVSlot | None = None
-        export_into = None
+        trace = self._continue_trace(request)
+        run = _Prefill.of(request.params, self.recorder.track())
         admission = self._took(request)
         with self._callers.watch(request.caller, request.request_id):
             try:
-                # A decode worker will need the KV: where it goes. The arena is host memory: a CUDA
-                # engine of kvrelay's goes through Ray's object store.
-                if params.max_tokens not in (0, 1) and self.engine.engine.kv_exports_to_host:
-                    num_bytes = self.engine.engine.kv_payload_bytes(len(request.prompt_token_ids))
-                    slot = await self.kv.reserve(self._this_node(), request.request_id, num_bytes)
-                    export_into = self._arena_target(slot)
-                    if export_into is None:
-                        slot = None
-                async for out in self.engine.generate(
-                    request.request_id, prompt_token_ids=request.prompt_token_ids, params=one,
-                    priority=request.priority, cache_salt=request.cache_salt, hold_kv=not scores_only,
-                    lora_name=request.lora_name, lora_path=request.lora_path,
-                    keep_cached=request.keep_cached, expected_cached_tokens=admission.num_pending_tokens,
-                    export_into=export_into, export_until=slot.deadline if slot is not None else None,
-                ):
-                    tracker.observe(out)
-                    last = out
+                if run.hands_off:  # a decode worker will need the KV: where it goes
+                    run.slot, run.export_into = await self.handoff.reserve(request.request_id, len(request.prompt_token_ids))
+                async for out in self.engine.generate(engine_request(
+                    request, params=run.params, hold_kv=not run.scores_only, expected_cached_tokens=admission.num_pending_tokens,
+                    export_into=run.export_into, export_until_mono_s=run.slot.deadline if run.slot is not None else None,
+                )):
+                    run.tracker.observe(out)
+                    run.last = out
                 # The prompt is computed and its token not yet returned. A crash here comes well
                 # after Serve told the ingress the call was accepted; a crash before that would be
                 # retried by Serve on another replica, unseen.
                 faults.reached("prefill.before_first_token")
-                completion = last.outputs[0]
-                ran = completion.finish_reason not in _NOT_RUN
-                self.recorder.prefilled(last.metrics)
-                if not ran:  # aborted, or timed out in the queue (the ingress answers 503)
-                    return PrefillResult(last, None, admission=admission)
-                if completion.finish_reason == "stop" or params.max_tokens in (0, 1):
-                    return PrefillResult(last, None, admission=admission)
-                num_tokens = len(request.prompt_token_ids)
-                handle = self.kv.handle(request.request_id, self._this_node(), num_tokens,
-                                        self.engine.engine.kv_payload_bytes(num_tokens))
-                # The first token goes back now; the export and the offer follow in the background
-                # (the decode worker's claim waits for the offer), so TTFT does not pay for them.
-                task = asyncio.create_task(self._export_and_offer(request.request_id, trace, slot, export_into))
-                self._offers.add(task)
-                task.add_done_callback(self._offers.discard)
-                handed_off = True
-                completion.finish_reason = None
-                completion.stop_reason = None
-                last.finished = False
-                return PrefillResult(last, handle, admission=admission)
+                return self._prefilled(request, run, admission, trace)
             except EngineError as exc:
                 return WorkerError.from_exception(exc)
             finally:
-                self._done(request)
-                if trace is not None:
-                    trace.engine_stages(last.metrics if last else None, prefill=True, decode=False, aborted=not ran)
-                if not handed_off:
-                    self.engine.release_kv_soon(request.request_id)  # no-op unless KV is still held
-                    if slot is not None:
-                        # Finished here (a stop at its first token): the engine's gather is over,
-                        # the range is free at once; otherwise it may still run: quarantined.
-                        self.kv.release_slot_soon(self._this_node(), slot, written=ran)
+                self._prefill_ended(request, run, trace)
 
-    async def _export_and_offer(
-        self, request_id: str, trace: tracing.CarriedTrace | None = None, slot: KVSlot | None = None,
-        export_into=None,
-    ) -> None:
-        start_ns = time.time_ns() if trace is not None else 0
-        node_id = self._this_node()
-        try:
-            payload = await self.engine.export_kv(request_id)
-            if slot is not None:
-                if _written_into(payload, export_into) and await self.kv.offer_slot(node_id, slot.described(payload)):
-                    self._exported(payload.num_bytes, trace, start_ns, "arena")
-                    return
-                # Not in the range (its lease ran out first: the engine never wrote it) or refused:
-                # through Ray's object store. A refused range is quarantined or in an arena that
-                # is gone, so what the engine wrote stays readable meanwhile.
-                self.kv.release_slot_soon(node_id, slot, written=True)
-                slot = None
-            ref = await asyncio.to_thread(ray.put, payload)
-            await self.kv.offer(node_id, request_id, ref, payload.num_bytes)
-        except Exception as exc:  # noqa: BLE001 - the decode worker's claim fails and it recomputes
-            if isinstance(exc, ACTOR_ERRORS):
-                logger.warning("offering the KV of %s failed: the KVTransfer actor is gone (%s)", request_id, type(exc).__name__)
-            else:
-                logger.exception("exporting the KV of %s failed", request_id)
-            if trace is not None:
-                trace.record("kv_transfer", start_ns, time.time_ns(), {"kvrelay.kv.side": "export"}, error=f"{type(exc).__name__}: {exc}")
-            if slot is not None:
-                self.kv.release_slot_soon(node_id, slot)
-            await self.engine.release_kv(request_id)
-            return
-        self._exported(payload.num_bytes, trace, start_ns, "object_store")
+    def _prefilled(self, request: WorkerRequest, run: _Prefill, admission: Admission,
+                   trace: tracing.CarriedTrace | None) -> PrefillResult:
+        """The first token back; with a hand-off, its KVHandle, the export and offer following in
+        the background (the decode worker's claim waits for the offer), so TTFT does not pay for them."""
+        last = run.last
+        completion = last.outputs[0]
+        run.ran = completion.finish_reason not in _NOT_RUN
+        self.recorder.prefilled(last.metrics)
+        # not run (aborted, or timed out in the queue: the ingress answers 503), or nothing to decode
+        if not run.ran or completion.finish_reason == "stop" or not run.hands_off:
+            return PrefillResult(last, None, admission=admission)
+        handle = self.handoff.handle(request.request_id, len(request.prompt_token_ids))
+        self.handoff.offer_later(request.request_id, trace, run.slot, run.export_into)
+        run.handed_off = True
+        completion.finish_reason = None
+        completion.stop_reason = None
+        last.finished = False
+        return PrefillResult(last, handle, admission=admission)
 
-    def _exported(self, num_bytes: int, trace: tracing.CarriedTrace | None, start_ns: int, path: str) -> None:
-        self.recorder.kv_exported(num_bytes)
+    def _prefill_ended(self, request: WorkerRequest, run: _Prefill, trace: tracing.CarriedTrace | None) -> None:
+        self._done(request)
         if trace is not None:
-            trace.record("kv_transfer", start_ns, time.time_ns(),
-                         {"kvrelay.kv.side": "export", "kvrelay.kv.bytes": num_bytes, "kvrelay.kv.path": path})
+            trace.engine_stages(run.last.metrics if run.last else None, prefill=True, decode=False, aborted=not run.ran)
+        if not run.handed_off:
+            self.engine.release_kv_soon(request.request_id)  # no-op unless KV is still held
+            if run.slot is not None:
+                # Finished here (a stop at its first token): the engine's gather is over, the
+                # range is free at once; otherwise it may still run: quarantined.
+                self.kv.release_slot_soon(self._this_node(), run.slot, written=run.ran)
 
-    def _arena_target(self, slot: KVSlot | None):
-        """Where the engine exports into the reserved range: its bytes (kvrelay's engine), or the
-        range's name (vLLM's, whose cache is in another process); None: no range, or the arena is
-        gone (the actor was restarted since: the range is given back, the KV goes through Ray)."""
-        if slot is None:
-            return None
-        if getattr(self.engine, "exports_to_ranges", False):
-            return self.kv.shm_range(slot)
-        return self._arena_view(slot)
-
-    def _arena_view(self, slot: KVSlot):
-        try:
-            return self.kv.arena(slot)
-        except (OSError, ValueError) as exc:
-            logger.warning("the KV arena %s cannot be opened (%s); the KV goes through Ray", slot.path, exc)
-            self.kv.release_slot_soon(self._this_node(), slot)
-            return None
+    def _continue_trace(self, request: WorkerRequest) -> tracing.CarriedTrace | None:
+        trace = tracing.continue_trace(request.trace_context, self.role, request.request_id)
+        if trace is not None:
+            trace.route_done()
+        return trace
 
     def _this_node(self) -> str:
         if self._node_id is None:
@@ -332,10 +268,8 @@ class EngineWorker:
     async def generate(
         self, request: WorkerRequest, kv: KVHandle | None = None, prior_output_token_ids: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput | WorkerError]:
-        trace = tracing.continue_trace(request.trace_context, self.role, request.request_id)
-        if trace is not None:
-            trace.route_done()
-        payload, slot = await self._claim(kv, trace) if kv is not None else (None, None)
+        trace = self._continue_trace(request)
+        payload, slot = await self.handoff.claim(kv, trace) if kv is not None else (None, None)
         imported = payload is not None
         tracker = self.recorder.track(continues=bool(prior_output_token_ids))
         last: RequestOutput | None = None
@@ -343,13 +277,10 @@ class EngineWorker:
         admission = replace(self._took(request), imported=imported)
         with self._callers.watch(request.caller, request.request_id):
             try:
-                async for out in self.engine.generate(
-                    request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
-                    priority=request.priority, cache_salt=request.cache_salt, kv_payload=payload,
-                    lora_name=request.lora_name, lora_path=request.lora_path,
-                    prior_output_token_ids=prior_output_token_ids, keep_cached=request.keep_cached,
+                async for out in self.engine.generate(engine_request(
+                    request, kv_payload=payload, prior_output_token_ids=list(prior_output_token_ids or ()),
                     expected_cached_tokens=0 if imported else admission.num_pending_tokens,
-                ):
+                )):
                     payload = None  # imported (or never needed); let the shared-memory view go
                     if slot is not None:  # the engine scattered it into its blocks before this output
                         self.kv.done_soon(kv.node_id, slot)
@@ -373,39 +304,31 @@ class EngineWorker:
                     # A prompt not imported was computed here: prefill, then decode from its first token.
                     trace.engine_stages(last.metrics if last else None, prefill=not imported, decode=True, aborted=last is None or not last.finished)
 
-    async def _claim(
-        self, kv: KVHandle, trace: tracing.CarriedTrace | None = None,
-    ) -> tuple[KVPayload | None, KVSlot | None]:
-        """The request's KV from the prefill worker (and its arena slot, if it is read in place),
-        or None: recompute the prompt here."""
-        start, start_ns = time.monotonic(), time.time_ns()
-        fetched = await self.kv.fetch(kv, self._this_node())
-        payload, slot = (None, None) if isinstance(fetched, ClaimMiss) else fetched
-        if payload is None:
-            # a hand-off that failed cost its wait (what auto placement weighs, router/disaggregation.py)
-            self.recorder.kv_fallback(fetched.value, None if fetched is ClaimMiss.RELEASED else time.monotonic() - start)
-            logger.warning("KV of %s not imported (%s): recomputing its %d tokens", kv.request_id, fetched.value, kv.num_tokens)
-        else:
-            self.recorder.kv_imported(time.monotonic() - start, payload.num_bytes)
-        if trace is not None:
-            attributes = {"kvrelay.kv.side": "import", "kvrelay.kv.imported": payload is not None}
-            if payload is not None:
-                attributes["kvrelay.kv.bytes"] = payload.num_bytes
-            trace.record("kv_transfer", start_ns, time.time_ns(), attributes,
-                         error=None if payload is not None else "not imported; the prompt is recomputed")
-        return payload, slot
-
     # ---- lifecycle ---------------------------------------------------------------------------
     def shutdown(self) -> None:
         self.engine.shutdown()
         tracing.flush()
 
 
-def _written_into(payload: KVPayload, export_into) -> bool:
-    """Whether the engine's export is the range it was given (else its lease ran out first)."""
-    if isinstance(export_into, ShmRange):
-        return payload.shm == export_into
-    return payload.kv.data_ptr() == export_into.data_ptr()
+@dataclass
+class _Prefill:
+    """One prefill request's state, from its start to its end (EngineWorker.prefill)."""
+
+    params: SamplingParams  # asked of the engine: one token, or none when it only scores its prompt
+    tracker: RequestTracker
+    scores_only: bool  # max_tokens 0: nothing to decode (its prompt logprobs come with the output)
+    hands_off: bool  # a decode worker will continue it: its KV is held and exported
+    last: RequestOutput | None = None
+    ran: bool = False  # the engine finished the request (its last output is then rewritten)
+    handed_off: bool = False
+    slot: KVSlot | None = None  # its range of the node's arena, if one was reserved
+    export_into: object = None  # what the engine writes the KV into (WorkerKV.reserve)
+
+    @classmethod
+    def of(cls, params: SamplingParams, tracker: RequestTracker) -> _Prefill:
+        scores_only = params.max_tokens == 0
+        one = replace(params, max_tokens=0 if scores_only else 1, min_tokens=min(params.min_tokens, 1), n=1)
+        return cls(one, tracker, scores_only, params.max_tokens not in (0, 1))
 
 
 def replica_signals(stats: EngineStats, latencies: RequestLatencies) -> ReplicaSignals:

@@ -11,8 +11,9 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from serving.api.errors import NoWorkerError
 from serving.api.backend import GenerateRequest
+from serving.api.errors import NoWorkerError
+from serving.deployments.messages import engine_request
 from serving.engine.async_engine import AsyncEngine
 from serving.engine.outputs import RequestOutput
 from serving.engine.validation import ModelInfo
@@ -27,7 +28,7 @@ class LocalBackend:
         self.engine = engine
 
     async def model_info(self) -> ModelInfo:
-        return ModelInfo.of(self.engine.engine)
+        return self.engine.model_info()
 
     async def check_adapter(self, name: str, path: str) -> None:
         await self.engine.check_adapter(name, path)
@@ -40,10 +41,7 @@ class LocalBackend:
         last: RequestOutput | None = None
         try:
             # Closed explicitly, not left to garbage collection: closing it is what aborts the request.
-            async with aclosing(self.engine.generate(
-                request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params,
-                priority=request.priority, cache_salt=request.cache_salt, lora_name=request.lora_name, lora_path=request.lora_path,
-            )) as outputs:
+            async with aclosing(self.engine.generate(engine_request(request))) as outputs:
                 async for out in outputs:
                     if last is None and path is not None:
                         path.computed("local", out, None, time.monotonic())

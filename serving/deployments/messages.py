@@ -40,6 +40,7 @@ from router.replica_stats import RoutingStats
 from serving.api.admission.forwarding import ForwardedRequest, ResponseStart
 from serving.api.backend import GenerateRequest
 from serving.deployments.kv_arena import Lease
+from serving.engine.contract import EngineRequest
 from serving.engine.errors import ContextLengthError, EngineDeadError, InvalidRequestError, RequestFailedError
 from serving.engine.kv.payload import KVLayout, KVPayload
 from serving.engine.outputs import EngineStats, RequestOutput
@@ -51,7 +52,7 @@ from serving.observability.worker_metrics import WorkerCounters
 __all__ = [
     # defined here
     "Caller", "ClaimMiss", "KVCopy", "KVHandle", "KVSlot", "KVTransferStats", "PrefillResult", "WorkerError", "WorkerErrorKind",
-    "WorkerOutput", "WorkerRequest", "WorkerStats",
+    "WorkerOutput", "WorkerRequest", "WorkerStats", "engine_request",
     # defined below this layer
     "Admission", "EngineStats", "ForwardedRequest", "GenerateRequest", "KVPayload", "ModelInfo", "ReplicaSignals", "RequestOutput",
     "ResponseStart", "RoutingStats", "SamplingParams", "WorkerCounters",
@@ -76,6 +77,18 @@ class WorkerRequest(GenerateRequest):
     @classmethod
     def sent_by(cls, request: GenerateRequest, caller: Caller | None) -> WorkerRequest:
         return cls(**{f.name: getattr(request, f.name) for f in fields(GenerateRequest)}, caller=caller)
+
+
+def engine_request(request: GenerateRequest, **extra: Any) -> EngineRequest:
+    """The one EngineRequest (serving/engine/contract.py) a worker, or the in-process backend,
+    hands its engine for `request`; `extra` is what that worker adds or changes (a prefill's one
+    token and hold_kv, a decode's KV payload and prior tokens). The ingress's wall-clock arrival
+    stays behind: an engine's arrival is on its own monotonic clock, as it takes the request."""
+    extra.setdefault("params", request.params)
+    return EngineRequest(
+        request.request_id, request.prompt_token_ids, priority=request.priority, cache_salt=request.cache_salt,
+        lora_name=request.lora_name, lora_path=request.lora_path, keep_cached=request.keep_cached, **extra,
+    )
 
 
 @dataclass(frozen=True)

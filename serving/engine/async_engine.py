@@ -1,4 +1,5 @@
-"""AsyncEngine: LLMEngine driven by one background thread, for asyncio callers (Serve replicas).
+"""AsyncEngine: LLMEngine driven by one background thread, for asyncio callers (Serve replicas);
+kvrelay's own engine behind the engine contract (contract.EngineClient).
 
     asyncio callers ──commands (add / abort / export)──▶ inbox ──▶ step thread: LLMEngine.step()
           ▲                                                               │
@@ -34,18 +35,16 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from serving.engine.config import EngineConfig
+from serving.engine.contract import EngineRequest, KVExportTarget
 from serving.engine.engine import LLMEngine
 from serving.engine.errors import EngineDeadError
 from serving.engine.kv.events import KVEvent
 from serving.engine.kv.payload import KVPayload
 from serving.engine.outputs import EngineStats, RequestOutput, merge_outputs
-from serving.engine.params import SamplingParams
-
-if TYPE_CHECKING:
-    import torch
+from serving.engine.validation import ModelInfo
 
 __all__ = ["AsyncEngine"]
 
@@ -57,6 +56,9 @@ _STOP = object()
 class AsyncEngine:
     def __init__(self, engine: LLMEngine | EngineConfig | None = None):
         self.engine = engine if isinstance(engine, LLMEngine) else LLMEngine(engine)
+        # kvrelay's cache is in this process: an export is read out into a view of the arena
+        # range when the cache is in host memory
+        self.kv_export_target = KVExportTarget.HOST_TENSOR if self.engine.kv.exports_to_host else KVExportTarget.NONE
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._kv_subscribers: list[Callable[[list[KVEvent]], None]] = []
@@ -80,38 +82,23 @@ class AsyncEngine:
         """The snapshot taken after the latest step or command (never blocks)."""
         return self._stats
 
-    async def generate(
-        self,
-        request_id: str,
-        *,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        hold_kv: bool = False,
-        kv_payload: KVPayload | None = None,
-        prior_output_token_ids: list[int] | None = None,
-        export_into: torch.Tensor | None = None,
-        export_until: float | None = None,
-        keep_cached: bool = True,
-        lora_name: str | None = None,
-        lora_path: str | None = None,
-        expected_cached_tokens: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
-        """Add a request (the arguments are LLMEngine.add_request's) and yield its outputs as
-        they come. The engine's refusals raise here, before the first output. Leaving the
-        iteration early aborts the request.
+    def model_info(self) -> ModelInfo:
+        return self.engine.model_info()
+
+    def kv_payload_bytes(self, num_tokens: int) -> int:
+        return self.engine.kv_payload_bytes(num_tokens)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Add a request (LLMEngine.add) and yield its outputs as they come. The engine's
+        refusals raise here, before the first output. Leaving the iteration early aborts the
+        request.
         """
+        request_id = request.request_id
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, stream)
         try:
-            await self._call(lambda engine: engine.add_request(
-                request_id, params=params, prompt_token_ids=prompt_token_ids, priority=priority, cache_salt=cache_salt,
-                hold_kv=hold_kv, kv_payload=kv_payload, prior_output_token_ids=prior_output_token_ids,
-                export_into=export_into, export_until=export_until, keep_cached=keep_cached, lora_name=lora_name,
-                lora_path=lora_path, expected_cached_tokens=expected_cached_tokens,
-            ))
+            await self._call(lambda engine: engine.add(request))
         except asyncio.CancelledError:
             # The add is queued and runs anyway: abort it right behind, or nobody reads it.
             self._streams.pop(request_id, None)
@@ -235,7 +222,7 @@ class AsyncEngine:
                     if decoded is not None:  # the last decode step's period ends as this step starts
                         engine.decode_steps.add(started - decoded[0], decoded[1])
                     outputs = engine.step()
-                    decoded = (started, engine.last_decode_rows) if engine.last_decode_rows else None
+                    decoded = (started, engine.stepper.last_decode_rows) if engine.stepper.last_decode_rows else None
                     self._stats = engine.stats()  # before the outputs: a caller that sees its end sees it
                     self._publish(outputs)
                     for failure in engine.take_failures():

@@ -49,7 +49,6 @@ def build_parts(config: EngineConfig) -> EngineParts:
     # dtype that runs, which is also what the KV layout and the stats report.
     dtype_choice = choose_dtype(config.dtype, device, hidden_size=spec.hidden_size)
     config = config.model_copy(update={"dtype": dtype_choice.dtype})
-    dtype = config.torch_dtype
     # Before the model: its weight layout follows the kernel path (model.py).
     kernels = (
         kernel_status() if device.type == "cpu"
@@ -57,7 +56,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     )
     t0 = time.monotonic()
     model = LlamaModel(
-        spec, load_state_dict(model_dir), dtype=dtype, device=device, deterministic=config.deterministic,
+        spec, load_state_dict(model_dir), dtype=config.torch_dtype, device=device, deterministic=config.deterministic,
         speculative=config.speculative is not None,
     )
     logger.info(
@@ -65,10 +64,17 @@ def build_parts(config: EngineConfig) -> EngineParts:
         spec.architecture, spec.num_layers, time.monotonic() - t0, dtype_choice, kernels,
         f"; {model.linear_choice}" if kernels.path is KernelPath.NATIVE else "", model.invariance_reason,
     )
+    kv_cache, bytes_per_token = _kv_cache(spec, config, device)
+    max_model_len = _context_window(spec, config, kv_cache)
+    return EngineParts(config, device, spec, tokenizer, dtype_choice, kernels, model, kv_cache, bytes_per_token, max_model_len)
 
+
+def _kv_cache(spec: ModelSpec, config: EngineConfig, device: torch.device) -> tuple[KVCache, int]:
+    """The KV cache the budget holds (kv_cache_bytes, else a share of the memory available), and its bytes per token."""
+    dtype = config.torch_dtype
     bytes_per_token = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)
     budget = config.kv_cache_bytes or int(available_memory_bytes(device) * config.kv_cache_memory_fraction)
-    bs, chunk = config.block_size, config.max_num_batched_tokens
+    bs = config.block_size
     num_blocks = budget // (bytes_per_token * bs)
     sliding_layers, num_sliding_blocks = spec.sliding_layers, 0
     if sliding_layers and num_blocks >= 1:
@@ -83,11 +89,17 @@ def build_parts(config: EngineConfig) -> EngineParts:
         num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype, device=device,
         sliding_layers=sliding_layers, num_sliding_blocks=num_sliding_blocks,
     )
-    capacity = num_blocks * bs
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens, %d bytes/token, %.1f MiB",
-        num_blocks, bs, capacity, bytes_per_token, kv_cache.num_bytes / 2**20,
+        num_blocks, bs, num_blocks * bs, bytes_per_token, kv_cache.num_bytes / 2**20,
     )
+    return kv_cache, bytes_per_token
+
+
+def _context_window(spec: ModelSpec, config: EngineConfig, kv_cache: KVCache) -> int:
+    """The model's context window, capped by what the KV cache (and a sliding pool) holds."""
+    bs, chunk = config.block_size, config.max_num_batched_tokens
+    capacity, num_sliding_blocks, sliding_layers = kv_cache.num_blocks * bs, kv_cache.num_sliding_blocks, spec.sliding_layers
     max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
     window = spec.every_layer_window or spec.hybrid_window
     # A windowed layer holds at most its window, one step's chunk and a block at each end of a
@@ -109,7 +121,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     if capacity < (held if spec.every_layer_window else max_model_len):
         logger.warning("KV cache holds %d tokens, less than the context window %d: capping it", capacity, max_model_len)
         max_model_len = min(max_model_len, capacity)
-    return EngineParts(config, device, spec, tokenizer, dtype_choice, kernels, model, kv_cache, bytes_per_token, max_model_len)
+    return max_model_len
 
 
 def _split_pools(spec: ModelSpec, config: EngineConfig, budget: int, bytes_per_token: int,

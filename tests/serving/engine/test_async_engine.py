@@ -13,6 +13,7 @@ import pytest
 
 from serving.engine import EngineConfig, EngineDeadError, InvalidRequestError, LLMEngine, RequestFailedError, SamplingParams
 from serving.engine.async_engine import AsyncEngine
+from serving.engine.contract import EngineRequest
 from serving.engine.sampling.sampler import Sampler
 from tests.helpers import tiny_engine_config
 
@@ -28,7 +29,7 @@ def async_engine(tiny_model_dir):
 
 async def collect(engine: AsyncEngine, request_id: str, prompt: list[int], params=GREEDY) -> list[int]:
     tokens: list[int] = []
-    async for out in engine.generate(request_id, params=params, prompt_token_ids=prompt):
+    async for out in engine.generate(EngineRequest(request_id, params=params, prompt_token_ids=prompt)):
         tokens += out.outputs[0].token_ids
     return tokens
 
@@ -50,7 +51,7 @@ def test_concurrent_streams_match_the_sync_engine(async_engine, tiny_model_dir):
 
 def test_a_refused_request_raises_before_any_output(async_engine):
     async def main():
-        async for _ in async_engine.generate("bad", params=SamplingParams(), prompt_token_ids=[1, 10**9]):
+        async for _ in async_engine.generate(EngineRequest("bad", params=SamplingParams(), prompt_token_ids=[1, 10**9])):
             pass
 
     with pytest.raises(InvalidRequestError) as info:
@@ -63,7 +64,7 @@ def test_leaving_the_stream_aborts_and_frees_blocks(async_engine):
 
     async def main():
         got = 0
-        async for out in async_engine.generate("gone", params=long, prompt_token_ids=list(range(50, 90))):
+        async for out in async_engine.generate(EngineRequest("gone", params=long, prompt_token_ids=list(range(50, 90)))):
             got += len(out.outputs[0].token_ids)
             if got >= 3:
                 break
@@ -86,7 +87,7 @@ def test_leaving_the_stream_aborts_and_frees_blocks(async_engine):
 def test_export_through_the_async_api(async_engine):
     async def main():
         params = SamplingParams(temperature=0.0, max_tokens=1)
-        async for _ in async_engine.generate("p", params=params, prompt_token_ids=list(range(10, 50)), hold_kv=True):
+        async for _ in async_engine.generate(EngineRequest("p", params=params, prompt_token_ids=list(range(10, 50)), hold_kv=True)):
             pass
         return await async_engine.export_kv("p")
 
@@ -102,7 +103,7 @@ def test_export_is_handed_over_while_the_step_thread_is_busy(async_engine):
 
     async def main():
         params = SamplingParams(temperature=0.0, max_tokens=1)
-        async for _ in async_engine.generate("p", params=params, prompt_token_ids=list(range(10, 50)), hold_kv=True):
+        async for _ in async_engine.generate(EngineRequest("p", params=params, prompt_token_ids=list(range(10, 50)), hold_kv=True)):
             pass
         busy = asyncio.ensure_future(async_engine._call(lambda engine: gate.wait(30)))  # the "long step"
         await asyncio.sleep(0.05)
@@ -145,7 +146,7 @@ def test_held_exports_stall_without_spinning_and_release_resumes(tiny_model_dir)
     try:
         async def main():
             hold = SamplingParams(temperature=0.0, max_tokens=1)
-            async for _ in engine.generate("held", params=hold, prompt_token_ids=list(range(10, 170)), hold_kv=True):
+            async for _ in engine.generate(EngineRequest("held", params=hold, prompt_token_ids=list(range(10, 170)), hold_kv=True)):
                 pass
             steps = []
             real_step = engine.engine.step
@@ -175,9 +176,9 @@ def test_a_request_stalled_behind_held_exports_still_times_out_in_the_queue(tiny
     try:
         async def main():
             hold = SamplingParams(temperature=0.0, max_tokens=1)
-            async for _ in engine.generate("held", params=hold, prompt_token_ids=list(range(10, 170)), hold_kv=True):
+            async for _ in engine.generate(EngineRequest("held", params=hold, prompt_token_ids=list(range(10, 170)), hold_kv=True)):
                 pass
-            outputs = [out async for out in engine.generate("next", params=GREEDY, prompt_token_ids=list(range(200, 250)))]
+            outputs = [out async for out in engine.generate(EngineRequest("next", params=GREEDY, prompt_token_ids=list(range(200, 250))))]
             released = await engine.release_kv("held")
             return outputs, released
 
@@ -204,11 +205,11 @@ def test_commands_cancelled_at_random_moments_never_stop_the_engine(async_engine
     expected = LLMEngine(async_engine.engine.config).generate([PROMPT], GREEDY)[0].outputs[0].token_ids
 
     async def held(request_id: str) -> None:
-        async for _ in async_engine.generate(request_id, params=hold, prompt_token_ids=PROMPT, hold_kv=True):
+        async for _ in async_engine.generate(EngineRequest(request_id, params=hold, prompt_token_ids=PROMPT, hold_kv=True)):
             pass
 
     async def do_generate(i):
-        async for _ in async_engine.generate(f"g{i}", params=short, prompt_token_ids=PROMPT[: 8 + i % 30]):
+        async for _ in async_engine.generate(EngineRequest(f"g{i}", params=short, prompt_token_ids=PROMPT[: 8 + i % 30])):
             pass
 
     async def do_abort(i):
@@ -229,7 +230,7 @@ def test_commands_cancelled_at_random_moments_never_stop_the_engine(async_engine
             async_engine.release_kv_soon(f"e{i}")
 
     async def do_import(i, payload):
-        async for _ in async_engine.generate(f"i{i}", params=short, prompt_token_ids=PROMPT + [7], kv_payload=payload):
+        async for _ in async_engine.generate(EngineRequest(f"i{i}", params=short, prompt_token_ids=PROMPT + [7], kv_payload=payload)):
             pass
 
     async def main():
@@ -295,7 +296,7 @@ class _FailingSampler(Sampler):
 
 def _failing_rows(engine: LLMEngine, bad_seed: int) -> None:
     """Make the sampler fail on every row whose request has seed `bad_seed`."""
-    engine.sampler = _FailingSampler(engine.sampler, lambda row: row.params.seed == bad_seed)
+    engine.output_processor.sampler = _FailingSampler(engine.output_processor.sampler, lambda row: row.params.seed == bad_seed)
 
 
 def test_a_request_that_fails_in_the_step_fails_alone(async_engine):
@@ -322,18 +323,18 @@ def test_a_request_that_fails_in_the_step_fails_alone(async_engine):
 
 def test_a_request_whose_kv_import_fails_fails_alone(async_engine):
     engine = async_engine.engine
-    real_write = engine._write_import
+    real_write = engine.kv.write_import
 
     def write_import(seq):
         if seq.request_id == "bad-import":
             raise ValueError("simulated payload mismatch")
         real_write(seq)
 
-    engine._write_import = write_import
+    engine.kv.write_import = write_import
 
     async def main():
         hold = SamplingParams(temperature=0.0, max_tokens=1)
-        async for _ in async_engine.generate("src", params=hold, prompt_token_ids=PROMPT, hold_kv=True):
+        async for _ in async_engine.generate(EngineRequest("src", params=hold, prompt_token_ids=PROMPT, hold_kv=True)):
             pass
         payload = await async_engine.export_kv("src")
         bad = collect_import(async_engine, "bad-import", payload)
@@ -350,7 +351,7 @@ def test_a_request_whose_kv_import_fails_fails_alone(async_engine):
 async def collect_import(engine: AsyncEngine, request_id: str, payload) -> list[int]:
     tokens: list[int] = []
     """Import a payload and continue its prompt by one token (an import must leave one to compute)."""
-    async for out in engine.generate(request_id, params=GREEDY, prompt_token_ids=payload.token_ids + [7], kv_payload=payload):
+    async for out in engine.generate(EngineRequest(request_id, params=GREEDY, prompt_token_ids=payload.token_ids + [7], kv_payload=payload)):
         tokens += out.outputs[0].token_ids
     return tokens
 
@@ -380,7 +381,7 @@ class _TwoAtOnce:
 
 
 def test_a_failure_of_every_row_has_no_culprit_and_stops_the_engine(async_engine):
-    async_engine.engine.sampler = _FailingSampler(async_engine.engine.sampler, lambda row: True)  # NaN logits, say
+    async_engine.engine.output_processor.sampler = _FailingSampler(async_engine.engine.output_processor.sampler, lambda row: True)  # NaN logits, say
     real = async_engine._inbox
     async_engine._inbox = _TwoAtOnce(real)
     real.put(("wake",))  # the idle loop leaves its wait on the real inbox and comes back to this one
@@ -438,7 +439,7 @@ def test_stats_are_current_after_a_release_on_an_idle_engine(async_engine):
     """A release with nothing else to run frees blocks without a step: the snapshot says so."""
     async def main():
         hold = SamplingParams(temperature=0.0, max_tokens=1)
-        async for _ in async_engine.generate("held", params=hold, prompt_token_ids=PROMPT, hold_kv=True):
+        async for _ in async_engine.generate(EngineRequest("held", params=hold, prompt_token_ids=PROMPT, hold_kv=True)):
             pass
         held = async_engine.stats()
         await async_engine.release_kv("held")
@@ -458,7 +459,7 @@ def test_a_reader_slower_than_the_steps_gets_the_queued_outputs_merged(async_eng
 
     async def main():
         sizes, tokens = [], []
-        async for out in async_engine.generate("slow", params=params, prompt_token_ids=prompt):
+        async for out in async_engine.generate(EngineRequest("slow", params=params, prompt_token_ids=prompt)):
             sizes.append(len(out.outputs[0].token_ids))
             tokens += out.outputs[0].token_ids
             if len(sizes) == 1:

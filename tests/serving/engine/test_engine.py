@@ -346,7 +346,7 @@ def test_an_arena_range_is_written_and_read_only_before_its_leases_end(tiny_mode
     prefill = make_engine(tiny_model_dir)
     buffer = torch.full((prefill.kv_payload_bytes(75),), 255, dtype=torch.uint8)
     prefill.add_request("x", params=SamplingParams(max_tokens=1, temperature=0.0), prompt_token_ids=prompt,
-                        hold_kv=True, export_into=buffer, export_until=time.monotonic() - 1.0)
+                        hold_kv=True, export_into=buffer, export_until_mono_s=time.monotonic() - 1.0)
     (out,) = [o for o in prefill.step() if o.finished]
     payload = prefill.export_kv("x")
     assert payload.kv.data_ptr() != buffer.data_ptr() and bool((buffer == 255).all())
@@ -435,7 +435,7 @@ def test_a_request_that_waited_past_max_queue_wait_s_ends_with_queue_timeout_and
     eng.add_request("runs", params=GREEDY, prompt_token_ids=prompts[0])
     # Waiting for 10 s already (lower priority: it does not take the slot).
     eng.add_request("waits", params=SamplingParams(max_tokens=4, n=2), prompt_token_ids=prompts[1],
-                    priority=1, arrival_time=time.monotonic() - 10.0)
+                    priority=1, arrival_mono_s=time.monotonic() - 10.0)
     first = eng.step()
     assert [(o.request_id, o.finished, [(c.index, c.token_ids, c.finish_reason) for c in o.outputs]) for o in first if o.request_id == "waits"] == [
         ("waits", True, [(0, [], "queue_timeout"), (1, [], "queue_timeout")]),

@@ -17,6 +17,7 @@ import pytest
 
 from serving.engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
 from serving.engine.async_engine import AsyncEngine
+from serving.engine.contract import EngineRequest
 from serving.engine.params import GuidedSpec
 from serving.engine.sampling.grammar import GrammarCompiler
 from tests.serving.engine.test_engine import random_prompts, tokens_of
@@ -57,7 +58,7 @@ def gated_compiler(engine: LLMEngine) -> threading.Event:
     compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size, tuple(engine.eos_token_ids))
     compile_now = compiler._compile
     compiler._compile = lambda spec: gate.wait() and compile_now(spec)
-    engine._grammars = compiler
+    engine.intake._grammars = compiler
     return gate
 
 
@@ -204,7 +205,7 @@ async def test_the_async_engine_wakes_when_a_grammar_is_ready(tiny_model_dir):
         gate = gated_compiler(engine.engine)
 
         async def collect(request_id, params, prompt):
-            return [out async for out in engine.generate(request_id, prompt_token_ids=prompt, params=params)]
+            return [out async for out in engine.generate(EngineRequest(request_id, prompt_token_ids=prompt, params=params))]
 
         structured = asyncio.create_task(collect("structured", sampled(5), [5, 6, 7]))
         free = await collect("free", FREE, [8, 9])

@@ -12,9 +12,11 @@ import time
 import pytest
 
 from serving.engine import EngineConfig, SamplingParams
+from serving.engine.contract import EngineRequest
 from serving.engine.errors import InvalidRequestError
 from serving.engine.params import GuidedSpec
-from serving.engine.vllm.engine import VLLMEngine, vllm_sampling_params
+from serving.engine.vllm.convert import vllm_sampling_params
+from serving.engine.vllm.engine import VLLMEngine
 from tests.serving.engine.test_model_parity import hf_greedy
 
 pytestmark = pytest.mark.vllm
@@ -38,7 +40,7 @@ def collect(served, request_id: str, prompt: list[int], params: SamplingParams =
     engine, loop = served
 
     async def run():
-        return [out async for out in engine.generate(request_id, params=params, prompt_token_ids=prompt)]
+        return [out async for out in engine.generate(EngineRequest(request_id, params=params, prompt_token_ids=prompt))]
 
     return loop.run_until_complete(run())
 
@@ -100,8 +102,8 @@ def test_an_abandoned_stream_is_aborted_and_the_engine_serves_on(served):
     engine, loop = served
 
     async def abandon():
-        stream = engine.generate("gone", params=SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True),
-                                 prompt_token_ids=list(range(300, 340)))
+        stream = engine.generate(EngineRequest("gone", params=SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True),
+                                 prompt_token_ids=list(range(300, 340))))
         first = await stream.__anext__()
         await stream.aclose()  # what a vanished client's cancelled handler does
         return first
@@ -130,12 +132,12 @@ def test_requests_still_waiting_past_max_queue_wait_s_end_with_queue_timeout_and
         return [first] + [out async for out in stream]
 
     async def one(i: int):
-        return [out async for out in engine.generate(f"q-{i}", params=params, prompt_token_ids=prompt(i))]
+        return [out async for out in engine.generate(EngineRequest(f"q-{i}", params=params, prompt_token_ids=prompt(i)))]
 
     config = engine.config
 
     async def crowd():
-        running = [engine.generate(f"r-{i}", params=params, prompt_token_ids=prompt(i)) for i in range(16)]
+        running = [engine.generate(EngineRequest(f"r-{i}", params=params, prompt_token_ids=prompt(i))) for i in range(16)]
         firsts = await asyncio.gather(*(stream.__anext__() for stream in running))  # all 16 started
         engine.config = config.model_copy(update={"max_queue_wait_s": 0.5})  # read as each request arrives
         return await asyncio.gather(*(rest(s, f) for s, f in zip(running, firsts)), *(one(i) for i in range(16, 24)))
@@ -180,7 +182,7 @@ def test_queued_prefill_tokens_the_prefill_rate_and_the_ttft_split_come_from_the
     prompt = list(range(3000, 3150))
 
     async def first_then_rest(request_id: str, **hint):
-        stream = engine.generate(request_id, params=GREEDY, prompt_token_ids=prompt, **hint)
+        stream = engine.generate(EngineRequest(request_id, params=GREEDY, prompt_token_ids=prompt, **hint))
         first = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0)  # the request is in vLLM's hands, its first output not back
         queued = engine.stats().num_queued_prefill_tokens
@@ -204,7 +206,7 @@ def test_what_it_cannot_do_is_refused_naming_the_field(served):
     engine, loop = served
 
     async def ask(engine=engine, **kwargs):
-        return [o async for o in engine.generate("no", params=GREEDY, prompt_token_ids=[1, 2], **kwargs)]
+        return [o async for o in engine.generate(EngineRequest("no", params=GREEDY, prompt_token_ids=[1, 2], **kwargs))]
 
     colocated = VLLMEngine.__new__(VLLMEngine)  # a colocated pool's engine: its checks come before vLLM's
     colocated._handoffs = None
@@ -234,7 +236,7 @@ def test_vllms_kv_events_fill_the_routers_index_in_kvrelays_hashes_and_predict_i
             index.apply(events)
 
     engine.subscribe_kv_events(apply)
-    assert engine.engine.config.block_size == 32  # vLLM's CPU attention: the 16 asked, rounded up
+    assert engine.model_info().block_size == 32  # vLLM's CPU attention: the 16 asked, rounded up
     base = list(range(2000, 2128))  # 4 blocks of 32
     replay = [("a", base, None), ("b", base, None), ("c", base[:80] + list(range(5000, 5060)), None),
               ("d", base + list(range(6000, 6040)), None), ("e", base, "salt"), ("f", base, "salt")]
@@ -246,7 +248,7 @@ def test_vllms_kv_events_fill_the_routers_index_in_kvrelays_hashes_and_predict_i
         predicted.append(held * 32)
 
         async def run(prompt=prompt, request_id=request_id, salt=salt):
-            return [o async for o in engine.generate(request_id, params=GREEDY, prompt_token_ids=prompt, cache_salt=salt)]
+            return [o async for o in engine.generate(EngineRequest(request_id, params=GREEDY, prompt_token_ids=prompt, cache_salt=salt))]
 
         seen.append(loop.run_until_complete(run())[-1].num_cached_tokens)
         loop.run_until_complete(asyncio.sleep(0.5))  # the events cross a socket
@@ -276,8 +278,8 @@ def test_a_prompt_only_scored_gets_kvrelays_prompt_logprobs_and_a_resumed_stream
     whole = [t for o in collect(served, "whole", prompt) for t in o.outputs[0].token_ids]
 
     async def resume():
-        return [o async for o in engine.generate("resumed", params=GREEDY, prompt_token_ids=prompt,
-                                                 prior_output_token_ids=whole[:5])]
+        return [o async for o in engine.generate(EngineRequest("resumed", params=GREEDY, prompt_token_ids=prompt,
+                                                 prior_output_token_ids=whole[:5]))]
 
     resumed = loop.run_until_complete(resume())
     assert [t for o in resumed for t in o.outputs[0].token_ids] == whole[5:]

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from serving.engine import SamplingParams
+from serving.engine.contract import EngineRequest
 from serving.engine.errors import InvalidRequestError
 from serving.engine.kv.payload import ShmRange
 from serving.engine.vllm.engine import VLLMEngine
@@ -41,7 +42,7 @@ def prompt(engines) -> list[int]:
 
 def run(loop, engine: VLLMEngine, request_id: str, prompt: list[int], params: SamplingParams, **kwargs) -> list[int]:
     async def go():
-        return [t async for out in engine.generate(request_id, params=params, prompt_token_ids=prompt, **kwargs)
+        return [t async for out in engine.generate(EngineRequest(request_id, params=params, prompt_token_ids=prompt, **kwargs))
                 for t in out.outputs[0].token_ids]
 
     return loop.run_until_complete(go())
@@ -92,7 +93,7 @@ def test_a_save_in_place_is_offered_from_its_range_and_loaded_from_it(engines, p
     os.pwrite(fd, b"arena-id", 0)
     target = ShmRange(f"/proc/{os.getpid()}/fd/{fd}", 8192, num_bytes, b"arena-id")
     try:
-        first, payload = prefilled(engines, "h2", prompt, export_into=target, export_until=time.monotonic() + 30)
+        first, payload = prefilled(engines, "h2", prompt, export_into=target, export_until_mono_s=time.monotonic() + 30)
         assert payload.shm == target and payload.kv.shape[:2] == (30, -(-len(prompt) // 32))
         payload = dataclasses.replace(payload, readable_until=time.monotonic() + 30)
         computed, expired = figures(decode, loop)
@@ -132,7 +133,7 @@ def test_a_save_too_late_holds_nothing_and_a_bad_payload_is_a_400(engines, promp
     target = ShmRange(f"/proc/{os.getpid()}/fd/{fd}", 0, num_bytes)
     try:
         run(loop, prefill, "h4", prompt, SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True,
-            export_into=target, export_until=time.monotonic() - 1)
+            export_into=target, export_until_mono_s=time.monotonic() - 1)
         with pytest.raises(KeyError):
             loop.run_until_complete(prefill.export_kv("h4"))
         longer = prompt + list(range(100, 140))  # more blocks than the range holds
@@ -166,8 +167,8 @@ def test_nothing_stays_held_or_open_after_exports_releases_and_abandoned_streams
     first, payload = prefilled(engines, "r2", prompt)
 
     async def abandon():  # a decode whose client leaves at its first token
-        stream = decode.generate("r2", params=SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
-                                 prompt_token_ids=prompt, kv_payload=payload, prior_output_token_ids=first)
+        stream = decode.generate(EngineRequest("r2", params=SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
+                                 prompt_token_ids=prompt, kv_payload=payload, prior_output_token_ids=first))
         await stream.__anext__()
         await stream.aclose()
 
