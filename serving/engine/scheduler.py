@@ -43,7 +43,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from serving.engine.kv.block_manager import BlockManager
 from serving.engine.request import RequestStatus, Sequence
@@ -61,34 +61,24 @@ class SchedulerOutput:
     timed_out: list[Sequence] = field(default_factory=list)  # out of the queue: waited past max_queue_wait_s
 
 
+@dataclass(eq=False)
 class Scheduler:
-    def __init__(
-        self,
-        block_manager: BlockManager,
-        *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        long_prefill_token_threshold: int = 0,
-        max_long_partial_prefills: int = 1,
-        max_queue_wait_s: float | None = None,
-        priority_aging_s: float | None = None,
-        clock: Callable[[], float] = time.monotonic,  # the clock of Sequence.arrival_time
-        sliding_window: int = 0,  # every layer's window (the least); 0: none, blocks are kept to the end
-    ):
-        self.block_manager = block_manager
-        self.sliding_window = sliding_window
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.long_prefill_token_threshold = long_prefill_token_threshold
-        self.max_long_partial_prefills = max_long_partial_prefills
-        self.max_queue_wait_s = max_queue_wait_s
-        self.priority_aging_s = priority_aging_s
-        self.clock = clock
-        self.waiting: list[Sequence] = []  # sorted by sort_key (by aged_key from each step's admissions)
-        self.running: list[Sequence] = []  # sorted by sort_key
-        self.num_preemptions = 0
-        self.num_expired_imports = 0  # imports whose arena lease ran out first: computed instead
-        self.num_queue_timeouts = 0  # requests taken out of the queue after max_queue_wait_s
+    block_manager: BlockManager
+    _: KW_ONLY
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    long_prefill_token_threshold: int = 0
+    max_long_partial_prefills: int = 1
+    max_queue_wait_s: float | None = None
+    priority_aging_s: float | None = None
+    clock: Callable[[], float] = time.monotonic  # the clock of Sequence.arrival_mono_s
+    sliding_window: int = 0  # every layer's window (the least); 0: none, blocks are kept to the end
+    # sorted by sort_key (by aged_key from each step's admissions)
+    waiting: list[Sequence] = field(default_factory=list, init=False, repr=False)
+    running: list[Sequence] = field(default_factory=list, init=False, repr=False)  # sorted by sort_key
+    num_preemptions: int = field(default=0, init=False)
+    num_expired_imports: int = field(default=0, init=False)  # imports whose arena lease ran out first: computed instead
+    num_queue_timeouts: int = field(default=0, init=False)  # requests taken out of the queue after max_queue_wait_s
 
     def add(self, seq: Sequence) -> None:
         seq.status = RequestStatus.WAITING if seq.num_preemptions == 0 else RequestStatus.PREEMPTED
@@ -103,19 +93,32 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.sliding_window:
+            self._release_passed_blocks()
+        budget, num_long = self._schedule_running(out)
+        if out.preempted:
+            self._time_out_waiting(out)
+            return out
+        self._admit_waiting(out, budget, num_long)
+        self._time_out_waiting(out)
+        return out
+
+    def _release_passed_blocks(self) -> None:
+        """Their next queries (from num_computed_tokens on) see keys from here: the blocks before
+        go back to the pool, every running sequence's before any allocates. An exported sequence
+        keeps its whole prompt in one pool (the payload is every layer's block), its window in
+        two (the importer takes only that: HybridBlockManager); a parent keeps its prompt until
+        its children share it."""
+        bm = self.block_manager
+        for seq in self.running:
+            if not seq.forks_pending and (bm.releases_held or not seq.hold_kv):
+                bm.release_before(seq, seq.num_computed_tokens - self.sliding_window + 1)
+
+    def _schedule_running(self, out: SchedulerOutput) -> tuple[int, int]:
+        """The running sequences' next tokens, in priority order, preempting from the back where
+        blocks run out; the token budget left and the number of long prefills scheduled."""
         budget = self.max_num_batched_tokens
         bm = self.block_manager
-
-        if self.sliding_window:
-            # Their next queries (from num_computed_tokens on) see keys from here: the blocks
-            # before go back to the pool, every running sequence's before any allocates. An
-            # exported sequence keeps its whole prompt in one pool (the payload is every layer's
-            # block), its window in two (the importer takes only that: HybridBlockManager); a
-            # parent keeps its prompt until its children share it.
-            for seq in self.running:
-                if not seq.forks_pending and (bm.releases_held or not seq.hold_kv):
-                    bm.release_before(seq, seq.num_computed_tokens - self.sliding_window + 1)
-
         num_long = 0  # long prefills running this step
         i = 0
         while i < len(self.running) and budget > 0:
@@ -143,11 +146,10 @@ class Scheduler:
                 out.scheduled.append((seq, num_new))
                 budget -= num_new
                 i += 1
+        return budget, num_long
 
-        if out.preempted:
-            self._time_out_waiting(out)
-            return out
-
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, num_long: int) -> None:
+        """Waiting sequences into the running set while the budget, the seat count and blocks allow."""
         if self.priority_aging_s is not None and len(self.waiting) > 1:
             now = self.clock()
             self.waiting.sort(key=lambda s: self.aged_key(s, now))
@@ -163,23 +165,21 @@ class Scheduler:
             self.waiting.pop(j)
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             seq.status = RequestStatus.RUNNING
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.monotonic()
+            if seq.first_scheduled_mono_s is None:
+                seq.first_scheduled_mono_s = time.monotonic()
             num_long += self._is_long(num_left)
             budget -= out.scheduled[-1][1]
-        self._time_out_waiting(out)
-        return out
 
     def aged_key(self, seq: Sequence, now: float) -> tuple[int, float, int]:
         """`seq.sort_key` with its priority improved by one level per `priority_aging_s` waited."""
-        levels = int(max(0.0, now - seq.arrival_time) // self.priority_aging_s)
-        return (seq.priority - levels, seq.arrival_time, seq.seq_id)
+        levels = int(max(0.0, now - seq.arrival_mono_s) // self.priority_aging_s)
+        return (seq.priority - levels, seq.arrival_mono_s, seq.seq_id)
 
     def seconds_to_queue_timeout(self) -> float | None:
         """How long until the next waiting sequence times out (0: one has); None: none can."""
         if self.max_queue_wait_s is None:
             return None
-        arrivals = [s.arrival_time for s in self.waiting if _is_fresh(s)]
+        arrivals = [s.arrival_mono_s for s in self.waiting if _is_fresh(s)]
         if not arrivals:
             return None
         return max(0.0, min(arrivals) + self.max_queue_wait_s - self.clock())
@@ -188,7 +188,7 @@ class Scheduler:
         if self.max_queue_wait_s is None or not self.waiting:
             return
         latest_arrival = self.clock() - self.max_queue_wait_s
-        timed_out = [s for s in self.waiting if s.arrival_time < latest_arrival and _is_fresh(s)]
+        timed_out = [s for s in self.waiting if s.arrival_mono_s < latest_arrival and _is_fresh(s)]
         for seq in timed_out:
             self.waiting.remove(seq)
         out.timed_out = timed_out
@@ -239,7 +239,7 @@ class Scheduler:
             return False, left
         if fresh and bm.enable_prefix_caching:
             bm.record_prefix_query(seq.num_tokens, computed)
-        if seq.num_preemptions == 0 and seq.first_scheduled_time is None:
+        if seq.num_preemptions == 0 and seq.first_scheduled_mono_s is None:
             seq.num_cached_tokens = computed
         out.scheduled.append((seq, num_new))
         return True, left
@@ -255,4 +255,4 @@ class Scheduler:
 
 def _is_fresh(seq: Sequence) -> bool:
     """Its request has not started: it may still be refused for waiting too long."""
-    return seq.index == 0 and seq.first_scheduled_time is None and seq.num_output_tokens == 0
+    return seq.index == 0 and seq.first_scheduled_mono_s is None and seq.num_output_tokens == 0

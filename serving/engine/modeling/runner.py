@@ -128,66 +128,84 @@ class ModelRunner:
             num_sample_rows=[s.num_computed_tokens + n - s.num_tokens + 1 for s, n in sampling],
         )
 
-    def _padded(self, tables: list[list[int]]) -> torch.Tensor | None:
-        """[B, max_blocks] int64, padded with block 0; None for no rows."""
-        if not tables:
-            return None
-        width = max(len(t) for t in tables)
-        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
-
     def execute(self, step: StepInput) -> torch.Tensor:
         """Run one forward pass; returns float32 logits, [len(step.sampling_seqs) + the prompt
         spans' rows, vocab]: the sampling rows first."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        sample_rows: list[int] = []
-        prefills: list[PrefillChunk] = []
-        span_of = {span.seq: span for span in step.prompt_spans}
-        prompt_rows: list[int] = []
-
         num_pools = 2 if self.kv_cache.sliding_layers else 1  # the sliding layers' blocks: a pool of their own
-        slot_mapping = [[] for _ in range(num_pools)]
-        decode_tables: list[list[list[int]]] = [[] for _ in range(num_pools)]
-        prefill_blocks: list[list[torch.Tensor]] = [[] for _ in range(num_pools)]
-        decode_lens: list[int] = []
-        per_token_attention = self.model.is_batch_invariant
+        layout = _StepLayout(self.block_size, num_pools, self.model.is_batch_invariant, self.device)
+        span_of = {span.seq: span for span in step.prompt_spans}
         for seq, n in zip(step.seqs, step.num_new_tokens):
-            start = seq.num_computed_tokens
-            end = start + n
-            tables = [seq.block_ids] if num_pools == 1 else [seq.block_ids, seq.sliding_table.block_ids]
-            q_start = len(input_ids)
-            known = seq.num_tokens
-            if end <= known:
-                input_ids += seq.token_ids[start:end]
-            else:  # the last known token and proposed ones after it
-                input_ids += seq.token_ids[start:] + seq.spec_token_ids[: end - known]
-            positions += range(start, end)
-            for slots, table in zip(slot_mapping, tables):
-                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            if end >= known and seq.max_tokens > 0:
-                sample_rows += range(q_start + known - 1 - start, q_start + n)
-            span = span_of.get(seq) if span_of else None
-            if span is not None:  # in step.prompt_spans order: spans follow the token layout
-                prompt_rows += range(q_start + span.start - start, q_start + span.end - start)
-            if n == 1:
-                for pool, table in zip(decode_tables, tables):
-                    pool.append(table)
-                decode_lens.append(end)
-            elif per_token_attention:
-                for pool, table in zip(decode_tables, tables):
-                    pool += [table[: -(-end // bs)]] * n
-                decode_lens += range(start + 1, end + 1)
-            else:
-                num_blocks = -(-end // bs)
-                for pool, table in zip(prefill_blocks, tables):
-                    pool.append(torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device))
-                mask = None
-                if start > 0:
-                    # query i (position start + i) sees keys 0 .. start + i
-                    mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start).to(self.device)
-                prefills.append(PrefillChunk(q_start, n, end, prefill_blocks[0][-1], mask))
+            # in step.prompt_spans order: spans follow the token layout
+            layout.add(seq, n, span_of.get(seq) if span_of else None)
+        hidden = self.model.forward(
+            torch.tensor(layout.input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(layout.positions, dtype=torch.long, device=self.device),
+            self.kv_cache.layers,
+            layout.attention_metadata(),
+            lora=self._lora_batch(step, len(layout.input_ids)),
+        )
+        rows = torch.tensor(layout.sample_rows + layout.prompt_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))
 
+
+class _StepLayout:
+    """One step's tokens laid out for the forward pass (module docstring), sequence by sequence:
+    input ids and positions, the logits rows, and per KV pool (the full layers', the sliding
+    layers') the slots written and the block tables read."""
+
+    def __init__(self, block_size: int, num_pools: int, per_token_attention: bool, device: torch.device):
+        self.block_size, self.num_pools, self.device = block_size, num_pools, device
+        self.per_token_attention = per_token_attention  # batch-invariant: every token a decode row
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.sample_rows: list[int] = []
+        self.prompt_rows: list[int] = []
+        self.prefills: list[PrefillChunk] = []
+        self.decode_lens: list[int] = []
+        self.slot_mapping: list[list[int]] = [[] for _ in range(num_pools)]
+        self.decode_tables: list[list[list[int]]] = [[] for _ in range(num_pools)]
+        self.prefill_blocks: list[list[torch.Tensor]] = [[] for _ in range(num_pools)]
+
+    def add(self, seq: Sequence, n: int, span: PromptSpan | None) -> None:
+        """`seq`'s next `n` tokens (its prompt logprobs' `span`, if any, among them)."""
+        bs = self.block_size
+        start = seq.num_computed_tokens
+        end = start + n
+        tables = [seq.block_ids] if self.num_pools == 1 else [seq.block_ids, seq.sliding_table.block_ids]
+        q_start = len(self.input_ids)
+        known = seq.num_tokens
+        if end <= known:
+            self.input_ids += seq.token_ids[start:end]
+        else:  # the last known token and proposed ones after it
+            self.input_ids += seq.token_ids[start:] + seq.spec_token_ids[: end - known]
+        self.positions += range(start, end)
+        for slots, table in zip(self.slot_mapping, tables):
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+        if end >= known and seq.max_tokens > 0:
+            self.sample_rows += range(q_start + known - 1 - start, q_start + n)
+        if span is not None:
+            self.prompt_rows += range(q_start + span.start - start, q_start + span.end - start)
+        if n == 1:
+            for pool, table in zip(self.decode_tables, tables):
+                pool.append(table)
+            self.decode_lens.append(end)
+        elif self.per_token_attention:
+            for pool, table in zip(self.decode_tables, tables):
+                pool += [table[: -(-end // bs)]] * n
+            self.decode_lens += range(start + 1, end + 1)
+        else:
+            num_blocks = -(-end // bs)
+            for pool, table in zip(self.prefill_blocks, tables):
+                pool.append(torch.tensor(table[:num_blocks], dtype=torch.long, device=self.device))
+            mask = None
+            if start > 0:
+                # query i (position start + i) sees keys 0 .. start + i
+                mask = torch.ones(n, end, dtype=torch.bool).tril(diagonal=start).to(self.device)
+            self.prefills.append(PrefillChunk(q_start, n, end, self.prefill_blocks[0][-1], mask))
+
+    def attention_metadata(self) -> AttentionMetadata:
+        """The full pool's metadata, the sliding pool's (if any) as its `sliding`."""
+        decode_lens = self.decode_lens
         decode_lens_t = torch.tensor(decode_lens, dtype=torch.long, device=self.device) if decode_lens else None
         metas = [
             AttentionMetadata(
@@ -195,18 +213,17 @@ class ModelRunner:
                 num_decode_tokens=len(decode_lens),
                 decode_block_tables=self._padded(tables),
                 decode_context_lens=decode_lens_t,
-                prefills=[dataclasses.replace(chunk, block_ids=ids) for chunk, ids in zip(prefills, blocks)],
+                prefills=[dataclasses.replace(chunk, block_ids=ids) for chunk, ids in zip(self.prefills, blocks)],
             )
-            for slots, tables, blocks in zip(slot_mapping, decode_tables, prefill_blocks)
+            for slots, tables, blocks in zip(self.slot_mapping, self.decode_tables, self.prefill_blocks)
         ]
         meta = metas[0]
-        meta.sliding = metas[1] if num_pools == 2 else None
-        hidden = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.kv_cache.layers,
-            meta,
-            lora=self._lora_batch(step, len(input_ids)),
-        )
-        rows = torch.tensor(sample_rows + prompt_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        meta.sliding = metas[1] if self.num_pools == 2 else None
+        return meta
+
+    def _padded(self, tables: list[list[int]]) -> torch.Tensor | None:
+        """[B, max_blocks] int64, padded with block 0; None for no rows."""
+        if not tables:
+            return None
+        width = max(len(t) for t in tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)

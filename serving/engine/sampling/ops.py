@@ -175,62 +175,19 @@ def _filter(
 
     `stage` indexes _TOP_P_CANDIDATES for top_p-only rows; past its end they are sorted.
     """
-    vocab_size = x.shape[1]
-    num_top_p_candidates = (
-        _TOP_P_CANDIDATES[stage] if stage < len(_TOP_P_CANDIDATES) else vocab_size
-    )
-    groups: dict[tuple[str, int], list[int]] = {}
-    for i in range(x.shape[0]):
-        if 0 < top_k[i] < vocab_size:
-            key = ("top_k", top_k[i])
-        elif top_p[i] < 1.0:
-            key = ("top_p", min(vocab_size, num_top_p_candidates))
-        else:
-            key = ("vocab", vocab_size)
-        groups.setdefault(key, []).append(i)
-
     result: list[_Candidates] = []
     too_narrow: list[int] = []
-    for (kind, width), idx in groups.items():
+    for (kind, width), idx in _filter_paths(*x.shape, top_k, top_p, stage).items():
         sub = _take(x, idx)
         if kind == "vocab":
             probs = torch.softmax(sub, dim=-1)
             _apply_min_p(probs, probs.amax(dim=-1, keepdim=True), [min_p[i] for i in idx])
             result.append(_Candidates(idx, probs, None))
             continue
-        if width < vocab_size:
-            values, token_ids = sub.topk(width, dim=-1)
-        else:
-            # stable: tied logits keep id order.
-            values, token_ids = sub.sort(dim=-1, descending=True, stable=True)
-        # top_k renormalises over the k kept; a top_p-only row needs its full-vocab mass.
-        log_norm = torch.logsumexp(values if kind == "top_k" else sub, dim=-1, keepdim=True)
-        probs = torch.exp(values - log_norm)
-        cum = probs.cumsum(dim=-1)
-        thresholds = torch.tensor(
-            # A disabled row gets an infinite threshold: a float32 cumsum can reach 1.0 before
-            # the tail and would cut tokens with tiny but nonzero probability.
-            [top_p[i] if top_p[i] < 1.0 else math.inf for i in idx],
-            dtype=torch.float32,
-            device=x.device,
-        )[:, None]
-        if kind == "top_p" and width < vocab_size:
-            # The candidates are enough where the first token past them would be cut anyway.
-            enough = (cum[:, -1:] >= thresholds).squeeze(1).tolist()
-            if not all(enough):
-                too_narrow.extend(i for i, ok in zip(idx, enough) if not ok)
-                keep = [j for j, ok in enumerate(enough) if ok]
-                idx = [idx[j] for j in keep]
-                if not idx:
-                    continue
-                keep_t = torch.tensor(keep, device=x.device)
-                probs, token_ids = probs[keep_t], token_ids[keep_t]
-                cum, thresholds = cum[keep_t], thresholds[keep_t]
-        beyond_p = (cum - probs) >= thresholds
-        beyond_p[:, 0] = False
-        probs.masked_fill_(beyond_p, 0.0)
-        _apply_min_p(probs, probs[:, :1], [min_p[i] for i in idx])
-        result.append(_Candidates(idx, probs, token_ids))
+        candidates, narrow = _filter_top(sub, kind, width, idx, top_p, min_p)
+        too_narrow.extend(narrow)
+        if candidates is not None:
+            result.append(candidates)
 
     if too_narrow:
         for group in _filter(
@@ -243,6 +200,72 @@ def _filter(
             group.rows = [too_narrow[j] for j in group.rows]
             result.append(group)
     return result
+
+
+def _filter_paths(
+    num_rows: int, vocab_size: int, top_k: Sequence[int], top_p: Sequence[float], stage: int
+) -> dict[tuple[str, int], list[int]]:
+    """Rows by (filter path, candidate width): top_k, top_p (over a stage's candidates) or vocab."""
+    num_top_p_candidates = (
+        _TOP_P_CANDIDATES[stage] if stage < len(_TOP_P_CANDIDATES) else vocab_size
+    )
+    groups: dict[tuple[str, int], list[int]] = {}
+    for i in range(num_rows):
+        if 0 < top_k[i] < vocab_size:
+            key = ("top_k", top_k[i])
+        elif top_p[i] < 1.0:
+            key = ("top_p", min(vocab_size, num_top_p_candidates))
+        else:
+            key = ("vocab", vocab_size)
+        groups.setdefault(key, []).append(i)
+    return groups
+
+
+def _filter_top(
+    sub: torch.Tensor,
+    kind: str,
+    width: int,
+    idx: list[int],
+    top_p: Sequence[float],
+    min_p: Sequence[float],
+) -> tuple[_Candidates | None, list[int]]:
+    """One top_k or top_p group (rows `idx` of the batch, logits `sub`) filtered to its `width`
+    best tokens; and the top_p rows whose candidates were too few (to be tried wider)."""
+    vocab_size = sub.shape[1]
+    if width < vocab_size:
+        values, token_ids = sub.topk(width, dim=-1)
+    else:
+        # stable: tied logits keep id order.
+        values, token_ids = sub.sort(dim=-1, descending=True, stable=True)
+    # top_k renormalises over the k kept; a top_p-only row needs its full-vocab mass.
+    log_norm = torch.logsumexp(values if kind == "top_k" else sub, dim=-1, keepdim=True)
+    probs = torch.exp(values - log_norm)
+    cum = probs.cumsum(dim=-1)
+    thresholds = torch.tensor(
+        # A disabled row gets an infinite threshold: a float32 cumsum can reach 1.0 before
+        # the tail and would cut tokens with tiny but nonzero probability.
+        [top_p[i] if top_p[i] < 1.0 else math.inf for i in idx],
+        dtype=torch.float32,
+        device=sub.device,
+    )[:, None]
+    too_narrow: list[int] = []
+    if kind == "top_p" and width < vocab_size:
+        # The candidates are enough where the first token past them would be cut anyway.
+        enough = (cum[:, -1:] >= thresholds).squeeze(1).tolist()
+        if not all(enough):
+            too_narrow = [i for i, ok in zip(idx, enough) if not ok]
+            keep = [j for j, ok in enumerate(enough) if ok]
+            idx = [idx[j] for j in keep]
+            if not idx:
+                return None, too_narrow
+            keep_t = torch.tensor(keep, device=sub.device)
+            probs, token_ids = probs[keep_t], token_ids[keep_t]
+            cum, thresholds = cum[keep_t], thresholds[keep_t]
+    beyond_p = (cum - probs) >= thresholds
+    beyond_p[:, 0] = False
+    probs.masked_fill_(beyond_p, 0.0)
+    _apply_min_p(probs, probs[:, :1], [min_p[i] for i in idx])
+    return _Candidates(idx, probs, token_ids), too_narrow
 
 
 def _apply_min_p(probs: torch.Tensor, max_probs: torch.Tensor, min_p: list[float]) -> None:

@@ -205,6 +205,21 @@ class Sampler:
         raw_logprobs = (
             torch.log_softmax(_take(x, logprob_rows), dim=-1) if logprob_rows else None
         )
+        self._process(x, rows, bias_rows, masked_rows, penalty_rows, grammar_rows)
+        token_ids = self._choose(x, rows, greedy_rows)
+
+        logprobs: list[TokenLogprob | None] = [None] * num_rows
+        if raw_logprobs is not None:
+            chosen = _take(token_ids, logprob_rows)
+            collected = _collect_logprobs(raw_logprobs, chosen, [rows[i] for i in logprob_rows])
+            for i, lp in zip(logprob_rows, collected):
+                logprobs[i] = lp
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    def _process(self, x: torch.Tensor, rows: list[SamplingRow], bias_rows: list[int], masked_rows: list[int],
+                 penalty_rows: list[int], grammar_rows: list[int]) -> None:
+        """The logits processors, in place on the float32 copy `x`, each on the rows that need it:
+        logit bias, the min_tokens mask, penalties, then the grammar's allowed tokens."""
         if bias_rows:
             _apply_logit_bias(x, rows, bias_rows)
         if masked_rows:
@@ -225,6 +240,9 @@ class Sampler:
                 rows[i].grammar.fill_bitmask(bitmask, j)
             apply_token_bitmask(x, bitmask, grammar_rows)
 
+    def _choose(self, x: torch.Tensor, rows: list[SamplingRow], greedy_rows: list[int]) -> torch.Tensor:
+        """Each row's token from its processed logits: argmax for the greedy rows, a draw for the others."""
+        num_rows = len(rows)
         token_ids = torch.empty(num_rows, dtype=torch.long, device=x.device)
         if greedy_rows:
             _put(token_ids, greedy_rows, _take(x, greedy_rows).argmax(dim=-1))
@@ -235,14 +253,7 @@ class Sampler:
                 sampled_rows,
                 self._sample(_take(x, sampled_rows), [rows[i] for i in sampled_rows]),
             )
-
-        logprobs: list[TokenLogprob | None] = [None] * num_rows
-        if raw_logprobs is not None:
-            chosen = _take(token_ids, logprob_rows)
-            collected = _collect_logprobs(raw_logprobs, chosen, [rows[i] for i in logprob_rows])
-            for i, lp in zip(logprob_rows, collected):
-                logprobs[i] = lp
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+        return token_ids
 
     def _split(self, logits: torch.Tensor, rows: list[SamplingRow], plain: list[int]) -> SamplerOutput:
         """Plain greedy rows (nothing else to do) take one argmax over the caller's tensor; the
