@@ -56,6 +56,11 @@ class PrefixHits(list):
         self.sliding_ids = sliding_ids
 
 
+def _full_pools(name: str) -> property:
+    """HybridBlockManager's `name`: the full pool's."""
+    return property(lambda self: getattr(self.full, name), doc=f"The full pool's {name}.")
+
+
 class HybridBlockManager:
     """Blocks for a model whose sliding-window layers are interleaved with full-attention ones
     (Gemma 2/3, Qwen's layer_types): two pools (kv_cache.py), each a BlockManager with its own
@@ -88,25 +93,14 @@ class HybridBlockManager:
         return seq.sliding_table
 
     # ---- state (the full pool's, which holds every token; usage the fuller pool's) ------------
-    @property
-    def num_blocks(self) -> int:
-        return self.full.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.full.num_free_blocks
+    num_blocks = _full_pools("num_blocks")
+    num_free_blocks = _full_pools("num_free_blocks")
+    num_prefix_query_tokens = _full_pools("num_prefix_query_tokens")
+    num_prefix_hit_tokens = _full_pools("num_prefix_hit_tokens")
 
     @property
     def usage(self) -> float:
         return max(self.full.usage, self.sliding.usage)
-
-    @property
-    def num_prefix_query_tokens(self) -> int:
-        return self.full.num_prefix_query_tokens
-
-    @property
-    def num_prefix_hit_tokens(self) -> int:
-        return self.full.num_prefix_hit_tokens
 
     def take_events(self) -> list[KVEvent]:
         self.sliding.take_events()

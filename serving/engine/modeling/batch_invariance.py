@@ -3,13 +3,13 @@ depend on how its step was put together: how many other rows share it, whether i
 from the prefix cache, a KV hand-off or this step, how its prompt was chunked. Every linear
 layer, for any number of rows, runs the native small-M kernel, which sums each output in one
 fixed order per row (csrc/kernels.cpp); attention runs every token, prefill or decode, through the
-one paged kernel, one query row at a time over its own context (model_runner.py); the glue
+one paged kernel, one query row at a time over its own context (runner.py); the glue
 kernels (RMSNorm, RoPE, SiLU) are per row already. Without it, oneDNN's GEMM runs the rows above
 the native limit, whose rounding varies with the row count, and prefill chunks go through SDPA,
 whose sums differ from the decode kernel's: in bf16 enough to change a sampled or greedy token.
 It needs the native kernels and a bf16 or fp32 model (`is_batch_invariant` says whether it runs).
 The default, `deterministic: "auto"`, turns it on only where it was measured to cost nothing: bf16
-on a CPU with AVX512-BF16 (the packed kernel) and without AMX (_batch_invariance).
+on a CPU with AVX512-BF16 (the packed kernel) and without AMX (batch_invariance()).
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ class LlamaModel:
         meta: AttentionMetadata,
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
-        self._lora = lora  # the step's adapters (lora.py), read by _linear
+        self._lora = lora  # the step's adapters (lora.py), read by _lin
         if self.spec.family == "gemma":
             return self._forward_gemma(input_ids, positions, kv_caches, meta)
         kernels = native_kernels() if self.device.type == "cpu" else None

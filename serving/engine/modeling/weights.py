@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Layer:
+    """One decoder layer's weights, in the fused layout of the module docstring."""
+
     input_norm: torch.Tensor
     qkv: Linear
     o: Linear
@@ -43,6 +45,8 @@ class Layer:
 
 @dataclass
 class ModelWeights:
+    """Every weight of the model, out of the checkpoint."""
+
     embed: torch.Tensor
     layers: list[Layer]
     norm: torch.Tensor

@@ -56,6 +56,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from serving.engine.sampling.text_chunks import TextChunks
+
 __all__ = ["IncrementalDetokenizer"]
 
 logger = logging.getLogger(__name__)
@@ -117,16 +119,14 @@ class IncrementalDetokenizer:
         # Characters of the current `pending` text already emitted (the part before a held
         # trailing run of U+FFFD).
         self._num_pending_chars_emitted = 0
-        self._chunks: list[str] = []
+        self._chunks = TextChunks()
         self._is_flushed = False
         self._has_warned_unstable_decode = False
 
     @property
     def text(self) -> str:
         """All text emitted so far (held-back text excluded until it is released)."""
-        if len(self._chunks) > 1:
-            self._chunks = ["".join(self._chunks)]
-        return self._chunks[0] if self._chunks else ""
+        return self._chunks.text
 
     @property
     def num_window_tokens(self) -> int:

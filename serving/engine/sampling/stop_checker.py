@@ -48,6 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from serving.engine.params import SamplingParams
+from serving.engine.sampling.text_chunks import TextChunks
 
 __all__ = ["StopResult", "StopChecker"]
 
@@ -81,7 +82,7 @@ class StopChecker:
         self._max_tokens = max_tokens
         # Only the unreleased text is kept for matching: a later match always starts inside
         # the held suffix (module docstring), never in released text.
-        self._released_chunks: list[str] = []
+        self._released_chunks = TextChunks()
         self._held = ""
         self._finish_reason: str | None = None
         self._is_flushed = False
@@ -104,9 +105,7 @@ class StopChecker:
     @property
     def text(self) -> str:
         """The text released so far (the final output text once finished)."""
-        if len(self._released_chunks) > 1:
-            self._released_chunks = ["".join(self._released_chunks)]
-        return self._released_chunks[0] if self._released_chunks else ""
+        return self._released_chunks.text
 
     @property
     def held_text(self) -> str:

@@ -12,7 +12,7 @@ Each draft step is one forward pass of the draft over every speculating sequence
 step at once (step 0 mixes one-row decodes and catch-up chunks, as the engine's own steps mix
 decodes and prefill chunks), so a step of the engine costs k draft forwards, whatever the batch.
 
-The draft is loaded by the engine's own loader (model_loader.py, model.py) in the model's dtype
+The draft is loaded by the engine's own loader (loader.py, model.py) in the model's dtype
 on its device, and runs through the engine's ModelRunner with a KV cache and a BlockManager of its
 own (`draft_num_blocks` blocks of the engine's block size, no prefix caching). It keeps one
 Sequence per target sequence: the tokens it last saw and proposed, and how many of them have KV
