@@ -9,7 +9,7 @@ each KV head's rows are contiguous, which is what the decode kernel streams thro
 A model whose sliding-window layers are interleaved with full-attention ones (Gemma 2/3, Qwen's
 layer_types) gets two such tensors, two pools of blocks with their own ids: the full layers'
 (`data`) and the sliding layers' (`sliding_data`), whose blocks a sequence gives back as its
-window moves (block_manager.HybridBlockManager). A payload then holds the full layers' blocks,
+window moves (hybrid_block_manager.HybridBlockManager). A payload then holds the full layers' blocks,
 then the sliding layers', each gathered by its own table.
 """
 
