@@ -101,10 +101,10 @@ class ReplicaSignals:
     # The engine's decode steps run back to back, since the previous report: steps/s, sequences
     # they decoded/s, and their periods' seconds/s (serving/engine/engine.py DecodeSteps). The
     # planner's decode correction comes from the replicas that counted steps; 0: none counted,
-    # or an older worker (with none in the pool, the stream law's fit: planner._learn).
+    # or an older worker (with none in the pool, the stream law's fit: sizing.learn_correction).
     decode_steps_per_s: float | None = None
     decode_rows_per_s: float | None = None
-    decode_busy: float | None = None
+    decode_busy_s_per_s: float | None = None
     replica: str | None = None  # which replica (Serve's replica id): not on the wire, Serve keys by it
 
     def to_wire(self) -> dict[str, float]:
@@ -118,7 +118,7 @@ class ReplicaSignals:
 SIGNALS = ("num_queued_prefill_tokens", "ttft_p95_ms", "num_seqs", "kv_usage", "tpot_p95_ms")
 WORKLOAD_SIGNALS = ("requests_per_s", "prompt_tokens_per_request", "output_tokens_per_request", "output_tokens_per_s",
                     "prefill_tokens_per_s", "decode_tokens_per_step", "requests_total", "decode_steps_per_s",
-                    "decode_rows_per_s", "decode_busy")
+                    "decode_rows_per_s", "decode_busy_s_per_s")
 # The names users know two signals by, the policy YAML's (its targets' keys spell them so): the
 # columns of a `kvrelay policy simulate` trace and the decisions' reasons. In code every signal is
 # its ReplicaSignals field, named as the engine's stats name the quantity.

@@ -81,7 +81,7 @@ def pool_load(pool: str, replicas: tuple[ReplicaSignals, ...]) -> PoolLoad | Non
     # one tells nothing of a step's time; an older worker reports none).
     stepped = [r for r in replicas if (r.decode_steps_per_s or 0.0) > 0]
     decode_steps = (sum(r.decode_steps_per_s for r in stepped), sum(r.decode_rows_per_s or 0.0 for r in stepped),
-                    sum(r.decode_busy or 0.0 for r in stepped)) if stepped else None
+                    sum(r.decode_busy_s_per_s or 0.0 for r in stepped)) if stepped else None
     return PoolLoad(rate, tokens, backlog=sum(r.num_seqs or 0.0 for r in replicas),
                     measured_decode=tuple((r.num_seqs or 0.0, s) for r, s in zip(replicas, steps)),
                     tokens_per_step=tokens_per_step, request_totals=totals, decode_steps=decode_steps)

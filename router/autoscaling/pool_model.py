@@ -204,7 +204,7 @@ class DecodeReplica(_Replica):
             tpot_p95_ms=percentile((ms for _, ms in self.latencies), 95), requests_per_s=len(self.arrivals) / window_s,
             prompt_tokens_per_request=0.0, output_tokens_per_request=_mean(n for _, n in self.finished),
             output_tokens_per_s=tokens_per_s, prefill_tokens_per_s=0.0, requests_total=float(self.num_arrived),
-            decode_steps_per_s=steps_per_s, decode_rows_per_s=tokens_per_s, decode_busy=busy,
+            decode_steps_per_s=steps_per_s, decode_rows_per_s=tokens_per_s, decode_busy_s_per_s=busy,
         )
 
 

@@ -354,5 +354,5 @@ def replica_signals(stats: EngineStats, latencies: RequestLatencies) -> ReplicaS
         requests_total=float(latencies.workload.num_arrived),
         decode_steps_per_s=steps,
         decode_rows_per_s=rows,
-        decode_busy=busy,
+        decode_busy_s_per_s=busy,
     )

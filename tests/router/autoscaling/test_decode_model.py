@@ -96,7 +96,7 @@ def test_the_correction_reads_the_profile_on_the_pool_models_replicas():
     # of Poisson streams (32-96 tokens) for 10 minutes, sampled as the replay samples them (every
     # 5 s, 30-s windows); a plan every 30 s from 60 s on. The fit reads 0.994 on average; the
     # tokens/s predicted at each replica's mean batch (an earlier estimate) read 1.056; the step
-    # account the planner reads first (planner._learn) reads 1 at every plan.
+    # account the planner reads first (sizing.learn_correction) reads 1 at every plan.
     import random
     import statistics
 

@@ -215,10 +215,10 @@ def test_pool_load_from_replica_signals():
     # The engines' decode step accounts, summed over the replicas that counted steps (an idle
     # one, or vLLM's engine, reports none).
     stepping = (ReplicaSignals(updated_at_s=1.0, requests_per_s=1.0, output_tokens_per_request=50.0, num_seqs=3.0,
-                               output_tokens_per_s=30.0, decode_steps_per_s=10.0, decode_rows_per_s=30.0, decode_busy=0.75),
+                               output_tokens_per_s=30.0, decode_steps_per_s=10.0, decode_rows_per_s=30.0, decode_busy_s_per_s=0.75),
                 ReplicaSignals(updated_at_s=1.0, requests_per_s=1.0, output_tokens_per_request=50.0, num_seqs=0.0),
                 ReplicaSignals(updated_at_s=1.0, requests_per_s=1.0, output_tokens_per_request=50.0, num_seqs=1.0,
-                               output_tokens_per_s=20.0, decode_steps_per_s=20.0, decode_rows_per_s=20.0, decode_busy=0.5))
+                               output_tokens_per_s=20.0, decode_steps_per_s=20.0, decode_rows_per_s=20.0, decode_busy_s_per_s=0.5))
     assert pool_load("decode", stepping).decode_steps == (30.0, 50.0, 1.25)
     assert pool_load("decode", speculating).decode_steps is None
     unfinished = (ReplicaSignals(updated_at_s=1.0, requests_per_s=2.0, output_tokens_per_request=0.0, num_seqs=3.0),)

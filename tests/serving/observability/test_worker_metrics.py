@@ -82,7 +82,7 @@ def test_replica_signals_report_every_signal_on_the_wire():
         "num_queued_prefill_tokens": 1234.0, "ttft_p95_ms": 0.0, "num_seqs": 5.0, "kv_usage": 0.6, "tpot_p95_ms": 0.0,
         "requests_per_s": 0.0, "prompt_tokens_per_request": 0.0, "output_tokens_per_request": 0.0,
         "output_tokens_per_s": 0.0, "prefill_tokens_per_s": 296.5, "decode_tokens_per_step": 1.0,
-        "requests_total": 0.0, "decode_steps_per_s": 0.0, "decode_rows_per_s": 0.0, "decode_busy": 0.0,
+        "requests_total": 0.0, "decode_steps_per_s": 0.0, "decode_rows_per_s": 0.0, "decode_busy_s_per_s": 0.0,
     }
     latencies.ttft_ms.add(80.0)
     assert replica_signals(replace(stats, num_waiting=0), latencies).ttft_p95_ms == 80.0
@@ -125,7 +125,7 @@ def test_replica_signals_carry_the_engines_decode_step_account(monkeypatch):
     latencies.decode_steps.report(0, 0, 0.0, now=100.0)  # the worker's previous report
     monkeypatch.setattr(worker_metrics.time, "monotonic", lambda: 105.0)  # five seconds later
     signals = replica_signals(replace(stats, decode_steps=100, decode_step_rows=400, decode_step_s=4.5), latencies)
-    assert (signals.decode_steps_per_s, signals.decode_rows_per_s, signals.decode_busy) == (20.0, 80.0, 0.9)
+    assert (signals.decode_steps_per_s, signals.decode_rows_per_s, signals.decode_busy_s_per_s) == (20.0, 80.0, 0.9)
 
 
 def test_tracked_requests_feed_the_workload_window():
