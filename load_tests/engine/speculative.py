@@ -193,7 +193,7 @@ def _stream(engine, request_id: str, prompt: list[int], max_tokens: int) -> tupl
     after = engine.stats()
     m = final.metrics
     return tokens, StreamRun(
-        len(tokens), m.finished_time - m.first_token_time,
+        len(tokens), m.finished_mono_s - m.first_token_mono_s,
         after.spec_proposed_tokens - before.spec_proposed_tokens,
         after.spec_accepted_tokens - before.spec_accepted_tokens,
         after.spec_verify_steps - before.spec_verify_steps,

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "EngineConfig": "serving.engine.config",
+    "EngineClient": "serving.engine.contract",
+    "EngineRequest": "serving.engine.contract",
     "LLMEngine": "serving.engine.engine",
     "ContextLengthError": "serving.engine.errors",
     "EngineDeadError": "serving.engine.errors",
@@ -28,13 +30,15 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "CompletionOutput", "ContextLengthError", "EngineConfig", "EngineDeadError", "EngineError", "EngineStats",
+    "CompletionOutput", "ContextLengthError", "EngineClient", "EngineConfig", "EngineDeadError", "EngineError",
+    "EngineRequest", "EngineStats",
     "InvalidRequestError", "KVLayout", "KVPayload", "LLMEngine", "ModelLoadError", "RequestFailedError",
     "RequestOutput", "SamplingParams", "TokenLogprob",
 ]
 
 if TYPE_CHECKING:
     from serving.engine.config import EngineConfig
+    from serving.engine.contract import EngineClient, EngineRequest
     from serving.engine.engine import LLMEngine
     from serving.engine.errors import (
         ContextLengthError,

@@ -1,6 +1,6 @@
 """The engine contract: what a worker replica asks of an engine, and the one request it sends.
 
-    WorkerRequest (serving/deployments/messages.py) ──EngineRequest.of / built once in the worker──▶
+    WorkerRequest ──messages.engine_request (once, in the worker)──▶ EngineRequest
     EngineClient.generate(EngineRequest) ──RequestOutput deltas──▶ worker ──▶ ingress
 
 Two engines implement it: AsyncEngine (kvrelay's LLMEngine on a step thread, async_engine.py) and

@@ -109,7 +109,7 @@ class Intake:
         for index in range(params.n):
             seq = Sequence(
                 request_id=request.request_id, index=index, prompt_token_ids=prompt,
-                params=params, max_tokens=max_tokens, priority=request.priority, arrival_time=arrival,
+                params=params, max_tokens=max_tokens, priority=request.priority, arrival_mono_s=arrival,
                 extra_keys=extra_keys, hold_kv=request.hold_kv, keep_cached=request.keep_cached,
                 lora=adapters[index] if adapters else None,
             )
@@ -127,7 +127,7 @@ class Intake:
         first.pending_import = request.kv_payload
         first.expected_cached_tokens = max(0, request.expected_cached_tokens)
         first.export_into = request.export_into
-        first.export_until = request.export_until_mono_s
+        first.export_until_mono_s = request.export_until_mono_s
         return tracked
 
     def admit(self, request: TrackedRequest) -> None:
@@ -156,7 +156,7 @@ class Intake:
         table, loras = self.table, self.engine.loras
         for request_id, (name, path) in list(table.lora_waiting.items()):
             request = table[request_id]
-            if limit is not None and time.monotonic() - request.arrival_time > limit:
+            if limit is not None and time.monotonic() - request.arrival_mono_s > limit:
                 ended.append(table.end(request, RequestStatus.FINISHED_QUEUE_TIMEOUT))
                 self.engine.scheduler.num_queue_timeouts += 1
                 continue

@@ -73,8 +73,8 @@ class OutputProcessor:
         """Append one sampled token: its grammar, text and stop checks; the choice's delta."""
         request = self.table[seq.request_id]
         state = request.seqs[seq.index]
-        if seq.first_token_time is None:
-            seq.first_token_time = now
+        if seq.first_token_mono_s is None:
+            seq.first_token_mono_s = now
         if state.matcher is not None and not state.matcher.accept(token_id):
             raise RuntimeError(f"the sampler chose token {token_id}, which the grammar does not allow")
         seq.append_token(token_id)
@@ -121,7 +121,7 @@ class OutputProcessor:
         """A max_tokens=0 request whose prompt is computed: every choice ends with "length" and
         no tokens (the choices waiting for choice 0 never start)."""
         first = request.seqs[0].seq
-        first.first_token_time = time.monotonic()  # its answer is ready: what a client waits for
+        first.first_token_mono_s = time.monotonic()  # its answer is ready: what a client waits for
         outputs = []
         for state in request.seqs:
             state.finish_reason = RequestStatus.FINISHED_LENGTH.value

@@ -37,10 +37,14 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
+    """When a request reached each stage in this engine, on the node's time.monotonic() clock, in
+    seconds (one clock for every process of a node; tracing and the ingress's TTFT split shift
+    them onto their own clocks)."""
+
+    arrival_mono_s: float
+    first_scheduled_mono_s: float | None = None
+    first_token_mono_s: float | None = None
+    finished_mono_s: float | None = None
 
 
 @dataclass

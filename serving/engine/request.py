@@ -57,7 +57,7 @@ class Sequence:
     params: SamplingParams
     max_tokens: int  # resolved: never None
     priority: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_mono_s: float = field(default_factory=time.monotonic)
     # Extra keys mixed into every block hash (adapter id, cache salt).
     extra_keys: tuple = ()
     lora: object | None = None  # its LoRA adapter (lora.LoRAAdapter) while it runs; None: the base model
@@ -90,9 +90,9 @@ class Sequence:
     # hold_kv: where its payload is read out when it finishes (a shared-memory arena range,
     # serving/deployments/kv_arena.py); None: a new tensor
     export_into: object | None = None
-    export_until: float | None = None  # time.monotonic() after which export_into must not be written
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
+    export_until_mono_s: float | None = None  # time.monotonic() after which export_into must not be written
+    first_scheduled_mono_s: float | None = None
+    first_token_mono_s: float | None = None
     # params.prompt_logprobs (choice 0 only): the logprob of prompt token i + 1 at index i, filled
     # as the prompt's chunks are computed; None when not asked for (then nothing costs anything)
     prompt_logprobs: list[TokenLogprob] | None = None
@@ -133,7 +133,7 @@ class Sequence:
     @property
     def sort_key(self) -> tuple[int, float, int]:
         """Lower runs first: priority, then arrival (FCFS), then creation order."""
-        return (self.priority, self.arrival_time, self.seq_id)
+        return (self.priority, self.arrival_mono_s, self.seq_id)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -45,7 +45,7 @@ class TrackedRequest:
     request_id: str
     seqs: list[SeqState]
     num_prompt_tokens: int
-    arrival_time: float  # time.monotonic()
+    arrival_mono_s: float  # time.monotonic()
     waiting_children: list[Sequence] = field(default_factory=list)
     logit_bias: LogitBias | None = None  # its params' logit_bias as tensors, for every step's rows
     prompt_logprobs_sent: bool = False  # its prompt logprobs went out (in its first output after them)
@@ -164,10 +164,10 @@ class RequestTable:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=first.num_cached_tokens,
             metrics=RequestMetrics(
-                arrival_time=request.arrival_time,
-                first_scheduled_time=first.first_scheduled_time,
-                first_token_time=first.first_token_time,
-                finished_time=time.monotonic() if finished else None,
+                arrival_mono_s=request.arrival_mono_s,
+                first_scheduled_mono_s=first.first_scheduled_mono_s,
+                first_token_mono_s=first.first_token_mono_s,
+                finished_mono_s=time.monotonic() if finished else None,
             ),
             prompt_logprobs=prompt_logprobs,
         )

@@ -214,9 +214,9 @@ class RequestPath:
         self.returned_at = at
         shift = _shift(admission)
         m = output.metrics
-        if m is not None and m.first_scheduled_time is not None and m.first_token_time is not None:
-            self.scheduled_at = m.first_scheduled_time + shift
-            self.engine_first_token_at = m.first_token_time + shift
+        if m is not None and m.first_scheduled_mono_s is not None and m.first_token_mono_s is not None:
+            self.scheduled_at = m.first_scheduled_mono_s + shift
+            self.engine_first_token_at = m.first_token_mono_s + shift
         prediction = self.predictions.get(pool)
         if prediction is not None:
             self.check = check_prefix(
@@ -230,11 +230,11 @@ class RequestPath:
     def decode_started(self, output: RequestOutput, admission: Admission | None) -> None:
         """The decode worker's first output, after it imported the prompt's KV."""
         m = output.metrics
-        if self.decode_arrived_at is not None or m is None or m.first_token_time is None:
+        if self.decode_arrived_at is not None or m is None or m.first_token_mono_s is None:
             return
         shift = _shift(admission)
-        self.decode_arrived_at = m.arrival_time + shift
-        self.decode_first_token_at = m.first_token_time + shift
+        self.decode_arrived_at = m.arrival_mono_s + shift
+        self.decode_first_token_at = m.first_token_mono_s + shift
 
     @property
     def first_out_at(self) -> float | None:

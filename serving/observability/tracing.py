@@ -263,12 +263,12 @@ class CarriedTrace(_Spans):
             return now_ns - int((now_mono - t) * 1e9)
 
         extra = {"kvrelay.aborted": True} if aborted else None
-        end = metrics.finished_time or now_mono
-        scheduled = metrics.first_scheduled_time
-        self.record("queue", wall_ns(metrics.arrival_time), wall_ns(scheduled if scheduled is not None else end), extra)
+        end = metrics.finished_mono_s or now_mono
+        scheduled = metrics.first_scheduled_mono_s
+        self.record("queue", wall_ns(metrics.arrival_mono_s), wall_ns(scheduled if scheduled is not None else end), extra)
         if scheduled is None:
             return
-        first_token = metrics.first_token_time
+        first_token = metrics.first_token_mono_s
         if prefill:
             self.record("prefill", wall_ns(scheduled), wall_ns(first_token if first_token is not None else end), extra)
         if decode:

@@ -172,17 +172,17 @@ class RequestTracker:
         if output.finished and not any(c.finish_reason == "abort" for c in output.outputs):
             self._latencies.workload.finished(self.num_tokens)
         m = output.metrics
-        if m is None or m.first_token_time is None:
+        if m is None or m.first_token_mono_s is None:
             return
         if not self._ttft_recorded:
             self._ttft_recorded = True
-            self._latencies.ttft_ms.add(1000 * (m.first_token_time - m.arrival_time))
-        if not output.finished or m.finished_time is None or any(c.finish_reason == "abort" for c in output.outputs):
+            self._latencies.ttft_ms.add(1000 * (m.first_token_mono_s - m.arrival_mono_s))
+        if not output.finished or m.finished_mono_s is None or any(c.finish_reason == "abort" for c in output.outputs):
             return
         if self._continues and self.num_tokens >= 1:
-            self._latencies.tpot_ms.add(1000 * (m.finished_time - m.arrival_time) / self.num_tokens)
+            self._latencies.tpot_ms.add(1000 * (m.finished_mono_s - m.arrival_mono_s) / self.num_tokens)
         elif not self._continues and self.num_tokens >= 2:
-            self._latencies.tpot_ms.add(1000 * (m.finished_time - m.first_token_time) / (self.num_tokens - 1))
+            self._latencies.tpot_ms.add(1000 * (m.finished_mono_s - m.first_token_mono_s) / (self.num_tokens - 1))
 
 
 _WORKER = tuple(spec.name for spec in METRICS if spec.recorded_at == "worker")
@@ -246,11 +246,11 @@ class WorkerRecorder:
     def first_token(self, m: RequestMetrics | None, *, computed_prompt: bool) -> None:
         """A request's first output at this engine (engine monotonic times); nothing without a
         token (aborted first)."""
-        if m is None or m.first_scheduled_time is None or m.first_token_time is None:
+        if m is None or m.first_scheduled_mono_s is None or m.first_token_mono_s is None:
             return
-        self.instruments.observe("kvrelay_queue_time_seconds", [max(0.0, m.first_scheduled_time - m.arrival_time)])
+        self.instruments.observe("kvrelay_queue_time_seconds", [max(0.0, m.first_scheduled_mono_s - m.arrival_mono_s)])
         if computed_prompt:
-            self.instruments.observe("kvrelay_prefill_time_seconds", [max(0.0, m.first_token_time - m.first_scheduled_time)])
+            self.instruments.observe("kvrelay_prefill_time_seconds", [max(0.0, m.first_token_mono_s - m.first_scheduled_mono_s)])
 
     def kv_exported(self, num_bytes: int) -> None:
         self.counters.num_kv_exports += 1

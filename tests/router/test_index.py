@@ -146,7 +146,7 @@ def test_block_manager_events_rebuild_its_exact_cache():
     prompts = [list(range(100, 108)), list(range(200, 208)), list(range(300, 308))]
     for i, prompt in enumerate(prompts):
         seq = Sequence(request_id=f"r{i}", index=0, prompt_token_ids=prompt, params=SamplingParams(), max_tokens=1,
-                       priority=0, arrival_time=0.0)
+                       priority=0, arrival_mono_s=0.0)
         manager.allocate(seq, len(prompt))
         seq.num_computed_tokens = len(prompt)
         manager.commit(seq)
@@ -181,7 +181,7 @@ def test_the_snapshot_follows_the_engine_when_a_request_is_not_kept_cached():
 
     def run(request_id: str, prompt: list[int], keep: bool) -> None:
         seq = Sequence(request_id=request_id, index=0, prompt_token_ids=prompt, params=SamplingParams(), max_tokens=1,
-                       priority=0, arrival_time=0.0, keep_cached=keep)
+                       priority=0, arrival_mono_s=0.0, keep_cached=keep)
         hashes = hash_blocks(prompt, 4)
         blocks.take(request_id, hashes)
         hits = manager.lookup_prefix(seq)

@@ -72,7 +72,7 @@ class HeldKV:
         num_blocks = -(-num_tokens // self._block_manager.block_size)
         if out is None:
             out = seq.export_into
-            if out is not None and seq.export_until is not None and time.monotonic() >= seq.export_until:
+            if out is not None and seq.export_until_mono_s is not None and time.monotonic() >= seq.export_until_mono_s:
                 out = None  # the arena range's lease ran out: it may be another request's now
             seq.export_into = None  # read out once
         full_ids, sliding_ids = self._block_manager.kv_tables(seq, num_blocks)

@@ -185,7 +185,7 @@ class VLLMEngine:
                 if out is None:  # waited past max_queue_wait_s without starting: vLLM dropped it
                     run.finished = True
                     self._queue.num_queue_timeouts += 1
-                    run.metrics.finished_time = time.monotonic()
+                    run.metrics.finished_mono_s = time.monotonic()
                     yield run.ended("queue_timeout")
                     return
                 output = self._on_output(run, out)
@@ -233,7 +233,7 @@ class VLLMEngine:
         limit = self.config.max_queue_wait_s
         if limit is None or run.prior or request.kv_payload is not None:
             return None
-        return run.metrics.arrival_time + limit
+        return run.metrics.arrival_mono_s + limit
 
     async def _untrack(self, run: _Run) -> None:
         request_id = run.request.request_id
@@ -255,10 +255,10 @@ class VLLMEngine:
             self._queue.first_output(request.request_id, out, run.metrics, len(prompt) + len(run.prior))
         run.finished = out.finished
         now = time.monotonic()
-        if run.metrics.first_token_time is None and any(c.token_ids for c in out.outputs):
-            run.metrics.first_token_time = now
+        if run.metrics.first_token_mono_s is None and any(c.token_ids for c in out.outputs):
+            run.metrics.first_token_mono_s = now
         if out.finished:
-            run.metrics.finished_time = now
+            run.metrics.finished_mono_s = now
         if any(c.finish_reason == "error" for c in out.outputs):
             raise RequestFailedError(f"request {request.request_id} failed in vLLM (finish_reason error); no other "
                                      "request was affected", request_id=request.request_id, stage="vllm")

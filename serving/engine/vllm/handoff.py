@@ -76,7 +76,7 @@ class Handoffs:
         return len(self._held)
 
     def begin(self, prompt: list[int], prior: list[int], hold_kv: bool, kv_payload: KVPayload | None,
-              export_into: ShmRange | None, export_until: float | None) -> Handoff | None:
+              export_into: ShmRange | None, export_until_mono_s: float | None) -> Handoff | None:
         """What a request asks the connector to do (None: nothing), checked here."""
         from serving.engine.vllm.connector import HandoffSpec
 
@@ -90,7 +90,7 @@ class Handoffs:
             elif export_into.num_bytes != num_bytes:
                 raise InvalidRequestError("export_into", f"needs {num_bytes} bytes for {len(prompt)} tokens, "
                                           f"not {export_into.num_bytes}")
-            return Handoff(HandoffSpec("save", export_into, len(prompt), receipt, export_until), staging)
+            return Handoff(HandoffSpec("save", export_into, len(prompt), receipt, export_until_mono_s), staging)
         layout = kv_payload.layout
         if dataclasses.replace(layout, format="vllm") != self.layout or not layout.format.startswith("vllm/"):
             raise InvalidRequestError("kv_payload", f"layout {layout} is not this vLLM engine's ({self.layout})")

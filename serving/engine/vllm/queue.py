@@ -63,7 +63,7 @@ class QueueWatch:
         stamps = getattr(out, "metrics", None)
         if stamps is None or not stamps.scheduled_ts:
             return
-        metrics.first_scheduled_time = stamps.scheduled_ts
+        metrics.first_scheduled_mono_s = stamps.scheduled_ts
         computed = num_prompt_tokens - (out.num_cached_tokens or 0)
         seconds = stamps.first_token_ts - stamps.scheduled_ts
         if computed >= _MIN_RATE_TOKENS:

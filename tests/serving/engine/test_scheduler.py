@@ -10,7 +10,7 @@ from serving.engine.scheduler import Scheduler
 
 def seq(name: str, num_tokens: int, *, arrival: float, priority: int = 0) -> Sequence:
     return Sequence(name, 0, list(range(1, num_tokens + 1)), SamplingParams(), max_tokens=100,
-                    arrival_time=arrival, priority=priority)
+                    arrival_mono_s=arrival, priority=priority)
 
 
 def run_step(sched: Scheduler) -> dict[str, int]:

@@ -196,7 +196,7 @@ def test_queued_prefill_tokens_the_prefill_rate_and_the_ttft_split_come_from_the
     assert loop.run_until_complete(first_then_rest("hinted", expected_cached_tokens=128))[0] == 22
     assert loop.run_until_complete(first_then_rest("over", expected_cached_tokens=999))[0] == 1
     m = outputs[-1].metrics
-    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert m.arrival_mono_s <= m.first_scheduled_mono_s <= m.first_token_mono_s <= m.finished_mono_s
     for i in range(3):  # the rate is the median of a few prefills (prefill_rate.py)
         collect(served, f"rate-{i}", list(range(4000 + 200 * i, 4150 + 200 * i)))
     assert engine.stats().prefill_tokens_per_s > 0

@@ -292,9 +292,9 @@ def engine_stats(**counts) -> EngineStats:
 
 def test_worker_metrics_record_exact_times_bytes_and_engine_deltas():
     wm = WorkerRecorder(MODEL, "decode", "r1", use_ray=False)
-    wm.first_token(RequestMetrics(1.0, first_scheduled_time=1.25, first_token_time=2.0), computed_prompt=True)
-    wm.first_token(RequestMetrics(1.0, first_scheduled_time=1.5, first_token_time=1.75), computed_prompt=False)
-    wm.first_token(RequestMetrics(1.0, first_scheduled_time=1.5), computed_prompt=True)  # aborted before a token
+    wm.first_token(RequestMetrics(1.0, first_scheduled_mono_s=1.25, first_token_mono_s=2.0), computed_prompt=True)
+    wm.first_token(RequestMetrics(1.0, first_scheduled_mono_s=1.5, first_token_mono_s=1.75), computed_prompt=False)
+    wm.first_token(RequestMetrics(1.0, first_scheduled_mono_s=1.5), computed_prompt=True)  # aborted before a token
     assert wm.kv_import_s == 0.0  # before any import
     wm.kv_imported(0.25, 1000)
     assert wm.kv_import_s == 0.25  # the first import is the average
@@ -355,7 +355,7 @@ def test_metrics_endpoint_shows_routing_decisions_and_every_workers_last_report(
     a, b = WorkerRecorder(MODEL, "prefill", "a", use_ray=False), WorkerRecorder(MODEL, "prefill", "b", use_ray=False)
     c = WorkerRecorder(MODEL, "decode", "c", use_ray=False)
     for wm, queued in ((a, 1.0), (b, 2.0), (c, 4.0)):
-        wm.first_token(RequestMetrics(0.0, first_scheduled_time=queued, first_token_time=queued + 1), computed_prompt=True)
+        wm.first_token(RequestMetrics(0.0, first_scheduled_mono_s=queued, first_token_mono_s=queued + 1), computed_prompt=True)
     wire = {name: RoutingStats(metrics=tuple(wm.snapshot())).to_wire() for name, wm in (("a", a), ("b", b), ("c", c))}
     routers = [
         fake_router("PrefillWorker", "prefix_cost", {"prefix_hit": 3, "least_cost": 2}, {"a": wire["a"], "b": wire["b"]}),

@@ -22,7 +22,7 @@ from serving.observability.worker_metrics import (
 def output(tokens: int, *, arrival: float, first: float | None, finished: float | None, reason: str | None = None):
     return RequestOutput(
         "r", [CompletionOutput(0, "", [7] * tokens, finish_reason=reason)], finished is not None, 10, 0,
-        RequestMetrics(arrival_time=arrival, first_token_time=first, finished_time=finished),
+        RequestMetrics(arrival_mono_s=arrival, first_token_mono_s=first, finished_mono_s=finished),
     )
 
 
