@@ -1,5 +1,6 @@
 """What every `kvrelay bench` shares: its progress line on stderr, the command line it records, how
-it writes its JSON report, and the note on a machine that was not idle."""
+it writes its JSON report, the note on a machine that was not idle, and the targets its figures
+are judged against."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StepLog", "command_line", "load_note", "run_and_report", "write_report"]
+__all__ = ["StepLog", "Target", "command_line", "load_note", "run_and_report", "write_report"]
 
 
 class StepLog:
@@ -26,6 +28,26 @@ class StepLog:
         elapsed = time.monotonic() - self.start
         print(f"[{self.label} {elapsed:{self.width}.1f}s] {message}", file=sys.stderr, flush=True)
 
+
+
+@dataclass(frozen=True)
+class Target:
+    """A figure's target: `key` in the summary, met when it is `op` `threshold` (`unit`: "x" for a ratio)."""
+
+    key: str
+    label: str
+    op: str  # ">=" or "<="
+    threshold: float
+    unit: str = ""  # "x" for ratios between systems
+
+    @property
+    def text(self) -> str:
+        return f"{self.op} {self.threshold:g}{self.unit}"
+
+    def met(self, value: float | None) -> bool | None:
+        if value is None:
+            return None
+        return value >= self.threshold if self.op == ">=" else value <= self.threshold
 
 def command_line(argv: list[str]) -> str:
     """The command a report says produced it."""

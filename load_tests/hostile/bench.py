@@ -30,8 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from load_tests import hardware
-from load_tests.common import StepLog, run_and_report
-from load_tests.engine.bench import Target
+from load_tests.common import StepLog, Target, run_and_report
 from load_tests.hostile.cases import HostileCase, hostile_cases
 from load_tests.local_ray import RAY_NUM_CPUS, free_port, local_ray
 from load_tests.roofline import resolve_dtype

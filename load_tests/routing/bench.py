@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from load_tests import hardware
-from load_tests.common import StepLog, load_note, run_and_report
-from load_tests.engine.bench import Target
+from load_tests.common import StepLog, Target, load_note, run_and_report
 from load_tests.routing.bounds import pooled_lru_hit_tokens, pooled_optimal_hit_tokens, single_home
 from load_tests.routing.metrics import PolicyRun
 from load_tests.routing.sim import CostModel, OracleReplayPolicy, SimConfig, oracle_hit_tokens, simulate

@@ -59,7 +59,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from load_tests.engine.bench import Target
+from load_tests.common import Target
 from load_tests.routing.sim import CostModel, SimConfig
 
 __all__ = [

@@ -57,8 +57,7 @@ from pathlib import Path
 import httpx
 
 from load_tests import hardware
-from load_tests.common import StepLog, command_line, write_report
-from load_tests.engine.bench import Target
+from load_tests.common import StepLog, Target, command_line, write_report
 from load_tests.peers.configs import PEER_CONFIGS, applies, best_config, env_overrides, label, parse_peer_configs
 from load_tests.scenario.servers import REPO, ScenarioError
 from load_tests.serve.bench import RateRun, run_rates

@@ -38,8 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from load_tests import hardware
-from load_tests.common import StepLog, load_note, run_and_report
-from load_tests.engine.bench import Target
+from load_tests.common import StepLog, Target, load_note, run_and_report
 from load_tests.local_ray import RAY_NUM_CPUS, free_port, local_ray
 from load_tests.roofline import resolve_dtype
 from load_tests.serve_overhead.kv_transfer_timing import KV_PATHS, KVTransferResult, measure_kv_transfer
