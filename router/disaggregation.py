@@ -21,7 +21,7 @@ prefill pool, the configured layout.
 Ray-free: the ingress (serving/deployments/serve_backend.py) reads the stats from its routers.
 
 Whether to disaggregate at all is the pool's choice, not the request's: disaggregate only where it
-pays. `kvrelay bench pd-sim` (load_tests/pd_sim.py, issue 19 part 4) simulated pools of 2-64
+pays. `kvrelay bench pd-sim` (load_tests/pd/sim.py, issue 19 part 4) simulated pools of 2-64
 replicas, with this machine's engine and with DistServe's published OPT-13B/A100 costs:
 - 1 prefill + 1 decode replica lose to 2 colocated ones in every GPU cell (0.31-0.93x goodput
   per replica).

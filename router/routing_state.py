@@ -1,5 +1,5 @@
 """What one router knows of a pool, and how it turns that into a decision. No Ray: the Serve
-adapter (router/request_router.py) and the routing benchmark's simulator (load_tests/routing_sim.py)
+adapter (router/request_router.py) and the routing benchmark's simulator (load_tests/routing/sim.py)
 both drive this, so the simulator makes exactly the decisions a deployed router would.
 
     replica routing stats (newest per replica) ──▶ RouterState.route(request, candidates, now)
