@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from serving.api.errors import NoWorkerError, QueueFullError, QueueTimeoutError, ShedError
 from serving.api.admission.forwarding import FORWARDED_SCOPE_KEY, FallbackUnavailable, ForwardedRequest, Forwarder, forward_headers, relay
+from serving.api.errors import NoWorkerError, QueueFullError, QueueTimeoutError, ShedError
 from serving.config import DegradationConfig
 from serving.engine.errors import EngineDeadError
 

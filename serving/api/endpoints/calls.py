@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from serving.api.admission.deadlines import Deadline
-from serving.api.errors import RequestTimeoutError
 from serving.api.admission.keys import ANONYMOUS
 from serving.api.admission.rate_limits import Ticket
+from serving.api.errors import RequestTimeoutError
 from serving.api.usage import RequestAccount
 from serving.config.access import APIKey
 from serving.observability import tracing

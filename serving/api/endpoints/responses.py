@@ -47,12 +47,12 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from serving.api.errors import APIError, RequestTimeoutError, to_api_error
-from serving.api.protocol.field_support import RESPONSES_FIELDS, screen
 from serving.api.endpoints.http_io import chain_deltas, first_delta, parse_body, sse_response
+from serving.api.errors import APIError, RequestTimeoutError, to_api_error
 from serving.api.generation.pipeline import ChoiceDelta
-from serving.api.protocol.wire import ChatCompletionRequest
 from serving.api.generation.tool_calls import ToolPlan
+from serving.api.protocol.field_support import RESPONSES_FIELDS, screen
+from serving.api.protocol.wire import ChatCompletionRequest
 from serving.config import ContextBudgetConfig
 from serving.engine.errors import InvalidRequestError
 from serving.engine.params import SamplingParams

@@ -12,6 +12,9 @@
                                 when what it reports cannot be read (the Serve controller's replica
                                 states: a read that failed or did not finish, health_unknown)
     GET  /metrics               Prometheus exposition (serving/observability/metrics.py, serving/observability/export.py)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+                                vLLM's runtime LoRA endpoints (serving/api/endpoints/adapters.py)
+    anything else               404 (405 for a known path with another method) in OpenAI's error shape
 
 Bodies are parsed by serving/api/endpoints/http_io.py, not by FastAPI, so every failure has OpenAI's error shape:
 malformed JSON is a 422 with a `detail` list as FastAPI would give; a field of the wrong type or
@@ -48,37 +51,33 @@ import asyncio
 import logging
 import time
 import uuid
-from pathlib import PurePosixPath
 
 import prometheus_client
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serving.api.admission.degradation import DEGRADED_HEADER, Degrader
+from serving.api.admission.forwarding import Forwarder
+from serving.api.admission.keys import ANONYMOUS, KeyRing
+from serving.api.admission.rate_limits import RateLimiter
+from serving.api.endpoints.adapters import AdapterUpdates
 from serving.api.endpoints.calls import Call
 from serving.api.endpoints.chat import ChatEndpoint
 from serving.api.endpoints.completions import CompletionsEndpoint
-from serving.api.admission.degradation import DEGRADED_HEADER, Degrader
-from serving.api.errors import (
-    APIError,
-    AuthenticationError,
-    HealthUnknownError,
-    ModelNotFoundError,
-    to_api_error,
-    with_request_id,
-)
-from serving.api.admission.forwarding import Forwarder
+from serving.api.endpoints.context import EndpointContext
 from serving.api.endpoints.http_io import error_response, read_json
-from serving.api.admission.keys import ANONYMOUS, KeyRing
-from serving.api.protocol.openapi import openapi_document
-from serving.api.generation.pipeline import Frontend
-from serving.api.admission.rate_limits import RateLimiter
+from serving.api.endpoints.models import ModelCatalog
 from serving.api.endpoints.responses import ResponsesEndpoint
 from serving.api.endpoints.tokenize import add_tokenize_routes
+from serving.api.errors import APIError, AuthenticationError, HealthUnknownError, to_api_error, with_request_id
+from serving.api.generation.pipeline import Frontend
+from serving.api.protocol.openapi import openapi_document
 from serving.api.usage import ModelPrice, RequestAccount, UsageLedger, load_pricing
 from serving.config import ServeConfig
 from serving.config.access import APIKey
-from serving.engine.errors import InvalidRequestError
 from serving.engine.params import SamplingParams
 from serving.observability import tracing
 from serving.observability.ingress_metrics import CLIENT_CLOSED, IngressMetrics
@@ -102,13 +101,7 @@ class OpenAIServer:
         self.frontend = frontend
         self.config = config
         self.model_name = config.model_name
-        # LoRA adapters (EngineConfig.lora): a request names one as its `model`, or base:adapter
-        lora = config.lora  # the pools agree on it (HANDOFF_KEYS)
-        self.static_adapters: dict[str, str] = dict(lora.adapters) if lora is not None else {}
-        # those loaded at run time (POST /v1/load_lora_adapter); with several ingress replicas, a
-        # copy of the app's AdapterRegistry kept by `adapter_sync` (serving/deployments/adapter_registry.py)
-        self.runtime_adapters: dict[str, str] = {}
-        self.adapter_sync = None
+        self.models = ModelCatalog(config, frontend)  # the base model and its LoRA adapters
         self._keys = KeyRing(config.keys)
         self._hints = {key.name: key.hint for key in config.keys} | {ANONYMOUS.name: ANONYMOUS.hint}
         self.limiter = RateLimiter(config.tiers)
@@ -116,13 +109,23 @@ class OpenAIServer:
             price = load_pricing(config.pricing).price_for(self.model_name, config.pricing)
         self.price = price
         self.usage = UsageLedger()
-        self._created = int(time.time())
         self.metrics = IngressMetrics(self.model_name)
         self.degrader = Degrader(config.degradation, self.model_name, self.metrics, fallback=fallback)
         self.clock = time.monotonic  # of request deadlines (serving/api/admission/deadlines.py)
-        self.chat = ChatEndpoint(self)  # serving/api/endpoints/chat.py
-        self.completions = CompletionsEndpoint(self)  # serving/api/endpoints/completions.py
-        self.responses = ResponsesEndpoint(self.chat.start, self.model_name, config.api.context_budget)
+
+    # The runtime adapters' names and their sync with the other ingress replicas (set by the
+    # ingress deployment, serving/deployments/replicas.py): the catalogue's.
+    @property
+    def runtime_adapters(self) -> dict[str, str]:
+        return self.models.runtime_adapters
+
+    @property
+    def adapter_sync(self):
+        return self.models.adapter_sync
+
+    @adapter_sync.setter
+    def adapter_sync(self, sync) -> None:
+        self.models.adapter_sync = sync
 
     # ---- the ASGI app ------------------------------------------------------------------------
     def build_app(self) -> FastAPI:
@@ -132,40 +135,54 @@ class OpenAIServer:
         async def _api_error(request: Request, exc: APIError):
             return error_response(exc)
 
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(request: Request, exc: StarletteHTTPException):
+            return _routing_error(request, exc) if exc.status_code in (404, 405) else await http_exception_handler(request, exc)
+
+        ctx = EndpointContext(self.model_name, self.config, self.frontend, self.models, self.metrics, self.admit, self.clock)
+        self._completion_routes(app, ctx)
+        self._model_routes(app)
+        add_tokenize_routes(app, ctx, self.authenticate)
+        self._operator_routes(app)
+        return app
+
+    def _completion_routes(self, app: FastAPI, ctx: EndpointContext) -> None:
+        chat = ChatEndpoint(ctx)  # serving/api/endpoints/chat.py
+        completions = CompletionsEndpoint(ctx)  # serving/api/endpoints/completions.py
+        responses = ResponsesEndpoint(chat.start, self.model_name, self.config.api.context_budget)
+
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
-            return await self._guard(request, self.degrader.wrap(request, self.chat), "chatcmpl-")
+            return await self._guard(request, self.degrader.wrap(request, chat), "chatcmpl-")
 
         @app.post("/v1/completions")
-        async def completions(request: Request):
-            return await self._guard(request, self.degrader.wrap(request, self.completions), "cmpl-")
+        async def text_completions(request: Request):
+            return await self._guard(request, self.degrader.wrap(request, completions), "cmpl-")
 
         @app.post("/v1/responses")
-        async def responses(request: Request):
-            return await self._guard(request, self.degrader.wrap(request, self.responses), "resp_")
+        async def responses_route(request: Request):
+            return await self._guard(request, self.degrader.wrap(request, responses), "resp_")
+
+    def _model_routes(self, app: FastAPI) -> None:
+        adapter_updates = AdapterUpdates(self.models, self.frontend.backend, self.config, self.authenticate, has_keys=bool(self._keys))
 
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(request: Request):
-            return await self._adapter_update(request, load=True)
+            return await adapter_updates(request, load=True)
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(request: Request):
-            return await self._adapter_update(request, load=False)
+            return await adapter_updates(request, load=False)
 
         @app.get("/v1/models")
         async def models(request: Request):
-            key = self.authenticate(request)
-            base = [await self._model_card()] if self._may_use(key, self.model_name) else []
-            return {"object": "list", "data": base + [self._adapter_card(name) for name in sorted(self.adapters)
-                                                        if self._may_use(key, name)]}
+            return await self.models.listing(self.authenticate(request))
 
         @app.get("/v1/models/{model:path}")
         async def model(model: str, request: Request):
-            lora = await self.resolve_model(model, self.authenticate(request))
-            return await self._model_card() if lora is None else self._adapter_card(lora)
+            return await self.models.card(model, self.authenticate(request))
 
-        add_tokenize_routes(app, self)
-
+    def _operator_routes(self, app: FastAPI) -> None:
         @app.get("/v1/usage")
         async def usage(request: Request):
             return self._usage_report(self.authenticate(request))
@@ -191,8 +208,6 @@ class OpenAIServer:
                 logger.exception("health check %s failed", check_id)
                 return error_response(with_request_id(HealthUnknownError("reading it failed"), check_id))
             return {"status": "ok", "pools": pools}
-
-        return app
 
     async def _guard(self, request: Request, handler, id_prefix: str) -> Response:
         received_at = self.clock()
@@ -298,105 +313,6 @@ class OpenAIServer:
             "total": self.usage.sum(names).to_dict(currency),
         }
 
-    def _may_use(self, key: APIKey, model: str) -> bool:
-        allowed = self.config.tiers[key.tier].models
-        return allowed is None or model in allowed
-
-    @property
-    def adapters(self) -> dict[str, str]:
-        """Every LoRA adapter served: name -> PEFT path (the config's, then those loaded at run time)."""
-        return {**self.runtime_adapters, **self.static_adapters}
-
-    async def resolve_model(self, model: str | None, key: APIKey) -> str | None:
-        """check_model; a name it does not know is looked up once more in the AdapterRegistry
-        where there is one (another ingress replica may have just loaded it)."""
-        try:
-            return self.check_model(model, key)
-        except ModelNotFoundError:
-            if self.adapter_sync is None or not await self.adapter_sync.refresh():
-                raise
-            return self.check_model(model, key)
-
-    def check_model(self, model: str | None, key: APIKey) -> str | None:
-        """The LoRA adapter a request's `model` names (the adapter, or `base:adapter`), None for the
-        base model. A model this app does not serve, or one the key's tier may not use: 404, as
-        OpenAI answers both (it does not say which models exist to a key that may not use them).
-        A tier's `models` lists adapters by name."""
-        lora = None
-        if model is not None and model != self.model_name:
-            base, _, adapter = model.partition(":")
-            lora = model if model in self.adapters else adapter if base == self.model_name and adapter in self.adapters else None
-            if lora is None:
-                served = [m for m in [self.model_name, *sorted(self.adapters)] if self._may_use(key, m)]
-                raise ModelNotFoundError(model, served)
-        if not self._may_use(key, lora or self.model_name):
-            raise ModelNotFoundError(model or self.model_name, [])
-        return lora
-
-    async def _adapter_update(self, request: Request, *, load: bool) -> Response:
-        """vLLM's runtime LoRA endpoints. Load: {"lora_name", "lora_path"}; the workers read and
-        check the adapter (one replica per pool) before its name is served; every replica
-        registers it from the first request that names it (the request carries its path).
-        Unload: {"lora_name"}; new requests for it get 404 at once, running ones finish. Plain-text
-        answers, as vLLM's."""
-        try:
-            key = self.authenticate(request)
-            lora = self.config.lora
-            if lora is None or not lora.allow_runtime_updates:
-                raise APIError(403, "Adapters are not loaded or unloaded at run time here: set "
-                               "engine.lora.allow_runtime_updates: true in the serve config.",
-                               type="permission_error", code="runtime_lora_updates_disabled")
-            if self._keys and not key.is_admin:
-                raise APIError(403, "Loading and unloading LoRA adapters needs an admin key (admin_api_keys).",
-                               type="permission_error", code="admin_key_required")
-            body = await read_json(request, self.config.max_request_body_bytes)
-            name = _adapter_field(body, "lora_name")
-            if not load:
-                if name in self.static_adapters:
-                    raise InvalidRequestError("lora_name", f"adapter {name!r} is listed in engine.lora.adapters; "
-                                              "remove it from the serve config instead")
-                if self.adapter_sync is not None:
-                    await self.adapter_sync.refresh()
-                if name not in self.runtime_adapters:
-                    raise APIError(404, f"The lora adapter {name!r} cannot be found.", param="lora_name",
-                                   code="lora_adapter_not_found")
-                if self.adapter_sync is not None:
-                    await self.adapter_sync.unload(name)
-                self.runtime_adapters.pop(name, None)
-                logger.info("LoRA adapter %r unloaded", name)
-                return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
-            path = str(PurePosixPath(_adapter_field(body, "lora_path")))  # as the engines spell it
-            if name == self.model_name or ":" in name:
-                raise InvalidRequestError("lora_name", f"{name!r} cannot name an adapter: it is the base model's "
-                                          "name or holds ':' (base:adapter is how requests name adapters)")
-            if self.adapter_sync is not None:
-                await self.adapter_sync.refresh()
-            if name in self.adapters:
-                raise InvalidRequestError("lora_name", f"adapter {name!r} is already loaded (from "
-                                          f"{self.adapters[name]}); unload it first")
-            await self.frontend.backend.check_adapter(name, path)
-            if name in self.adapters:  # another load of the name finished while this one was checked
-                raise InvalidRequestError("lora_name", f"adapter {name!r} is already loaded (from "
-                                          f"{self.adapters[name]}); unload it first")
-            if self.adapter_sync is not None:
-                taken = await self.adapter_sync.load(name, path)
-                if taken is not None:  # another replica loaded the name meanwhile
-                    raise InvalidRequestError("lora_name", f"adapter {name!r} is already loaded (from {taken}); "
-                                              "unload it first")
-            self.runtime_adapters[name] = path
-            logger.info("LoRA adapter %r loaded from %s", name, path)
-            return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
-        except Exception as exc:  # noqa: BLE001 - every failure is an HTTP answer
-            error = to_api_error(exc)
-            if error.status >= 500:
-                logger.exception("%s failed", request.url.path)
-            return error_response(error)
-
-    def _adapter_card(self, name: str) -> dict:
-        """A LoRA adapter in /v1/models, as vLLM lists one: its base model as parent."""
-        return {"id": name, "object": "model", "created": self._created, "owned_by": "kvrelay",
-                "root": self.adapters[name], "parent": self.model_name}
-
     def admit(self, call: Call, prompt_ids: list[list[int]], params: list[SamplingParams]) -> None:
         """Take the request's tokens (its prompts and all it may generate, max_tokens resolved per
         prompt) from its key's limits, and make it less important by that estimated cost where its
@@ -407,17 +323,13 @@ class OpenAIServer:
         if tier.priority_cost_step_tokens is not None:  # estimated cost: a long request yields to short ones
             call.priority += min(tier.max_cost_priority_levels, num_tokens // tier.priority_cost_step_tokens)
 
-    async def _model_card(self) -> dict:
-        card = {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "kvrelay"}
-        try:
-            card["max_model_len"] = (await self.frontend.model_info()).max_model_len  # as vLLM's cards
-        except APIError as exc:  # no live replica to ask (a request would get this 503): listed without it
-            logger.warning("the model card of %s has no max_model_len: %s", self.model_name, exc.message)
-        return card
 
-
-def _adapter_field(body: dict, name: str) -> str:
-    value = body.get(name)
-    if not isinstance(value, str) or not value.strip() or len(value) > 4096:
-        raise InvalidRequestError(name, f"must be a non-empty string (at most 4096 characters); got {value!r:.80}")
-    return value.strip()
+def _routing_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """No route for the path (404), or not with this method (405, with `Allow`): in OpenAI's error
+    shape, as OpenAI answers an unknown URL, not FastAPI's {"detail": "Not Found"}."""
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        return error_response(APIError(404, f"Invalid URL ({where})"))
+    allowed = (exc.headers or {}).get("allow") or (exc.headers or {}).get("Allow")
+    message = f"Method not allowed ({where})" + (f"; this path takes {allowed}" if allowed else "")
+    return error_response(APIError(405, message, headers=dict(exc.headers or {})))

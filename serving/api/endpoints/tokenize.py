@@ -23,44 +23,43 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from serving.api.generation.chat_template import render_off_loop, template_kwargs
-from serving.api.errors import to_api_error, with_request_id
+from serving.api.endpoints.context import EndpointContext
 from serving.api.endpoints.http_io import error_response, parse_body, read_json
-from serving.api.protocol.wire import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from serving.api.errors import to_api_error, with_request_id
+from serving.api.generation.chat_template import render_off_loop, template_kwargs
 from serving.api.generation.tool_calls import plan_tools
+from serving.api.protocol.wire import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from serving.config.access import APIKey
 from serving.engine.errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    from serving.api.endpoints.routes import OpenAIServer
 
 __all__ = ["add_tokenize_routes"]
 
 logger = logging.getLogger(__name__)
 
 
-def add_tokenize_routes(app: FastAPI, server: OpenAIServer) -> None:
+def add_tokenize_routes(app: FastAPI, ctx: EndpointContext, authenticate: Callable[[Request], APIKey]) -> None:
     """Register /tokenize and /detokenize on the server's app."""
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return await _answer(server, request, _tokenize)
+        return await _answer(ctx, authenticate, request, _tokenize)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        return await _answer(server, request, _detokenize)
+        return await _answer(ctx, authenticate, request, _detokenize)
 
 
-async def _answer(server: OpenAIServer, request: Request, handler) -> Response:
+async def _answer(ctx: EndpointContext, authenticate: Callable[[Request], APIKey], request: Request, handler) -> Response:
     request_id = f"tok-{uuid.uuid4().hex}"
     try:
-        key = server.authenticate(request)
-        body = await read_json(request, server.config.max_request_body_bytes)
-        return JSONResponse(await handler(server, body, key))
+        key = authenticate(request)
+        body = await read_json(request, ctx.config.max_request_body_bytes)
+        return JSONResponse(await handler(ctx, body, key))
     except Exception as exc:
         error = to_api_error(exc)
         if error.status >= 500:
@@ -70,13 +69,13 @@ async def _answer(server: OpenAIServer, request: Request, handler) -> Response:
         return response
 
 
-async def _tokenize(server: OpenAIServer, body: dict, key) -> dict:
-    frontend, api = server.frontend, server.config.api
+async def _tokenize(ctx: EndpointContext, body: dict, key: APIKey) -> dict:
+    frontend, api = ctx.frontend, ctx.config.api
     if "messages" in body:
         chat = parse_body(TokenizeChatRequest, body)
-        await server.resolve_model(chat.model, key)
+        await ctx.models.resolve(chat.model, key)
         kwargs = template_kwargs(chat.chat_template_kwargs, api)
-        tooling = server.config.tool_calling
+        tooling = ctx.config.tool_calling
         tools = plan_tools(chat, parser=tooling.parser, max_tools=tooling.max_tools)
         ids = await render_off_loop(
             lambda: frontend.encode_chat(
@@ -89,7 +88,7 @@ async def _tokenize(server: OpenAIServer, body: dict, key) -> dict:
         want_strs = chat.return_token_strs
     else:
         plain = parse_body(TokenizeCompletionRequest, body)
-        await server.resolve_model(plain.model, key)
+        await ctx.models.resolve(plain.model, key)
         ids = await render_off_loop(
             lambda: frontend.tokenizer(plain.prompt, add_special_tokens=plain.add_special_tokens).input_ids,
             api.render_timeout_s, param="prompt",
@@ -102,13 +101,13 @@ async def _tokenize(server: OpenAIServer, body: dict, key) -> dict:
     }
 
 
-async def _detokenize(server: OpenAIServer, body: dict, key) -> dict:
+async def _detokenize(ctx: EndpointContext, body: dict, key: APIKey) -> dict:
     request = parse_body(DetokenizeRequest, body)
-    await server.resolve_model(request.model, key)
-    tokenizer = server.frontend.tokenizer
+    await ctx.models.resolve(request.model, key)
+    tokenizer = ctx.frontend.tokenizer
     vocab_size = len(tokenizer)
     for i, token_id in enumerate(request.tokens):
         if not 0 <= token_id < vocab_size:
             raise InvalidRequestError("tokens", f"tokens[{i}] = {token_id} is not in the vocabulary (0..{vocab_size - 1})")
-    text = await render_off_loop(lambda: tokenizer.decode(request.tokens), server.config.api.render_timeout_s, param="tokens")
+    text = await render_off_loop(lambda: tokenizer.decode(request.tokens), ctx.config.api.render_timeout_s, param="tokens")
     return {"prompt": text}

@@ -28,11 +28,12 @@ from typing import Literal
 
 from serving.api.backend import Backend, GenerateRequest
 from serving.api.errors import QueueTimeoutError
-from serving.api.protocol.wire import ChatMessage
+from serving.api.generation.coalescing import coalesced
 from serving.api.generation.tool_calls import ToolPlan, render_conversation, template_knows_tools
+from serving.api.protocol.wire import ChatMessage
 from serving.engine.errors import ContextLengthError, InvalidRequestError
 from serving.engine.kv.block_hash import block_extra_keys, hash_blocks
-from serving.engine.outputs import RequestOutput, TokenLogprob, merge_outputs
+from serving.engine.outputs import TokenLogprob
 from serving.engine.params import GuidedSpec, SamplingParams
 from serving.engine.request import RequestStatus
 from serving.engine.sampling.detokenizer import IncrementalDetokenizer
@@ -208,14 +209,7 @@ class Frontend:
         usage.prompt_tokens += len(prompt_ids)
         if record is not None:
             record.follow(request_id).needs_prompt_logprobs = params.prompt_logprobs is not None
-        worker_params = replace(params, stop=[], include_stop_str_in_output=False, detokenize=False)
-        info = await self.model_info()
-        request = GenerateRequest(
-            request_id, prompt_ids, worker_params, priority, cache_salt,
-            block_hashes=hash_blocks(prompt_ids, info.block_size, block_extra_keys(cache_salt, lora_name, lora_path)),
-            block_size=info.block_size, session=session,
-            trace_context=trace.carrier() if trace is not None else None, lora_name=lora_name, lora_path=lora_path,
-        )
+        request = await self._request(request_id, prompt_ids, params, priority, cache_salt, session, trace, lora_name, lora_path)
         choices = [_Choice(self.tokenizer, prompt_ids, params) for _ in range(params.n)]
         stream = coalesced(self.backend.generate(request), self.max_merged_tokens)
         num_cached: int | None = None  # from the first output: where the prompt was computed
@@ -247,6 +241,20 @@ class Frontend:
             await stream.aclose()
             if detok is not None:
                 detok.record(trace, request_id)
+
+    async def _request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int,
+                       cache_salt: str | None, session: str | None, trace: RequestTrace | None,
+                       lora_name: str | None, lora_path: str | None) -> GenerateRequest:
+        """What the workers get: the parameters without what the ingress does itself, and the
+        prompt's block hashes for routing (with the engines' block size and extra keys)."""
+        worker_params = replace(params, stop=[], include_stop_str_in_output=False, detokenize=False)
+        info = await self.model_info()
+        return GenerateRequest(
+            request_id, prompt_ids, worker_params, priority, cache_salt,
+            block_hashes=hash_blocks(prompt_ids, info.block_size, block_extra_keys(cache_salt, lora_name, lora_path)),
+            block_size=info.block_size, session=session,
+            trace_context=trace.carrier() if trace is not None else None, lora_name=lora_name, lora_path=lora_path,
+        )
 
     def _advance(self, choice: _Choice, completion) -> ChoiceDelta:
         texts: list[str] = []
@@ -310,51 +318,6 @@ async def _shared_result(future: concurrent.futures.Future):
     future.add_done_callback(done)
     await waiter
     return future.result()
-
-
-async def coalesced(stream: AsyncIterator[RequestOutput], max_tokens: int) -> AsyncIterator[RequestOutput]:
-    """`stream` read ahead: each output comes with those that arrived behind it while the last
-    one was being handled merged in, up to `max_tokens` tokens (like a stream interval that is
-    only paid under load). An output that finds nothing queued goes on at once, so the first
-    token is never held back. Closing this closes `stream`, which aborts the request."""
-    queue: asyncio.Queue = asyncio.Queue()
-    end = object()
-
-    async def pump():
-        try:
-            async for out in stream:
-                queue.put_nowait(out)
-            queue.put_nowait(end)
-        except Exception as exc:  # noqa: BLE001 - raised to the reader, after what came before it
-            queue.put_nowait(exc)
-
-    task = asyncio.create_task(pump())
-    try:
-        item = await queue.get()
-        while item is not end:
-            if isinstance(item, BaseException):
-                raise item
-            out, item = item, None
-            copied = False  # merge into a copy: the first output may be someone else's object
-            while not out.finished and not queue.empty():
-                nxt = queue.get_nowait()
-                if nxt is end or isinstance(nxt, BaseException) or _num_tokens(out) + _num_tokens(nxt) > max_tokens:
-                    item = nxt
-                    break
-                out = merge_outputs(out if copied else merge_outputs(None, out), nxt)
-                copied = True
-            yield out
-            if item is None:
-                item = await queue.get()
-    finally:
-        # A pump still inside the stream owns it; cancelling the pump ends the stream.
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await stream.aclose()
-
-
-def _num_tokens(out: RequestOutput) -> int:
-    return sum(len(c.token_ids) for c in out.outputs)
 
 
 class _DetokenizeTimer:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from serving.api.endpoints.responses import ResponsesRequest
 from serving.api.protocol.wire import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -14,7 +15,6 @@ from serving.api.protocol.wire import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from serving.api.endpoints.responses import ResponsesRequest
 
 __all__ = ["openapi_document"]
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from serving.api.generation.pipeline import coalesced
+from serving.api.generation.coalescing import coalesced
 from serving.engine.outputs import CompletionOutput, RequestOutput
 
 

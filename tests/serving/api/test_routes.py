@@ -1158,6 +1158,27 @@ async def test_a_health_check_that_fails_unexpectedly_is_a_503_without_its_text(
 
 # ---- models and health -----------------------------------------------------------------------
 @pytest.mark.asyncio
+async def test_an_unknown_route_or_method_answers_in_openais_error_shape(stack):
+    """Not FastAPI's {"detail": "Not Found"}: OpenAI's body, as OpenAI answers an unknown URL."""
+    async with client(stack.app) as c:
+        unknown = await c.post("/v1/chat/complete", json={"model": MODEL})
+        missing = await c.get("/v2/models")
+        wrong_method = await c.get("/v1/chat/completions")
+
+    assert (unknown.status_code, unknown.json()) == (404, {"error": {
+        "message": "Invalid URL (POST /v1/chat/complete)", "type": "invalid_request_error", "param": None, "code": None,
+    }})
+    assert (missing.status_code, missing.json()) == (404, {"error": {
+        "message": "Invalid URL (GET /v2/models)", "type": "invalid_request_error", "param": None, "code": None,
+    }})
+    assert (wrong_method.status_code, wrong_method.json()) == (405, {"error": {
+        "message": "Method not allowed (GET /v1/chat/completions); this path takes POST", "type": "invalid_request_error",
+        "param": None, "code": None,
+    }})
+    assert wrong_method.headers["allow"] == "POST"
+
+
+@pytest.mark.asyncio
 async def test_models_lists_the_served_name_and_health_is_ok(stack):
     async with client(stack.app) as c:
         models = await c.get("/v1/models")

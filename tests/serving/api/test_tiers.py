@@ -6,9 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from serving.api.generation.pipeline import Frontend
 from serving.api.admission.rate_limits import LimitsExchange
 from serving.api.endpoints.routes import OpenAIServer
+from serving.api.generation.pipeline import Frontend
 from serving.config import ServeConfig
 from serving.deployments.limits_sync import LimitsSync
 from serving.deployments.local_backend import LocalBackend

@@ -102,8 +102,8 @@ def test_health_over_http_is_503_while_the_controller_cannot_be_read():
     """Before, /health said ok (with empty pools) when the controller could not be read."""
     import httpx
 
-    from serving.api.generation.pipeline import Frontend
     from serving.api.endpoints.routes import OpenAIServer
+    from serving.api.generation.pipeline import Frontend
 
     def broken():
         raise ConnectionError("controller unreachable at 10.0.0.7:6379")
@@ -461,8 +461,8 @@ def test_over_http_a_disaggregated_stream_refused_by_the_decode_pool_is_a_429_no
     import httpx
     from transformers import AutoTokenizer
 
-    from serving.api.generation.pipeline import Frontend
     from serving.api.endpoints.routes import OpenAIServer
+    from serving.api.generation.pipeline import Frontend
     from serving.engine.validation import ModelInfo
 
     info = ModelInfo(vocab_size=49152, max_model_len=2048, eos_token_ids=(2,), block_size=16)
