@@ -10,8 +10,8 @@ holds thousands of prompts, each with n up to 128 and, with max_tokens null, the
 window to fill: millions of engine sequences from one request, every KV block of a replica held by
 it. The costs per token grow with the rest: every stop string is matched at every token (and as
 many characters of the stream are held back), logprobs are a top-k per token, and logit_bias is
-applied at every step (the engine applies it from tensors built once per request, serving/engine
-/sampler.py, so a step costs O(entries) of each row that has one).
+applied at every step (the engine applies it from tensors built once per request,
+serving/engine/sampling/sampler.py, so a step costs O(entries) of each row that has one).
 
 The defaults (serving/config/api_limits.py APIConfig) are above what OpenAI's and vLLM's clients
 send: n <= 16, 64 prompts, 16 stop strings of 256 characters, 20 logprobs, 1024 logit_bias

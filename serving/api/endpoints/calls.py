@@ -1,7 +1,7 @@
 """One API request at the ingress, from its admission to its response: who pays for it, its
 trace, its metrics record, its hold on its key's limits, its priority and deadline, and the
 headers its response will carry. serving/api/endpoints/routes.py makes one per completion request and
-hands it to the endpoint (serving/api/endpoints/chat.py, completions_route.py, responses_api.py)."""
+hands it to the endpoint (serving/api/endpoints/chat.py, completions.py, responses.py)."""
 
 from __future__ import annotations
 

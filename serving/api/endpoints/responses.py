@@ -1,7 +1,7 @@
 """POST /v1/responses: OpenAI's Responses API for text in and text out, served by the chat pipeline.
 
     ResponsesRequest ──chat_request()──▶ ChatCompletionRequest ──start_chat──▶ deltas ──▶ `response`
-      instructions        → a system message, first                  (OpenAIServer._start_chat:  or its
+      instructions        → a system message, first                  (ChatEndpoint.start:        or its
       input: a string     → a user message                            model check, limits, deadline,  SSE
              or items     → messages (role + text parts)              template, context budget,       events
       max_output_tokens   → max_tokens                                validation, rate limits,
@@ -62,7 +62,7 @@ __all__ = ["ResponsesRequest", "ResponsesEndpoint", "StartedChat", "StartChat"]
 
 @dataclass
 class StartedChat:
-    """A chat request as OpenAIServer._start_chat hands it back, generating: its prompt ids (as
+    """A chat request as ChatEndpoint.start hands it back, generating: its prompt ids (as
     fitted into the context window), its params (max_tokens resolved) and its deltas."""
 
     prompt_ids: list[int]
@@ -71,7 +71,7 @@ class StartedChat:
     tools: ToolPlan | None = None  # shown to the model: its output is parsed for calls
 
 
-# What the handler is given to run a chat: OpenAIServer._start_chat.
+# What the handler is given to run a chat: ChatEndpoint.start (serving/api/endpoints/chat.py).
 StartChat = Callable[[ChatCompletionRequest, Any], Awaitable[StartedChat]]
 
 _ROLES = ("user", "assistant", "system", "developer")
