@@ -72,6 +72,12 @@ logger = logging.getLogger(__name__)
 
 # Finish reasons of a request the engine ended without running it to its end: no KV to hand off.
 _NOT_RUN = (RequestStatus.FINISHED_ABORTED.value, RequestStatus.FINISHED_QUEUE_TIMEOUT.value)
+# The engine's figures the routers read as they are (EngineStats and RoutingStats share the names).
+_ROUTED_ENGINE_STATS = (
+    "num_queued_prefill_tokens", "prefill_tokens_per_s", "num_running", "num_waiting", "num_free_blocks", "num_blocks",
+    "kv_usage", "num_computed_tokens", "lora_resident", "lora_load_s", "lora_slots_free", "spec_method",
+    "spec_proposed_tokens", "spec_accepted_tokens", "spec_verify_steps",
+)
 
 
 class EngineWorker:
@@ -141,26 +147,12 @@ class EngineWorker:
             kv_version=kv_version,
             kv_hashes=kv_hashes,
             block_size=self.engine.model_info().block_size,
-            num_queued_prefill_tokens=stats.num_queued_prefill_tokens,
-            prefill_tokens_per_s=stats.prefill_tokens_per_s,
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting,
-            num_free_blocks=stats.num_free_blocks,
-            num_blocks=stats.num_blocks,
-            kv_usage=stats.kv_usage,
+            **{name: getattr(stats, name) for name in _ROUTED_ENGINE_STATS},
             kv_import_s=self.recorder.kv_import_s,
             requests_per_s=self._requests.per_s(time.monotonic()),
-            num_computed_tokens=stats.num_computed_tokens,
             num_requests=self._num_requests,
             block_reuse=block_reuse,
             block_reuse_weight=self._block_reuse.weight,
-            lora_resident=stats.lora_resident,
-            lora_load_s=stats.lora_load_s,
-            lora_slots_free=stats.lora_slots_free,
-            spec_method=stats.spec_method,
-            spec_proposed_tokens=stats.spec_proposed_tokens,
-            spec_accepted_tokens=stats.spec_accepted_tokens,
-            spec_verify_steps=stats.spec_verify_steps,
             decode_tokens_per_step=self._tokens_per_step.report(stats.num_generated_tokens, stats.spec_accepted_tokens),
             metrics=tuple(self.recorder.snapshot()),
         )

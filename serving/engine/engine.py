@@ -259,15 +259,14 @@ def _block_manager(config: EngineConfig, kv_cache, spec) -> BlockManager | Hybri
     return block_manager
 
 
+# The scheduler's limits, as EngineConfig names them
+_SCHEDULER_LIMITS = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
+                     "max_long_partial_prefills", "max_queue_wait_s", "priority_aging_s")
+
+
 def _scheduler(config: EngineConfig, block_manager, spec) -> Scheduler:
     return Scheduler(
-        block_manager,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        long_prefill_token_threshold=config.long_prefill_token_threshold,
-        max_long_partial_prefills=config.max_long_partial_prefills,
-        max_queue_wait_s=config.max_queue_wait_s,
-        priority_aging_s=config.priority_aging_s,
+        block_manager, **{name: getattr(config, name) for name in _SCHEDULER_LIMITS},
         # blocks leave a sequence as its window moves (the sliding pool's only, with full layers too)
         sliding_window=spec.every_layer_window or spec.hybrid_window,
     )
@@ -284,36 +283,31 @@ def _speculator(config: EngineConfig, parts, max_model_len: int) -> Speculator:
 
 
 def engine_stats(engine: LLMEngine) -> EngineStats:
-    """The engine's figures now: queues, KV blocks, counters, and what runs."""
-    bm, scheduler, table, loras = engine.block_manager, engine.scheduler, engine.table, engine.loras
+    """The engine's figures now, by where each comes from: its queues, KV blocks, counters, and what runs."""
+    bm, scheduler, table, loras, steps = engine.block_manager, engine.scheduler, engine.table, engine.loras, engine.decode_steps
+    queued = (*scheduler.waiting, *scheduler.running)
     return EngineStats(
+        # queues: the scheduler's, and the requests waiting for a grammar or an adapter slot
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting) + len(table.compiling) + len(table.lora_waiting),
-        num_blocks=bm.num_blocks,
-        num_free_blocks=bm.num_free_blocks,
-        kv_usage=bm.usage,
-        num_preemptions=scheduler.num_preemptions,
-        num_expired_imports=scheduler.num_expired_imports,
+        num_preemptions=scheduler.num_preemptions, num_expired_imports=scheduler.num_expired_imports,
         num_queue_timeouts=scheduler.num_queue_timeouts,
-        prefix_cache_query_tokens=bm.num_prefix_query_tokens,
-        prefix_cache_hit_tokens=bm.num_prefix_hit_tokens,
+        num_queued_prefill_tokens=sum(
+            max(0, seq.num_prompt_tokens - max(seq.num_computed_tokens, seq.expected_cached_tokens)) for seq in queued
+        ) + sum(table[r].num_prompt_tokens for r in table.lora_waiting),
+        # KV blocks and the prefix cache
+        num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks, kv_usage=bm.usage,
+        prefix_cache_query_tokens=bm.num_prefix_query_tokens, prefix_cache_hit_tokens=bm.num_prefix_hit_tokens,
+        num_held_exports=len(engine.held_kv),
+        # counters and rates of the steps
         num_computed_tokens=engine.stepper.num_computed_tokens,
         num_generated_tokens=engine.output_processor.num_generated_tokens,
-        num_held_exports=len(engine.held_kv),
-        num_queued_prefill_tokens=sum(
-            max(0, seq.num_prompt_tokens - max(seq.num_computed_tokens, seq.expected_cached_tokens))
-            for seq in (*scheduler.waiting, *scheduler.running)
-        ) + sum(table[r].num_prompt_tokens for r in table.lora_waiting),
         prefill_tokens_per_s=engine.prefill_rate.tokens_per_s,
-        decode_steps=engine.decode_steps.steps,
-        decode_step_rows=engine.decode_steps.rows,
-        decode_step_s=engine.decode_steps.seconds,
-        dtype=engine.dtype_choice.dtype,
-        dtype_reason=engine.dtype_choice.reason,
-        kernel_path=engine.kernels.path.value,
-        kernel_reason=engine.kernels.reason,
-        linear_path=engine.model.linear_choice.summary,
-        deterministic=engine.model.invariance_reason,
+        decode_steps=steps.steps, decode_step_rows=steps.rows, decode_step_s=steps.seconds,
+        # what runs, and why
+        dtype=engine.dtype_choice.dtype, dtype_reason=engine.dtype_choice.reason,
+        kernel_path=engine.kernels.path.value, kernel_reason=engine.kernels.reason,
+        linear_path=engine.model.linear_choice.summary, deterministic=engine.model.invariance_reason,
         lora_resident=tuple(loras.resident) if loras is not None else (),
         lora_load_s=loras.load_s if loras is not None else 0.0,
         lora_slots_free=loras.slots_free if loras is not None else -1,

@@ -124,7 +124,7 @@ def test_a_same_node_hand_off_goes_through_the_arena_in_place(tiny_model_dir, ac
     assert results == [expected] * 3
     transfer = actors["node-a"].transfer
     stats = asyncio.run(transfer.stats())
-    payload_bytes = prefill.engine.engine.kv_payload_bytes(75)
+    payload_bytes = prefill.engine.kv_payload_bytes(75)
     # 1 MiB less the header page that holds the arena's id
     assert (stats.arena_bytes, stats.num_arena_offers, stats.num_claimed, stats.num_arena_copies) == ((1 << 20) - 4096, 3, 3, 0)
     assert stats.bytes_offered == 3 * payload_bytes and stats.num_held == 0
