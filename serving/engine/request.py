@@ -83,7 +83,7 @@ class Sequence:
     # its blocks in the sliding layers' pool (block_manager.HybridBlockManager); None: one pool
     sliding_table: object | None = None
     # choice 0 of n > 1 before its first token: its children will share its prompt's blocks, so
-    # a sliding window gives none back until they are forked (LLMEngine._fork_children)
+    # a sliding window gives none back until they are forked (OutputProcessor._fork_children, output_processing.py)
     forks_pending: bool = False
     num_preemptions: int = 0
     pending_import: KVPayload | None = None
