@@ -15,6 +15,7 @@ from serving.api.generation.pipeline import Frontend
 from serving.config import ContextBudgetConfig, ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from serving.engine import SamplingParams
+from serving.engine.contract import EngineRequest
 from serving.engine.errors import ContextLengthError, InvalidRequestError
 from serving.engine.outputs import merge_outputs
 from tests.asgi import post as asgi_post
@@ -52,8 +53,8 @@ class Stack:
 
     async def greedy(self, prompt_ids: list[int], max_tokens: int) -> str:
         merged = None
-        async for out in self.engine.generate(f"ref-{len(prompt_ids)}-{max_tokens}-{prompt_ids[-1]}", prompt_token_ids=prompt_ids,
-                                              params=SamplingParams(temperature=0.0, max_tokens=max_tokens)):
+        async for out in self.engine.generate(EngineRequest(f"ref-{len(prompt_ids)}-{max_tokens}-{prompt_ids[-1]}", prompt_token_ids=prompt_ids,
+                                                            params=SamplingParams(temperature=0.0, max_tokens=max_tokens))):
             merged = merge_outputs(merged, out)
         return merged.outputs[0].text
 

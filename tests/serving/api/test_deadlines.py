@@ -25,6 +25,7 @@ from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from serving.engine import EngineConfig, SamplingParams
 from serving.engine.async_engine import AsyncEngine
+from serving.engine.contract import EngineRequest
 from serving.engine.outputs import merge_outputs
 from serving.engine.sampling.detokenizer import IncrementalDetokenizer
 from tests.asgi import post as asgi_post
@@ -258,7 +259,7 @@ async def test_the_server_default_applies_without_a_timeout_and_a_request_in_tim
 
     srv, _ = server(engine, tiny_model_dir, LocalBackend(engine), request_timeout_s=None)
     expected = None
-    async for out in engine.generate("reference", prompt_token_ids=TEN, params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)):
+    async for out in engine.generate(EngineRequest("reference", prompt_token_ids=TEN, params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))):
         expected = merge_outputs(expected, out)
     in_time = await post(srv.build_app(), "/v1/completions", {**LONG, "max_tokens": 8, "timeout": 600})
     assert in_time.status_code == 200
@@ -284,7 +285,7 @@ async def test_a_request_held_in_an_engine_queue_past_max_queue_wait_s_gets_503_
     srv, _ = server(small_engine, tiny_model_dir, LocalBackend(small_engine))
     app = srv.build_app()
     hold = SamplingParams(temperature=0.0, max_tokens=1)
-    async for _ in small_engine.generate("held", params=hold, prompt_token_ids=list(range(10, 170)), hold_kv=True):
+    async for _ in small_engine.generate(EngineRequest("held", params=hold, prompt_token_ids=list(range(10, 170)), hold_kv=True)):
         pass
     try:
         response = await post(app, "/v1/completions", {"model": MODEL, "prompt": list(range(200, 250)), "max_tokens": 4, "stream": stream})

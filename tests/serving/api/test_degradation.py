@@ -34,6 +34,7 @@ from serving.config import ConfigError, DegradationConfig, ServeConfig, load_con
 from serving.deployments.fallback import FallbackClient
 from serving.deployments.local_backend import LocalBackend
 from serving.engine import SamplingParams
+from serving.engine.contract import EngineRequest
 from serving.engine.errors import EngineDeadError, InvalidRequestError
 from serving.engine.outputs import merge_outputs
 from tests.asgi import post as asgi_post
@@ -301,9 +302,9 @@ class Apps:
         """The fallback engine's own greedy text for the prompt of its own chat template."""
         ids = self.fallback.frontend.encode_chat([ChatMessage(**m) for m in messages])
         merged = None
-        async for out in self.fallback_engine.generate(
+        async for out in self.fallback_engine.generate(EngineRequest(
             f"reference-{time.monotonic_ns()}", prompt_token_ids=ids, params=SamplingParams(temperature=0, max_tokens=max_tokens),
-        ):
+        )):
             merged = merge_outputs(merged, out)
         return merged.outputs[0].text
 

@@ -16,6 +16,7 @@ from serving.api.generation.pipeline import Frontend
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from serving.engine import SamplingParams
+from serving.engine.contract import EngineRequest
 from serving.engine.errors import EngineDeadError
 from serving.engine.outputs import merge_outputs
 from tests.asgi import local_app
@@ -50,7 +51,7 @@ def prompt_ids(engine, messages: list[dict]) -> list[int]:
 
 async def greedy(engine, ids: list[int], max_tokens: int, name: str):
     merged = None
-    async for out in engine.generate(name, prompt_token_ids=ids, params=SamplingParams(temperature=0.0, max_tokens=max_tokens)):
+    async for out in engine.generate(EngineRequest(name, prompt_token_ids=ids, params=SamplingParams(temperature=0.0, max_tokens=max_tokens))):
         merged = merge_outputs(merged, out)
     return merged.outputs[0]
 

@@ -27,6 +27,7 @@ from serving.api.generation.pipeline import Frontend
 from serving.config import ServeConfig
 from serving.deployments.local_backend import LocalBackend
 from serving.engine import SamplingParams
+from serving.engine.contract import EngineRequest
 from serving.engine.errors import EngineDeadError
 from serving.engine.outputs import CompletionOutput, merge_outputs
 from tests.asgi import post, sse_events
@@ -96,9 +97,9 @@ def chat_ids(stack: Stack, messages: list[dict]) -> list[int]:
 async def reference(stack: Stack, prompt_ids: list[int], **params) -> list[CompletionOutput]:
     """The engine's own full output per choice for these prompt ids (no ingress involved)."""
     merged = None
-    async for out in stack.engine.generate(
+    async for out in stack.engine.generate(EngineRequest(
         f"reference-{next(_request_ids)}", prompt_token_ids=prompt_ids, params=SamplingParams(**params)
-    ):
+    )):
         merged = merge_outputs(merged, out)
     return merged.outputs
 

@@ -20,6 +20,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from serving.config import ServeConfig
+from serving.engine.contract import EngineRequest
 from serving.engine.params import GuidedSpec, SamplingParams
 from serving.engine.sampling.grammar import compiler_for
 from tests.asgi import local_app
@@ -107,10 +108,10 @@ async def test_json_object_mode_answers_with_the_engines_json_object(app, engine
     body = await chat(app, response_format={"type": "json_object"}, temperature=0, max_tokens=12)
     content = body["choices"][0]["message"]["content"]
     prompt_ids = engine.tokenizer.apply_chat_template(HELLO, add_generation_prompt=True, tokenize=False)
-    reference = [o async for o in engine.generate(
+    reference = [o async for o in engine.generate(EngineRequest(
         "reference-json-object", prompt_token_ids=engine.tokenizer(prompt_ids, add_special_tokens=False).input_ids,
         params=SamplingParams(temperature=0, max_tokens=12, guided=GuidedSpec("json_object")),
-    )]
+    ))]
     assert content == "".join(o.outputs[0].text for o in reference)
     assert content.startswith("{")
 
