@@ -72,8 +72,12 @@ def apply_penalties(
         if index is not None:
             p = by_row(repetition_penalties, 1.0)[index // vocab_size]
             values = flat[index]
-            # A repeated token writes the same value each time, so duplicates need no dedup.
-            flat[index] = torch.where(values > 0, values / p, values * p)
+            # A repeated token writes the same value each time, so duplicates need no dedup. A
+            # penalty that float32 rounds to 0 (the API accepts any p > 0) would make a positive
+            # logit +inf, and a masked one (-inf * 0) NaN: the first is held at the largest finite
+            # logit, the second stays masked, so the row still has a distribution to sample.
+            penalized = torch.where(values > 0, values / p, values * p)
+            flat[index] = torch.nan_to_num(penalized, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
 
     if any(p != 0.0 for p in presence_penalties) or any(p != 0.0 for p in frequency_penalties):
         index = _flat_index(output_token_ids, rows, vocab_size, device)

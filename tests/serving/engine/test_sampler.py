@@ -204,6 +204,15 @@ def test_repetition_penalty_covers_prompt_presence_only_output() -> None:
     assert Sampler(2, seed=0)(logits, rows).token_ids == [1, 0]
 
 
+def test_a_repetition_penalty_that_rounds_to_zero_keeps_every_logit_ordered_and_masked_ones_masked() -> None:
+    # float32(4.7e-76) is 0: a positive repeated logit / 0 would be +inf and a masked one * 0 NaN
+    grid = torch.tensor([[2.0, -1.0, float("-inf"), 0.5]])
+    apply_penalties(grid, [[0, 1, 2]], [[]], [4.7e-76], [0.0], [0.0])
+    assert grid.tolist() == [[torch.finfo(torch.float32).max, -0.0, float("-inf"), 0.5]]
+    rows = [make_row(prompt=(0, 1, 2), temperature=1.0, repetition_penalty=4.7e-76, seed_key=(1, 0, 0))]
+    assert Sampler(4, seed=0)(torch.tensor([[2.0, -1.0, -3.0, 0.5]]), rows).token_ids == [0]
+
+
 def test_penalties_touch_only_their_rows() -> None:
     logits = torch.tensor([[3.0, 2.0]] * 3)
     rows = [
