@@ -192,10 +192,7 @@ def replay(config: AutoscalingPolicyConfig, trace: WorkloadTrace, policy: str, *
     """One policy over one trace (module docstring)."""
     assert config.planner is not None and policy in (*POLICIES, KNOWN_LOAD), policy
     capacity = capacity or Capacity()
-    if policy == KNOWN_LOAD:
-        controller = _KnownLoadPlanner(config, trace)
-    else:
-        controller = {"reactive": _Reactive, "planner": _Planner, "ray-default": _RayDefault}[policy](config)
+    controller = _controller(config, trace, policy)
     pools = {name: Pool(name, capacity, config.pool(name).min_replicas) for name in PLANNED_POOLS}
     # Serve's look-back for the default policy; the file's windows for ours.
     window = {name: RAY_DEFAULTS["look_back_period_s"] if policy == "ray-default" else config.pool(name).window_s
@@ -248,6 +245,13 @@ def replay(config: AutoscalingPolicyConfig, trace: WorkloadTrace, policy: str, *
     result.replica_seconds = {name: pool.replica_seconds(trace.end_s) for name, pool in pools.items()}
     result.ttft_p95_ms, result.tpot_p95_ms = percentile(ttfts, 95), percentile(tpots, 95)
     return result
+
+
+def _controller(config: AutoscalingPolicyConfig, trace: WorkloadTrace, policy: str):
+    """The replay's stand-in for `policy`: the known-load planner reads the trace itself."""
+    if policy == KNOWN_LOAD:
+        return _KnownLoadPlanner(config, trace)
+    return {"reactive": _Reactive, "planner": _Planner, "ray-default": _RayDefault}[policy](config)
 
 
 def _sample_and_scale(controller, pools: dict[str, Pool], t: float, next_sample: dict[str, float],

@@ -52,7 +52,7 @@ from serving.api.errors import APIError, RequestTimeoutError, to_api_error
 from serving.api.generation.pipeline import ChoiceDelta
 from serving.api.generation.tool_calls import ToolPlan
 from serving.api.protocol.field_support import RESPONSES_FIELDS, screen
-from serving.api.protocol.wire import ChatCompletionRequest
+from serving.api.protocol.wire import ChatCompletionRequest, with_example
 from serving.config import ContextBudgetConfig
 from serving.engine.errors import InvalidRequestError
 from serving.engine.params import SamplingParams
@@ -96,6 +96,7 @@ class InputItem(_Lenient):
 
 
 class ResponsesRequest(_Lenient):
+    model_config = with_example({"input": "Say hello.", "max_output_tokens": 8})
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None

@@ -34,11 +34,19 @@ __all__ = [
     "TokenizeCompletionRequest",
     "sampling_params",
     "message_text",
+    "with_example",
 ]
 
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown fields: kept as extras, named by field_support
+
+
+def with_example(body: dict[str, Any]) -> ConfigDict:
+    """A lenient body's config with one request the OpenAPI document shows as its example: a
+    client sees a working request, and the property-based tests send it before their generated
+    ones (tests/openapi_fuzz.py)."""
+    return ConfigDict(extra="allow", json_schema_extra={"examples": [body]})
 
 
 class StreamOptions(_Lenient):
@@ -132,6 +140,7 @@ class _SamplingFields(_Lenient):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    model_config = with_example({"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8})
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -148,6 +157,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
+    model_config = with_example({"prompt": "Once upon a time", "max_tokens": 8})
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -158,6 +168,8 @@ class CompletionRequest(_SamplingFields):
 class TokenizeCompletionRequest(_Lenient):
     """POST /tokenize with a prompt (vLLM's shape)."""
 
+    model_config = with_example({"prompt": "Hello world"})
+
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
@@ -166,6 +178,8 @@ class TokenizeCompletionRequest(_Lenient):
 
 class TokenizeChatRequest(_Lenient):
     """POST /tokenize with chat messages, rendered as /v1/chat/completions renders them."""
+
+    model_config = with_example({"messages": [{"role": "user", "content": "Hello"}]})
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
@@ -180,6 +194,8 @@ class TokenizeChatRequest(_Lenient):
 
 class DetokenizeRequest(_Lenient):
     """POST /detokenize (vLLM's shape)."""
+
+    model_config = with_example({"tokens": [1, 2, 3]})
 
     model: str | None = None
     tokens: list[int]
