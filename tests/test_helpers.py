@@ -66,12 +66,13 @@ def test_under_ci_a_skip_off_the_allow_list_fails_the_run_and_is_named(suite, ci
 
 
 def test_a_module_skipped_at_import_is_a_skip_too(suite):
-    suite.makepyfile(test_lora='import pytest\npytest.importorskip("no_such_module_here")\n\ndef test_x():\n    pass\n')
+    # a name no test module of the suite has: pytester runs in this process, where a test_lora is imported
+    suite.makepyfile(test_skipped_at_import='import pytest\npytest.importorskip("no_such_module_here")\n\ndef test_x():\n    pass\n')
     gate = SkipGate(ci=True)
     result = suite.runpytest_inprocess("-p", "no:randomly", plugins=[gate])
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     [skip] = gate.skips
-    assert (skip.nodeid, skip.reason) == ("test_lora.py", "could not import 'no_such_module_here': No module named 'no_such_module_here'")
+    assert (skip.nodeid, skip.reason) == ("test_skipped_at_import.py", "could not import 'no_such_module_here': No module named 'no_such_module_here'")
 
 
 # ---- kernel paths ----------------------------------------------------------------------------

@@ -37,7 +37,7 @@ class GenerateRequest:
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
-    arrival_time: float = field(default_factory=time.time)  # wall clock, comparable across nodes
+    arrival_unix_s: float = field(default_factory=time.time)  # wall clock (time.time()), comparable across nodes
     lora_name: str | None = None  # the LoRA adapter it runs with (EngineConfig.lora); None: the base model
     # its PEFT directory, as the ingress knows it: a worker registers a name it has not heard of
     # (an adapter loaded at run time, POST /v1/load_lora_adapter) from here
