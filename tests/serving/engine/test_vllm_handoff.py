@@ -75,7 +75,7 @@ def test_a_handed_off_prompt_decodes_as_vllm_alone_with_no_prompt_token_recomput
     first, payload = prefilled(engines, "h1", prompt)
     assert first == alone[:1] and payload.token_ids == prompt and payload.shm is None  # staged: no arena here
     assert payload.layout.format.startswith("vllm/CPU_ATTN/") and payload.layout.format.endswith("/float32")
-    assert payload.num_bytes == prefill.engine.kv_payload_bytes(len(prompt)) and prefill.stats().num_held_exports == 0
+    assert payload.num_bytes == prefill.kv_payload_bytes(len(prompt)) and prefill.stats().num_held_exports == 0
     computed, expired = figures(decode, loop)
     rest = run(loop, decode, "h1", prompt, GREEDY, kv_payload=payload, prior_output_token_ids=first)
     assert first + rest == alone
@@ -87,7 +87,7 @@ def test_a_save_in_place_is_offered_from_its_range_and_loaded_from_it(engines, p
     """As with the node's arena: the prefill writes into a range it was given (a memfd with a
     header, at an offset), export_kv names that range, and the decode reads it there."""
     prefill, decode, loop = engines
-    num_bytes = prefill.engine.kv_payload_bytes(len(prompt))
+    num_bytes = prefill.kv_payload_bytes(len(prompt))
     fd = os.memfd_create("arena")
     os.ftruncate(fd, 8192 + num_bytes)
     os.pwrite(fd, b"arena-id", 0)
@@ -127,7 +127,7 @@ def test_a_load_of_another_layout_or_too_late_is_recomputed_and_counted(engines)
 
 def test_a_save_too_late_holds_nothing_and_a_bad_payload_is_a_400(engines, prompt):
     prefill, decode, loop = engines
-    num_bytes = prefill.engine.kv_payload_bytes(len(prompt))
+    num_bytes = prefill.kv_payload_bytes(len(prompt))
     fd = os.memfd_create("arena")
     os.ftruncate(fd, num_bytes)
     target = ShmRange(f"/proc/{os.getpid()}/fd/{fd}", 0, num_bytes)
@@ -137,7 +137,7 @@ def test_a_save_too_late_holds_nothing_and_a_bad_payload_is_a_400(engines, promp
         with pytest.raises(KeyError):
             loop.run_until_complete(prefill.export_kv("h4"))
         longer = prompt + list(range(100, 140))  # more blocks than the range holds
-        needs = prefill.engine.kv_payload_bytes(len(longer))
+        needs = prefill.kv_payload_bytes(len(longer))
         with pytest.raises(InvalidRequestError, match=f"export_into: needs {needs} bytes for {len(longer)} tokens, "
                                                       f"not {num_bytes}"):
             run(loop, prefill, "h5", longer, SamplingParams(max_tokens=1), hold_kv=True, export_into=target)
