@@ -120,7 +120,7 @@ class EngineStats:
     kernel_path: str = ""  # "native" or "pytorch" (cpu_kernels.KernelPath)
     kernel_reason: str = ""  # why that path (cpu_kernels.KernelStatus.reason)
     linear_path: str = ""  # up to how many rows the native linear kernel runs (linear_choice.py)
-    deterministic: str = ""  # batch-invariant mode: "on (...)" or "off (...)", and why (model._batch_invariance)
+    deterministic: str = ""  # batch-invariant mode: "on (...)" or "off (...)", and why (modeling/batch_invariance.py)
     # Speculative decoding (speculative.py), since the engine started; all 0 and "" when it is off
     lora_resident: tuple[str, ...] = ()  # LoRA adapters in the engine's slots now (lora.py)
     lora_load_s: float = 0.0  # an adapter's load on first use, seconds (recent loads weigh most); 0: none yet

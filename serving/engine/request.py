@@ -80,7 +80,7 @@ class Sequence:
     num_committed_blocks: int = 0  # leading blocks whose KV is computed and registered by hash
     # leading blocks given back as a sliding window moved past them (their table entries stay, unread)
     num_released_blocks: int = 0
-    # its blocks in the sliding layers' pool (block_manager.HybridBlockManager); None: one pool
+    # its blocks in the sliding layers' pool (kv/hybrid_block_manager.py); None: one pool
     sliding_table: object | None = None
     # choice 0 of n > 1 before its first token: its children will share its prompt's blocks, so
     # a sliding window gives none back until they are forked (OutputProcessor._fork_children, output_processing.py)

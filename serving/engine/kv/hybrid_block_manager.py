@@ -63,7 +63,7 @@ def _full_pools(name: str) -> property:
 
 class HybridBlockManager:
     """Blocks for a model whose sliding-window layers are interleaved with full-attention ones
-    (Gemma 2/3, Qwen's layer_types): two pools (kv_cache.py), each a BlockManager with its own
+    (Gemma 2/3, Qwen's layer_types): two pools (cache.py), each a BlockManager with its own
     ids, free queue and prefix cache, and a table per pool for each sequence.
 
         full layers     [b3 b8 b1 b6 b2 b9]        every block, to the end

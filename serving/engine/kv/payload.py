@@ -37,7 +37,7 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: str  # torch dtype name, e.g. "bfloat16"
-    # layers in a sliding pool of their own (kv_cache.py): their blocks follow the others'
+    # layers in a sliding pool of their own (cache.py): their blocks follow the others'
     sliding_layers: tuple[int, ...] = ()
     format: str = "kvrelay"  # whose block layout the bytes are in (module docstring)
 

@@ -40,7 +40,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [B, max_blocks] int64, padded with block 0
     decode_context_lens: torch.Tensor | None  # [B] int64
     prefills: list[PrefillChunk]
-    # The same rows over the sliding layers' pool (kv_cache.py), which their attention reads;
+    # The same rows over the sliding layers' pool (kv/cache.py), which their attention reads;
     # None: one pool
     sliding: AttentionMetadata | None = None
 

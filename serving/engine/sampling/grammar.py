@@ -18,7 +18,7 @@ schema (llguidance < 1 ms, as it computes masks lazily), paid once per schema, o
 thread, and cached. xgrammar is imported on the first compile, in the pool's thread.
 
 The bitmask is int32 words, `ceil(vocab / 32)` per row, bit j of word w set when token 32 w + j
-is allowed (xgrammar's and llguidance's layout): sampling_ops.apply_token_bitmask applies it.
+is allowed (xgrammar's and llguidance's layout): ops.apply_token_bitmask applies it.
 
 Grammars per kind (GuidedSpec in params.py): JSON schemas in xgrammar's strict mode (no
 properties or items beyond those named, unless the schema allows them) and compact separators
